@@ -1,0 +1,27 @@
+# Two entry points: `make demo` and `make test`. Both install what they need first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+# torch is installed first and pinned to the CPU wheel when no torch is importable in the
+# venv: an unpinned `torch` would pull a multi-GB CUDA build. A GPU box may pre-install its own.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/backfit demo
+
+test: install
+	$(PY) -m pytest -q -x --durations=15
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,178 @@
+"""Reference numerics in plain torch (CPU or GPU), never using hardware FP8/FP4 or torch float8 math.
+
+Source formats arrive as raw bytes (uint8 / int8 tensors); every decoder is a 256- or 16-entry
+float32 lookup table built from the bit layout, so it is exact by construction:
+  e4m3fn  sign | 4-bit exponent (bias 7) | 3-bit mantissa; 0x7F/0xFF NaN; max 448; no inf
+  UE8M0   unsigned byte e -> 2^(e-127); 255 is NaN; no zero
+  e2m1    sign | 2-bit exponent | 1-bit mantissa -> 0, .5, 1, 1.5, 2, 3, 4, 6 (and negatives)
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "E4M3_LUT", "E2M1_LUT", "E8M0_NAN",
+    "decode_e4m3", "decode_e8m0", "decode_e2m1", "unpack_e2m1",
+    "encode_e4m3", "encode_e2m1", "e8m0_pow2_scale",
+    "dequant_fp8_block", "dequant_mxfp4", "mxfp4_to_int8", "dequant_int8_mx", "MX_EXP_BIAS",
+    "quantize_int8_groups", "dequant_int8_groups", "rel_error",
+]
+
+FP8_BLOCK = 128     # DeepSeek's 128x128 weight tiles
+MX_GROUP = 32       # MXFP4: one scale per row per 32 inputs
+E8M0_NAN = 255
+# INT8 experts store q = 2*e2m1 (integers) and keep the source exponent byte e; the value is
+# q * 2^(e - MX_EXP_BIAS). Bias 128 (not 127) absorbs the factor 2, so no byte ever changes.
+MX_EXP_BIAS = 128
+
+
+def _e4m3_table() -> torch.Tensor:
+    vals = []
+    for code in range(256):
+        sign = -1.0 if code & 0x80 else 1.0
+        exp, man = (code >> 3) & 0xF, code & 0x7
+        if exp == 0xF and man == 0x7:
+            vals.append(float("nan"))
+        elif exp == 0:
+            vals.append(sign * man / 8.0 * 2.0 ** -6)           # subnormal
+        else:
+            vals.append(sign * (1.0 + man / 8.0) * 2.0 ** (exp - 7))
+    return torch.tensor(vals, dtype=torch.float32)
+
+
+def _e8m0_table() -> torch.Tensor:
+    # 2^(e-127) for e = 0..254 (2^-127 is a float32 subnormal, still exact), NaN for 255
+    t = torch.tensor([2.0 ** (e - 127) for e in range(255)] + [float("nan")], dtype=torch.float64)
+    return t.to(torch.float32)
+
+
+E4M3_LUT = _e4m3_table()
+E8M0_LUT = _e8m0_table()
+E2M1_LUT = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6],
+                        dtype=torch.float32)
+
+
+def _lut(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    return table.to(codes.device)[codes.to(torch.int64)]
+
+
+def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 e4m3fn bytes (any shape) -> float32, exact."""
+    return _lut(E4M3_LUT, codes.view(torch.uint8) if codes.dtype == torch.int8 else codes)
+
+
+def decode_e8m0(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 UE8M0 bytes -> float32 2^(e-127); 255 -> NaN."""
+    return _lut(E8M0_LUT, codes)
+
+
+def decode_e2m1(nibbles: torch.Tensor) -> torch.Tensor:
+    """codes 0..15 (any int dtype) -> float32."""
+    return _lut(E2M1_LUT, nibbles)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """int8/uint8 [N, K/2] packed FP4 -> uint8 codes [N, K]; low nibble is element 2j, high 2j+1."""
+    b = packed.view(torch.uint8)
+    return torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)
+
+
+def _encode_rne(x: torch.Tensor, pos_values: torch.Tensor, sign_bit: int) -> torch.Tensor:
+    """Round |x| to the nearest of the ascending positive codes, ties to the even code; saturate."""
+    pos_values = pos_values.to(x.device)
+    a = x.abs().to(torch.float32).clamp(max=float(pos_values[-1]))
+    hi = torch.searchsorted(pos_values, a).clamp(max=len(pos_values) - 1)
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = a - pos_values[lo], pos_values[hi] - a
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
+    code = torch.where(pick_hi, hi, lo)
+    code = torch.where(torch.signbit(x) & (code != 0), code | sign_bit, code)
+    return code.to(torch.uint8)
+
+
+def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """float -> e4m3fn bytes, round-to-nearest-even, saturating at +-448 (no NaN produced)."""
+    return _encode_rne(x, E4M3_LUT[:127], 0x80)
+
+
+def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """float -> e2m1 codes 0..15, round-to-nearest-even, saturating at +-6."""
+    return _encode_rne(x, E2M1_LUT[:8], 0x8)
+
+
+def e8m0_pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """DeepSeek's power-of-two scale: byte e with 2^(e-127) = 2^ceil(log2(amax/qmax))."""
+    exp = torch.ceil(torch.log2(amax.clamp(min=1e-30).double() / qmax))
+    return (exp + 127).clamp(0, 254).to(torch.uint8)
+
+
+def _expand_block(scale: torch.Tensor, shape: tuple[int, int], bn: int, bk: int) -> torch.Tensor:
+    n, k = shape
+    return scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+
+
+def dequant_fp8_block(w: torch.Tensor, s: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """e4m3 bytes [N, K] with UE8M0 tile scales [ceil(N/b), ceil(K/b)] -> float32 [N, K]."""
+    return decode_e4m3(w) * _expand_block(decode_e8m0(s), tuple(w.shape), block, block)
+
+
+def dequant_mxfp4(w: torch.Tensor, s: torch.Tensor, group: int = MX_GROUP) -> torch.Tensor:
+    """packed FP4 int8 [N, K/2] with UE8M0 scales [N, K/32] -> float32 [N, K]."""
+    vals = decode_e2m1(unpack_e2m1(w))
+    return vals * decode_e8m0(s).repeat_interleave(group, 1)
+
+
+# 2*e2m1 as int8: 0, 1, 2, 3, 4, 6, 8, 12 and negatives; exact.
+_E2M1_X2_INT8 = (E2M1_LUT * 2).to(torch.int8)
+
+
+def mxfp4_to_int8(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bit-exact MXFP4 -> INT8: q [N, K] int8 = 2*e2m1, exponent bytes [N, K/32] unchanged.
+
+    value = q * 2^(e - MX_EXP_BIAS) equals the MXFP4 value for every element and every e < 255.
+    """
+    q = _lut(_E2M1_X2_INT8, unpack_e2m1(w))
+    return q, s.view(torch.uint8).clone()
+
+
+def dequant_int8_mx(q: torch.Tensor, e: torch.Tensor, group: int = MX_GROUP) -> torch.Tensor:
+    """INT8 [N, K] with exponent bytes [N, K/group] (bias 128) -> float32."""
+    scale = torch.exp2(e.to(torch.float32) - MX_EXP_BIAS)
+    return q.to(torch.float32) * scale.repeat_interleave(group, 1)
+
+
+def quantize_int8_groups(w: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax INT8 per (row, `group` inputs): w [N, K] -> q int8 [N, K], scale fp32 [N, K/group].
+
+    scale = amax/127; q = round_half_to_even(w/scale) in [-127, 127]; an all-zero group gets scale 0.
+    """
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"input dim {k} is not a multiple of the INT8 group {group}")
+    g = w.to(torch.float32).reshape(n, k // group, group)
+    scale = g.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(g / safe[..., None]).clamp(-127, 127).to(torch.int8)   # torch.round: half-to-even
+    return q.reshape(n, k), scale
+
+
+def dequant_int8_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """INT8 [N, K] and fp32 scale [N, K/g] -> float32 [N, K]."""
+    n, k = q.shape
+    g = k // scale.shape[1]
+    return (q.to(torch.float32).reshape(n, -1, g) * scale.to(torch.float32)[..., None]).reshape(n, k)
+
+
+def rel_error(approx: torch.Tensor, exact: torch.Tensor, rows: int = 4096) -> tuple[float, float]:
+    """(relative Frobenius error, max abs error) of approx against exact, float64, by row chunks."""
+    num = den = mx = 0.0
+    for a, e in zip(approx.split(rows), exact.split(rows)):
+        e64 = e.double()
+        d = a.double() - e64
+        num += d.square().sum().item()
+        den += e64.square().sum().item()
+        if d.numel():
+            mx = max(mx, d.abs().max().item())
+    rel = (num / den) ** 0.5 if den > 0 else float(num > 0)
+    return rel, mx

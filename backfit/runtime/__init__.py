@@ -1,0 +1,1 @@
+"""backfit.runtime"""
