@@ -78,27 +78,35 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)
 
 
-def _encode_rne(x: torch.Tensor, pos_values: torch.Tensor, sign_bit: int) -> torch.Tensor:
-    """Round |x| to the nearest of the ascending positive codes, ties to the even code; saturate."""
-    pos_values = pos_values.to(x.device)
-    a = x.abs().to(torch.float32).clamp(max=float(pos_values[-1]))
-    hi = torch.searchsorted(pos_values, a).clamp(max=len(pos_values) - 1)
-    lo = (hi - 1).clamp(min=0)
-    d_lo, d_hi = a - pos_values[lo], pos_values[hi] - a
-    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
-    code = torch.where(pick_hi, hi, lo)
+def _encode_float(x: torch.Tensor, man_bits: int, bias: int, max_val: float, sign_bit: int) -> torch.Tensor:
+    """Round to a small float format (round-to-nearest-even, saturating) and return its codes.
+
+    All steps are exact float32 operations: the quantum of |x| is 2^(floor(log2|x|) - man_bits)
+    (2^(1-bias-man_bits) for subnormals), and torch.round rounds half to even.
+    """
+    a = x.abs().to(torch.float32).clamp(max=max_val)
+    emin = 1 - bias
+    e = (torch.frexp(a).exponent - 1).clamp(min=emin)
+    v = torch.round(torch.ldexp(a, man_bits - e))                  # integer multiples of the quantum
+    v = torch.ldexp(v, e - man_bits).clamp(max=max_val)
+    ev = (torch.frexp(v).exponent - 1).clamp(min=emin)
+    normal = v >= 2.0 ** emin
+    mant = torch.where(normal, torch.ldexp(v, man_bits - ev) - 2 ** man_bits,
+                       v * 2.0 ** (man_bits - emin)).to(torch.int32)
+    field = torch.where(normal, ev + bias, torch.zeros_like(ev)).to(torch.int32)
+    code = (field << man_bits) | mant
     code = torch.where(torch.signbit(x) & (code != 0), code | sign_bit, code)
     return code.to(torch.uint8)
 
 
 def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
     """float -> e4m3fn bytes, round-to-nearest-even, saturating at +-448 (no NaN produced)."""
-    return _encode_rne(x, E4M3_LUT[:127], 0x80)
+    return _encode_float(x, 3, 7, 448.0, 0x80)
 
 
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     """float -> e2m1 codes 0..15, round-to-nearest-even, saturating at +-6."""
-    return _encode_rne(x, E2M1_LUT[:8], 0x8)
+    return _encode_float(x, 1, 1, 6.0, 0x8)
 
 
 def e8m0_pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:

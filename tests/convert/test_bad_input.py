@@ -1,0 +1,194 @@
+"""Every bad input: a one-line error naming file and tensor, exit 1, and no DST that looks complete."""
+
+import errno
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from backfit.convert import run as run_mod
+from backfit.convert.run import convert
+
+from conftest import clone_checkpoint, materialize
+
+LAYER3 = "model-00005-of-00009.safetensors"
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "backfit.cli", "convert", *map(str, args), "--quiet"],
+                          capture_output=True, text=True)
+
+
+def _assert_fails(src, dst, *needles):
+    r = _cli(src, dst)
+    assert r.returncode == 1, r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    assert not dst.exists()                                   # never a DST that looks complete
+    return lines[0]
+
+
+def _rewrite_header(path, edit):
+    """Rewrite the JSON header of a safetensors file through `edit(header) -> header`."""
+    raw = materialize(path).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = edit(json.loads(raw[8:8 + n]))
+    new = json.dumps(header, separators=(",", ":")).encode()
+    new += b" " * (n - len(new)) if len(new) <= n else b""
+    assert len(new) == n, "edited header must keep its length"
+    path.write_bytes(raw[:8] + new + raw[8 + n:])
+
+
+@pytest.fixture
+def src(tiny_flash, tmp_path):
+    return clone_checkpoint(tiny_flash, tmp_path / "src")
+
+
+def test_missing_shard(src, tmp_path):
+    (src / LAYER3).unlink()
+    _assert_fails(src, tmp_path / "dst", LAYER3, "missing shard", "layers.3.")
+
+
+def test_truncated_file(src, tmp_path):
+    data = materialize(src / LAYER3).read_bytes()
+    (src / LAYER3).write_bytes(data[: len(data) - 1000])
+    _assert_fails(src, tmp_path / "dst", LAYER3, "truncated", "layers.3.")
+
+
+def test_corrupt_header(src, tmp_path):
+    raw = materialize(src / LAYER3).read_bytes()
+    (src / LAYER3).write_bytes(raw[:8] + b"{not json" + raw[17:])
+    _assert_fails(src, tmp_path / "dst", LAYER3, "corrupt header")
+
+
+def test_wrong_dtype(src, tmp_path):
+    def edit(h):
+        h["layers.3.attn.wkv.weight"]["dtype"] = "I8"
+        return h
+    _rewrite_header(src / LAYER3, edit)
+    _assert_fails(src, tmp_path / "dst", LAYER3, "layers.3.attn.wkv.weight", "dtype I8", "F8_E4M3")
+
+
+def test_wrong_shape(src, tmp_path):
+    def edit(h):
+        t = h["layers.3.attn.wq_a.weight"]
+        t["shape"] = [t["shape"][1], t["shape"][0]]            # same bytes, transposed shape
+        return h
+    _rewrite_header(src / LAYER3, edit)
+    _assert_fails(src, tmp_path / "dst", LAYER3, "layers.3.attn.wq_a.weight", "shape [256, 128]",
+                  "[128, 256]")
+
+
+def test_missing_scale(src, tmp_path):
+    def edit(h):
+        h["layers.3.attn.wkvXscale"] = h.pop("layers.3.attn.wkv.scale")
+        return h
+    _rewrite_header(src / LAYER3, edit)
+    idx = json.loads((materialize(src / "model.safetensors.index.json")).read_text())
+    idx["weight_map"]["layers.3.attn.wkvXscale"] = idx["weight_map"].pop("layers.3.attn.wkv.scale")
+    (src / "model.safetensors.index.json").write_text(json.dumps(idx))
+    # the renamed tensor is unknown; drop it from the check by making it the only problem left
+    msg = _cli(src, tmp_path / "dst").stderr
+    assert "layers.3.attn.wkvXscale" in msg and "unknown tensor" in msg
+    # now a checkpoint where the scale is simply absent from file and index
+    def drop(h):
+        h.pop("layers.3.attn.wkvXscale")
+        return h
+    _rewrite_header(src / LAYER3, drop)
+    idx["weight_map"].pop("layers.3.attn.wkvXscale")
+    (src / "model.safetensors.index.json").write_text(json.dumps(idx))
+    _assert_fails(src, tmp_path / "dst", LAYER3, "layers.3.attn.wkv.scale", "missing scale")
+
+
+def test_ue8m0_nan(src, tmp_path):
+    path = materialize(src / LAYER3)
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    h = json.loads(raw[8:8 + n])
+    start = 8 + n + h["layers.3.ffn.experts.9.w2.scale"]["data_offsets"][0]
+    raw[start + 5] = 255
+    path.write_bytes(bytes(raw))
+    _assert_fails(src, tmp_path / "dst", LAYER3, "layers.3.ffn.experts.9.w2.scale", "NaN")
+
+
+def test_unknown_tensor_name(src, tmp_path):
+    def edit(h):
+        h["layers.3.attn.wq_c.weight"] = h.pop("layers.3.attn.q_norm.weight")
+        return h
+    _rewrite_header(src / LAYER3, edit)
+    idx = json.loads((materialize(src / "model.safetensors.index.json")).read_text())
+    idx["weight_map"]["layers.3.attn.wq_c.weight"] = idx["weight_map"].pop("layers.3.attn.q_norm.weight")
+    (src / "model.safetensors.index.json").write_text(json.dumps(idx))
+    _assert_fails(src, tmp_path / "dst", LAYER3, "layers.3.attn.wq_c.weight", "unknown tensor")
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("hidden_size", 512, "embed.weight"),
+    ("num_hidden_layers", 7, "missing tensor"),
+    ("n_routed_experts", 8, "layers.0.ffn.gate.weight"),
+])
+def test_config_disagrees_with_tensors(src, tmp_path, key, value, needle):
+    cfg = json.loads(materialize(src / "config.json").read_text())
+    cfg[key] = value
+    if key == "num_hidden_layers":
+        cfg["compress_ratios"] = [0, 0, 4, 8, 4, 8, 4, 0]
+    (src / "config.json").write_text(json.dumps(cfg))
+    line = _assert_fails(src, tmp_path / "dst", needle)
+    assert "config.json" in line
+
+
+def test_dst_already_present(src, tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("user data")
+    r = _cli(src, dst)
+    assert r.returncode == 1 and "already exists" in r.stderr and "--force" in r.stderr
+    assert (dst / "keep.txt").read_text() == "user data"
+
+
+def test_force_replaces_only_when_done(src, tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "old.txt").write_text("x")
+    convert(src, dst, tp=1, force=True, progress=False)
+    assert (dst / "manifest.json").exists() and not (dst / "old.txt").exists()
+
+
+def test_out_of_disk_space_preflight(src, tmp_path, monkeypatch):
+    monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: os.statvfs_result if False else
+                        type("U", (), {"free": 1000})())
+    with pytest.raises(run_mod.ConvertError, match="out of disk space") as e:
+        convert(src, tmp_path / "dst", tp=2, progress=False)
+    assert "dst.partial" in str(e.value) and not (tmp_path / "dst").exists()
+
+
+def test_out_of_disk_space_mid_write(src, tmp_path, monkeypatch):
+    import backfit.checkpoint as ck
+    real, calls = os.pwrite, {"n": 0}
+
+    def full_disk(fd, data, off):
+        calls["n"] += 1
+        if calls["n"] > 200:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, off)
+
+    monkeypatch.setattr(ck.os, "pwrite", full_disk)
+    with pytest.raises(run_mod.ConvertError, match="out of disk space") as e:
+        convert(src, tmp_path / "dst", tp=2, progress=False)
+    assert "No space left" in str(e.value) and not (tmp_path / "dst").exists()
+    monkeypatch.setattr(ck.os, "pwrite", real)
+    convert(src, tmp_path / "dst", tp=2, progress=False)            # resumes once space is back
+    assert (tmp_path / "dst" / "manifest.json").exists()
+
+
+def test_bad_tp_and_missing_source(tmp_path):
+    r = _cli(tmp_path / "nope", tmp_path / "dst")
+    assert r.returncode == 1 and "no such directory" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "backfit.cli", "convert", "a", "b", "--tp", "3"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--tp" in r.stderr

@@ -1,0 +1,73 @@
+"""Our inventory rules at full DeepSeek-V4-Flash size, without allocating a single tensor."""
+
+import importlib.util
+import json
+
+import pytest
+
+from backfit.config import ModelConfig
+from backfit.inventory import expected_tensors, shard_names, shard_of
+
+from conftest import SHARED
+
+PUBLISHED = {"flash": (69187, 159_609_485_896, 46), "0731": (72317, 166_878_536_440, 48)}
+
+
+def _config(variant):
+    name = "deepseek-v4-flash.json" if variant == "flash" else "deepseek-v4-flash-0731.json"
+    path = SHARED / "tools" / "configs" / name
+    if not path.exists():
+        pytest.skip(f"{path} not available")
+    return ModelConfig.from_file(path)
+
+
+@pytest.mark.parametrize("variant", ["flash", "0731"])
+def test_full_size_inventory_matches_published_totals(variant):
+    cfg = _config(variant)
+    inv = expected_tensors(cfg)
+    n, total, shards = PUBLISHED[variant]
+    assert cfg.variant == variant
+    assert len(inv) == n
+    assert sum(t.nbytes for t in inv.values()) == total
+    assert len(shard_names(cfg)) == shards
+
+
+@pytest.mark.parametrize("variant", ["flash", "0731"])
+def test_full_size_inventory_matches_shared_tool(variant):
+    tool = SHARED / "tools" / "dsv4_inventory.py"
+    if not tool.exists():
+        pytest.skip("shared inventory tool not available")
+    spec = importlib.util.spec_from_file_location("dsv4_inventory", tool)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ref = mod.inventory(mod.FLASH, variant)
+    ours = expected_tensors(_config(variant))
+    assert list(ours) == list(ref)                                  # same names, same order
+    for name, (dtype, shape) in ref.items():
+        assert (ours[name].dtype, ours[name].shape) == (dtype, tuple(shape)), name
+
+
+def test_full_size_shard_layout():
+    cfg = _config("flash")
+    inv = expected_tensors(cfg)
+    by_shard = {}
+    for name in inv:
+        by_shard.setdefault(shard_of(name, cfg), []).append(name)
+    assert by_shard[1] == ["embed.weight"]
+    assert all(n.startswith("layers.0.") for n in by_shard[2])
+    assert all(n.startswith("layers.42.") for n in by_shard[44])
+    assert sorted(by_shard[45]) == ["hc_head_base", "hc_head_fn", "hc_head_scale", "head.weight",
+                                    "norm.weight"]
+    assert all(n.startswith("mtp.0.") for n in by_shard[46]) and len(by_shard[46]) == 1575
+    # per-layer tensor counts of the published index: hash ratio-0, ratio-4, ratio-128
+    assert [len(by_shard[i]) for i in (2, 4, 5)] == [1565, 1576, 1569]
+    # shard 1 size: 8-byte prefix + 88-byte header + payload
+    assert inv["embed.weight"].nbytes == 1_059_061_760
+
+
+def test_published_config_key_set_is_what_we_parse():
+    raw = json.loads((SHARED / "tools" / "configs" / "deepseek-v4-flash.json").read_text()) \
+        if (SHARED / "tools" / "configs").exists() else pytest.skip("no shared configs")
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.num_mtp_stages == 1 and [cfg.ratio(i) for i in range(4)] == [0, 0, 4, 128]
+    assert cfg.is_hash_layer(2) and not cfg.is_hash_layer(3)

@@ -1,0 +1,118 @@
+"""The tiny checkpoint is in the exact original on-disk format and has realistic statistics."""
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from backfit.checkpoint import SafetensorsDir
+from backfit.config import ModelConfig
+from backfit.inventory import expected_tensors, shard_names, shard_of
+from backfit.quant import dequant_fp8_block
+from backfit.synthetic import tiny_config_dict, write_checkpoint
+
+from conftest import SHARED
+
+
+def _check_format(root):
+    cfg = ModelConfig.from_file(root / "config.json")
+    inv = expected_tensors(cfg)
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in inv.values())
+    names = shard_names(cfg)
+    assert index["weight_map"] == {n: names[shard_of(n, cfg) - 1] for n in inv}
+    assert sorted(p.name for p in root.glob("*.safetensors")) == names
+    src = SafetensorsDir(root)
+    assert set(src.entries) == set(inv)
+    for name, info in inv.items():
+        assert (src.entries[name].dtype, src.entries[name].shape) == (info.dtype, info.shape), name
+    # readable by the real safetensors library, with its float8 dtypes
+    with safe_open(root / names[2], framework="pt") as f:
+        t = f.get_tensor("layers.1.attn.wq_a.weight")
+        assert t.dtype == torch.float8_e4m3fn
+        assert f.get_tensor("layers.1.attn.wq_a.scale").dtype == torch.float8_e8m0fnu
+        assert f.get_tensor("layers.1.ffn.experts.0.w1.weight").dtype == torch.int8
+        assert f.metadata() == {"format": "pt"}
+    return cfg, src
+
+
+def test_flash_format(tiny_flash):
+    cfg, src = _check_format(tiny_flash)
+    assert cfg.variant == "flash" and cfg.num_mtp_stages == 1
+    assert [cfg.ratio(i) for i in range(cfg.num_hidden_layers)] == [0, 0, 4, 8, 4, 8]
+    assert "layers.2.ffn.gate.tid2eid" in src.entries and "layers.3.ffn.gate.bias" in src.entries
+    assert "layers.2.attn.indexer.wq_b.weight" in src.entries
+    assert cfg.index_n_heads >= 16 and cfg.sliding_window == 16
+
+
+def test_0731_format(tiny_0731):
+    cfg, src = _check_format(tiny_0731)
+    assert cfg.variant == "0731" and cfg.num_mtp_stages == 3
+    assert "mtp.2.markov_head.markov_w1.weight" in src.entries and "mtp.0.main_proj.scale" in src.entries
+
+
+def test_config_has_real_key_set():
+    real = SHARED / "tools" / "configs"
+    if not real.exists():
+        pytest.skip("shared configs not available")
+    for variant, name in (("flash", "deepseek-v4-flash.json"), ("0731", "deepseek-v4-flash-0731.json")):
+        ours = tiny_config_dict(variant)
+        ref = json.loads((real / name).read_text())
+        assert list(ours) == list(ref), variant                      # same keys, same order
+        assert ours["quantization_config"] == ref["quantization_config"]
+
+
+def test_deterministic_from_seed(tmp_path, tiny_flash):
+    a = write_checkpoint(tmp_path / "a", seed=0, small_vocab=True, tokenizer=False)
+    b = write_checkpoint(tmp_path / "b", seed=1, small_vocab=True, tokenizer=False)
+    f = "model-00004-of-00009.safetensors"
+    assert (a / f).read_bytes() == (tiny_flash / f).read_bytes()
+    assert (a / f).read_bytes() != (b / f).read_bytes()
+
+
+def test_header_layout_is_plain_safetensors(tiny_flash):
+    raw = (tiny_flash / "model-00001-of-00009.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    assert n % 8 == 0 and list(header) == ["__metadata__", "embed.weight"]
+
+
+def test_weights_look_trained(tiny_flash):
+    src = SafetensorsDir(tiny_flash)
+    # FP8 tiles use many block exponents, no NaN scales, and heavy tails
+    exps = torch.cat([src.read(n).flatten() for n in src.entries if n.endswith(".scale")])
+    assert exps.max() < 255 and len(exps.unique()) >= 10
+    w = dequant_fp8_block(src.read("layers.3.attn.wq_b.weight"), src.read("layers.3.attn.wq_b.scale"))
+    kurt = ((w - w.mean()) ** 4).mean() / w.var() ** 2
+    assert kurt > 5                                                  # Gaussian would be 3
+    # hash table: distinct experts per token, in range
+    t = src.read("layers.0.ffn.gate.tid2eid")
+    assert t.min() >= 0 and t.max() < 16 and (t.sort(1).values.diff(1) > 0).all()
+    # the router bias changes the selected top-6 for a sizeable share of inputs
+    gate = src.read("layers.3.ffn.gate.weight").float()
+    bias = src.read("layers.3.ffn.gate.bias")
+    x = torch.randn(2000, gate.shape[1], generator=torch.Generator().manual_seed(0))
+    s = torch.nn.functional.softplus(x @ gate.T).sqrt()
+    plain = s.topk(6).indices.sort(1).values
+    biased = (s + bias).topk(6).indices.sort(1).values
+    changed = (plain != biased).any(1).float().mean()
+    assert 0.2 < changed < 1.0
+
+
+def test_real_tokenizer(tiny_flash_real_vocab):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tiny_flash_real_vocab / "tokenizer.json"))
+    assert tok.get_vocab_size() == 129280
+    assert tok.token_to_id("<｜User｜>") == 128803 and tok.token_to_id("<｜end▁of▁sentence｜>") == 1
+    cfg = ModelConfig.from_file(tiny_flash_real_vocab / "config.json")
+    assert cfg.vocab_size == 129280
+
+
+def test_small_vocab_tokenizer_roundtrip(tiny_flash):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tiny_flash / "tokenizer.json"))
+    text = "héllo wörld, 你好 <｜User｜>"
+    ids = tok.encode(text).ids
+    assert max(ids) < 512 and tok.decode(ids, skip_special_tokens=False) == text
