@@ -104,9 +104,19 @@ def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
     return _encode_float(x, 3, 7, 448.0, 0x80)
 
 
+_E2M1_MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])   # between codes i and i+1
+_E2M1_ODD_MIDS = _E2M1_MIDS[1::2]                                     # ties that round up (to even)
+
+
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """float -> e2m1 codes 0..15, round-to-nearest-even, saturating at +-6."""
-    return _encode_float(x, 1, 1, 6.0, 0x8)
+    """float -> e2m1 codes 0..15, round-to-nearest-even, saturating at +-6.
+
+    code = number of midpoints below |x|, plus one on a tie whose upper neighbour is even.
+    """
+    a = x.abs().to(torch.float32)
+    code = torch.bucketize(a, _E2M1_MIDS.to(a.device)).to(torch.uint8)
+    code += torch.isin(a, _E2M1_ODD_MIDS.to(a.device)).to(torch.uint8)
+    return torch.where(torch.signbit(x) & (code != 0), code | 0x8, code)
 
 
 def e8m0_pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
@@ -131,8 +141,12 @@ def dequant_mxfp4(w: torch.Tensor, s: torch.Tensor, group: int = MX_GROUP) -> to
     return vals * decode_e8m0(s).repeat_interleave(group, 1)
 
 
-# 2*e2m1 as int8: 0, 1, 2, 3, 4, 6, 8, 12 and negatives; exact.
+# 2*e2m1 as int8 (0, 1, 2, 3, 4, 6, 8, 12 and negatives; exact). _BYTE_TO_PAIR maps a packed byte
+# to its two int8 values (low nibble first) stored as one int16, so a single gather with the raw
+# byte as index unpacks and converts (numpy indexes with uint8 directly: no int64 index copy).
 _E2M1_X2_INT8 = (E2M1_LUT * 2).to(torch.int8)
+_BYTE_TO_PAIR = torch.stack((_E2M1_X2_INT8[torch.arange(256) & 15],
+                             _E2M1_X2_INT8[torch.arange(256) >> 4]), 1).contiguous().view(torch.int16)
 
 
 def mxfp4_to_int8(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,8 +154,13 @@ def mxfp4_to_int8(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch
 
     value = q * 2^(e - MX_EXP_BIAS) equals the MXFP4 value for every element and every e < 255.
     """
-    q = _lut(_E2M1_X2_INT8, unpack_e2m1(w))
-    return q, s.view(torch.uint8).clone()
+    n, half = w.shape
+    b = w.contiguous().view(torch.uint8)
+    if b.device.type == "cpu":
+        pairs = torch.from_numpy(_BYTE_TO_PAIR.numpy()[:, 0][b.numpy()])
+    else:
+        pairs = _BYTE_TO_PAIR.to(b.device)[:, 0][b.long()]
+    return pairs.view(torch.int8).reshape(n, 2 * half), s.view(torch.uint8).clone()
 
 
 def dequant_int8_mx(q: torch.Tensor, e: torch.Tensor, group: int = MX_GROUP) -> torch.Tensor:

