@@ -157,7 +157,7 @@ def mxfp4_to_int8(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch
     n, half = w.shape
     b = w.contiguous().view(torch.uint8)
     if b.device.type == "cpu":
-        pairs = torch.from_numpy(_BYTE_TO_PAIR.numpy()[:, 0][b.numpy()])
+        pairs = torch.from_numpy(_BYTE_TO_PAIR.numpy()[:, 0].take(b.numpy()))   # ndarray.take: fastest gather
     else:
         pairs = _BYTE_TO_PAIR.to(b.device)[:, 0][b.long()]
     return pairs.view(torch.int8).reshape(n, 2 * half), s.view(torch.uint8).clone()

@@ -15,6 +15,9 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from backfit.checkpoint import ShardWriter, read_tensor
 from backfit.convert.plan import Action, ConvertError, Output
 from backfit.convert.transforms import apply
@@ -71,15 +74,17 @@ def load_journal(partial: Path, fname: str, tp: int) -> dict | None:
     return json.loads(path.read_text())
 
 
-def _split(t, dim: int | None, tp: int) -> list:
-    """tp contiguous pieces. Splitting dim 1 of [N, K] makes one [tp, N, K/tp] copy instead of tp
-    strided copies (3x faster for int8 on CPU)."""
+def _split(t: torch.Tensor, dim: int | None, tp: int) -> list[torch.Tensor]:
+    """tp contiguous pieces. A dim-1 split of [N, K] is one [tp, N, K/tp] transposing copy, done
+    by numpy (40x faster than torch's strided int8 copy on CPU); bf16 travels as int16 bits."""
     if dim is None or tp == 1:
         return [t] * tp
     if dim == 0:
         return list(t.chunk(tp, dim=0))
     n, k = t.shape
-    return list(t.reshape(n, tp, k // tp).transpose(0, 1).contiguous())
+    bits = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    out = torch.from_numpy(np.ascontiguousarray(bits.numpy().reshape(n, tp, k // tp).transpose(1, 0, 2)))
+    return list(out.view(t.dtype))
 
 
 def convert_shard(src_file: Path, actions: list[Action], tp: int, partial: Path,
