@@ -116,3 +116,25 @@ def test_small_vocab_tokenizer_roundtrip(tiny_flash):
     text = "héllo wörld, 你好 <｜User｜>"
     ids = tok.encode(text).ids
     assert max(ids) < 512 and tok.decode(ids, skip_special_tokens=False) == text
+
+
+def test_forward_statistics_look_trained(tiny_flash):
+    """Peaked logits (not flat), SwiGLU clamps that fire, a router bias that changes selections."""
+    from tokenizers import Tokenizer
+
+    from backfit.verify.ref_blocks import MoEStats
+    from backfit.verify.reference import Reference
+
+    text = ("The harbour town woke slowly that morning. Fishermen hauled their nets onto the quay "
+            "while the baker opened his shutters. def main():\n    return sum(range(10))\n") * 2
+    ids = Tokenizer.from_file(str(tiny_flash / "tokenizer.json")).encode(text).ids[:200]
+    ref = Reference(tiny_flash)
+    ref.stats = MoEStats()
+    logits = ref.forward(torch.tensor(ids))["logits"]
+    top2 = logits.topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    assert 1.0 < margin.median() < 20.0                   # random weights give ~0.1
+    assert torch.softmax(logits, -1).max(-1).values.median() > 0.5
+    for key in ("routed.gate", "routed.up", "shared.gate", "shared.up"):
+        assert 0.0 < ref.stats.frac(key) < 0.05, key
+    assert ref.stats.frac("bias_changed_selection") > 0.1
