@@ -1,0 +1,112 @@
+"""Tensor-parallel process state (set once per process) and collective wrappers.
+
+TPInfo is process-wide and frozen: `set_tp_info` raises if called twice, `get_tp_info` raises if
+nothing was set. Collectives are no-ops at size 1, so single-process code never touches
+torch.distributed. Backend: gloo on CPU, nccl on GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["TPInfo", "set_tp_info", "get_tp_info", "tp_is_set", "init_distributed",
+           "destroy_distributed", "all_reduce", "all_gather", "free_port"]
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    rank: int
+    size: int
+
+    def __post_init__(self):
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"bad TPInfo rank={self.rank} size={self.size}")
+
+    def shard(self, n: int, what: str = "dimension") -> int:
+        """Local share of a global size n; raises if n does not divide evenly."""
+        if n % self.size:
+            raise ValueError(f"{what} {n} is not divisible by tp={self.size}")
+        return n // self.size
+
+
+_TP: TPInfo | None = None
+
+
+def set_tp_info(rank: int, size: int) -> TPInfo:
+    global _TP
+    if _TP is not None:
+        raise RuntimeError(f"TP info already set to {_TP}; it is set once per process")
+    _TP = TPInfo(rank, size)
+    return _TP
+
+
+def get_tp_info() -> TPInfo:
+    if _TP is None:
+        raise RuntimeError("TP info not set: call set_tp_info(rank, size) or init_distributed first")
+    return _TP
+
+
+def tp_is_set() -> bool:
+    return _TP is not None
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (for a local rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int, size: int, port: int | None = None, device: str = "cpu",
+                     host: str = "127.0.0.1") -> TPInfo:
+    """Set TPInfo and, for size > 1, join a process group (gloo on CPU, nccl on CUDA)."""
+    info = set_tp_info(rank, size)
+    if size > 1:
+        backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+        port = port if port is not None else int(os.environ.get("MASTER_PORT", "29500"))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
+                                world_size=size)
+    return info
+
+
+def destroy_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _gloo(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu"
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the TP group (in place when possible); identity at size 1.
+
+    On CPU (gloo) a bfloat16 tensor is reduced in float32: gloo's bf16 support varies by build,
+    and the sum of tp partials is more accurate in fp32 anyway.
+    """
+    if get_tp_info().size == 1:
+        return x
+    if _gloo(x) and x.dtype == torch.bfloat16:
+        y = x.float()
+        dist.all_reduce(y)
+        return y.to(x.dtype)
+    dist.all_reduce(x)
+    return x
+
+
+def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate each rank's x along `dim` (rank order); identity at size 1."""
+    tp = get_tp_info()
+    if tp.size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x)
+    return torch.cat(parts, dim=dim)

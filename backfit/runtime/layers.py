@@ -1,0 +1,207 @@
+"""Building blocks: quantized Linear, tensor-parallel linears/embedding/head, RMSNorm, RoPE.
+
+Parallel layers take GLOBAL sizes and own their shard (the converted directory is already split
+by rank, docs/FORMAT.md): ColumnParallel splits the output dim, RowParallel the input dim and
+all-reduces, VocabParallel splits vocabulary rows. Weights are filled by runtime.loader.
+Plain-torch path: the weight is dequantized per call in the activation dtype (Triton later).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backfit.formats import INT8_GROUP, MX_GROUP
+from backfit.quant import dequant_int8_groups, dequant_int8_mx
+from backfit.runtime.distributed import all_gather, all_reduce, get_tp_info
+
+__all__ = ["LINEAR_SCHEMES", "Linear", "ColumnParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding", "ParallelHead", "RMSNorm", "Rotary", "yarn_inv_freq"]
+
+# scheme -> (weight dtype, scale dtype, scale group along K); "copy" is a BF16/F32 weight kept as is
+LINEAR_SCHEMES = {
+    "int8_g128": (torch.int8, torch.float32, INT8_GROUP),
+    "int8_mx32": (torch.int8, torch.uint8, MX_GROUP),
+    "bf16": (torch.bfloat16, None, None),
+    "copy": (None, None, None),
+}
+
+
+class Linear(nn.Module):
+    """y = x @ W^T, W [out_features, in_features] (local shard) held quantized by scheme.
+
+    Computes in x.dtype (float32 or bfloat16): the weight is dequantized to that dtype.
+    """
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme: str | None = None
+        self.register_buffer("weight", None)
+        self.register_buffer("scale", None)
+
+    def load(self, scheme: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
+             name: str = "") -> None:
+        """Take this rank's weight (and scale); checks dtype and shape against the scheme."""
+        if scheme not in LINEAR_SCHEMES:
+            raise ValueError(f"{name}: unknown scheme {scheme!r}")
+        wdt, sdt, group = LINEAR_SCHEMES[scheme]
+        shape = (self.out_features, self.in_features)
+        if tuple(weight.shape) != shape:
+            raise ValueError(f"{name}: weight shape {list(weight.shape)}, expected {list(shape)}")
+        if wdt is not None and weight.dtype != wdt:
+            raise ValueError(f"{name}: scheme {scheme} needs {wdt}, got {weight.dtype}")
+        if wdt is None and not weight.is_floating_point():
+            raise ValueError(f"{name}: copied weight must be floating point, got {weight.dtype}")
+        if sdt is None:
+            if scale is not None:
+                raise ValueError(f"{name}: scheme {scheme} has no scale")
+        else:
+            sshape = (self.out_features, self.in_features // group)
+            if scale is None or scale.dtype != sdt or tuple(scale.shape) != sshape:
+                got = None if scale is None else (scale.dtype, list(scale.shape))
+                raise ValueError(f"{name}: scale must be {sdt}{list(sshape)}, got {got}")
+        self.scheme, self.weight, self.scale = scheme, weight, scale
+
+    @property
+    def loaded(self) -> bool:
+        return self.weight is not None
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The local weight [out, in] in `dtype` (exact for bf16/copy; q*scale for int8)."""
+        if self.scheme == "int8_g128":
+            w = dequant_int8_groups(self.weight, self.scale)
+        elif self.scheme == "int8_mx32":
+            w = dequant_int8_mx(self.weight, self.scale, MX_GROUP)
+        elif self.scheme in ("bf16", "copy"):
+            w = self.weight
+        else:
+            raise RuntimeError(f"Linear {self.out_features}x{self.in_features} was never loaded")
+        return w.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}"
+
+
+class ColumnParallelLinear(Linear):
+    """Output dim split across ranks: y_local = x @ W_r^T, [.., out/tp]; no communication."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, get_tp_info().shard(out_features, "output dim"))
+
+
+class RowParallelLinear(Linear):
+    """Input dim split across ranks: y = Σ_r x_r @ W_r^T (all-reduce unless reduce=False).
+
+    reduce=False lets a caller sum several partial products (MoE experts) before one all-reduce.
+    """
+
+    def __init__(self, in_features: int, out_features: int, reduce: bool = True):
+        super().__init__(get_tp_info().shard(in_features, "input dim"), out_features)
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return all_reduce(y) if self.reduce else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [vocab/tp, dim] per rank; ids outside this rank's range give 0, then all-reduce."""
+
+    def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        tp = get_tp_info()
+        self.part = tp.shard(vocab_size, "vocab_size")
+        self.start = tp.rank * self.part
+        self.register_buffer("weight", torch.empty(self.part, dim, dtype=dtype))
+
+    def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.part)
+        e = self.weight[local.clamp(0, self.part - 1)].to(dtype)       # [T, dim]
+        if get_tp_info().size == 1:
+            return e
+        return all_reduce(e.masked_fill(outside[:, None], 0))
+
+
+class ParallelHead(nn.Module):
+    """LM head, vocab rows split: logits_r = h @ W_r^T in FP32, all-gathered to [T, vocab]."""
+
+    def __init__(self, dim: int, vocab_size: int, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        part = get_tp_info().shard(vocab_size, "vocab_size")
+        self.register_buffer("weight", torch.empty(part, dim, dtype=dtype))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        # FP32 logits as in the reference (dsv4-model.md 5.6): small logit gaps survive
+        return all_gather(F.linear(h.float(), self.weight.float()), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """y = w ⊙ x·rsqrt(mean(x²)+eps), computed in FP32 with an FP32 weight, cast back to x.dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("weight", torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight
+        return y.to(x.dtype)
+
+
+def yarn_inv_freq(rope_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+    """Per-pair frequencies f_i [rope_dim/2] (float64); YaRN-interpolated when `scaling` is given.
+
+    dsv4-model.md 5.4.3: ramp over pair index i between low=floor(..β_fast..) and
+    high=ceil(..β_slow..); f' = f(1-ramp) + (f/factor)·ramp. No mscale (attention factor 1).
+    """
+    i = torch.arange(rope_dim // 2, dtype=torch.float64)
+    f = base ** (-2 * i / rope_dim)
+    if not scaling:
+        return f
+    factor = float(scaling["factor"])
+    orig = float(scaling["original_max_position_embeddings"])
+
+    def corr_dim(beta: float) -> float:
+        return rope_dim * math.log(orig / (beta * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(float(scaling["beta_fast"]))), 0)
+    high = min(math.ceil(corr_dim(float(scaling["beta_slow"]))), rope_dim - 1)
+    if low == high:
+        high += 0.001                                      # avoid a zero-width ramp
+    ramp = ((i - low) / (high - low)).clamp(0, 1)
+    return f * (1 - ramp) + (f / factor) * ramp
+
+
+class Rotary(nn.Module):
+    """Interleaved (GPT-J) RoPE on the LAST rope_dim dims: pairs (2i, 2i+1) rotate by pos·f_i."""
+
+    def __init__(self, rope_dim: int, base: float, scaling: dict | None = None):
+        super().__init__()
+        self.rope_dim = rope_dim
+        self.register_buffer("inv_freq", yarn_inv_freq(rope_dim, base, scaling), persistent=False)
+
+    def cos_sin(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos [n] int -> cos, sin [n, rope_dim/2] float32 (angles formed in float64)."""
+        ang = pos.to(torch.float64)[:, None] * self.inv_freq.to(pos.device)[None]
+        return ang.cos().float(), ang.sin().float()
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """x [n, ..., D] with pos [n]; returns a new tensor with the last rope_dim dims rotated."""
+        cos, sin = self.cos_sin(pos)
+        if inverse:
+            sin = -sin
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+        cos, sin = cos.view(shape), sin.view(shape)
+        r = self.rope_dim
+        a, b = x[..., -r::2].float(), x[..., -r + 1::2].float()          # [n, ..., r/2] each
+        rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+        return torch.cat((x[..., :-r], rot.to(x.dtype)), dim=-1)

@@ -1,0 +1,149 @@
+"""DeepSeek-V4 attention: MQA over one 512-d latent (K = V), window + compressed entries, sink.
+
+dsv4-model.md 5.4. Per token x (after attn_norm):
+  q  = wq_b(q_norm(wq_a x)) [H, D], unweighted per-head RMS, RoPE on the last R dims
+  kv = kv_norm(wkv x) [D], RoPE on the last R dims       (one vector: key and value)
+  keys = window (positions p-window+1 .. p) ∪ compressed entries (HCA: all complete ones;
+         CSA: the indexer's top-k of the complete ones)
+  o_h = Σ softmax-with-sink(q_h·k/√D) k ;  inverse RoPE on o by the query position
+  out = wo_b(concat_g wo_a[g] o_g)         (grouped low-rank output, wo_a block-diagonal)
+Heads (wq_b, sink, wo_a groups) are split across ranks; the latent KV and the compressors are
+replicated; wo_b is row-parallel. Q/KV projections run on the whole batch; the attention core
+runs per sequence against that sequence's decoding state (plain torch, FP32 scores).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backfit.config import ModelConfig
+from backfit.runtime.batch import ForwardBatch, SeqSlice
+from backfit.runtime.distributed import get_tp_info
+from backfit.runtime.layers import (ColumnParallelLinear, Linear, RMSNorm, RowParallelLinear,
+                                    Rotary)
+from backfit.runtime.model.compressor import Compressor, Indexer
+from backfit.runtime.state import LayerState
+
+__all__ = ["Attention", "layer_rotary"]
+
+
+def layer_rotary(cfg: ModelConfig, ratio: int) -> Rotary:
+    """θ=rope_theta without YaRN on window-only layers; compress_rope_theta + YaRN otherwise."""
+    if ratio == 0:
+        return Rotary(cfg.rope_dim, cfg.rope_theta, None)
+    return Rotary(cfg.rope_dim, cfg.compress_rope_theta, cfg.rope_scaling)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ratio: int):
+        super().__init__()
+        tp = get_tp_info()
+        self.cfg, self.ratio = cfg, ratio
+        d, H, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.local_heads = tp.shard(H, "num_attention_heads")
+        self.local_groups = tp.shard(cfg.o_groups, "o_groups")
+        self.heads_per_group = H // cfg.o_groups
+        self.window, self.scale, self.eps = cfg.sliding_window, D ** -0.5, cfg.rms_norm_eps
+        self.q_chunk = 256            # queries per attention block (bounds prefill score memory)
+        self.rope = layer_rotary(cfg, ratio)
+        self.wq_a = Linear(d, cfg.q_lora_rank)                        # replicated
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, H * D)      # by head
+        self.wkv = Linear(d, D)                                       # single latent, replicated
+        self.kv_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.register_buffer("attn_sink", torch.empty(self.local_heads, dtype=torch.float32))
+        # wo_a [o_groups*o_lora, heads_per_group*D]: rows split by group; wo_b input split alike
+        self.wo_a = ColumnParallelLinear(self.heads_per_group * D, cfg.o_groups * cfg.o_lora_rank)
+        self.wo_b = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, d)
+        self.compressor = (Compressor(d, D, ratio, ratio == 4, cfg.rms_norm_eps, self.rope)
+                           if ratio else None)
+        self.indexer = Indexer(cfg, self.rope) if ratio == 4 else None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, states: list[LayerState]) -> torch.Tensor:
+        """x [T, d] (normed attention input) -> [T, d]; states[i] belongs to batch sequence i."""
+        T, pos = x.shape[0], batch.positions
+        Hl, D = self.local_heads, self.cfg.head_dim
+        qr = self.q_norm(self.wq_a(x))                                # [T, q_lora]; indexer input too
+        q = self.wq_b(qr).view(T, Hl, D)
+        qf = q.float()                                                # per-head RMS, no weight
+        q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        q = self.rope(q, pos)                                         # [T, Hl, D]
+        kv = self.rope(self.kv_norm(self.wkv(x)), pos)                # [T, D]
+        comp = self.compressor.project(x, pos) if self.compressor is not None else None
+        if self.indexer is not None:
+            qI, wI = self.indexer.queries(qr, x, pos)
+            icomp = self.indexer.compressor.project(x, pos)
+        o = torch.empty(T, Hl, D, dtype=torch.float32, device=x.device)
+        for s in batch.slices():
+            r = slice(s.lo, s.hi)
+            extra = None
+            if comp is not None:
+                entries = self.compressor.update(states[s.index].comp, comp[0][r], comp[1][r], s.start)
+                extra = (entries, None)
+                if self.indexer is not None:
+                    keys = self.indexer.compressor.update(states[s.index].index, icomp[0][r],
+                                                          icomp[1][r], s.start)
+                    extra = (entries, (qI[r], wI[r], keys))
+            o[r] = self._attend(q[r], kv[r], pos[r], s, states[s.index], extra)
+        o = self.rope(o.to(x.dtype), pos, inverse=True)               # de-rotate by query position
+        o = o.view(T, self.local_groups, self.heads_per_group * D)    # group g = heads g*hpg ..
+        wa = self.wo_a.dequantized(x.dtype).view(self.local_groups, self.cfg.o_lora_rank, -1)
+        zg = torch.einsum("tgi,goi->tgo", o, wa)                      # [T, Gl, o_lora]
+        return self.wo_b(zg.flatten(1))                               # all-reduce over ranks
+
+    def _attend(self, q, kv, pos, s: SeqSlice, st: LayerState, extra) -> torch.Tensor:
+        """One sequence chunk: q [n, Hl, D], kv [n, D], pos [n] -> o [n, Hl, D] FP32.
+
+        Queries are processed q_chunk at a time so a long prefill never materialises
+        [n, H, n] scores: a query block only needs the window keys from its first position - W + 1.
+        """
+        W, n = self.window, s.n
+        lo = max(0, s.start - W + 1)                                  # oldest position still visible
+        prev_pos = torch.arange(lo, s.start, device=kv.device)
+        keys = torch.cat((st.ring[prev_pos % W], kv)).float()         # [Wn, D], positions lo ..
+        kpos = torch.cat((prev_pos, pos))
+        keep = min(n, W)                                              # ring gets the newest entries
+        st.ring[pos[-keep:] % W] = kv[-keep:]                         # (after reading it above)
+        o = torch.empty(n, self.local_heads, keys.shape[1], dtype=torch.float32, device=kv.device)
+        for a in range(0, n, self.q_chunk):
+            b = min(n, a + self.q_chunk)
+            k0 = max(0, s.start + a - W + 1 - lo)                     # first key any row can see
+            k1 = s.start + b - lo                                     # one past the last row's own
+            ex = None
+            if extra is not None and extra[0].shape[0] > 0:
+                ex = (extra[0], None if extra[1] is None else
+                      (extra[1][0][a:b], extra[1][1][a:b], extra[1][2]))
+            o[a:b] = self._core(q[a:b].float(), keys[k0:k1], kpos[k0:k1], pos[a:b], ex)
+        return o
+
+    def _core(self, qf, keys, kpos, pos, extra) -> torch.Tensor:
+        """qf [n, Hl, D] FP32, window keys [Wn, D] at kpos, extra (entries, indexer inputs)."""
+        n, W = qf.shape[0], self.window
+        wmask = (kpos[None] <= pos[:, None]) & (kpos[None] > pos[:, None] - W)   # [n, Wn]
+        scores = [torch.einsum("nhd,kd->nhk", qf, keys) * self.scale]
+        masks = [wmask[:, None, :]]
+        comp = None
+        if extra is not None:
+            entries = extra[0].float()                                # [E, D] compressed KV
+            E = entries.shape[0]
+            valid = torch.arange(E, device=qf.device)[None] < ((pos + 1) // self.ratio)[:, None]
+            if extra[1] is None:                                      # HCA: all complete entries
+                scores.append(torch.einsum("nhd,ed->nhe", qf, entries) * self.scale)
+                masks.append(valid[:, None, :])
+                comp = ("nhe,ed->nhd", entries)
+            else:                                                     # CSA: indexer top-k
+                qI, wI, ikeys = extra[1]
+                sel, ok = self.indexer.select(qI, wI, ikeys, valid)  # [n, k]
+                picked = entries[sel]                                 # [n, k, D]
+                scores.append(torch.einsum("nhd,nkd->nhk", qf, picked) * self.scale)
+                masks.append(ok[:, None, :])
+                comp = ("nhk,nkd->nhd", picked)
+        s_all = torch.cat(scores, -1).masked_fill(~torch.cat(masks, -1), float("-inf"))
+        sink = self.attn_sink.view(1, -1, 1).expand(n, -1, 1)         # per-head logit, denominator only
+        p = torch.softmax(torch.cat((s_all, sink), -1), dim=-1)[..., :-1]   # [n, Hl, keys]
+        Wn = keys.shape[0]
+        o = torch.einsum("nhk,kd->nhd", p[..., :Wn], keys)
+        if comp is not None:
+            o = o + torch.einsum(comp[0], p[..., Wn:], comp[1])
+        return o

@@ -1,0 +1,118 @@
+"""KV compressors (HCA and CSA forms) and the lightning indexer, dsv4-model.md 5.4.5-5.4.7.
+
+Compressor: learned gated pooling of m = ratio consecutive tokens into one entry.
+  c_t = wkv·x_t,  z_t = wgate·x_t + ape[t mod m]     (FP32, weights upcast)
+  HCA (ratio >= 8, coff 1): E_j = Σ_{t in block j} softmax_t(z_t) ⊙ c_t          (per channel)
+  CSA (ratio 4,  coff 2):   rows are 2·D wide; entry j pools 8 slots: the first halves of
+                            block j-1 and the second halves of block j (block -1 = weight 0)
+  then E_j = norm(E_j), RoPE of its last dims at position j·m (the block's first token).
+The QAT fake-quant epilogues (FP8 on the attention entries, Hadamard + FP4 on the indexer keys)
+are not simulated (allowed by 5.10; without FP4 the Hadamard cancels in q·k).
+Streaming: CompressorState keeps the unpooled rows, so any chunking gives the same entries.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backfit.config import ModelConfig
+from backfit.runtime.distributed import all_reduce, get_tp_info
+from backfit.runtime.layers import ColumnParallelLinear, Linear, RMSNorm, Rotary
+from backfit.runtime.state import CompressorState
+
+__all__ = ["Compressor", "Indexer"]
+
+
+class Compressor(nn.Module):
+    """Pools `ratio` tokens into one head_dim entry; overlap=True is the CSA (coff=2) form."""
+
+    def __init__(self, dim: int, head_dim: int, ratio: int, overlap: bool, eps: float, rope: Rotary):
+        super().__init__()
+        self.ratio, self.overlap, self.head_dim = ratio, overlap, head_dim
+        width = (2 if overlap else 1) * head_dim
+        self.wkv = Linear(dim, width)          # replicated: every rank pools the full entry
+        self.wgate = Linear(dim, width)
+        self.register_buffer("ape", torch.empty(ratio, width, dtype=torch.float32))
+        self.norm = RMSNorm(head_dim, eps)
+        self.rope = rope                       # shared with the owning layer (not a checkpoint name)
+
+    def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> c, z [T, width] FP32 (z includes the absolute-position ape row)."""
+        xf = x.float()
+        return self.wkv(xf), self.wgate(xf) + self.ape[pos % self.ratio]
+
+    def update(self, st: CompressorState, c: torch.Tensor, z: torch.Tensor, start: int) -> torch.Tensor:
+        """Append one sequence's new rows c, z [n, width] (positions start..); returns all entries.
+
+        Emits entry j for every block j that completes inside this chunk, reading block j-1 from
+        the rolling rows when the chunk starts mid-way (CSA).
+        """
+        m, D = self.ratio, self.head_dim
+        if st.base + st.c.shape[0] != start:
+            raise ValueError(f"compressor state covers up to {st.base + st.c.shape[0]}, chunk starts at {start}")
+        rows_c, rows_z = torch.cat((st.c, c)), torch.cat((st.z, z))    # positions base .. end-1
+        end = start + c.shape[0]
+        j0, j1 = start // m, end // m                                  # entries to emit: j0..j1-1
+        if j1 > j0:
+            b0 = st.base // m                                          # block index of row 0
+            nfull = (end - st.base) // m
+            bc = rows_c[:nfull * m].view(nfull, m, -1)                 # [blocks, m, width]
+            bz = rows_z[:nfull * m].view(nfull, m, -1)
+            if self.overlap:
+                pad = 1 if b0 == 0 else 0                              # virtual block -1: weight 0
+                if pad:
+                    bc = torch.cat((bc.new_zeros(1, m, 2 * D), bc))
+                    bz = torch.cat((bz.new_full((1, m, 2 * D), float("-inf")), bz))
+                cur = slice(j0 - b0 + pad, j1 - b0 + pad)
+                prev = slice(j0 - 1 - b0 + pad, j1 - 1 - b0 + pad)
+                sc = torch.cat((bc[prev, :, :D], bc[cur, :, D:]), dim=1)   # [k, 2m, D]
+                sz = torch.cat((bz[prev, :, :D], bz[cur, :, D:]), dim=1)
+            else:
+                sc, sz = bc[j0 - b0:j1 - b0], bz[j0 - b0:j1 - b0]          # [k, m, D]
+            E = (torch.softmax(sz, dim=1) * sc).sum(dim=1)                 # softmax over slots
+            E = self.norm(E.to(st.dtype))
+            jpos = torch.arange(j0, j1, device=E.device) * m
+            E = self.rope(E, jpos)                                         # at the block's first token
+            st.entries = torch.cat((st.entries, E))
+        keep = max(j1 - 1, 0) * m if self.overlap else j1 * m          # CSA keeps block j1-1 too
+        st.c, st.z, st.base = rows_c[keep - st.base:], rows_z[keep - st.base:], keep
+        return st.entries
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: score_j = Σ_h w_h · ReLU(qI_h · K_j), top-k compressed entries per query.
+
+    Heads are split across ranks (wq_b, weights_proj by head), so partial scores are all-reduced
+    before the top-k; the indexer's own CSA compressor is replicated.
+    """
+
+    def __init__(self, cfg: ModelConfig, rope: Rotary):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.local_heads = get_tp_info().shard(self.n_heads, "index_n_heads")
+        self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.weights_proj = ColumnParallelLinear(cfg.hidden_size, self.n_heads)
+        self.compressor = Compressor(cfg.hidden_size, self.head_dim, 4, True, cfg.rms_norm_eps, rope)
+        self.rope = rope
+        # 128^-0.5 (q·k scale) · 64^-0.5 (average over the GLOBAL head count)
+        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+
+    def queries(self, qr: torch.Tensor, x: torch.Tensor, pos: torch.Tensor):
+        """qr [T, q_lora], x [T, dim] -> qI [T, Hl, 128] FP32 (rotated), w [T, Hl] FP32."""
+        qI = self.wq_b(qr).view(qr.shape[0], self.local_heads, self.head_dim)
+        qI = self.rope(qI, pos).float()
+        w = self.weights_proj(x).float() * self.weight_scale
+        return qI, w
+
+    def select(self, qI: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor):
+        """qI [n, Hl, 128], w [n, Hl], keys [E, 128], valid [n, E] -> (sel [n, k], ok [n, k]).
+
+        k = min(index_topk, E); a selected slot is usable only where ok (fewer valid than k).
+        """
+        dots = torch.einsum("nhd,ed->nhe", qI, keys.float()).relu()          # [n, Hl, E]
+        score = all_reduce(torch.einsum("nh,nhe->ne", w, dots))            # sum over ALL heads
+        score = score.masked_fill(~valid, float("-inf"))
+        k = min(self.topk, keys.shape[0])
+        sel = score.topk(k, dim=-1).indices                                # [n, k]
+        return sel, valid.gather(1, sel)

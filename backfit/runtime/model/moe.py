@@ -1,0 +1,89 @@
+"""MoE: sqrt-softplus router (bias for selection only, or token-id hash routing), routed experts
+and one shared expert, SwiGLU with clamp. dsv4-model.md 5.5.
+
+  s   = sqrt(softplus(x·Gᵀ))                        FP32
+  idx = tid2eid[token] (hash layers) | topk(s + bias, k)
+  w   = s[idx] / Σ s[idx] · routed_scaling_factor
+  y   = Σ_k W2_e((w_k · h_e(x))) + W2_s(h_s(x)),   h(x) = silu(min(W1x, L)) · clamp(W3x, ±L)
+Experts and the shared expert are split by intermediate dim (docs/FORMAT.md): every rank holds
+1/tp of every expert, computes partial down-projections, and one all-reduce sums them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backfit.config import ModelConfig
+from backfit.runtime.distributed import all_reduce
+from backfit.runtime.layers import ColumnParallelLinear, Linear, RowParallelLinear
+
+__all__ = ["Expert", "Gate", "MoE"]
+
+
+class Expert(nn.Module):
+    """SwiGLU expert with clamp; w1 = gate, w3 = up, w2 = down (partial sum, no all-reduce)."""
+
+    def __init__(self, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.w1 = ColumnParallelLinear(dim, inter)
+        self.w3 = ColumnParallelLinear(dim, inter)
+        self.w2 = RowParallelLinear(inter, dim, reduce=False)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """x [n, dim] -> [n, dim] partial (this rank's intermediate slice); weight [n] or None."""
+        g, u = self.w1(x).float(), self.w3(x).float()
+        u = u.clamp(-self.limit, self.limit)          # clamp on up: both sides
+        g = g.clamp(max=self.limit)                   # clamp on gate: upper only
+        h = F.silu(g) * u
+        if weight is not None:
+            h = h * weight[:, None]                   # routing weight applied BEFORE w2
+        return self.w2(h.to(x.dtype))
+
+
+class Gate(Linear):
+    """Router weight [E, dim] (replicated) plus `bias` [E] (scored) or `tid2eid` [vocab, k] (hash)."""
+
+    def __init__(self, cfg: ModelConfig, hashed: bool):
+        super().__init__(cfg.hidden_size, cfg.n_routed_experts)
+        self.hashed, self.topk = hashed, cfg.num_experts_per_tok
+        self.route_scale = cfg.routed_scaling_factor
+        if cfg.scoring_func != "sqrtsoftplus":
+            raise ValueError(f"scoring_func {cfg.scoring_func!r} not supported (sqrtsoftplus)")
+        if hashed:
+            self.register_buffer("tid2eid", torch.empty(cfg.vocab_size, self.topk, dtype=torch.int64))
+        else:
+            self.register_buffer("bias", torch.empty(cfg.n_routed_experts, dtype=torch.float32))
+
+    def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> (expert ids [T, k] int64, weights [T, k] FP32)."""
+        s = torch.sqrt(F.softplus(super().forward(x.float())))        # [T, E] FP32 router
+        if self.hashed:
+            idx = self.tid2eid[tokens].long()                         # fixed experts, no top-k
+        else:
+            idx = (s + self.bias).topk(self.topk, dim=-1).indices     # bias only for selection
+        w = s.gather(1, idx)
+        return idx, w / w.sum(-1, keepdim=True) * self.route_scale
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, hashed: bool):
+        super().__init__()
+        d, inter, lim = cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit
+        if cfg.n_shared_experts != 1:
+            raise ValueError(f"n_shared_experts={cfg.n_shared_experts}: exactly 1 is supported")
+        self.gate = Gate(cfg, hashed)
+        self.experts = nn.ModuleList(Expert(d, inter, lim) for _ in range(cfg.n_routed_experts))
+        self.shared_experts = Expert(d, inter, lim)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """x [T, dim] (ffn_norm output), tokens [T] -> [T, dim] in x.dtype."""
+        idx, w = self.gate.route(x, tokens)
+        y = self.shared_experts(x).float()                            # FP32 accumulator
+        flat = idx.flatten()
+        for e in torch.unique(flat).tolist():                         # only experts with tokens
+            rows, slot = torch.nonzero(idx == e, as_tuple=True)
+            y.index_add_(0, rows, self.experts[e](x[rows], w[rows, slot]).float())
+        return all_reduce(y).to(x.dtype)                              # sum tp partial products

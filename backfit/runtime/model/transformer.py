@@ -1,0 +1,104 @@
+"""DeepSeek-V4 transformer: embed -> 4 streams -> blocks (mHC around attention and MoE) ->
+hc_head collapse -> norm -> head. dsv4-model.md 5.1-5.7.
+
+forward(batch, state) runs any mix of prefill chunks and decode steps: each sequence's chunk
+continues its DecodeState entry (a fresh state = one full-sequence forward). Logits are FP32
+over the full vocabulary (all-gathered across ranks), for every token or each sequence's last.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backfit.config import ModelConfig
+from backfit.runtime.batch import ForwardBatch
+from backfit.runtime.layers import ParallelHead, RMSNorm, VocabParallelEmbedding
+from backfit.runtime.model.attention import Attention
+from backfit.runtime.model.hyper import add_hc_buffers, hc_head, hc_post, hc_pre
+from backfit.runtime.model.moe import MoE
+from backfit.runtime.state import DecodeState, LayerState
+
+__all__ = ["Block", "Transformer"]
+
+
+class Block(nn.Module):
+    """One decoder layer: X -> hc(attn) -> hc(moe); X [T, hc_mult, d] in the activation dtype."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, hashed: bool):
+        super().__init__()
+        self.cfg = cfg
+        d, S = cfg.hidden_size, cfg.hc_mult
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, ratio)
+        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.ffn = MoE(cfg, hashed)
+        add_hc_buffers(self, "hc_attn", (2 + S) * S, S, d)        # 4 pre + 4 post + 16 comb
+        add_hc_buffers(self, "hc_ffn", (2 + S) * S, S, d)
+
+    def _hc(self, which: str, X: torch.Tensor):
+        c = self.cfg
+        return hc_pre(X, getattr(self, f"hc_{which}_fn"), getattr(self, f"hc_{which}_scale"),
+                      getattr(self, f"hc_{which}_base"), c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+
+    def forward(self, X: torch.Tensor, batch: ForwardBatch, states: list[LayerState]) -> torch.Tensor:
+        u, post, M = self._hc("attn", X)                          # u [T, d]
+        X = hc_post(self.attn(self.attn_norm(u), batch, states), X, post, M)
+        u, post, M = self._hc("ffn", X)
+        return hc_post(self.ffn(self.ffn_norm(u), batch.tokens), X, post, M)
+
+
+class Transformer(nn.Module):
+    """The main tower (+ the Flash MTP block when mtp=True; DSpark stages are not implemented)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, mtp: bool = True):
+        super().__init__()
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"activation dtype must be float32 or bfloat16, got {dtype}")
+        self.cfg, self.dtype = cfg, dtype
+        d, S = cfg.hidden_size, cfg.hc_mult
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(Block(cfg, cfg.ratio(i), cfg.is_hash_layer(i))
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.head = ParallelHead(d, cfg.vocab_size)
+        add_hc_buffers(self, "hc_head", S, S, d)
+        # checkpoint prefixes this model deliberately does not hold (the loader reports them)
+        self.skipped_prefixes: tuple[str, ...] = ()
+        self.mtp = nn.ModuleList()
+        if mtp and cfg.variant == "flash" and cfg.num_mtp_stages:
+            from backfit.runtime.model.mtp import MTPBlock
+            self.mtp = nn.ModuleList(MTPBlock(cfg) for _ in range(cfg.num_mtp_stages))
+        elif cfg.num_mtp_stages:
+            self.skipped_prefixes = ("mtp.",)
+
+    def new_state(self, device: str | torch.device | None = None) -> DecodeState:
+        device = device if device is not None else self.embed.weight.device
+        return DecodeState(self.cfg, self.dtype, device, mtp_layers=len(self.mtp))
+
+    def hidden(self, batch: ForwardBatch, state: DecodeState | None = None) -> torch.Tensor:
+        """Streams after the last block (before hc_head): [T, hc_mult, d]; advances the state."""
+        state = state if state is not None else self.new_state()
+        seqs = [state.get(s.seq_id, s.start) for s in batch.slices()]
+        e = self.embed(batch.tokens, self.dtype)                    # [T, d]
+        X = e[:, None, :].repeat(1, self.cfg.hc_mult, 1)           # 4 plain copies, no gate
+        for i, layer in enumerate(self.layers):
+            X = layer(X, batch, [s.layers[i] for s in seqs])
+        for s, n in zip(seqs, batch.seq_lens):
+            s.length += n
+        return X
+
+    def logits(self, X: torch.Tensor) -> torch.Tensor:
+        """Streams [n, hc_mult, d] -> FP32 logits [n, vocab]."""
+        c = self.cfg
+        h = hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.hc_eps, c.rms_norm_eps)
+        return self.head(self.norm(h))
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, state: DecodeState | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """-> logits [T, vocab] (every token) or [num_seqs, vocab] (last token of each sequence)."""
+        X = self.hidden(batch, state)
+        if last_only:
+            X = X[batch.last_rows()]
+        return self.logits(X)

@@ -1,0 +1,87 @@
+"""Runtime fixtures: one thread, TP info (0, 1) for this process, converted dirs built once.
+
+Conversions (each ~10-25 s on a shared 2-core box): bf16 tp1 (lossless: decode and reference
+parity), int8 tp1/2/4 (the deployment format: TP equivalence with sharded scales).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from backfit.config import ModelConfig
+from backfit.convert.run import convert
+from backfit.runtime.distributed import get_tp_info, set_tp_info, tp_is_set
+from backfit.runtime.loader import load_model
+from backfit.runtime.model.transformer import Transformer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rt_one_thread():
+    # tiny matrices: one thread is as fast, and two OpenMP threads on a shared 2-core box
+    # stall 10x whenever another process holds a core
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tp1_process():
+    """This pytest process is rank 0 of 1 (TP info is set once per process)."""
+    if not tp_is_set():
+        set_tp_info(0, 1)
+    assert get_tp_info().size == 1
+    return get_tp_info()
+
+
+@pytest.fixture(scope="session")
+def flash_ckpt(request, _rt_one_thread) -> Path:
+    return request.getfixturevalue("tiny_flash")
+
+
+def _converted(flash_ckpt: Path, factory, name: str, tp: int, lossless: bool) -> Path:
+    dst = factory.mktemp("rt_conv") / name
+    kind = "bf16" if lossless else "int8"
+    convert(flash_ckpt, dst, tp=tp, linears=kind, experts=kind, progress=False)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def bf16_tp1(flash_ckpt, tmp_path_factory) -> Path:
+    return _converted(flash_ckpt, tmp_path_factory, "bf16_tp1", 1, True)
+
+
+@pytest.fixture(scope="session")
+def int8_dirs(flash_ckpt, tmp_path_factory) -> dict[int, Path]:
+    return {tp: _converted(flash_ckpt, tmp_path_factory, f"int8_tp{tp}", tp, False) for tp in (1, 2, 4)}
+
+
+def _build_model(root: Path, dtype=torch.float32) -> Transformer:
+    m = Transformer(ModelConfig.from_file(root / "config.json"), dtype)
+    load_model(m, root)
+    return m
+
+
+@pytest.fixture(scope="session")
+def build_model(tp1_process):
+    """build_model(converted_dir, dtype) -> loaded Transformer (this process: tp=1)."""
+    return _build_model
+
+
+@pytest.fixture(scope="session")
+def model_f32(bf16_tp1, build_model) -> Transformer:
+    return build_model(bf16_tp1)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-row max |a-b| / max |b| (b is the trusted side), float64."""
+    a, b = a.double(), b.double()
+    return (a - b).abs().amax(-1) / b.abs().amax(-1)
+
+
+@pytest.fixture(scope="session")
+def rel_err():
+    return _rel_err
