@@ -21,7 +21,8 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from backfit.checkpoint import CheckpointError
     from backfit.config import ConfigError
     from backfit.convert.plan import ConvertError
-    return ConvertError, CheckpointError, ConfigError
+    from backfit.formats import FormatError
+    return ConvertError, CheckpointError, ConfigError, FormatError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -60,6 +61,62 @@ def convert(src: str, dst: str, tp: str, linears: str, experts: str, force: bool
     try:
         run_convert(src, dst, tp=int(tp), linears=linears, experts=experts, force=force,
                     progress=not quiet)
+    except _user_errors() as e:
+        _fail(e)
+
+
+@main.command()
+@click.argument("original", type=click.Path(exists=True, file_okay=False))
+@click.argument("converted", type=click.Path(exists=True, file_okay=False))
+@click.option("--tp", type=int, default=None, help="Ranks to run the runtime on (default: the converted tp).")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Text file of prompts separated by blank lines, or a JSON list of strings "
+                   "(default: built-in prose in six languages and code in four).")
+@click.option("--max-positions", type=int, default=512, show_default=True,
+              help="Token positions compared in all (prompts are cycled to reach it).")
+@click.option("--activations", type=click.Choice(["float32", "bfloat16"]), default="float32",
+              show_default=True, help="Runtime activation dtype. float32 judges the conversion; "
+                   "bfloat16 is judged against the reference's own bfloat16 noise floor.")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
+              help="Also write the full report as JSON.")
+def verify(original, converted, tp, prompts_file, max_positions, activations, device, json_out) -> None:
+    """Logit parity: runtime on CONVERTED vs the independent reference on ORIGINAL.
+
+    Prints a weight table (every tensor dequantized vs the original), per-layer hidden-state
+    errors and logit metrics (KL, top-1/top-5 agreement, max |dlogit|); exits 1 when the
+    documented thresholds (docs/VERIFICATION.md) are breached.
+    """
+    import json as _json
+    from pathlib import Path as _P
+
+    from backfit.verify.run import verify as run_verify
+    prompts = None
+    if prompts_file:
+        text = _P(prompts_file).read_text()
+        prompts = _json.loads(text) if prompts_file.endswith(".json") else \
+            [p.strip() for p in text.split("\n\n") if p.strip()]
+    try:
+        report = run_verify(original, converted, tp=tp, prompts=prompts, max_positions=max_positions,
+                            activations=activations, device=device, json_out=json_out)
+    except _user_errors() as e:
+        _fail(e)
+    sys.exit(0 if report["ok"] else 1)
+
+
+@main.command()
+@click.argument("converted", type=click.Path(exists=True, file_okay=False))
+@click.option("--prompt", required=True, help="Raw text; BOS is prepended, no chat template.")
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--tp", type=int, default=None, help="Ranks (default: the converted tp).")
+@click.option("--activations", type=click.Choice(["float32", "bfloat16"]), default="bfloat16",
+              show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+def generate(converted, prompt, max_tokens, tp, activations, device) -> None:
+    """Greedy generation with the runtime on a converted directory, printed as it is produced."""
+    from backfit.runtime.generate import generate as run_generate
+    try:
+        run_generate(converted, prompt, max_tokens=max_tokens, tp=tp, dtype=activations, device=device)
     except _user_errors() as e:
         _fail(e)
 

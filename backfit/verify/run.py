@@ -1,0 +1,135 @@
+"""`backfit verify`: the runtime on the converted checkpoint against the reference on the original.
+
+Three checks, each number meaning one thing (docs/VERIFICATION.md):
+  weights     every converted tensor dequantized vs the original dequantized (manifest-driven)
+  hidden      per-layer 4-stream residual: max-abs, relative error, cosine
+  logits      mean/max KL(ref || runtime), top-1 / top-5 agreement, max |dlogit|
+The thresholds depend on what is compared: a lossless conversion with float32 activations must
+match to float rounding ("semantics"), the INT8 conversion with float32 activations must keep
+top-1 and KL ("conversion"), and bfloat16 activations are judged against the reference's own
+bfloat16 noise floor ("precision").
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from backfit.config import ModelConfig
+from backfit.formats import load_manifest
+from backfit.verify.compare import format_table, logit_metrics, tensor_metrics
+from backfit.verify.prompts import PROMPTS
+from backfit.verify.weights import check_weights
+
+__all__ = ["verify", "THRESHOLDS", "prompt_sequences"]
+
+THRESHOLDS = {
+    "semantics": {"rel_max": 1e-4, "top1_min": 1.0, "kl_mean_max": 1e-8},
+    "conversion": {"top1_min": 0.99, "kl_mean_max": 1e-3},
+    # precision: limits derived from the measured floor (reference bf16 vs reference fp32)
+    "precision": {"top1_slack": 0.02, "kl_factor": 2.0, "kl_abs": 1e-3},
+}
+
+
+def prompt_sequences(tokenizer_json: Path, prompts: list[str], max_positions: int, bos: int) -> list[list[int]]:
+    """BOS + each prompt's ids, cycling through the prompts until max_positions tokens in all."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    encoded = [[bos] + tok.encode(p, add_special_tokens=False).ids for p in prompts]
+    seqs, total, i = [], 0, 0
+    while total < max_positions:
+        ids = encoded[i % len(encoded)][: max_positions - total]
+        seqs.append(ids)
+        total, i = total + len(ids), i + 1
+    return seqs
+
+
+def _runtime_pass(converted: str, seqs: list[list[int]], dtype: str, device: str) -> dict:
+    """Runs on every rank: load this rank's shard, forward each sequence, capture layer outputs."""
+    from backfit.runtime.batch import ForwardBatch
+    from backfit.runtime.loader import load_model
+    from backfit.runtime.model.transformer import Transformer
+
+    cfg = ModelConfig.from_file(Path(converted) / "config.json")
+    model = Transformer(cfg, getattr(torch, dtype), mtp=False)
+    load_model(model, converted, device)
+    captured: list[list[torch.Tensor]] = [[] for _ in model.layers]
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_hook(lambda m, a, out, i=i: captured[i].append(out.float().cpu()))
+    logits = [model(ForwardBatch.single(s, device=device)).float().cpu() for s in seqs]
+    return {"logits": torch.cat(logits), "hidden": [torch.cat(c) for c in captured]}
+
+
+def _reference_pass(original: Path, seqs: list[list[int]], dtype: torch.dtype) -> dict:
+    from backfit.verify.reference import Reference
+    ref = Reference(original, dtype=dtype)
+    outs = [ref.forward(torch.tensor(s), capture=True) for s in seqs]
+    return {"logits": torch.cat([o["logits"].float() for o in outs]),
+            "hidden": [torch.cat([o["hidden"][i].float() for o in outs])
+                       for i in range(len(outs[0]["hidden"]))]}
+
+
+def _judge(kind: str, lm: dict, floor: dict | None) -> list[str]:
+    t, bad = THRESHOLDS[kind], []
+    if kind == "semantics":
+        if lm["rel"] > t["rel_max"]:
+            bad.append(f"logit relative error {lm['rel']:.2e} > {t['rel_max']:.0e}")
+    if kind == "precision":
+        t = {"top1_min": floor["top1"] - t["top1_slack"],
+             "kl_mean_max": max(t["kl_factor"] * floor["kl_mean"], t["kl_abs"])}
+    if lm["top1"] < t["top1_min"]:
+        bad.append(f"top-1 agreement {lm['top1']:.4f} < {t['top1_min']:.4f}")
+    if lm["kl_mean"] > t["kl_mean_max"]:
+        bad.append(f"mean KL {lm['kl_mean']:.2e} > {t['kl_mean_max']:.2e}")
+    return bad
+
+
+def verify(original: str | Path, converted: str | Path, tp: int | None = None,
+           prompts: list[str] | None = None, max_positions: int = 512,
+           activations: str = "float32", device: str = "cpu", json_out: str | Path | None = None,
+           out=sys.stdout) -> dict:
+    """Run all checks, print the tables, return the report (report['ok'] says pass/fail)."""
+    from backfit.runtime.launch import run_on_ranks
+
+    original, converted = Path(original), Path(converted)
+    manifest = load_manifest(converted)
+    tp = tp or manifest["tp"]
+    cfg = ModelConfig.from_file(converted / "config.json")
+    w_rows, problems = check_weights(original, converted)
+    by_scheme: dict[str, list[float]] = {}
+    for _, m in w_rows:
+        by_scheme.setdefault(m["scheme"], []).append(m["rel"])
+    print("weights (converted dequantized vs original dequantized):", file=out)
+    print(format_table([(k, {"tensors": len(v), "rel_mean": sum(v) / len(v), "rel_max": max(v)})
+                        for k, v in sorted(by_scheme.items())], ["tensors", "rel_mean", "rel_max"]), file=out)
+
+    seqs = prompt_sequences(converted / "tokenizer.json", prompts or PROMPTS, max_positions,
+                            cfg.bos_token_id)
+    ref = _reference_pass(original, seqs, torch.float32)
+    got = run_on_ranks(_runtime_pass, tp, (str(converted), seqs, activations, device), device)
+    lossless = manifest["schemes"]["linears"] == manifest["schemes"]["experts"] == "bf16"
+    kind = "precision" if activations == "bfloat16" else ("semantics" if lossless else "conversion")
+    floor = None
+    if kind == "precision":
+        floor = logit_metrics(_reference_pass(original, seqs, torch.bfloat16)["logits"], ref["logits"])
+    rows = [(f"layer {i}", tensor_metrics(g, r)) for i, (g, r) in enumerate(zip(got["hidden"], ref["hidden"]))]
+    lm = logit_metrics(got["logits"], ref["logits"])
+    print(f"\nhidden states ({sum(map(len, seqs))} positions, {len(seqs)} sequences, "
+          f"activations {activations}, tp={tp}):", file=out)
+    print(format_table(rows, ["max_abs", "rel", "cos"]), file=out)
+    print("\nlogits:", file=out)
+    keys = ["kl_mean", "kl_max", "top1", "top5", "max_dlogit", "rel"]
+    print(format_table([("runtime", lm)] + ([("ref-bf16 floor", floor)] if floor else []), keys), file=out)
+    problems += _judge(kind, lm, floor)
+    report = {"check": kind, "activations": activations, "tp": tp, "positions": sum(map(len, seqs)),
+              "weights": {k: {"tensors": len(v), "rel_max": max(v)} for k, v in by_scheme.items()},
+              "hidden": [{"layer": i, **m} for i, (_, m) in enumerate(rows)], "logits": lm,
+              "floor": floor, "thresholds": THRESHOLDS[kind], "problems": problems,
+              "ok": not problems}
+    print(f"\n{kind} check: " + ("PASS" if report["ok"] else "FAIL: " + "; ".join(problems)), file=out)
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
