@@ -1,4 +1,7 @@
-"""`backfit demo`: the main job on the built-in tiny checkpoint, on any CPU-only machine."""
+"""`backfit demo`: the whole flow on the built-in tiny checkpoint, on any CPU-only machine.
+
+original checkpoint -> convert (INT8, tp 4; and a lossless BF16 copy) -> verify -> generate
+"""
 
 from __future__ import annotations
 
@@ -9,26 +12,49 @@ from pathlib import Path
 
 __all__ = ["run_demo"]
 
+PROMPT = "The harbour town woke slowly that morning."
 
-def run_demo(workdir: str | None = None) -> None:
+
+def _step(n: int, text: str) -> float:
+    print(f"\n[{n}/5] {text}", flush=True)
+    return time.time()
+
+
+def run_demo(workdir: str | None = None, max_positions: int = 256, max_tokens: int = 24) -> dict:
     from backfit.convert.run import convert
+    from backfit.runtime.generate import generate
     from backfit.synthetic import write_checkpoint
+    from backfit.verify.run import verify
 
-    root = Path(workdir or os.environ.get("BACKFIT_CACHE", Path.home() / ".cache" / "backfit")) / "demo"
-    if workdir:
-        root = Path(workdir)
-    src, dst = root / "original", root / "converted-tp4"
-    print(f"[1/2] writing a tiny DeepSeek-V4-Flash checkpoint in the exact original format to {src}")
-    print("      (FP8 e4m3 linears with 128x128 UE8M0 scales, MXFP4 experts, real tokenizer)")
-    t = time.time()
+    root = Path(workdir) if workdir else \
+        Path(os.environ.get("BACKFIT_CACHE", Path.home() / ".cache" / "backfit")) / "demo"
+    src, int8, lossless = root / "original", root / "converted-int8-tp4", root / "converted-bf16-tp1"
+    t = _step(1, f"writing a tiny DeepSeek-V4-Flash checkpoint in the exact original format to {src}")
+    print("      FP8 e4m3 linears with 128x128 UE8M0 scales, MXFP4 experts, the real tokenizer")
     if src.exists():
         shutil.rmtree(src)
     write_checkpoint(src, "flash", seed=0)
     size = sum(f.stat().st_size for f in src.iterdir())
     print(f"      {len(list(src.glob('*.safetensors')))} shards, {size / 1e6:.1f} MB, {time.time() - t:.1f} s")
-    print(f"[2/2] backfit convert {src} {dst} --tp 4 --force")
-    t = time.time()
-    m = convert(src, dst, tp=4, force=True)
-    print(f"      done in {time.time() - t:.1f} s; manifest: {dst / 'manifest.json'} "
-          f"({len(m['tensors'])} tensors)")
-    print("\nNext (not built yet): runtime, serve and verify on this converted directory.")
+
+    t = _step(2, f"backfit convert {src} {int8} --tp 4 --force   (the default INT8 format)")
+    convert(src, int8, tp=4, force=True, progress=False)
+    print(f"      {time.time() - t:.1f} s")
+    t = _step(3, f"backfit convert {src} {lossless} --tp 1 --linears bf16 --experts bf16 --force")
+    convert(src, lossless, tp=1, linears="bf16", experts="bf16", force=True, progress=False)
+    print(f"      {time.time() - t:.1f} s")
+
+    t = _step(4, "backfit verify: runtime on the converted dirs vs the reference on the original")
+    print("\n--- semantics: lossless conversion, float32 activations ---")
+    sem = verify(src, lossless, max_positions=max_positions)
+    print("\n--- conversion: INT8 conversion (tp 4), float32 activations ---")
+    conv = verify(src, int8, max_positions=max_positions)
+    print(f"      {time.time() - t:.1f} s")
+
+    t = _step(5, f"backfit generate {int8} --prompt {PROMPT!r} --max-tokens {max_tokens}")
+    print(f"      (random weights: the text is gibberish, the point is that it runs)\n{PROMPT}", end="")
+    generate(int8, PROMPT, max_tokens=max_tokens)
+    print(f"      {time.time() - t:.1f} s")
+    print(f"\nsemantics check {'PASS' if sem['ok'] else 'FAIL'}; conversion check "
+          f"{'PASS' if conv['ok'] else 'FAIL (known, see docs/VERIFICATION.md)'}")
+    return {"semantics": sem, "conversion": conv}
