@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -58,18 +59,12 @@ def _prepare_partial(partial: Path, options: dict, tp: int) -> None:
 
 
 def _check_disk(partial: Path, todo: dict[str, list[Action]], tp: int) -> None:
-    need = sum(math_bytes(o, tp) for acts in todo.values() for a in acts for o in a.outputs)
+    need = sum(math.prod(local_shape(o, tp)) * DTYPE_BYTES[o.dtype] * tp
+               for acts in todo.values() for a in acts for o in a.outputs)
     free = shutil.disk_usage(partial).free
     if need > free:
         raise ConvertError(f"{partial}: out of disk space: the conversion needs {need / 1e9:.2f} GB "
                            f"more, {free / 1e9:.2f} GB free")
-
-
-def math_bytes(o, tp: int) -> int:
-    n = DTYPE_BYTES[o.dtype]
-    for d in local_shape(o, tp):
-        n *= d
-    return n * tp
 
 
 def convert(src: str | Path, dst: str | Path, tp: int = 4, linears: str = "int8",
