@@ -8,7 +8,7 @@ import pytest
 from backfit.config import ModelConfig
 from backfit.inventory import expected_tensors, shard_names, shard_of
 
-from conftest import SHARED
+from support import SHARED
 
 PUBLISHED = {"flash": (69187, 159_609_485_896, 46), "0731": (72317, 166_878_536_440, 48)}
 

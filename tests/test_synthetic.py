@@ -13,7 +13,7 @@ from backfit.inventory import expected_tensors, shard_names, shard_of
 from backfit.quant import dequant_fp8_block
 from backfit.synthetic import tiny_config_dict, write_checkpoint
 
-from conftest import SHARED
+from support import SHARED
 
 
 def _check_format(root):

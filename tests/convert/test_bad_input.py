@@ -12,7 +12,7 @@ import pytest
 from backfit.convert import run as run_mod
 from backfit.convert.run import convert
 
-from conftest import clone_checkpoint, materialize
+from support import clone_checkpoint, materialize
 
 LAYER3 = "model-00005-of-00009.safetensors"
 
