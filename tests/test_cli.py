@@ -31,4 +31,4 @@ def test_demo_runs_on_cpu(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "converted to backfit-dsv4" in r.stdout and "bit-exact: yes" in r.stdout
     assert "semantics check: PASS" in r.stdout and "[5/5] backfit generate" in r.stdout
-    assert (tmp_path / "demo" / "converted-tp4" / "manifest.json").exists()
+    assert (tmp_path / "demo" / "converted-int8-tp4" / "manifest.json").exists()
