@@ -13,12 +13,24 @@ from support import SHARED
 PUBLISHED = {"flash": (69187, 159_609_485_896, 46), "0731": (72317, 166_878_536_440, 48)}
 
 
+FLASH_DIMS = dict(hidden_size=4096, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,
+                  q_lora_rank=1024, o_groups=8, o_lora_rank=1024, n_routed_experts=256,
+                  num_experts_per_tok=6, moe_intermediate_size=2048, index_n_heads=64,
+                  index_head_dim=128, index_topk=512, sliding_window=128,
+                  main_ratios=[0, 0] + [4, 128] * 20 + [4])
+
+
 def _config(variant):
+    """The published config from shared/ when present, else the same values written by us."""
     name = "deepseek-v4-flash.json" if variant == "flash" else "deepseek-v4-flash-0731.json"
     path = SHARED / "tools" / "configs" / name
-    if not path.exists():
-        pytest.skip(f"{path} not available")
-    return ModelConfig.from_file(path)
+    if path.exists():
+        return ModelConfig.from_file(path)
+    from backfit.synthetic import tiny_config_dict
+    d = tiny_config_dict(variant, **FLASH_DIMS)
+    if variant == "0731":
+        d.update(dspark_target_layer_ids=[40, 41, 42], dspark_markov_rank=256)
+    return ModelConfig.from_dict(d)
 
 
 @pytest.mark.parametrize("variant", ["flash", "0731"])
@@ -45,6 +57,14 @@ def test_full_size_inventory_matches_shared_tool(variant):
     assert list(ours) == list(ref)                                  # same names, same order
     for name, (dtype, shape) in ref.items():
         assert (ours[name].dtype, ours[name].shape) == (dtype, tuple(shape)), name
+
+
+def test_builtin_flash_dims_equal_the_published_config():
+    path = SHARED / "tools" / "configs" / "deepseek-v4-flash.json"
+    if not path.exists():
+        pytest.skip("shared configs not available")
+    from backfit.synthetic import tiny_config_dict
+    assert tiny_config_dict("flash", **FLASH_DIMS) == json.loads(path.read_text())
 
 
 def test_full_size_shard_layout():
