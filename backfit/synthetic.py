@@ -6,9 +6,10 @@ tid2eid, window-only layers, CSA ratio-4 layers with a 16-head indexer, HCA laye
 ratio, a small window, MTP or DSpark). Weights are drawn to look trained rather than uniform:
 Student-t tails, lognormal row/column scale spread, a few outlier rows (so FP8 tiles use many
 block exponents and INT8 re-quantization error is non-trivial), expert rows large enough that
-the SwiGLU clamp fires, a router bias comparable to the score spread, and an LM head aligned with
-a permutation of the embedding so the logits are peaked. Deterministic from a seed; written one
-tensor at a time, so the size of the checkpoint does not bound memory.
+the SwiGLU clamp fires, a router bias comparable to the score spread, and LM-head rows with a
+strong heavy-tailed component so the logits are peaked (docs/SYNTHETIC.md has the measured
+margins). Deterministic from a seed; written one tensor at a time, so the size of the
+checkpoint does not bound memory.
 """
 
 from __future__ import annotations
