@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+
+import torch
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
@@ -22,3 +25,15 @@ def materialize(path: Path) -> Path:
     path.unlink()
     path.write_bytes(data)
     return path
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Torch on one thread. Tiny matrices run as fast, and on a shared 2-core box OpenMP with two
+    threads stalls 10-40x whenever another process holds a core."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

@@ -16,16 +16,13 @@ from backfit.convert.run import convert
 from backfit.runtime.distributed import get_tp_info, set_tp_info, tp_is_set
 from backfit.runtime.loader import load_model
 from backfit.runtime.model.transformer import Transformer
+from support import one_thread
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _rt_one_thread():
-    # tiny matrices: one thread is as fast, and two OpenMP threads on a shared 2-core box
-    # stall 10x whenever another process holds a core
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ from backfit.verify import qat, ref_attention, ref_blocks
 from backfit.verify.ref_attention import apply_rope, hadamard, rope_cos_sin, rope_freqs, yarn_range
 from backfit.verify.ref_blocks import MoEStats, Numerics, moe, sinkhorn
 from backfit.verify.reference import LayerParams, Reference
+from support import one_thread
 
 S = 203             # > 160; crosses window 16 and ratio 4 / 8 boundaries, ends mid-block
 PREFILL = 150       # cache test: prefill this many (ends mid-block), then decode one at a time
@@ -30,12 +31,8 @@ TOL = 1e-4          # max |ours - theirs| / max |theirs|
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    # Tiny matrices: one thread is as fast, and on a shared 2-core box OpenMP with 2 threads
-    # stalls badly (measured 20-40x slower) whenever another process holds a core.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with one_thread():
+        yield
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
