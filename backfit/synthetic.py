@@ -6,9 +6,11 @@ tid2eid, window-only layers, CSA ratio-4 layers with a 16-head indexer, HCA laye
 ratio, a small window, MTP or DSpark). Weights are drawn to look trained rather than uniform:
 Student-t tails, lognormal row/column scale spread, a few outlier rows (so FP8 tiles use many
 block exponents and INT8 re-quantization error is non-trivial), expert rows large enough that
-the SwiGLU clamp fires, a router bias comparable to the score spread, and LM-head rows with a
-strong heavy-tailed component so the logits are peaked (docs/SYNTHETIC.md has the measured
-margins). Deterministic from a seed; written one tensor at a time, so the size of the
+the SwiGLU clamp fires, a router bias that changes some selections, LM-head rows with a strong
+heavy-tailed component so the logits are peaked, and a residual stream that lives mostly in a
+low-dimensional subspace which the stream's readers and writers are aligned with, so 1 % weight
+noise does not blow up as it would in a chaotic random network (docs/SYNTHETIC.md). Deterministic
+from a seed, whatever the thread count; written one tensor at a time, so the size of the
 checkpoint does not bound memory.
 """
 
@@ -79,11 +81,47 @@ def tiny_config_dict(variant: str = "flash", vocab_size: int = 129280, **dims) -
     return cfg
 
 
+# Trained-like structure (docs/SYNTHETIC.md, "Robustness"): the residual stream lives mostly in
+# a random subspace S of H/STREAM_RANK_DIV dimensions. The embedding rows and every linear that
+# writes the stream (wo_b, w2) put their output in S; every linear that reads the stream
+# (wq_a, wkv, compressors, indexer, router, w1/w3) has its rows in S. A fraction ISOTROPIC of
+# each such matrix is unaligned. Random unaligned weights make a chaotic network in which 1 %
+# weight noise becomes a 10 % logit error; trained networks are not like that.
+STREAM_RANK_DIV = 8
+ISOTROPIC = 0.1
+EMBED_GAIN = 4.0          # embedding rows ~4x a layer update: updates are 5-15 % of the stream
+ROUTER_GAIN, ROUTER_BIAS = 5.0, 0.12
+ROUTED_W2 = 0.5           # a routed expert writes half what the shared one does, so the expert
+                          # swapped at a near-tie of the router moves the stream less
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [n, r] @ b [r, k] summed in a fixed order (a loop over r, elementwise ops only): BLAS
+    results depend on the thread count, and a seed must give the same bytes everywhere."""
+    out = torch.zeros(a.shape[0], b.shape[1])
+    for j in range(a.shape[1]):
+        out += a[:, j:j + 1] * b[j:j + 1, :]
+    return out
+
+
+def _orthonormal(x: torch.Tensor) -> torch.Tensor:
+    """Gram-Schmidt on the columns of x [H, r] in float64, fixed order (see _matmul)."""
+    q = x.double().clone()
+    for j in range(q.shape[1]):
+        for i in range(j):
+            q[:, j] -= (q[:, i] * q[:, j]).sum() * q[:, i]
+        q[:, j] /= q[:, j].square().sum().sqrt()
+    return q.float()
+
+
 class _Weights:
     """Draws each tensor from its name; one torch.Generator makes the whole file deterministic."""
 
     def __init__(self, cfg: ModelConfig, inv: dict[str, TensorInfo], seed: int):
         self.c, self.inv, self.g = cfg, inv, torch.Generator().manual_seed(seed)
+        H = cfg.hidden_size
+        self.r = max(1, H // STREAM_RANK_DIV)
+        self.S = _orthonormal(self.randn(H, self.r))                      # [H, r]
 
     def randn(self, *shape):
         return torch.randn(*shape, generator=self.g)
@@ -96,10 +134,23 @@ class _Weights:
         cols = torch.exp(0.25 * self.randn(1, k))
         return z * rows * cols * (gain / math.sqrt(k) / 1.29)   # 1.29 = std of t(5)
 
+    def linear(self, n: int, k: int, gain: float, outlier_rows: float = 0.02) -> torch.Tensor:
+        """A weight [n, k] aligned with the stream subspace S when it reads (k = H) or writes
+        (n = H) the stream; the output magnitude for a stream-like input is that of heavy()."""
+        H, r = self.c.hidden_size, self.r
+        if k == H:                      # reader: rows in S; x in S gives |W x| like heavy()
+            aligned = _matmul(self.heavy(n, r, gain, outlier_rows), self.S.T) * math.sqrt(r / k)
+        elif n == H:                    # writer: columns in S, same output norm as heavy()
+            aligned = _matmul(self.S, self.heavy(r, k, gain, outlier_rows)) * math.sqrt(n / r)
+        else:                           # internal (wq_b, wo_a, ...): unstructured
+            return self.heavy(n, k, gain, outlier_rows)
+        iso = self.heavy(n, k, gain, outlier_rows)
+        return math.sqrt(1 - ISOTROPIC ** 2) * aligned + ISOTROPIC * iso
+
     def fp8(self, n: int, k: int, gain: float) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek FP8: per 128x128 tile, scale 2^ceil(log2(amax/448)) as UE8M0, e4m3 codes."""
         b = self.c.fp8_block
-        w = self.heavy(n, k, gain)
+        w = self.linear(n, k, gain)
         tiles = w.reshape(n // b, b, k // b, b)
         e = e8m0_pow2_scale(tiles.abs().amax(dim=(1, 3)), 448.0)            # [n/b, k/b]
         s = torch.exp2(e.double() - 127).float()
@@ -109,7 +160,7 @@ class _Weights:
     def fp4(self, n: int, k: int, gain: float) -> tuple[torch.Tensor, torch.Tensor]:
         """MXFP4: per (row, 32) scale 2^ceil(log2(amax/6)), e2m1 codes packed low nibble first."""
         gs = self.c.fp4_group
-        w = self.heavy(n, k, gain).reshape(n, k // gs, gs)
+        w = self.linear(n, k, gain).reshape(n, k // gs, gs)
         e = e8m0_pow2_scale(w.abs().amax(dim=-1), 6.0)                        # [n, k/32]
         codes = encode_e2m1(w / torch.exp2(e.double() - 127).float()[..., None]).reshape(n, k)
         packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8)
@@ -122,22 +173,24 @@ class _Weights:
         if name.endswith("tid2eid"):                          # distinct experts per token
             return torch.rand(shape[0], c.n_routed_experts, generator=self.g).argsort(1)[:, :shape[1]]
         if name == "embed.weight":
-            return self.heavy(*shape, gain=math.sqrt(H), outlier_rows=0.0)
+            rows = self.heavy(shape[0], self.r, gain=EMBED_GAIN * math.sqrt(H), outlier_rows=0.0)
+            iso = self.heavy(*shape, gain=EMBED_GAIN * math.sqrt(H), outlier_rows=0.0)
+            return math.sqrt(1 - ISOTROPIC ** 2) * _matmul(rows, self.S.T) + ISOTROPIC * iso
         if name == "head.weight":
             return self._head(shape)
         if "norm" in name:                                    # RMSNorm gains around 1
             return torch.exp(0.2 * self.randn(*shape))
         if leaf == "attn_sink":
             return self.randn(*shape)
-        if leaf == "bias":                                    # router bias ~ score spread
-            return 0.25 * self.randn(*shape)
+        if leaf == "bias":                                    # router bias: moves some picks
+            return ROUTER_BIAS * self.randn(*shape)
         if leaf == "ape":
             return 0.5 * self.randn(*shape)
         if "hc_" in leaf:
             return self._hc(leaf, shape)
         if leaf == "weight" and len(shape) == 2:              # BF16 linears (gate, compressors, ...)
-            gain = 2.0 if name.endswith("gate.weight") and ".ffn." in name else 1.0
-            return self.heavy(*shape, gain=gain, outlier_rows=0.0)
+            gain = ROUTER_GAIN if name.endswith("gate.weight") and ".ffn." in name else 1.0
+            return self.linear(*shape, gain=gain, outlier_rows=0.0)
         raise KeyError(f"synthetic generator has no rule for {name}")
 
     def _hc(self, leaf: str, shape) -> torch.Tensor:
@@ -152,19 +205,25 @@ class _Weights:
 
     def _head(self, shape) -> torch.Tensor:
         """Noise + a strong heavy-tailed random direction per row: peaked logits (the top-1 margin
-        is an extreme-value statistic over the V rows, so the per-row strength spread is small)."""
+        is an extreme-value statistic over the V rows, so the per-row strength spread is small).
+        Drawn in all H dims and then projected (rows drawn inside S made the margins far more
+        seed-dependent)."""
         V, H = shape
         head = self.heavy(V, H, gain=1.0, outlier_rows=0.0)
         direction = self.heavy(V, H, gain=math.sqrt(H), outlier_rows=0.0)
         # Per-row strength spread kept small: with heavy-tailed rows the top-1 margin is an
         # extreme-value statistic that grows with V. Lognormal sigma 0.6 gave a median margin of
-        # 13.5 nats at V = 129,280 (3.8 at V = 512); sigma 0.1 gives 3.9 and 2.2 (seed 0).
+        # 13.5 nats at V = 129,280 (3.8 at V = 512); sigma 0.1 keeps both trained-like.
         strength = torch.exp(0.1 * self.randn(V, 1)) * (2.5 / math.sqrt(H))
-        return head + strength * direction
+        head = head + strength * direction
+        # A reader like the others: the part of each row outside S is damped to ISOTROPIC. For a
+        # stream in S the logits (and so the margins) are those of the undamped rows.
+        proj = _matmul(_matmul(head, self.S), self.S.T)                 # [V, H], rows in S
+        return proj + ISOTROPIC * (head - proj)
 
 
-_GAIN = {"wq_a": 1.0, "wq_b": 1.0, "wkv": 1.0, "wo_a": 1.0, "wo_b": 0.5, "e_proj": 1.0,
-         "h_proj": 1.0, "main_proj": 1.0, "w1": 1.5, "w3": 1.5, "w2": 0.5}
+_GAIN = {"wq_a": 1.0, "wq_b": 1.0, "wkv": 1.0, "wo_a": 1.0, "wo_b": 0.07, "e_proj": 1.0,
+         "h_proj": 1.0, "main_proj": 1.0, "w1": 1.5, "w3": 1.5, "w2": 0.07}
 
 
 def _tensor_source(w: _Weights, name: str, info: TensorInfo, pair: dict) -> torch.Tensor:
@@ -177,6 +236,7 @@ def _tensor_source(w: _Weights, name: str, info: TensorInfo, pair: dict) -> torc
         gain = _GAIN[base.rsplit(".", 1)[-1]]
         n, k = w.inv[wname].shape
         if ".experts." in base:                               # routed expert: MXFP4, K packed x2
+            gain = gain * (ROUTED_W2 if base.endswith(".w2") else 1.0)
             q, s = w.fp4(n, 2 * k, gain)
         else:
             q, s = w.fp8(n, k, gain)
