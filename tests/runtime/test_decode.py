@@ -2,7 +2,8 @@
 same logits as one full-sequence forward (float32 activations, lossless bf16 conversion).
 
 The tiny model has window 16, CSA ratio 4 (layers 2, 4), HCA ratio 8 (layers 3, 5): the
-lengths below cross the window and every compression boundary several times.
+lengths below (1 ... 300) cross the window and every compression boundary many times,
+and the full forward at 300 runs attention in two query blocks of 256 and 44.
 """
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from backfit.runtime.batch import ForwardBatch
 from backfit.runtime.model.mtp import mtp_logits
 
-S = 150
+S = 300
 TOL = 1e-4
 
 
@@ -32,7 +33,7 @@ def _check(got, want, rel_err, what):
     assert torch.equal(got.argmax(-1), want.argmax(-1)), what
 
 
-@pytest.mark.parametrize("prefill,total", [(1, 1), (1, 17), (5, 33), (16, 70), (33, S)])
+@pytest.mark.parametrize("prefill,total", [(1, 1), (1, 17), (5, 33), (16, 70), (33, 150), (140, S)])
 def test_prefill_then_decode(model_f32, tokens, full, rel_err, prefill, total):
     st = model_f32.new_state()
     outs = [model_f32(ForwardBatch.single(tokens[:prefill]), st)]
@@ -44,7 +45,7 @@ def test_prefill_then_decode(model_f32, tokens, full, rel_err, prefill, total):
 
 def test_uneven_chunks(model_f32, tokens, full, rel_err):
     st, start, outs = model_f32.new_state(), 0, []
-    for n in (3, 5, 1, 9, 13, 2, 7, 40, 1, 69):                    # sums to 150
+    for n in (3, 5, 1, 9, 13, 2, 7, 40, 1, 69, 150):               # sums to 300
         outs.append(model_f32(ForwardBatch.single(tokens[start:start + n], start=start), st))
         start += n
     assert start == S
