@@ -125,12 +125,15 @@ def generate(converted, prompt, max_tokens, tp, activations, device) -> None:
 @click.option("--dir", "workdir", type=click.Path(file_okay=False), default=None,
               help="Where to build the demo (default: ~/.cache/backfit/demo).")
 def demo(workdir: str | None) -> None:
-    """Build the tiny built-in DeepSeek-V4 checkpoint and convert it, explaining each step."""
+    """Build the tiny built-in DeepSeek-V4 checkpoint, convert, verify and generate, explaining
+    each step. Exits 1 if a parity check fails."""
     from backfit.demo import run_demo
     try:
-        run_demo(workdir)
+        report = run_demo(workdir)
     except _user_errors() as e:
         _fail(e)
+    if not all(r["ok"] for r in report.values()):
+        sys.exit(1)
 
 
 if __name__ == "__main__":
