@@ -9,7 +9,6 @@ import pytest
 from backfit.synthetic import write_checkpoint
 
 
-
 @pytest.fixture(scope="session")
 def tiny_flash(tmp_path_factory) -> Path:
     """Flash variant, small vocabulary (fast)."""
@@ -19,6 +18,22 @@ def tiny_flash(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_0731(tmp_path_factory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("tiny") / "0731", "0731", seed=0, small_vocab=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_converted(tiny_flash, tmp_path_factory):
+    """tiny_converted(tp, kind="int8" | "bf16") -> tiny_flash converted with --linears/--experts
+    kind, built once per (tp, kind) and shared by every test: read-only (copy to corrupt)."""
+    from backfit.convert.run import convert
+    built: dict[tuple[int, str], Path] = {}
+
+    def get(tp: int, kind: str = "int8") -> Path:
+        if (tp, kind) not in built:
+            dst = tmp_path_factory.mktemp("conv") / f"{kind}_tp{tp}"
+            convert(tiny_flash, dst, tp=tp, linears=kind, experts=kind, progress=False)
+            built[tp, kind] = dst
+        return built[tp, kind]
+    return get
 
 
 @pytest.fixture(scope="session")

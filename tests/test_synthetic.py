@@ -6,14 +6,13 @@ import struct
 import pytest
 import torch
 from safetensors import safe_open
+from support import SHARED
 
 from backfit.checkpoint import SafetensorsDir
 from backfit.config import ModelConfig
 from backfit.inventory import expected_tensors, shard_names, shard_of
 from backfit.quant import dequant_fp8_block
 from backfit.synthetic import tiny_config_dict, write_checkpoint
-
-from support import SHARED
 
 
 def _check_format(root):

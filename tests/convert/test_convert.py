@@ -28,10 +28,8 @@ def _gather(dst, tp, name, shard_dim):
 
 
 @pytest.fixture(scope="module")
-def tp4(tiny_flash, tmp_path_factory):
-    dst = tmp_path_factory.mktemp("conv") / "tp4"
-    convert(tiny_flash, dst, tp=4, progress=False)
-    return dst
+def tp4(tiny_converted):
+    return tiny_converted(4)
 
 
 def test_experts_bit_exact(tiny_flash, tp4):
@@ -125,9 +123,8 @@ def test_shard_dims_follow_the_plan(tp4):
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
-def test_every_tp_reassembles_to_tp1(tiny_flash, tp4, tmp_path, tp):
-    dst = tmp_path / f"tp{tp}"
-    convert(tiny_flash, dst, tp=tp, progress=False)
+def test_every_tp_reassembles_to_tp1(tiny_converted, tp4, tp):
+    dst = tiny_converted(tp)
     m = load_manifest(dst)
     for name in ("layers.3.attn.wo_b.weight", "layers.3.attn.wo_b.scale", "head.weight",
                  "layers.4.ffn.experts.3.w2.weight", "layers.4.ffn.experts.3.w2.scale",

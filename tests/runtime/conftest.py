@@ -1,7 +1,8 @@
 """Runtime fixtures: one thread, TP info (0, 1) for this process, converted dirs built once.
 
-Conversions (each ~10-25 s on a shared 2-core box): bf16 tp1 (lossless: decode and reference
-parity), int8 tp1/2/4 (the deployment format: TP equivalence with sharded scales).
+Conversions come from the session-wide `tiny_converted` (tests/conftest.py): bf16 tp1
+(lossless: decode and reference parity), int8 tp1/2/4 (the deployment format: TP equivalence
+with sharded scales).
 """
 
 from __future__ import annotations
@@ -10,13 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import one_thread
 
 from backfit.config import ModelConfig
-from backfit.convert.run import convert
 from backfit.runtime.distributed import get_tp_info, set_tp_info, tp_is_set
 from backfit.runtime.loader import load_model
 from backfit.runtime.model.transformer import Transformer
-from support import one_thread
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -39,21 +39,14 @@ def flash_ckpt(request, _rt_one_thread) -> Path:
     return request.getfixturevalue("tiny_flash")
 
 
-def _converted(flash_ckpt: Path, factory, name: str, tp: int, lossless: bool) -> Path:
-    dst = factory.mktemp("rt_conv") / name
-    kind = "bf16" if lossless else "int8"
-    convert(flash_ckpt, dst, tp=tp, linears=kind, experts=kind, progress=False)
-    return dst
+@pytest.fixture(scope="session")
+def bf16_tp1(flash_ckpt, tiny_converted) -> Path:
+    return tiny_converted(1, "bf16")
 
 
 @pytest.fixture(scope="session")
-def bf16_tp1(flash_ckpt, tmp_path_factory) -> Path:
-    return _converted(flash_ckpt, tmp_path_factory, "bf16_tp1", 1, True)
-
-
-@pytest.fixture(scope="session")
-def int8_dirs(flash_ckpt, tmp_path_factory) -> dict[int, Path]:
-    return {tp: _converted(flash_ckpt, tmp_path_factory, f"int8_tp{tp}", tp, False) for tp in (1, 2, 4)}
+def int8_dirs(flash_ckpt, tiny_converted) -> dict[int, Path]:
+    return {tp: tiny_converted(tp) for tp in (1, 2, 4)}
 
 
 def _build_model(root: Path, dtype=torch.float32) -> Transformer:

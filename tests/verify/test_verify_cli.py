@@ -8,15 +8,12 @@ import sys
 import pytest
 import torch
 
-from backfit.convert.run import convert
 from backfit.formats import rank_dir
 
 
 @pytest.fixture(scope="module")
-def lossless(tiny_flash, tmp_path_factory):
-    dst = tmp_path_factory.mktemp("v") / "bf16"
-    convert(tiny_flash, dst, tp=1, linears="bf16", experts="bf16", progress=False)
-    return dst
+def lossless(tiny_converted):
+    return tiny_converted(1, "bf16")
 
 
 def _cli(*args):
@@ -33,12 +30,10 @@ def test_verify_semantics_passes(tiny_flash, lossless, tmp_path):
     assert rep["logits"]["top1"] == 1.0 and rep["logits"]["rel"] < 1e-4
 
 
-def test_verify_conversion_passes_on_int8(tiny_flash, tmp_path):
+def test_verify_conversion_passes_on_int8(tiny_flash, tiny_converted, tmp_path):
     """The default INT8 conversion keeps top-1 >= 99 % and mean KL <= 1e-3 over 512 positions
     of the built-in text (float32 activations, tp 2), and the experts are bit-exact."""
-    int8 = tmp_path / "int8"
-    convert(tiny_flash, int8, tp=2, progress=False)
-    r = _cli("verify", tiny_flash, int8, "--tp", 2, "--json", tmp_path / "r.json")
+    r = _cli("verify", tiny_flash, tiny_converted(2), "--tp", 2, "--json", tmp_path / "r.json")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "conversion check: PASS" in r.stdout
     rep = json.loads((tmp_path / "r.json").read_text())

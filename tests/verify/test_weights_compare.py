@@ -1,22 +1,19 @@
 """Weight-level check of a converted directory and the comparison metrics."""
 
-import struct
 import json
+import struct
 
 import pytest
 import torch
 
-from backfit.convert.run import convert
 from backfit.formats import rank_dir
 from backfit.verify.compare import format_table, logit_metrics, tensor_metrics
 from backfit.verify.weights import check_weights
 
 
 @pytest.fixture(scope="module")
-def converted(tiny_flash, tmp_path_factory):
-    dst = tmp_path_factory.mktemp("w") / "tp2"
-    convert(tiny_flash, dst, tp=2, progress=False)
-    return dst
+def converted(tiny_converted):
+    return tiny_converted(2)
 
 
 def test_weights_consistent(tiny_flash, converted):
