@@ -55,7 +55,7 @@ def run_demo(workdir: str | None = None, max_positions: int = 512, max_tokens: i
     print(f"      (random weights: the text is gibberish, the point is that it runs)\n{PROMPT}", end="")
     generate(int8, PROMPT, max_tokens=max_tokens)
     print(f"      {time.time() - t:.1f} s")
-    verdict = lambda r: "PASS" if r["ok"] else "FAIL"                          # noqa: E731
-    print(f"\nsemantics check {verdict(sem)}; conversion check {verdict(conv)} "
+    verdict = {True: "PASS", False: "FAIL"}
+    print(f"\nsemantics check {verdict[sem['ok']]}; conversion check {verdict[conv['ok']]} "
           "(thresholds: docs/VERIFICATION.md)")
     return {"semantics": sem, "conversion": conv}

@@ -89,7 +89,7 @@ def tiny_config_dict(variant: str = "flash", vocab_size: int = 129280, **dims) -
 # weight noise becomes a 10 % logit error; trained networks are not like that.
 STREAM_RANK_DIV = 8
 ISOTROPIC = 0.1
-EMBED_GAIN = 4.0          # embedding rows ~4x a layer update: updates are 5-15 % of the stream
+EMBED_GAIN = 4.0          # embedding rows ~4x a layer update: updates are 5-13 % of the stream
 ROUTER_GAIN, ROUTER_BIAS = 5.0, 0.12
 ROUTED_W2 = 0.5           # a routed expert writes half what the shared one does, so the expert
                           # swapped at a near-tie of the router moves the stream less
@@ -102,6 +102,11 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     for j in range(a.shape[1]):
         out += a[:, j:j + 1] * b[j:j + 1, :]
     return out
+
+
+def _blend(aligned: torch.Tensor, iso: torch.Tensor) -> torch.Tensor:
+    """An aligned draw with a fraction ISOTROPIC of an unaligned one (unit total variance)."""
+    return math.sqrt(1 - ISOTROPIC ** 2) * aligned + ISOTROPIC * iso
 
 
 def _orthonormal(x: torch.Tensor) -> torch.Tensor:
@@ -144,8 +149,7 @@ class _Weights:
             aligned = _matmul(self.S, self.heavy(r, k, gain, outlier_rows)) * math.sqrt(n / r)
         else:                           # internal (wq_b, wo_a, ...): unstructured
             return self.heavy(n, k, gain, outlier_rows)
-        iso = self.heavy(n, k, gain, outlier_rows)
-        return math.sqrt(1 - ISOTROPIC ** 2) * aligned + ISOTROPIC * iso
+        return _blend(aligned, self.heavy(n, k, gain, outlier_rows))
 
     def fp8(self, n: int, k: int, gain: float) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek FP8: per 128x128 tile, scale 2^ceil(log2(amax/448)) as UE8M0, e4m3 codes."""
@@ -175,7 +179,7 @@ class _Weights:
         if name == "embed.weight":
             rows = self.heavy(shape[0], self.r, gain=EMBED_GAIN * math.sqrt(H), outlier_rows=0.0)
             iso = self.heavy(*shape, gain=EMBED_GAIN * math.sqrt(H), outlier_rows=0.0)
-            return math.sqrt(1 - ISOTROPIC ** 2) * _matmul(rows, self.S.T) + ISOTROPIC * iso
+            return _blend(_matmul(rows, self.S.T), iso)
         if name == "head.weight":
             return self._head(shape)
         if "norm" in name:                                    # RMSNorm gains around 1
