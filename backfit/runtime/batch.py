@@ -4,6 +4,10 @@ Tokens of several sequences are concatenated: sequence i contributes `seq_lens[i
 at positions starts[i] .. starts[i]+seq_lens[i]-1 (its first `starts[i]` tokens are already in
 the decoding state). A full-sequence forward is a batch with start 0 and a fresh state; a decode
 step is a batch with one token per sequence.
+
+With the engine's paged cache (runtime/cache/paged.py) each sequence also carries its slot (the
+fixed-size state: window ring, compressor rows) and its block table (block i holds the
+compressed entries of positions i*block_size ...); the plain DecodeState ignores both.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class ForwardBatch:
     seq_ids: tuple[int, ...]      # one id per sequence (keys of the decoding state)
     seq_lens: tuple[int, ...]     # new tokens per sequence, sum = T
     starts: tuple[int, ...]       # tokens already cached per sequence = position of its first token
+    slots: tuple[int, ...] | None = None                     # paged cache: slot per sequence
+    block_tables: tuple[tuple[int, ...], ...] | None = None  # paged cache: block ids per sequence
 
     def __post_init__(self):
         T = int(self.tokens.shape[0])
@@ -48,11 +54,16 @@ class ForwardBatch:
             raise ValueError(f"duplicate sequence ids {self.seq_ids}")
         if any(n < 1 for n in self.seq_lens):
             raise ValueError("every sequence needs at least one new token")
+        for name in ("slots", "block_tables"):
+            v = getattr(self, name)
+            if v is not None and len(v) != len(self.seq_ids):
+                raise ValueError(f"{name} must have one entry per sequence")
 
     @classmethod
     def build(cls, seqs: Sequence[tuple[int, Sequence[int] | torch.Tensor, int]],
-              device: str | torch.device = "cpu") -> "ForwardBatch":
-        """From [(seq_id, new token ids, start position), ...]."""
+              device: str | torch.device = "cpu", slots: Sequence[int] | None = None,
+              block_tables: Sequence[Sequence[int]] | None = None) -> "ForwardBatch":
+        """From [(seq_id, new token ids, start position), ...] (+ paged-cache slots/tables)."""
         toks, pos = [], []
         for _, t, start in seqs:
             t = torch.as_tensor(t, dtype=torch.int64).reshape(-1)
@@ -60,7 +71,10 @@ class ForwardBatch:
             pos.append(torch.arange(start, start + t.numel(), dtype=torch.int64))
         return cls(torch.cat(toks).to(device), torch.cat(pos).to(device),
                    tuple(int(s[0]) for s in seqs), tuple(int(t.numel()) for t in toks),
-                   tuple(int(s[2]) for s in seqs))
+                   tuple(int(s[2]) for s in seqs),
+                   None if slots is None else tuple(int(x) for x in slots),
+                   None if block_tables is None else tuple(tuple(int(b) for b in t)
+                                                           for t in block_tables))
 
     @classmethod
     def single(cls, tokens: Sequence[int] | torch.Tensor, start: int = 0, seq_id: int = 0,

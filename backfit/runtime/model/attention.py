@@ -9,7 +9,8 @@ dsv4-model.md 5.4. Per token x (after attn_norm):
   out = wo_b(concat_g wo_a[g] o_g)         (grouped low-rank output, wo_a block-diagonal)
 Heads (wq_b, sink, wo_a groups) are split across ranks; the latent KV and the compressors are
 replicated; wo_b is row-parallel. Q/KV projections run on the whole batch; the attention core
-runs per sequence against that sequence's decoding state (plain torch, FP32 scores).
+runs per sequence against the layer cache (runtime/state.py: the interface; plain torch, FP32
+scores): it reads the window and compressed entries, and writes this chunk's, nothing else.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from backfit.runtime.distributed import get_tp_info
 from backfit.runtime.layers import (ColumnParallelLinear, Linear, RMSNorm, RowParallelLinear,
                                     Rotary)
 from backfit.runtime.model.compressor import Compressor, Indexer
-from backfit.runtime.state import LayerState
 
 __all__ = ["Attention", "layer_rotary"]
 
@@ -60,8 +60,8 @@ class Attention(nn.Module):
                            if ratio else None)
         self.indexer = Indexer(cfg, self.rope) if ratio == 4 else None
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, states: list[LayerState]) -> torch.Tensor:
-        """x [T, d] (normed attention input) -> [T, d]; states[i] belongs to batch sequence i."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
+        """x [T, d] (normed attention input) -> [T, d]; cache: this layer's, bound to the batch."""
         T, pos = x.shape[0], batch.positions
         Hl, D = self.local_heads, self.cfg.head_dim
         qr = self.q_norm(self.wq_a(x))                                # [T, q_lora]; indexer input too
@@ -79,20 +79,21 @@ class Attention(nn.Module):
             r = slice(s.lo, s.hi)
             extra = None
             if comp is not None:
-                entries = self.compressor.update(states[s.index].comp, comp[0][r], comp[1][r], s.start)
+                entries = self.compressor.update(cache, s.index, "comp", comp[0][r], comp[1][r],
+                                                 s.start, x.dtype)
                 extra = (entries, None)
                 if self.indexer is not None:
-                    keys = self.indexer.compressor.update(states[s.index].index, icomp[0][r],
-                                                          icomp[1][r], s.start)
+                    keys = self.indexer.compressor.update(cache, s.index, "index", icomp[0][r],
+                                                          icomp[1][r], s.start, x.dtype)
                     extra = (entries, (qI[r], wI[r], keys))
-            o[r] = self._attend(q[r], kv[r], pos[r], s, states[s.index], extra)
+            o[r] = self._attend(q[r], kv[r], pos[r], s, cache, extra)
         o = self.rope(o.to(x.dtype), pos, inverse=True)               # de-rotate by query position
         o = o.view(T, self.local_groups, self.heads_per_group * D)    # group g = heads g*hpg ..
         wa = self.wo_a.dequantized(x.dtype).view(self.local_groups, self.cfg.o_lora_rank, -1)
         zg = torch.einsum("tgi,goi->tgo", o, wa)                      # [T, Gl, o_lora]
         return self.wo_b(zg.flatten(1))                               # all-reduce over ranks
 
-    def _attend(self, q, kv, pos, s: SeqSlice, st: LayerState, extra) -> torch.Tensor:
+    def _attend(self, q, kv, pos, s: SeqSlice, cache, extra) -> torch.Tensor:
         """One sequence chunk: q [n, Hl, D], kv [n, D], pos [n] -> o [n, Hl, D] FP32.
 
         Queries are processed q_chunk at a time so a long prefill never materialises
@@ -100,11 +101,10 @@ class Attention(nn.Module):
         """
         W, n = self.window, s.n
         lo = max(0, s.start - W + 1)                                  # oldest position still visible
-        prev_pos = torch.arange(lo, s.start, device=kv.device)
-        keys = torch.cat((st.ring[prev_pos % W], kv)).float()         # [Wn, D], positions lo ..
+        prev, prev_pos = cache.window(s.index, s.start)               # [lo .. start-1]
+        keys = torch.cat((prev.to(kv.dtype), kv)).float()             # [Wn, D], positions lo ..
         kpos = torch.cat((prev_pos, pos))
-        keep = min(n, W)                                              # ring gets the newest entries
-        st.ring[pos[-keep:] % W] = kv[-keep:]                         # (after reading it above)
+        cache.write_window(s.index, pos, kv)                          # (after reading it above)
         o = torch.empty(n, self.local_heads, keys.shape[1], dtype=torch.float32, device=kv.device)
         for a in range(0, n, self.q_chunk):
             b = min(n, a + self.q_chunk)

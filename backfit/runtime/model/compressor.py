@@ -8,7 +8,8 @@ Compressor: learned gated pooling of m = ratio consecutive tokens into one entry
   then E_j = norm(E_j), RoPE of its last dims at position j·m (the block's first token).
 The QAT fake-quant epilogues (FP8 on the attention entries, Hadamard + FP4 on the indexer keys)
 are not simulated (allowed by 5.10; without FP4 the Hadamard cancels in q·k).
-Streaming: CompressorState keeps the unpooled rows, so any chunking gives the same entries.
+Streaming: the cache keeps the unpooled rows (runtime/state.py), so any chunking gives the same
+entries.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from torch import nn
 from backfit.config import ModelConfig
 from backfit.runtime.distributed import all_reduce, get_tp_info
 from backfit.runtime.layers import ColumnParallelLinear, Linear, RMSNorm, Rotary
-from backfit.runtime.state import CompressorState
 
 __all__ = ["Compressor", "Indexer"]
 
@@ -42,21 +42,24 @@ class Compressor(nn.Module):
         xf = x.float()
         return self.wkv(xf), self.wgate(xf) + self.ape[pos % self.ratio]
 
-    def update(self, st: CompressorState, c: torch.Tensor, z: torch.Tensor, start: int) -> torch.Tensor:
-        """Append one sequence's new rows c, z [n, width] (positions start..); returns all entries.
+    def update(self, cache, i: int, kind: str, c: torch.Tensor, z: torch.Tensor, start: int,
+               dtype: torch.dtype) -> torch.Tensor:
+        """Add sequence i's new rows c, z [n, width] (positions start..); -> entries [j1, D].
 
-        Emits entry j for every block j that completes inside this chunk, reading block j-1 from
-        the rolling rows when the chunk starts mid-way (CSA).
+        Emits entry j for every block j that completes inside this chunk, reading the rows it
+        needs from before the chunk (block j-1 for CSA, the incomplete block) from the cache.
+        Returns all entries 0 .. j1-1 with j1 = (start+n) // ratio: what the chunk's queries see.
         """
         m, D = self.ratio, self.head_dim
-        if st.base + st.c.shape[0] != start:
-            raise ValueError(f"compressor state covers up to {st.base + st.c.shape[0]}, chunk starts at {start}")
-        rows_c, rows_z = torch.cat((st.c, c)), torch.cat((st.z, z))    # positions base .. end-1
+        back = 1 if self.overlap else 0                                # CSA also reads block j-1
+        lo = max(0, (start // m - back) * m)                           # first row entry j0 needs
+        old_c, old_z = cache.rows(i, kind, lo, start)
+        rows_c, rows_z = torch.cat((old_c, c)), torch.cat((old_z, z))  # positions lo .. end-1
         end = start + c.shape[0]
         j0, j1 = start // m, end // m                                  # entries to emit: j0..j1-1
         if j1 > j0:
-            b0 = st.base // m                                          # block index of row 0
-            nfull = (end - st.base) // m
+            b0 = lo // m                                               # block index of row 0
+            nfull = (end - lo) // m
             bc = rows_c[:nfull * m].view(nfull, m, -1)                 # [blocks, m, width]
             bz = rows_z[:nfull * m].view(nfull, m, -1)
             if self.overlap:
@@ -71,13 +74,12 @@ class Compressor(nn.Module):
             else:
                 sc, sz = bc[j0 - b0:j1 - b0], bz[j0 - b0:j1 - b0]          # [k, m, D]
             E = (torch.softmax(sz, dim=1) * sc).sum(dim=1)                 # softmax over slots
-            E = self.norm(E.to(st.dtype))
+            E = self.norm(E.to(dtype))                                     # act dtype, as stored
             jpos = torch.arange(j0, j1, device=E.device) * m
-            E = self.rope(E, jpos)                                         # at the block's first token
-            st.entries = torch.cat((st.entries, E))
-        keep = max(j1 - 1, 0) * m if self.overlap else j1 * m          # CSA keeps block j1-1 too
-        st.c, st.z, st.base = rows_c[keep - st.base:], rows_z[keep - st.base:], keep
-        return st.entries
+            cache.write_entries(i, kind, j0, self.rope(E, jpos))           # at the block's first token
+        keep_from = max(0, (end // m - back) * m)                      # what the next chunk reads
+        cache.write_rows(i, kind, torch.arange(start, end, device=c.device), c, z, keep_from)
+        return cache.entries(i, kind, j1)
 
 
 class Indexer(nn.Module):

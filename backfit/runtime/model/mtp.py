@@ -4,8 +4,8 @@
   Y = Block(Y)       window-only attention (θ = rope_theta, no YaRN), scored router, own KV ring
   logits_{t+2} = head(norm(hc_head_mtp(Y)))          (embed and head shared with the main model)
 X_t are the main model's streams before hc_head at the same positions as the batch. The caller
-aligns next_tokens with the batch; the MTP ring lives in SequenceState.mtp and is keyed by the
-batch positions (no separate length check).
+aligns next_tokens with the batch; the MTP ring is the cache's layer num_hidden_layers + stage,
+keyed by the batch positions (bound with advance=False: no separate length check).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ class MTPBlock(Block):
         """X [T, 4, d] main streams, next_tokens [T] -> (logits [T, vocab] FP32, Y [T, 4, d])."""
         e = self.e_proj(self.enorm(model.embed(next_tokens, X.dtype)))          # [T, d]
         Y = self.h_proj(self.hnorm(X)) + e[:, None, :]                         # hnorm per stream
-        states = [state.seqs[s.seq_id].mtp[stage] for s in batch.slices()]
-        Y = self(Y, batch, states)
+        bound = state.bind(batch, advance=False)                                # rings only
+        Y = self(Y, batch, bound.layer(model.cfg.num_hidden_layers + stage))
         c = self.cfg
         h = hc_head(Y, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.hc_eps, c.rms_norm_eps)
         return model.head(self.norm(h)), Y

@@ -1,8 +1,8 @@
 """DeepSeek-V4 transformer: embed -> 4 streams -> blocks (mHC around attention and MoE) ->
 hc_head collapse -> norm -> head. dsv4-model.md 5.1-5.7.
 
-forward(batch, state) runs any mix of prefill chunks and decode steps: each sequence's chunk
-continues its DecodeState entry (a fresh state = one full-sequence forward). Logits are FP32
+forward(batch, cache) runs any mix of prefill chunks and decode steps: each sequence's chunk
+continues its cache entry (DecodeState or the paged pools; none = one full-sequence forward). Logits are FP32
 over the full vocabulary (all-gathered across ranks), for every token or each sequence's last.
 """
 
@@ -17,7 +17,7 @@ from backfit.runtime.layers import ParallelHead, RMSNorm, VocabParallelEmbedding
 from backfit.runtime.model.attention import Attention
 from backfit.runtime.model.hyper import add_hc_buffers, hc_head, hc_post, hc_pre
 from backfit.runtime.model.moe import MoE
-from backfit.runtime.state import DecodeState, LayerState
+from backfit.runtime.state import DecodeState
 
 __all__ = ["Block", "Transformer"]
 
@@ -41,9 +41,10 @@ class Block(nn.Module):
         return hc_pre(X, getattr(self, f"hc_{which}_fn"), getattr(self, f"hc_{which}_scale"),
                       getattr(self, f"hc_{which}_base"), c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
-    def forward(self, X: torch.Tensor, batch: ForwardBatch, states: list[LayerState]) -> torch.Tensor:
+    def forward(self, X: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
+        """cache: this layer's cache bound to the batch (runtime/state.py interface)."""
         u, post, M = self._hc("attn", X)                          # u [T, d]
-        X = hc_post(self.attn(self.attn_norm(u), batch, states), X, post, M)
+        X = hc_post(self.attn(self.attn_norm(u), batch, cache), X, post, M)
         u, post, M = self._hc("ffn", X)
         return hc_post(self.ffn(self.ffn_norm(u), batch.tokens), X, post, M)
 
@@ -76,16 +77,19 @@ class Transformer(nn.Module):
         device = device if device is not None else self.embed.weight.device
         return DecodeState(self.cfg, self.dtype, device, mtp_layers=len(self.mtp))
 
-    def hidden(self, batch: ForwardBatch, state: DecodeState | None = None) -> torch.Tensor:
-        """Streams after the last block (before hc_head): [T, hc_mult, d]; advances the state."""
-        state = state if state is not None else self.new_state()
-        seqs = [state.get(s.seq_id, s.start) for s in batch.slices()]
+    def hidden(self, batch: ForwardBatch, cache=None) -> torch.Tensor:
+        """Streams after the last block (before hc_head): [T, hc_mult, d]; advances the cache.
+
+        cache: a DecodeState or the engine's PagedCache (anything with bind(batch)); None = a
+        fresh DecodeState (one full-sequence forward).
+        """
+        cache = cache if cache is not None else self.new_state()
+        bound = cache.bind(batch)
         e = self.embed(batch.tokens, self.dtype)                    # [T, d]
         X = e[:, None, :].repeat(1, self.cfg.hc_mult, 1)           # 4 plain copies, no gate
         for i, layer in enumerate(self.layers):
-            X = layer(X, batch, [s.layers[i] for s in seqs])
-        for s, n in zip(seqs, batch.seq_lens):
-            s.length += n
+            X = layer(X, batch, bound.layer(i))
+        bound.commit()
         return X
 
     def logits(self, X: torch.Tensor) -> torch.Tensor:
@@ -95,10 +99,9 @@ class Transformer(nn.Module):
         return self.head(self.norm(h))
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, state: DecodeState | None = None,
-                last_only: bool = False) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cache=None, last_only: bool = False) -> torch.Tensor:
         """-> logits [T, vocab] (every token) or [num_seqs, vocab] (last token of each sequence)."""
-        X = self.hidden(batch, state)
+        X = self.hidden(batch, cache)
         if last_only:
             X = X[batch.last_rows()]
         return self.logits(X)
