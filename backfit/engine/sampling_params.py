@@ -95,7 +95,7 @@ class SamplingParams:
 
     @staticmethod
     def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
-        """{id: bias} (ids may be decimal strings, as JSON sends them) -> sorted ((id, bias), ...)."""
+        """{id: bias} (ids may be decimal strings, as JSON sends) -> sorted ((id, bias), ...)."""
         items = bias.items() if isinstance(bias, dict) else (bias or ())
         out = {}
         for k, v in items:
@@ -121,6 +121,6 @@ class SamplingParams:
                 or self.repetition_penalty != 1)
 
     def all_stop_token_ids(self, eos_token_id: int | None) -> tuple[int, ...]:
-        """stop_token_ids plus eos unless ignore_eos: what min_tokens masks and what ends a request."""
+        """stop_token_ids + eos (unless ignore_eos): what min_tokens bans, what ends a request."""
         eos = () if self.ignore_eos or eos_token_id is None else (eos_token_id,)
         return tuple(dict.fromkeys(eos + self.stop_token_ids))

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingBatch", "SampleOutput", "HostSample", "process_logits", "sample", "prompt_logprobs",
-           "row_seed"]
+__all__ = ["SamplingBatch", "SampleOutput", "HostSample", "process_logits", "sample",
+           "prompt_logprobs", "row_seed"]
 
 _EPS = 1e-5                  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 _M64 = (1 << 64) - 1
@@ -124,6 +124,9 @@ class SamplingBatch:
                 raise ValueError(f"stop token id {max(ids)} is out of range for vocab {V}")
             banned = (torch.tensor(rows, device=device), torch.tensor(ids, device=device))
 
+        def col(name):
+            return torch.tensor([float(getattr(p, name)) for p in params], **f32)
+
         seeds = [(i, row_seed(p.seed, len(out))) for i, (g, p, out)
                  in enumerate(zip(greedy, params, output_ids)) if not g and p.seed is not None]
         return cls(
@@ -135,10 +138,9 @@ class SamplingBatch:
             if use_p else None,
             min_p=torch.tensor([0.0 if g else p.min_p for g, p in zip(greedy, params)], **f32)
             if use_min_p else None,
-            presence=torch.tensor([float(p.presence_penalty) for p in params], **f32) if pen else None,
-            frequency=torch.tensor([float(p.frequency_penalty) for p in params], **f32) if pen else None,
-            out_counts=out_counts,
-            repetition=torch.tensor([float(p.repetition_penalty) for p in params], **f32) if rep else None,
+            presence=col("presence_penalty") if pen else None,
+            frequency=col("frequency_penalty") if pen else None, out_counts=out_counts,
+            repetition=col("repetition_penalty") if rep else None,
             seen=seen, bias=bias, banned=banned, seeds=seeds,
             num_logprobs=[p.logprobs for p in params], generator=generator)
 
@@ -199,7 +201,8 @@ def _top_k_top_p(y: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def _exponential(shape, batch: SamplingBatch, device) -> torch.Tensor:
     """q [B, V] ~ Exp(1): shared generator for all rows, then seeded rows overwritten from their
     own generator (the one per-row loop of the step; no host sync)."""
-    q = torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=batch.generator)
+    q = torch.empty(shape, dtype=torch.float32, device=device)
+    q.exponential_(generator=batch.generator)
     for row, s in batch.seeds:
         g = torch.Generator(device=device)
         g.manual_seed(s)

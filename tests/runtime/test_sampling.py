@@ -81,7 +81,10 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     x[:, EOS] = 10.0
     x[:, 5] = 9.0
     x[:, 9] = 8.0
-    mk = lambda **kw: SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[5], **kw)  # noqa: E731
+
+    def mk(**kw):
+        return SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[5], **kw)
+
     params = [mk(), mk(), mk(ignore_eos=True), SamplingParams(temperature=0)]
     outs = [[4, 4], [4, 4, 4], [4], []]
     out = sample(x, _batch(params, outs=outs))
@@ -113,7 +116,8 @@ def test_seeded_rows_do_not_depend_on_batch_or_row():
     q = SamplingParams(temperature=1.0, top_p=0.9, seed=4321)
     outs = [[]]
     for t in range(25):
-        outs[0].append(sample(_logits(1, seed=1000 * t + 7), _batch([q], outs=outs)).token_ids.item())
+        x = _logits(1, seed=1000 * t + 7)
+        outs[0].append(sample(x, _batch([q], outs=outs)).token_ids.item())
     assert outs[0] != alone                     # another seed, another sequence
     assert row_seed(1234, 0) != row_seed(1234, 1) != row_seed(1235, 1)
 
