@@ -1,0 +1,199 @@
+"""PagedCache: the engine's cache pools, allocated once; docs/ENGINE.md §1-§2 is the design.
+
+Per layer (l < num_hidden_layers; then one window-only layer per MTP stage):
+  ring      [S, W+K, D]          latent KV of the last W+K positions, row = pos % (W+K)
+  rows      [S, R, width] x2     FP32 compressor c, z, row = pos % R  (R = 2*4+K CSA, m+K HCA)
+  entries   [NB, B/m, D]         compressed entry j of a sequence: block table[j // (B/m)],
+                                 row j % (B/m)
+  index     rows [S, 16, 256] x2 and keys [NB, B/4, 128]   (CSA layers: the indexer's)
+S = slots (running sequences + prefix-cache snapshots), NB = blocks of B tokens. Rings are sized
+so the last K = ROLLBACK tokens can be recomputed differently (speculative decoding) with
+nothing to undo: rolling back is re-running from an earlier start.
+kv_dtype "int8" stores the window and the compressed entries as INT8 with one FP32 scale per
+D-vector (symmetric, round to nearest), dequantized on read; indexer keys and rows never are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from backfit.config import ModelConfig
+from backfit.runtime.batch import ForwardBatch
+
+__all__ = ["ROLLBACK", "PagedCache", "ring_rows", "check_block_size"]
+
+ROLLBACK = 8            # tokens a sequence can roll back (docs/ENGINE.md §1)
+
+
+def ring_rows(cfg: ModelConfig, ratio: int) -> tuple[int, int]:
+    """(window ring rows, compressor ring rows) of a layer with this compression ratio."""
+    comp = 0 if ratio == 0 else (2 * 4 if ratio == 4 else ratio) + ROLLBACK
+    return cfg.sliding_window + ROLLBACK, comp
+
+
+def check_block_size(cfg: ModelConfig, block_size: int) -> None:
+    ratios = [r for r in cfg.compress_ratios if r]
+    step = math.lcm(*ratios) if ratios else 1
+    if block_size <= 0 or block_size % step:
+        raise ValueError(f"block size {block_size} must be a positive multiple of {step} "
+                         f"(the compression ratios {sorted(set(ratios))})")
+
+
+class _Store:
+    """[N, rows, width] vectors in the storage dtype (+ [N, rows] FP32 scales for int8)."""
+
+    def __init__(self, n: int, rows: int, width: int, dtype: torch.dtype, int8: bool, device):
+        self.dtype, self.int8 = dtype, int8
+        self.data = torch.zeros(n, rows, width, dtype=torch.int8 if int8 else dtype, device=device)
+        self.scale = torch.ones(n, rows, dtype=torch.float32, device=device) if int8 else None
+
+    def put(self, idx: tuple, x: torch.Tensor) -> None:
+        if self.int8:                                   # per-vector symmetric, |q| <= 127
+            s = x.float().abs().amax(-1).clamp_min(1e-30) / 127
+            self.data[idx] = torch.round(x.float() / s[:, None]).to(torch.int8)
+            self.scale[idx] = s
+        else:
+            self.data[idx] = x.to(self.dtype)
+
+    def get(self, idx: tuple) -> torch.Tensor:
+        if self.int8:
+            return (self.data[idx].float() * self.scale[idx][..., None]).to(self.dtype)
+        return self.data[idx]
+
+    def nbytes(self) -> int:
+        n = self.data.numel() * self.data.element_size()
+        return n + (self.scale.numel() * 4 if self.scale is not None else 0)
+
+
+class _Compressed:
+    """One compressor's rings (per slot) and entry blocks (per block)."""
+
+    def __init__(self, ratio, width, entry_dim, slots, blocks, block_size, rows, dtype, int8, dev):
+        self.ratio, self.rows_n, self.per_block = ratio, rows, block_size // ratio
+        self.c = torch.zeros(slots, rows, width, dtype=torch.float32, device=dev)
+        self.z = torch.zeros(slots, rows, width, dtype=torch.float32, device=dev)
+        self.entries = _Store(blocks, self.per_block, entry_dim, dtype, int8, dev)
+
+
+class _LayerPool:
+    def __init__(self, cfg: ModelConfig, ratio: int, slots: int, blocks: int, block_size: int,
+                 dtype: torch.dtype, int8: bool, device):
+        D, W = cfg.head_dim, cfg.sliding_window
+        self.W = W
+        ring, rows = ring_rows(cfg, ratio)
+        self.ring = _Store(slots, ring, D, dtype, int8, device)
+        self.comp = self.index = None
+        if ratio:
+            width = (2 if ratio == 4 else 1) * D
+            self.comp = _Compressed(ratio, width, D, slots, blocks, block_size, rows, dtype,
+                                    int8, device)
+        if ratio == 4:                                    # keys stay in the act dtype
+            self.index = _Compressed(4, 2 * cfg.index_head_dim, cfg.index_head_dim, slots,
+                                     blocks, block_size, rows, dtype, False, device)
+
+    def parts(self):
+        return [p for p in (self.comp, self.index) if p is not None]
+
+
+class _PagedLayer:
+    """One layer's pools bound to a batch: the runtime/state.py layer-cache interface."""
+
+    def __init__(self, pool: _LayerPool, slots: list[int], tables: list[torch.Tensor]):
+        self.pool, self.slots, self.tables = pool, slots, tables
+
+    def window(self, i: int, start: int):
+        ring = self.pool.ring
+        prev = torch.arange(max(0, start - self.pool.W + 1), start, device=ring.data.device)
+        return ring.get((self.slots[i], prev % ring.data.shape[1])), prev
+
+    def write_window(self, i: int, pos: torch.Tensor, kv: torch.Tensor) -> None:
+        R = self.pool.ring.data.shape[1]
+        keep = min(pos.shape[0], R)                       # older rows of a long chunk: gone
+        self.pool.ring.put((self.slots[i], pos[-keep:] % R), kv[-keep:])
+
+    def _part(self, kind: str) -> _Compressed:
+        return self.pool.comp if kind == "comp" else self.pool.index
+
+    def rows(self, i: int, kind: str, lo: int, start: int):
+        p = self._part(kind)
+        r = torch.arange(lo, start, device=p.c.device) % p.rows_n
+        return p.c[self.slots[i], r], p.z[self.slots[i], r]
+
+    def write_rows(self, i, kind, pos, c, z, keep_from: int) -> None:
+        p = self._part(kind)
+        keep = min(pos.shape[0], p.rows_n)                # the ring keeps what rollback needs
+        r = pos[-keep:] % p.rows_n
+        p.c[self.slots[i], r], p.z[self.slots[i], r] = c[-keep:], z[-keep:]
+
+    def _where(self, i: int, p: _Compressed, j: torch.Tensor):
+        blk = j // p.per_block
+        table = self.tables[i]
+        if j.numel() and int(blk[-1]) >= table.shape[0]:
+            raise IndexError(f"entry {int(j[-1])} needs block {int(blk[-1])} of a sequence with "
+                             f"{table.shape[0]} blocks")
+        return table[blk], j % p.per_block
+
+    def write_entries(self, i, kind, j0: int, E: torch.Tensor) -> None:
+        p = self._part(kind)
+        j = torch.arange(j0, j0 + E.shape[0], device=E.device)
+        p.entries.put(self._where(i, p, j), E)
+
+    def entries(self, i, kind, n: int) -> torch.Tensor:
+        p = self._part(kind)
+        j = torch.arange(n, device=p.c.device)
+        return p.entries.get(self._where(i, p, j))
+
+
+class _BoundPaged:
+    def __init__(self, cache: "PagedCache", batch: ForwardBatch):
+        if batch.slots is None or batch.block_tables is None:
+            raise ValueError("a PagedCache batch needs slots and block tables")
+        self.cache, self.slots = cache, list(batch.slots)
+        self.tables = [torch.tensor(t, dtype=torch.int64, device=cache.device)
+                       for t in batch.block_tables]
+
+    def layer(self, l: int) -> _PagedLayer:
+        return _PagedLayer(self.cache.layers[l], self.slots, self.tables)
+
+    def commit(self) -> None:                             # lengths live in the engine
+        pass
+
+
+class PagedCache:
+    """All layers' pools: num_slots fixed-size states, num_blocks blocks of block_size tokens."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, kv_dtype: str = "auto", device="cpu", mtp_layers: int = 0):
+        check_block_size(cfg, block_size)
+        if kv_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv cache dtype {kv_dtype!r}: choose auto (= activations) or int8")
+        self.cfg, self.block_size, self.num_slots, self.num_blocks = cfg, block_size, num_slots, num_blocks
+        self.dtype, self.kv_dtype, self.device = dtype, kv_dtype, torch.device(device)
+        ratios = [cfg.ratio(i) for i in range(cfg.num_hidden_layers)] + [0] * mtp_layers
+        self.layers = [_LayerPool(cfg, r, num_slots, num_blocks, block_size, dtype,
+                                  kv_dtype == "int8", self.device) for r in ratios]
+
+    def bind(self, batch: ForwardBatch) -> _BoundPaged:
+        return _BoundPaged(self, batch)
+
+    @torch.no_grad()
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Slot dst := slot src (a prefix-cache snapshot taken or restored)."""
+        for lp in self.layers:
+            lp.ring.data[dst] = lp.ring.data[src]
+            if lp.ring.scale is not None:
+                lp.ring.scale[dst] = lp.ring.scale[src]
+            for p in lp.parts():
+                p.c[dst], p.z[dst] = p.c[src], p.z[src]
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes allocated: {'slots': all slots, 'blocks': all blocks}."""
+        slots = blocks = 0
+        for lp in self.layers:
+            slots += lp.ring.nbytes()
+            for p in lp.parts():
+                slots += (p.c.numel() + p.z.numel()) * 4
+                blocks += p.entries.nbytes()
+        return {"slots": slots, "blocks": blocks}
