@@ -1,11 +1,19 @@
 """Tensor parallelism: tp = 2 and 4 (gloo on CPU, one process per rank, each loading only its
-own rank files of an int8 conversion made with --tp N) give the tp = 1 logits.
+own rank files of a conversion made with --tp N) give the tp = 1 logits, for the INT8 and the
+lossless conversion.
 
 Covers sharded int8 scales (wq_b, wo_b, shared/routed experts by intermediate dim), the
 vocab-parallel embedding/head, the head-split sink and indexer (partial scores all-reduced
-before top-k), and a decode step through the state on every rank.
+before top-k), and decode steps through the state on every rank.
+
+The sequence is long enough that the indexer really selects: a CSA layer (ratio 4) has
+(p + 1) // 4 complete entries at position p, more than index_topk = 16 from p = 68 on, so for
+most positions a wrong partial score (a missing all-reduce, a head scaled on one rank only)
+changes WHICH entries are attended, not just their weights. A spy on Indexer.select counts the
+rows where k < valid entries, on every rank, and the test asserts they are the majority.
 """
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -14,21 +22,43 @@ import torch.multiprocessing as mp
 
 from backfit.runtime.batch import ForwardBatch
 
-S, PREFILL = 40, 30
+S, PREFILL = 168, 156         # 100 of 168 positions select 16 of more than 16 entries
+STRICT_MIN = 0.5              # share of indexer rows with k < valid entries, asserted
 
 
 def _tokens() -> torch.Tensor:
     return torch.randint(0, 512, (S,), generator=torch.Generator().manual_seed(11))
 
 
+@contextlib.contextmanager
+def _spy_on_indexer():
+    """Wrap Indexer.select in this process; yields counters {"rows", "strict"}: indexer rows
+    seen, and rows where top-k is strictly smaller than the number of valid entries."""
+    from backfit.runtime.model import compressor
+    seen = {"rows": 0, "strict": 0}
+    orig = compressor.Indexer.select
+
+    def select(self, qI, w, keys, valid):                 # valid [n, E] -> sel, ok [n, k]
+        sel, ok = orig(self, qI, w, keys, valid)
+        seen["rows"] += valid.shape[0]
+        seen["strict"] += int((valid.sum(-1) > sel.shape[1]).sum())
+        return sel, ok
+    compressor.Indexer.select = select
+    try:
+        yield seen
+    finally:
+        compressor.Indexer.select = orig
+
+
 def _run(model, tokens):
-    """(full-sequence logits [S, V], prefill + decode logits [S, V])."""
-    full = model(ForwardBatch.single(tokens))
-    st = model.new_state()
-    outs = [model(ForwardBatch.single(tokens[:PREFILL]), st)]
-    for p in range(PREFILL, S):
-        outs.append(model(ForwardBatch.single(tokens[p:p + 1], start=p), st))
-    return full, torch.cat(outs)
+    """(full-sequence logits [S, V], prefill + decode logits [S, V], indexer counters)."""
+    with _spy_on_indexer() as seen:
+        full = model(ForwardBatch.single(tokens))
+        st = model.new_state()
+        outs = [model(ForwardBatch.single(tokens[:PREFILL]), st)]
+        for p in range(PREFILL, S):
+            outs.append(model(ForwardBatch.single(tokens[p:p + 1], start=p), st))
+    return full, torch.cat(outs), seen
 
 
 def _worker(rank: int, size: int, port: int, root: str, out: str) -> None:
@@ -41,26 +71,40 @@ def _worker(rank: int, size: int, port: int, root: str, out: str) -> None:
     try:
         model = Transformer(ModelConfig.from_file(Path(root) / "config.json"), torch.float32)
         report = load_model(model, root)
-        full, inc = _run(model, _tokens())
-        torch.save({"full": full, "inc": inc, "report": report}, f"{out}/rank{rank}.pt")
+        full, inc, seen = _run(model, _tokens())
+        torch.save({"full": full, "inc": inc, "report": report, "indexer": seen},
+                   f"{out}/rank{rank}.pt")
     finally:
         destroy_distributed()
 
 
 @pytest.fixture(scope="module")
-def tp1_logits(int8_dirs, build_model):
-    return _run(build_model(int8_dirs[1]), _tokens())
+def tp1_logits(tiny_converted, build_model):
+    """kind -> tp = 1 result of the same conversion kind (built lazily, once)."""
+    cache = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            cache[kind] = _run(build_model(tiny_converted(1, kind)), _tokens())
+        return cache[kind]
+    return get
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tp_matches_tp1(tp, int8_dirs, tp1_logits, rel_err, tmp_path):
+@pytest.mark.parametrize("kind,tp", [("int8", 2), ("int8", 4), ("bf16", 2), ("bf16", 4)])
+def test_tp_matches_tp1(kind, tp, tiny_converted, tp1_logits, rel_err, tmp_path):
     from backfit.runtime.distributed import free_port
-    mp.spawn(_worker, args=(tp, free_port(), str(int8_dirs[tp]), str(tmp_path)), nprocs=tp, join=True)
-    want_full, want_inc = tp1_logits
+    root = tiny_converted(tp, kind)
+    want_full, want_inc, seen1 = tp1_logits(kind)
+    assert seen1["rows"] > 0, "the indexer never ran at tp 1"
+    mp.spawn(_worker, args=(tp, free_port(), str(root), str(tmp_path)), nprocs=tp, join=True)
     for r in range(tp):
         got = torch.load(tmp_path / f"rank{r}.pt")
         assert got["report"]["rank"] == r and got["report"]["files"] > 0
+        seen = got["indexer"]
+        assert seen == seen1, f"rank {r} ran the indexer on other rows: {seen} vs {seen1}"
+        assert seen["strict"] >= STRICT_MIN * seen["rows"], \
+            f"top-k < valid entries on only {seen['strict']}/{seen['rows']} indexer rows"
         for key, want in (("full", want_full), ("inc", want_inc)):
             err = rel_err(got[key], want)
-            assert err.max() < 1e-4, f"tp={tp} rank {r} {key}: max rel err {err.max():.2e}"
+            assert err.max() < 1e-4, f"{kind} tp={tp} rank {r} {key}: max rel err {err.max():.2e}"
             assert torch.equal(got[key].argmax(-1), want.argmax(-1))
