@@ -17,6 +17,7 @@ from torch import nn
 from backfit.formats import INT8_GROUP, MX_GROUP
 from backfit.quant import dequant_int8_groups, dequant_int8_mx
 from backfit.runtime.distributed import all_gather, all_reduce, get_tp_info
+from backfit.runtime.kernels import get_kernel_backend
 
 __all__ = ["LINEAR_SCHEMES", "Linear", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "ParallelHead", "RMSNorm", "Rotary", "yarn_inv_freq"]
@@ -28,6 +29,7 @@ LINEAR_SCHEMES = {
     "bf16": (torch.bfloat16, None, None),
     "copy": (None, None, None),
 }
+_KERNEL_SCHEMES = ("int8_g128", "bf16", "copy")      # Linear schemes runtime.kernels.gemm runs
 
 
 class Linear(nn.Module):
@@ -83,6 +85,10 @@ class Linear(nn.Module):
         return w.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if get_kernel_backend() == "triton" and x.dtype == torch.bfloat16 \
+                and self.scheme in _KERNEL_SCHEMES:
+            from backfit.runtime.kernels.gemm import linear       # imports triton on first use
+            return linear(x, self.weight, self.scale, self.scheme)
         return F.linear(x, self.dequantized(x.dtype))
 
     def extra_repr(self) -> str:

@@ -1,0 +1,220 @@
+"""Quantized linear y = x @ W^T for the converted schemes (docs/FORMAT.md), in Triton, SM80-safe.
+
+Paths (chosen by the launcher `linear` from M = tokens and the scheme):
+  a16    x BF16 [M, K] times W [N, K] (int8_g128 or bf16/copy), FP32 accumulate, BF16 MMA.
+         int8_g128: each 128-wide K step does dot(x, q) with q exact in BF16 and adds it times
+         the (row, 128) scale in FP32, so no weight element is rounded. M < 64 (decode): BM = 16
+         and split-K so the weight is streamed once by >= ~2 programs per SM (partials [S, M, N]
+         FP32 summed in a fixed order: deterministic). bf16/copy weights use this path at any M.
+  w8a8   int8_g128 at M >= 64 (prefill): x quantized per (token, 128) to INT8 (absmax/127, round
+         half to even, clamp ±127: the same rule as quant.quantize_int8_groups) by `act_quant`,
+         then an INT8 MMA (int32 per 128-K step) scaled by x_scale[m] · w_scale[n] in FP32.
+Shared memory of every shipped config stays <= 99 KB on sm_80 (tests/runtime/kernels/test_sm80.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from backfit.formats import INT8_GROUP
+
+__all__ = ["PREFILL_M", "act_quant", "linear", "a16_config", "w8a8_config", "dot_bf16",
+           "interpreted"]
+
+PREFILL_M = 64          # int8_g128 at M >= PREFILL_M takes the W8A8 tensor-core path
+
+
+@triton.jit
+def dot_bf16(a, b, acc, F32: tl.constexpr):
+    """acc + a @ b for BF16 operands with FP32 accumulation. F32 (interpreter only): Triton 3.9's
+    interpreter mis-multiplies BF16 dots, so operands go up to FP32 there (same exact products)."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+
+
+@triton.jit
+def _a16_kernel(X, W, S, Y, M, N, K, stride_xm, K_SPLIT,
+                QUANT: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One [BM, BN] tile of x @ W^T over K range [pid_k·K_SPLIT, +K_SPLIT); SPLIT>1 stores FP32 partials."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_ok, n_ok = rm < M, rn < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BK):
+        kk = k0 + rk
+        k_ok = kk < k_hi
+        x = tl.load(X + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W + rn[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)   # [BN, BK]
+        if QUANT:
+            # BK == 128 == the scale group: q (|q| <= 127) is exact in BF16, the scale is applied in FP32
+            part = dot_bf16(x, tl.trans(w), tl.zeros((BM, BN), dtype=tl.float32), F32)
+            s = tl.load(S + rn * (K // 128) + k0 // 128, mask=n_ok, other=0.0)             # [BN] fp32
+            acc += part * s[None, :]
+        else:
+            acc = dot_bf16(x, tl.trans(w), acc, F32)
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT == 1:
+        tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+    else:
+        tl.store(Y + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _act_quant_kernel(X, Q, S, K, stride_xm, G: tl.constexpr, GP: tl.constexpr):
+    """Row m of x [M, K] -> q int8 [M, K], scale fp32 [M, K/128]; G = K/128 groups (GP padded)."""
+    m = tl.program_id(0)
+    rg = tl.arange(0, GP)
+    rc = tl.arange(0, 128)
+    g_ok = rg < G
+    offs = rg[:, None] * 128 + rc[None, :]                                   # [GP, 128]
+    x = tl.load(X + m * stride_xm + offs, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)                                         # [GP]
+    scale = tl.math.div_rn(amax, tl.full((GP,), 127.0, tl.float32))          # IEEE, as torch
+    safe = tl.where(scale > 0, scale, 1.0)
+    y = tl.math.div_rn(x, tl.broadcast_to(safe[:, None], (GP, 128)))
+    y = (y + 12582912.0) - 12582912.0      # + 1.5·2^23 - 1.5·2^23: round half to even, |y| < 2^22
+    y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+    tl.store(Q + m * K + offs, y.to(tl.int8), mask=g_ok[:, None])
+    tl.store(S + m * G + rg, scale, mask=g_ok)
+
+
+@triton.jit
+def _w8a8_kernel(A, AS, W, WS, Y, M, N, K,
+                 BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile of (q_x·s_x) @ (q_w·s_w)^T: int32 MMA per 128-K step, scaled and summed in FP32."""
+    pid = tl.program_id(0)
+    grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    width = GROUP_M * grid_n                          # grouped order: GROUP_M row tiles share W tiles
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, 128)
+    m_ok, n_ok = rm < M, rn < N
+    G = K // 128
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for g in range(0, G):
+        a = tl.load(A + rm[:, None] * K + g * 128 + rk[None, :], mask=m_ok[:, None], other=0)
+        w = tl.load(W + rn[:, None] * K + g * 128 + rk[None, :], mask=n_ok[:, None], other=0)
+        part = tl.dot(a, tl.trans(w))                                        # int32 [BM, BN]
+        sa = tl.load(AS + rm * G + g, mask=m_ok, other=0.0)
+        sw = tl.load(WS + rn * G + g, mask=n_ok, other=0.0)
+        acc += part.to(tl.float32) * sa[:, None] * sw[None, :]
+    tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def interpreted() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return not isinstance(_a16_kernel, triton.runtime.jit.JITFunction)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4                                                   # interpreter: small grids
+
+
+def a16_config(M: int, N: int, K: int, quant: bool, sms: int, split_k: int | None = None) -> dict:
+    """Tile sizes, split-K and launch options of the a16 path for an [M, K] x [N, K]^T problem."""
+    BK = 128 if quant else 64
+    if M <= 16:
+        BM, BN, warps, stages = 16, 64, 4, 4
+    elif M <= 64:
+        BM, BN, warps, stages = 32 if M <= 32 else 64, 64, 4, 4
+    else:
+        BM, BN, warps, stages = 128, 128, 8, 3
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    steps = triton.cdiv(K, BK)
+    if split_k is None:
+        split_k = 1 if M > 64 else max(1, min(steps, triton.cdiv(2 * sms, tiles)))
+    k_split = triton.cdiv(steps, split_k) * BK                 # whole BK steps per split
+    return dict(BM=BM, BN=BN, BK=BK, SPLIT=triton.cdiv(K, k_split), K_SPLIT=k_split,
+                num_warps=warps, num_stages=stages)
+
+
+def w8a8_config(M: int, N: int) -> dict:
+    """Tile sizes of the W8A8 path: 128x128x128 INT8, 3 stages = 96 KB shared on sm_80."""
+    return dict(BM=128 if M >= 128 else 64, BN=128, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] bf16/fp32, K % 128 == 0 -> (q int8 [M, K], scale fp32 [M, K/128]), per (token, 128)."""
+    if x.dim() != 2 or x.shape[1] % INT8_GROUP or x.stride(1) != 1:
+        raise ValueError(f"act_quant: need [M, K] with K % {INT8_GROUP} == 0 and unit stride, "
+                         f"got {list(x.shape)} strides {x.stride()}")
+    M, K = x.shape
+    G = K // INT8_GROUP
+    q = torch.empty(M, K, dtype=torch.int8, device=x.device)
+    s = torch.empty(M, G, dtype=torch.float32, device=x.device)
+    if M:
+        _act_quant_kernel[(M,)](x, q, s, K, x.stride(0), G=G, GP=triton.next_power_of_2(G))
+    return q, s
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scheme: str,
+           path: str | None = None, split_k: int | None = None) -> torch.Tensor:
+    """x [..., K] bf16 @ weight[N, K]^T -> [..., N] bf16 for scheme int8_g128 | bf16 | copy.
+
+    path "a16"/"w8a8" and split_k override the automatic choice (tests, benchmarks).
+    """
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"linear kernel: activations must be bfloat16, got {x.dtype}")
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"linear kernel: x has {x.shape[-1]} inputs, weight {list(weight.shape)}")
+    if x.device != weight.device:
+        raise ValueError(f"linear kernel: x on {x.device}, weight on {weight.device}")
+    quant = scheme == "int8_g128"
+    if quant:
+        if weight.dtype != torch.int8 or scale is None or scale.dtype != torch.float32 \
+                or tuple(scale.shape) != (N, K // INT8_GROUP) or K % INT8_GROUP:
+            raise ValueError(f"linear kernel: int8_g128 needs int8 [N, K] and fp32 [N, K/128] scales, "
+                             f"got {weight.dtype}{list(weight.shape)} / "
+                             f"{None if scale is None else (scale.dtype, list(scale.shape))}")
+        scale = scale.contiguous()
+    elif scheme in ("bf16", "copy"):
+        if weight.dtype not in (torch.bfloat16, torch.float32) or scale is not None:
+            raise ValueError(f"linear kernel: {scheme} needs a bf16/fp32 weight and no scale")
+    else:
+        raise ValueError(f"linear kernel: scheme {scheme!r} not supported")
+    weight = weight.contiguous()
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    if M == 0 or N == 0:
+        return y.reshape(*lead, N)
+    if path is None:
+        path = "w8a8" if quant and M >= PREFILL_M else "a16"
+    if path == "w8a8":
+        if not quant:
+            raise ValueError("linear kernel: the w8a8 path needs int8_g128 weights")
+        qx, sx = act_quant(x2)
+        cfg = w8a8_config(M, N)
+        grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+        _w8a8_kernel[grid](qx, sx, weight, scale, y, M, N, K, **cfg)
+        return y.reshape(*lead, N)
+    if path != "a16":
+        raise ValueError(f"linear kernel: unknown path {path!r}")
+    cfg = a16_config(M, N, K, quant, _num_sms(x.device), split_k)
+    split = cfg["SPLIT"]
+    out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, cfg["BM"]), triton.cdiv(N, cfg["BN"]), split)
+    _a16_kernel[grid](x2, weight, scale if quant else weight, out, M, N, K, x2.stride(0),
+                      QUANT=quant, F32=interpreted(), **cfg)
+    if split > 1:
+        y.copy_(out.sum(0))                                   # fixed-order reduce: deterministic
+    return y.reshape(*lead, N)

@@ -1,0 +1,73 @@
+"""Plain-torch references for every kernel op, with the runtime torch path's math.
+
+linear_ref          = runtime.layers.Linear.forward: dequantize to x.dtype, F.linear.
+linear_w8a8_ref     = what the W8A8 prefill kernel computes: x quantized per (token, 128) with
+                      quant.quantize_int8_groups, both sides dequantized, product in FP32.
+moe_routed_ref      = the routed part of runtime.model.moe.MoE.forward (per expert: g, u from
+                      BF16 linears, clamp, silu(g)·u·w, BF16, w2), FP32 sum over the top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from backfit.formats import MX_GROUP
+from backfit.quant import dequant_int8_groups, dequant_int8_mx, quantize_int8_groups
+
+__all__ = ["dequant_ref", "linear_ref", "act_quant_ref", "linear_w8a8_ref", "swiglu_ref",
+           "moe_routed_ref"]
+
+
+def dequant_ref(weight: torch.Tensor, scale: torch.Tensor | None, scheme: str,
+                dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] in `dtype`, exactly as Linear.dequantized."""
+    if scheme == "int8_g128":
+        w = dequant_int8_groups(weight, scale)
+    elif scheme == "int8_mx32":
+        w = dequant_int8_mx(weight, scale, MX_GROUP)
+    elif scheme in ("bf16", "copy"):
+        w = weight
+    else:
+        raise ValueError(f"unknown scheme {scheme!r}")
+    return w.to(dtype)
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+               scheme: str) -> torch.Tensor:
+    """x [..., K] @ W^T in x.dtype (the torch path)."""
+    return F.linear(x, dequant_ref(weight, scale, scheme, x.dtype))
+
+
+def act_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q int8 [M, K], scale fp32 [M, K/128]): absmax/127, round half to even."""
+    return quantize_int8_groups(x.float(), 128)
+
+
+def linear_w8a8_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W8A8 prefill math: (q_x·s_x) @ (q_w·s_w)^T in FP32 -> x.dtype; x [..., K]."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    q, s = act_quant_ref(x.reshape(-1, k))
+    y = dequant_int8_groups(q, s) @ dequant_int8_groups(weight, scale).T
+    return y.to(x.dtype).reshape(*lead, -1)
+
+
+def swiglu_ref(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(g, L)) · clamp(u, ±L) in FP32: gate clamped above only, up on both sides."""
+    return F.silu(g.float().clamp(max=limit)) * u.float().clamp(-limit, limit)
+
+
+def moe_routed_ref(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                   w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
+                   w2: torch.Tensor, s2: torch.Tensor, limit: float) -> torch.Tensor:
+    """Routed experts, FP32 [T, D]: x [T, K] bf16, idx/w [T, k], stacked int8_mx32 experts
+    w1/w3 [E, I, K] + s1/s3 [E, I, K/32], w2 [E, D, I] + s2 [E, D, I/32]."""
+    y = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(idx).tolist():
+        rows, slot = torch.nonzero(idx == e, as_tuple=True)
+        xe = x[rows]
+        g = linear_ref(xe, w1[e], s1[e], "int8_mx32").float()       # BF16 linear, then FP32
+        u = linear_ref(xe, w3[e], s3[e], "int8_mx32").float()
+        h = swiglu_ref(g, u, limit) * w[rows, slot][:, None]         # weight before w2
+        y.index_add_(0, rows, linear_ref(h.to(x.dtype), w2[e], s2[e], "int8_mx32").float())
+    return y
