@@ -1,4 +1,4 @@
-"""The DSV4 output parser: well-formed output, split invariance (fuzz), streaming, malformed DSML."""
+"""The DSV4 output parser: well-formed output, split invariance (fuzz), streaming, bad DSML."""
 
 import itertools
 import json

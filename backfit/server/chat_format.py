@@ -1,0 +1,386 @@
+"""DeepSeek-V4 prompt encoding: neutral messages + tools + thinking/effort → token ids.
+
+Follows the official `encoding/encoding_dsv4.py` (`encode_messages`, dsv4-model.md §7.2,
+api-protocols.md §5.1-§5.3): BOS; system text bare (+ `## Tools` block, + `## Response Format`);
+`<｜User｜>`; tool results merged into the user turn as `<tool_result>…</tool_result>` blocks,
+sorted into the call order of the preceding assistant turn; after the last user turn
+`<｜Assistant｜>` + `<think>` (thinking) or `</think>` (chat); assistant history =
+`[reasoning</think>] content [\\n\\n<｜DSML｜tool_calls>…] <｜end▁of▁sentence｜>`; history
+reasoning dropped unless any message carries tools; effort text prepended at index 0.
+
+Safety (api-protocols §5.7): the prompt is built as segments, each either one of the template's
+own control tokens or text. Text segments (system/user/tool/document text, history reasoning,
+tool schemas, argument values) are tokenized by a copy of the tokenizer with **no added tokens**,
+so `<｜end▁of▁sentence｜>`, `<｜User｜>`, `</think>` or `｜DSML｜` typed by a user become ordinary
+byte-level tokens. (`encode_special_tokens` is not enough: in DSV4's tokenizer.json only BOS/EOS/
+pad and a few reserved ids are `special`, `<｜User｜>`/`<think>`/`｜DSML｜` are plain added tokens.)
+Control tokens sit only at template boundaries, so on text without control strings the ids equal
+the reference's `tokenizer.encode(encode_messages(...))`.
+
+Unconfirmed in the spec, and what we chose:
+- Effort rendering depends on the checkpoint's encoder. profile "flash" (original encoder:
+  None/high/max, only max adds "Absolute maximum…") and "0731" (low=""/high="Absolute maximum…"/
+  max="Beyond maximum…", default low) [U for 0731]. Client levels map: none → chat mode;
+  minimal/low/medium/high → high (flash) and minimal/low → low, medium/high → high (0731);
+  xhigh/max → max; no effort given → the encoder's own default (None / low).
+- Request tools and response_format go on the first system message; one empty system message is
+  inserted at index 0 when there is none (vLLM's choice). `{"type": "text"}` means no format.
+- History tool-call arguments: decoded once more if double-encoded; a non-object JSON value
+  becomes `{"arguments": value}` and non-JSON text `{"arguments": raw}` (the reference's own
+  fallback; we never reject a replayed history).
+- A control string that the tokenizer lacks (the tiny 512-id tokenizer has no `｜DSML｜`) is
+  tokenized as text; BOS/EOS/User/Assistant/think tokens are required.
+- Quick-instruction `task` tokens and the encoder's `context` argument are not supported.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from backfit.server.protocol import ChatRequest, Message, Tool
+
+__all__ = [
+    "BOS", "EOS", "USER", "ASSISTANT", "LATEST_REMINDER", "THINK_START", "THINK_END", "DSML",
+    "CONTROL_TOKENS", "EFFORT_PROMPTS", "Prompt", "ChatEncoder", "resolve_reasoning",
+    "render_tools_text",
+]
+
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+USER, ASSISTANT, LATEST_REMINDER = "<｜User｜>", "<｜Assistant｜>", "<｜latest_reminder｜>"
+THINK_START, THINK_END, DSML = "<think>", "</think>", "｜DSML｜"
+CONTROL_TOKENS = (BOS, EOS, USER, ASSISTANT, LATEST_REMINDER, THINK_START, THINK_END, DSML)
+_REQUIRED = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END)
+
+_ABS_MAX = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+    "You MUST be very thorough in your thinking and comprehensively decompose the problem to "
+    "resolve the root cause, rigorously stress-testing your logic against all potential paths, "
+    "edge cases, and adversarial scenarios.\n"
+    "Explicitly write out your entire deliberation process, documenting every intermediate step, "
+    "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
+    "unchecked.\n\n")
+_BEYOND_MAX = (
+    "Reasoning Effort: Beyond maximum — exhaustive, relentless, and uncompromising.\n"
+    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: "
+    "exhaustively decompose the problem into its most fundamental components, trace every causal "
+    "chain to its root, and resolve the underlying cause rather than any surface symptom.\n"
+    "Do not stop reasoning until you have independently verified the solution from multiple "
+    "angles and are certain that no assumption remains unchecked and no error remains "
+    "undiscovered.\n\n")
+# profile -> encoder level -> text prepended at index 0 in thinking mode (None: encoder default)
+EFFORT_PROMPTS = {
+    "flash": {None: "", "high": "", "max": _ABS_MAX},
+    "0731": {None: "", "low": "", "high": _ABS_MAX, "max": _BEYOND_MAX},
+}
+_CLIENT_EFFORT = {  # client level -> encoder level, per profile
+    "flash": {"minimal": "high", "low": "high", "medium": "high", "high": "high",
+              "xhigh": "max", "max": "max"},
+    "0731": {"minimal": "low", "low": "low", "medium": "high", "high": "high",
+             "xhigh": "max", "max": "max"},
+}
+
+# the model's prompt, verbatim from the reference TOOLS_TEMPLATE (up to {tool_schemas})
+_TOOLS_HEAD = (
+    "## Tools\n\nYou have access to a set of tools to help answer the user's question. You can "
+    'invoke tools by writing a "<{d}tool_calls>" block like the following:\n\n<{d}tool_calls>\n'
+    '<{d}invoke name="$TOOL_NAME">\n<{d}parameter name="$PARAMETER_NAME" string="true|false">'
+    "$PARAMETER_VALUE</{d}parameter>\n...\n</{d}invoke>\n<{d}invoke name=\"$TOOL_NAME2\">\n"
+    "...\n</{d}invoke>\n</{d}tool_calls>\n\nString parameters should be specified as is and "
+    'set `string="true"`. For all other types (numbers, booleans, arrays, objects), pass the '
+    'value in JSON format and set `string="false"`.\n\nIf thinking_mode is enabled (triggered '
+    "by {s}), you MUST output your complete reasoning inside {s}...{e} BEFORE any tool calls or "
+    "final response.\n\nOtherwise, output directly after {e} with tool calls or final "
+    "response.\n\n### Available Tool Schemas\n\n").format(d=DSML, s=THINK_START, e=THINK_END)
+_TOOLS_TAIL = "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to " \
+              "invoke tool calls.\n"
+_RESPONSE_FORMAT = "## Response Format:\n\nYou MUST strictly adhere to the following schema " \
+                   "to reply:\n"
+
+
+def _to_json(value: Any) -> str:
+    """The reference's to_json: ensure_ascii=False, default separators (", ", ": ")."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError, UnicodeEncodeError):
+        return json.dumps(value, ensure_ascii=True)
+
+
+def resolve_reasoning(thinking: bool | None, effort: str | None,
+                      profile: str = "flash") -> tuple[str, str | None]:
+    """Client wishes → (thinking_mode "thinking"|"chat", encoder effort level); done once."""
+    if profile not in EFFORT_PROMPTS:
+        raise ValueError(f"unknown reasoning-effort profile {profile!r}")
+    e = effort.strip().lower() if isinstance(effort, str) else effort
+    if e is not None and e != "none" and e not in _CLIENT_EFFORT[profile]:
+        raise ValueError(f"reasoning_effort: unknown level {effort!r} "
+                         "(expected none, minimal, low, medium, high, xhigh or max)")
+    if thinking is False or e == "none":
+        return "chat", None
+    return "thinking", (_CLIENT_EFFORT[profile][e] if e is not None else None)
+
+
+def render_tools_text(tools: tuple[Tool, ...] | list[Tool]) -> str:
+    """The `## Tools` block as text (control strings included verbatim)."""
+    return _TOOLS_HEAD + "\n".join(_to_json(t.schema) for t in tools) + _TOOLS_TAIL
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """An encoded prompt. `text` is the reference string; `reasoning_open` says the prompt ends
+    inside `<think>`, so the output starts with reasoning (hand it to the parser)."""
+    ids: list[int]
+    text: str
+    thinking_mode: str
+    reasoning_effort: str | None
+    reasoning_open: bool
+
+
+class _Segments:
+    """The prompt as [(text, is_control)], adjacent text runs merged."""
+
+    def __init__(self):
+        self.items: list[list[Any]] = []
+
+    def text(self, s: str):
+        if not s:
+            return
+        if self.items and not self.items[-1][1]:
+            self.items[-1][0] += s
+        else:
+            self.items.append([s, False])
+
+    def control(self, tok: str):
+        self.items.append([tok, True])
+
+    def template(self, s: str):
+        """A trusted constant that may contain control strings (the tools block)."""
+        while s:
+            hits = [(s.find(c), c) for c in CONTROL_TOKENS if c in s]
+            if not hits:
+                self.text(s)
+                return
+            pos, tok = min(hits)
+            self.text(s[:pos])
+            self.control(tok)
+            s = s[pos + len(tok):]
+
+
+def _arguments(raw: str) -> dict[str, Any]:
+    """History call arguments → dict (see module docstring for the fallbacks)."""
+    try:
+        value = json.loads(raw)
+        if isinstance(value, str):                      # double-encoded JSON
+            value = json.loads(value)
+    except (TypeError, ValueError):
+        return {"arguments": raw}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+def _tool_content(content: str | list[dict[str, Any]]) -> str:
+    if isinstance(content, str):
+        return content
+    return "\n\n".join(p.get("text", "") if p.get("type") == "text"
+                       else f"[Unsupported {p.get('type')}]" for p in content)
+
+
+def _merge_tool_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Reference merge_tool_messages: tool results (and user text) join the user turn before."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m.role in ("tool", "user"):
+            block = ({"type": "tool_result", "id": m.tool_call_id or "",
+                      "text": _tool_content(m.content)} if m.role == "tool"
+                     else {"type": "text", "text": _tool_content(m.content)})
+            if out and out[-1]["role"] == "user":
+                out[-1]["blocks"].append(block)
+            else:
+                out.append({"role": "user", "blocks": [block]})
+        else:
+            out.append({"role": m.role, "msg": m})
+    return out
+
+
+def _sort_tool_results(turns: list[dict[str, Any]]) -> None:
+    """Reference sort_tool_results_by_call_order: results in the previous turn's call order."""
+    order: dict[str, int] = {}
+    for t in turns:
+        if t["role"] == "assistant" and t["msg"].tool_calls:
+            order = {c.id: i for i, c in enumerate(t["msg"].tool_calls) if c.id}
+        elif t["role"] == "user":
+            results = [b for b in t["blocks"] if b["type"] == "tool_result"]
+            if len(results) > 1 and order:
+                it = iter(sorted(results, key=lambda b: order.get(b["id"], 0)))
+                t["blocks"] = [next(it) if b["type"] == "tool_result" else b for b in t["blocks"]]
+
+
+class ChatEncoder:
+    """DSV4 prompt encoder over a `tokenizers.Tokenizer` (real or the tiny 512-id one)."""
+
+    def __init__(self, tokenizer, profile: str = "flash"):
+        from tokenizers import Tokenizer
+
+        if profile not in EFFORT_PROMPTS:
+            raise ValueError(f"unknown reasoning-effort profile {profile!r}")
+        self.profile = profile
+        self.tokenizer = tokenizer
+        cfg = json.loads(tokenizer.to_str())
+        cfg["added_tokens"] = []            # text is never split on added tokens
+        self.plain = Tokenizer.from_str(json.dumps(cfg))
+        self.control_ids = {t: tokenizer.token_to_id(t) for t in CONTROL_TOKENS}
+        missing = [t for t in _REQUIRED if self.control_ids[t] is None]
+        if missing:
+            raise ValueError(f"tokenizer lacks the DSV4 chat tokens {missing}")
+
+    @classmethod
+    def from_file(cls, path: str | Path, profile: str = "flash") -> ChatEncoder:
+        from tokenizers import Tokenizer
+
+        p = Path(path)
+        return cls(Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p)), profile)
+
+    # ---- public entry points ---------------------------------------------------------------
+
+    def encode_request(self, req: ChatRequest) -> Prompt:
+        mode, effort = resolve_reasoning(req.thinking, req.reasoning_effort, self.profile)
+        return self.encode_messages(req.messages, req.tools, mode, effort, req.response_format)
+
+    def encode_messages(self, messages, tools=(), thinking_mode: str = "thinking",
+                        reasoning_effort: str | None = None, response_format=None,
+                        drop_thinking: bool = True) -> Prompt:
+        if thinking_mode not in ("thinking", "chat"):
+            raise ValueError(f"thinking_mode must be 'thinking' or 'chat', not {thinking_mode!r}")
+        if reasoning_effort not in EFFORT_PROMPTS[self.profile]:
+            raise ValueError(f"reasoning_effort {reasoning_effort!r} is not a level of the "
+                             f"{self.profile!r} encoder")
+        if response_format is not None and response_format.get("type") == "text":
+            response_format = None
+        segs = self._render(list(messages), tuple(tools), thinking_mode, reasoning_effort,
+                            response_format, drop_thinking)
+        thinks = [t for t, c in segs.items if c and t in (THINK_START, THINK_END)]
+        return Prompt(ids=self._ids(segs), text="".join(t for t, _ in segs.items),
+                      thinking_mode=thinking_mode, reasoning_effort=reasoning_effort,
+                      reasoning_open=bool(thinks) and thinks[-1] == THINK_START)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Untrusted text → ids, never control ids (e.g. for /tokenize of a raw prompt)."""
+        return self.plain.encode(text, add_special_tokens=False).ids
+
+    # ---- rendering -------------------------------------------------------------------------
+
+    def _ids(self, segs: _Segments) -> list[int]:
+        ids: list[int] = []
+        pending = ""
+        for s, is_control in segs.items:
+            tid = self.control_ids.get(s) if is_control else None
+            if tid is None:                 # text, or a control string this vocab lacks
+                pending += s
+                continue
+            if pending:
+                ids += self.encode_text(pending)
+                pending = ""
+            ids.append(tid)
+        if pending:
+            ids += self.encode_text(pending)
+        return ids
+
+    def _render(self, messages: list[Message], tools, mode, effort, response_format,
+                drop_thinking) -> _Segments:
+        # request-level tools/format go on the first system message (inserted at 0 if none)
+        if tools or response_format:
+            if not any(m.role == "system" for m in messages):
+                messages.insert(0, Message("system", ""))
+            first_sys = next(i for i, m in enumerate(messages) if m.role == "system")
+        else:
+            first_sys = -1
+        turns = _merge_tool_messages(messages)
+        for t in turns:
+            t["extras"] = t.get("msg") is messages[first_sys] if first_sys >= 0 else False
+        _sort_tool_results(turns)
+        drop = drop_thinking and not tools
+        if mode == "thinking" and drop:     # reference _drop_thinking_messages
+            last = _last_user(turns)
+            turns = [t for i, t in enumerate(turns) if t["role"] != "developer" or i >= last]
+        last_user = _last_user(turns)
+        segs = _Segments()
+        segs.control(BOS)
+        for i, t in enumerate(turns):
+            if i == 0 and mode == "thinking":
+                segs.text(EFFORT_PROMPTS[self.profile][effort])
+            extras = (tools, response_format) if t["extras"] else ((), None)
+            self._render_turn(segs, i, turns, last_user, mode, drop, *extras)
+        return segs
+
+    def _render_turn(self, segs, i, turns, last_user, mode, drop, tools, response_format):
+        t = turns[i]
+        role = t["role"]
+        if role in ("system", "developer"):
+            if role == "developer":
+                segs.control(USER)
+            segs.text(_tool_content(t["msg"].content))
+            if tools:
+                segs.text("\n\n")
+                segs.template(_TOOLS_HEAD)
+                segs.text("\n".join(_to_json(x.schema) for x in tools))
+                segs.text(_TOOLS_TAIL)
+            if response_format:
+                segs.text("\n\n" + _RESPONSE_FORMAT + _to_json(response_format))
+        elif role == "user":
+            segs.control(USER)
+            segs.text("\n\n".join(b["text"] if b["type"] == "text"
+                                  else f"<tool_result>{b['text']}</tool_result>"
+                                  for b in t["blocks"]))
+        elif role == "latest_reminder":
+            segs.control(LATEST_REMINDER)
+            segs.text(_tool_content(t["msg"].content))
+        else:                               # assistant
+            m = t["msg"]
+            if mode == "thinking" and (not drop or i > last_user):
+                segs.text(m.reasoning or "")
+                segs.control(THINK_END)
+            segs.text(_tool_content(m.content))
+            if m.tool_calls:
+                self._render_calls(segs, m.tool_calls)
+            if not m.prefix:
+                segs.control(EOS)
+        # the generation prefix, after a user/developer turn that ends the prompt or is
+        # followed by an assistant / latest_reminder turn
+        if i + 1 < len(turns) and turns[i + 1]["role"] not in ("assistant", "latest_reminder"):
+            return
+        if role in ("user", "developer"):
+            segs.control(ASSISTANT)
+            open_think = mode == "thinking" and (not drop or i >= last_user)
+            segs.control(THINK_START if open_think else THINK_END)
+
+    @staticmethod
+    def _render_calls(segs, calls):
+        # "\n\n<｜DSML｜tool_calls>\n" + invokes joined by "\n" + "\n</｜DSML｜tool_calls>"
+        segs.text("\n\n<")
+        segs.control(DSML)
+        segs.text("tool_calls>\n")
+        for k, call in enumerate(calls):
+            if k:
+                segs.text("\n")
+            segs.text("<")
+            segs.control(DSML)
+            segs.text(f'invoke name="{call.name}">\n')
+            for j, (key, v) in enumerate(_arguments(call.arguments).items()):
+                is_str = isinstance(v, str)
+                segs.text(("\n" if j else "") + "<")
+                segs.control(DSML)
+                segs.text(f'parameter name="{key}" string="{"true" if is_str else "false"}">'
+                          + (v if is_str else _to_json(v)) + "</")
+                segs.control(DSML)
+                segs.text("parameter>")
+            segs.text("\n</")
+            segs.control(DSML)
+            segs.text("invoke>")
+        segs.text("\n</")
+        segs.control(DSML)
+        segs.text("tool_calls>")
+
+
+def _last_user(turns: list[dict[str, Any]]) -> int:
+    return max((i for i, t in enumerate(turns) if t["role"] in ("user", "developer")), default=-1)
