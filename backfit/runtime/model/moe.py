@@ -7,6 +7,8 @@ and one shared expert, SwiGLU with clamp. dsv4-model.md 5.5.
   y   = Σ_k W2_e((w_k · h_e(x))) + W2_s(h_s(x)),   h(x) = silu(min(W1x, L)) · clamp(W3x, ±L)
 Experts and the shared expert are split by intermediate dim (docs/FORMAT.md): every rank holds
 1/tp of every expert, computes partial down-projections, and one all-reduce sums them.
+With the "triton" kernel backend (runtime.kernels) the routed experts run as one fused launch
+per projection over stacked weights (prepare_kernels) and nothing syncs with the host.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from backfit.config import ModelConfig
 from backfit.runtime.distributed import all_reduce
+from backfit.runtime.kernels import get_kernel_backend
 from backfit.runtime.layers import ColumnParallelLinear, Linear, RowParallelLinear
 
 __all__ = ["Expert", "Gate", "MoE"]
@@ -77,10 +80,29 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, hashed)
         self.experts = nn.ModuleList(Expert(d, inter, lim) for _ in range(cfg.n_routed_experts))
         self.shared_experts = Expert(d, inter, lim)
+        self.stacked: tuple[torch.Tensor, ...] | None = None     # kernel layout; () = unsupported
+
+    def prepare_kernels(self) -> bool:
+        """Post-load step: stack the routed experts as [E, N, K] codes and [E, N, K/32] exponents
+        for runtime.kernels.moe (each expert's tensors become views: no extra memory). False if
+        the experts are not all int8_mx32 (the torch loop is used then)."""
+        if self.stacked is None:
+            if any(ex.w1.scheme != "int8_mx32" or ex.w3.scheme != "int8_mx32"
+                   or ex.w2.scheme != "int8_mx32" for ex in self.experts):
+                self.stacked = ()
+                return False
+            from backfit.runtime.kernels.moe import stack_experts
+            self.stacked = stack_experts(self.experts)
+        return bool(self.stacked)
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """x [T, dim] (ffn_norm output), tokens [T] -> [T, dim] in x.dtype."""
         idx, w = self.gate.route(x, tokens)
+        if get_kernel_backend() == "triton" and x.dtype == torch.bfloat16 and self.prepare_kernels():
+            from backfit.runtime.kernels.moe import fused_moe
+            y = self.shared_experts(x).float()                        # FP32 accumulator
+            y = y + fused_moe(x, idx, w, *self.stacked, self.shared_experts.limit)
+            return all_reduce(y).to(x.dtype)
         y = self.shared_experts(x).float()                            # FP32 accumulator
         flat = idx.flatten()
         for e in torch.unique(flat).tolist():                         # only experts with tokens

@@ -1,0 +1,224 @@
+"""Fused MoE for stacked int8_mx32 experts (docs/FORMAT.md), in Triton, SM80-safe.
+
+Experts of a layer as stacked tensors: w1/w3 (gate/up) [E, I, K] int8 with exponent bytes
+[E, I, K/32], w2 (down) [E, D, I] int8 with [E, D, I/32]; value = q · 2^(e - 128). Per (token t,
+slot j) pair p = t·k + j with expert idx[t, j] and routing weight w[t, j] (dsv4-model.md 5.5):
+
+  h_p   = silu(min(g, L)) · clamp(u, ±L) · w_p,  g = bf16(x_t W1ᵀ), u = bf16(x_t W3ᵀ)   FP32
+  out_p = bf16(bf16(h_p) W2ᵀ);   y_t = Σ_j out_{t·k+j}  (FP32)
+
+the torch path's roundings (runtime/model/moe.py). Weights are dequantized in registers to BF16,
+exactly (|q| <= 12 needs 4 mantissa bits), and multiplied with BF16 activations on the BF16 tensor
+cores with FP32 accumulation; no INT8 activations. Two launches, gate+up and down, for all
+active experts, and no host sync (the decode step can be captured in a CUDA graph):
+  decode   (P = T·k <= DECODE_PAIRS): one program per (pair, N-block), a GEMV on CUDA cores.
+  sorted   otherwise: pairs sorted by expert on the device (`align`), each expert's run padded to
+           BM rows; a program computes a [BM, BN] tile of one expert with tl.dot. The grid is the
+           upper bound cdiv(P, BM) + min(E, P) blocks; blocks past the real count exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from backfit.formats import MX_GROUP
+from backfit.runtime.kernels.gemm import dot_bf16, interpreted
+
+__all__ = ["DECODE_PAIRS", "align", "fused_moe", "stack_experts"]
+
+DECODE_PAIRS = 64        # up to this many (token, expert) pairs: per-pair GEMV path
+MX_BIAS = 128            # int8_mx32 exponent bias (2·e2m1 absorbs one factor 2)
+
+
+@triton.jit
+def _dequant_mx(q, e, BN: tl.constexpr, BK: tl.constexpr):
+    """q int8 [BN, BK], e uint8 [BN, BK/32] -> q·2^(e-128) as FP32 [BN, BK]."""
+    s = tl.exp2(e.to(tl.float32) - 128.0)                                     # [BN, BK/32]
+    w = tl.reshape(q.to(tl.float32), (BN, BK // 32, 32)) * s[:, :, None]
+    return tl.reshape(w, (BN, BK))
+
+
+@triton.jit
+def _swiglu(g, u, wr, LIMIT: tl.constexpr):
+    """BF16-rounded g, u as the torch path (bf16 linears), clamps, silu(g)·u·w in FP32."""
+    g = tl.minimum(g.to(tl.bfloat16).to(tl.float32), LIMIT)                  # gate: upper only
+    u = u.to(tl.bfloat16).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)                              # up: both sides
+    return g * tl.sigmoid(g) * u * wr
+
+
+@triton.jit
+def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
+                     GATED: tl.constexpr, LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Pair p, rows [pid_n·BN, +BN) of expert idx[p]: GATED -> h [P, N] bf16, else out [P, N] bf16."""
+    p, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(IDX + p).to(tl.int64)
+    arow = p // TOPK if GATED else p                        # gate/up read x[t], down reads h[p]
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    rg = tl.arange(0, BK // 32)
+    n_ok = rn < N
+    KG = K // 32
+    w_off = e * N * K + rn[:, None] * K                     # [BN, 1] int64
+    s_off = e * N * KG + rn[:, None] * KG
+    acc1 = tl.zeros((BN,), dtype=tl.float32)
+    acc3 = tl.zeros((BN,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(A + arow * K + k0 + rk).to(tl.float32)                   # [BK]
+        q = tl.load(W1 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
+        s = tl.load(S1 + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
+        acc1 += tl.sum(_dequant_mx(q, s, BN, BK).to(tl.bfloat16).to(tl.float32) * a[None, :], axis=1)
+        if GATED:
+            q = tl.load(W3 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
+            s = tl.load(S3 + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
+            acc3 += tl.sum(_dequant_mx(q, s, BN, BK).to(tl.bfloat16).to(tl.float32) * a[None, :], axis=1)
+    if GATED:
+        out = _swiglu(acc1, acc3, tl.load(RW + p), LIMIT)
+    else:
+        out = acc1
+    tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
+
+
+@triton.jit
+def _moe_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, P, E,
+                       GATED: tl.constexpr, LIMIT: tl.constexpr, F32: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Block b (BM slots of one expert) x rows [pid_n·BN, +BN). GATED: x rows by pair // k ->
+    h [slots, N] at the slot; else h rows by slot -> out [P, N] at the pair."""
+    b, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(BLOCK_E + b)
+    if e >= E:
+        return                                               # past the real block count
+    e = e.to(tl.int64)
+    slots = b * BM + tl.arange(0, BM)
+    pair = tl.load(SORTED + slots)
+    valid = pair < P                                         # padding slots hold P
+    arow = pair // TOPK if GATED else slots
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    rg = tl.arange(0, BK // 32)
+    n_ok = rn < N
+    KG = K // 32
+    w_off = e * N * K + rn[:, None] * K
+    s_off = e * N * KG + rn[:, None] * KG
+    acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+    acc3 = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(A + arow[:, None].to(tl.int64) * K + k0 + rk[None, :], mask=valid[:, None], other=0.0)
+        q = tl.load(W1 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
+        s = tl.load(S1 + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
+        acc1 = dot_bf16(a, tl.trans(_dequant_mx(q, s, BN, BK).to(tl.bfloat16)), acc1, F32)
+        if GATED:
+            q = tl.load(W3 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
+            s = tl.load(S3 + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
+            acc3 = dot_bf16(a, tl.trans(_dequant_mx(q, s, BN, BK).to(tl.bfloat16)), acc3, F32)
+    mask = valid[:, None] & n_ok[None, :]
+    if GATED:
+        wr = tl.load(RW + pair, mask=valid, other=0.0)
+        h = _swiglu(acc1, acc3, wr[:, None], LIMIT)
+        tl.store(OUT + slots[:, None].to(tl.int64) * N + rn[None, :], h.to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(OUT + pair[:, None].to(tl.int64) * N + rn[None, :], acc1.to(tl.bfloat16), mask=mask)
+
+
+def align(idx: torch.Tensor, n_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """idx [T, k] -> (sorted [NB·bm] int32 pair ids by expert, P = padding; block_expert [NB]
+    int32, n_experts past the end). NB = cdiv(P, bm) + min(E, P) is known on the host; the rest
+    stays on the device (no .item(), no bincount: both would sync)."""
+    dev, P = idx.device, idx.numel()
+    nb = triton.cdiv(P, bm) + min(n_experts, P)
+    flat = idx.reshape(-1).long()
+    counts = torch.zeros(n_experts, dtype=torch.long, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat))                                       # [E] pairs per expert
+    nblk = (counts + bm - 1) // bm
+    blk_end = torch.cumsum(nblk, 0)                                           # [E] inclusive
+    order = torch.argsort(flat, stable=True)                                  # pairs by expert
+    se = flat[order]
+    rank = torch.arange(P, device=dev) - (torch.cumsum(counts, 0) - counts)[se]
+    dest = (blk_end - nblk)[se] * bm + rank                                   # slot of each pair
+    sorted_ids = torch.full((nb * bm,), P, dtype=torch.int32, device=dev)
+    sorted_ids[dest] = order.to(torch.int32)
+    block_e = torch.searchsorted(blk_end, torch.arange(nb, device=dev), right=True)
+    return sorted_ids, block_e.to(torch.int32)
+
+
+def _sorted_config(P: int) -> dict:
+    if P <= 1024:
+        return dict(BM=16, BN=64, BK=64, num_warps=4, num_stages=3)
+    return dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=3)
+
+
+def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Tensor,
+              s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor,
+              s2: torch.Tensor, limit: float, path: str | None = None) -> torch.Tensor:
+    """x [T, K] bf16, idx [T, k], w [T, k] -> routed-expert sum FP32 [T, D]; path "decode"/"sorted"."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise ValueError(f"fused_moe: x must be bf16 [T, K], got {x.dtype}{list(x.shape)}")
+    E, I, K = w1.shape
+    D = w2.shape[1]
+    for name, t, shape, dt in (("w1", w1, (E, I, K), torch.int8), ("w3", w3, (E, I, K), torch.int8),
+                               ("s1", s1, (E, I, K // MX_GROUP), torch.uint8),
+                               ("s3", s3, (E, I, K // MX_GROUP), torch.uint8),
+                               ("w2", w2, (E, D, I), torch.int8),
+                               ("s2", s2, (E, D, I // MX_GROUP), torch.uint8)):
+        if tuple(t.shape) != shape or t.dtype != dt or not t.is_contiguous():
+            raise ValueError(f"fused_moe: {name} must be contiguous {dt}{list(shape)}, "
+                             f"got {t.dtype}{list(t.shape)}")
+    if x.shape[1] != K or K % 64 or I % 64:
+        raise ValueError(f"fused_moe: x has {x.shape[1]} inputs, experts {K}; K and I must be "
+                         f"multiples of 64")
+    if idx.shape != w.shape or idx.dim() != 2 or idx.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe: idx {list(idx.shape)} / w {list(w.shape)} for {x.shape[0]} tokens")
+    T, k = idx.shape
+    P = T * k
+    x = x.contiguous()
+    rw = w.reshape(-1).float().contiguous()                                  # [P]
+    out = torch.empty(P, D, dtype=torch.bfloat16, device=x.device)
+    if P == 0:
+        return out.view(T, k, D).float().sum(1)
+    lim = float(limit)
+    if path is None:
+        path = "decode" if P <= DECODE_PAIRS else "sorted"
+    if path == "decode":
+        ids = idx.reshape(-1).to(torch.int32).contiguous()
+        h = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
+        _moe_gemv_kernel[(P, triton.cdiv(I, 32))](x, ids, rw, w1, s1, w3, s3, h, I, K, k,
+                                                  GATED=True, LIMIT=lim, BN=32, BK=128 if K % 128 == 0 else 64,
+                                                  num_warps=4)
+        _moe_gemv_kernel[(P, triton.cdiv(D, 32))](h, ids, rw, w2, s2, w2, s2, out, D, I, k,
+                                                  GATED=False, LIMIT=lim, BN=32, BK=128 if I % 128 == 0 else 64,
+                                                  num_warps=4)
+    elif path == "sorted":
+        cfg = _sorted_config(P)
+        sorted_ids, block_e = align(idx, E, cfg["BM"])
+        nb = block_e.numel()
+        h = torch.empty(nb * cfg["BM"], I, dtype=torch.bfloat16, device=x.device)
+        f32 = interpreted()
+        _moe_sorted_kernel[(nb, triton.cdiv(I, cfg["BN"]))](
+            x, sorted_ids, block_e, rw, w1, s1, w3, s3, h, I, K, k, P, E,
+            GATED=True, LIMIT=lim, F32=f32, **cfg)
+        _moe_sorted_kernel[(nb, triton.cdiv(D, cfg["BN"]))](
+            h, sorted_ids, block_e, rw, w2, s2, w2, s2, out, D, I, k, P, E,
+            GATED=False, LIMIT=lim, F32=f32, **cfg)
+    else:
+        raise ValueError(f"fused_moe: unknown path {path!r}")
+    return out.view(T, k, D).float().sum(1)                                 # FP32 sum over top-k
+
+
+def stack_experts(experts) -> tuple[torch.Tensor, ...]:
+    """Routed Expert modules (int8_mx32) -> stacked (w1, s1, w3, s3, w2, s2) [E, ...]; each
+    expert's weight and scale become views into the stacks (no second copy stays alive)."""
+    out = []
+    for lin in ("w1", "w3", "w2"):
+        mods = [getattr(ex, lin) for ex in experts]
+        if any(m.scheme != "int8_mx32" for m in mods):
+            raise ValueError(f"stack_experts: every {lin} must be int8_mx32, got "
+                             f"{sorted({str(m.scheme) for m in mods})}")
+        wq = torch.stack([m.weight for m in mods])
+        sc = torch.stack([m.scale for m in mods])
+        for i, m in enumerate(mods):
+            m.weight, m.scale = wq[i], sc[i]
+        out += [wq, sc]
+    return tuple(out)

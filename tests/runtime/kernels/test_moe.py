@@ -1,0 +1,176 @@
+"""Fused MoE (runtime.kernels.moe) against kernels.ref, the device-side alignment, and the MoE
+module's kernel path behind the switch. CPU: Triton interpreter (see test_gemm.py on tolerances)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
+TOL = 2e-2 if INTERPRET else 5e-3        # interpreter: truncating fp32->bf16 casts (4 per path)
+
+from backfit.quant import quantize_int8_groups
+from backfit.runtime.kernels import ref
+from backfit.runtime.model import moe as moe_model
+
+LIMIT = 10.0
+
+
+@pytest.fixture(scope="module")
+def kmoe():
+    import backfit.runtime.kernels.gemm as gemm
+    import backfit.runtime.kernels.moe as kmoe
+    if gemm.interpreted() != INTERPRET:
+        importlib.reload(gemm)
+        kmoe = importlib.reload(kmoe)
+    return kmoe
+
+
+def mx_weight(e: int, n: int, k: int, gen: torch.Generator, lo: int = 118, hi: int = 126):
+    """int8_mx32 codes 2·e2m1 and exponent bytes (bias 128) for e stacked [n, k] experts."""
+    vals = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
+    q = vals[torch.randint(0, 16, (e, n, k), generator=gen)]
+    s = torch.randint(lo, hi, (e, n, k // 32), generator=gen, dtype=torch.uint8)
+    return q.to(DEV), s.to(DEV)
+
+
+def experts(E: int, D: int, I: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    w1, s1 = mx_weight(E, I, D, gen)
+    w3, s3 = mx_weight(E, I, D, gen, 121, 129)          # larger up: some |u| > L gets clamped
+    w2, s2 = mx_weight(E, D, I, gen)
+    return (w1, s1, w3, s3, w2, s2), gen
+
+
+def routing(T: int, k: int, E: int, gen: torch.Generator):
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(DEV)
+    return idx, torch.rand(T, k, generator=gen).to(DEV)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("path,sizes", [("decode", (1, 2, 3)), ("sorted", (1, 5, 23, 130))])
+def test_fused_moe_matches_reference(kmoe, path, sizes):
+    E, D, I, k = 8, 128, 64, 6                            # TP-local: I = 2048 / 32
+    st, gen = experts(E, D, I, seed=len(sizes))
+    for T in sizes:
+        x = (torch.randn(T, D, generator=gen) * 2).bfloat16().to(DEV)
+        idx, w = routing(T, k, E, gen)
+        want = ref.moe_routed_ref(x, idx, w, *st, LIMIT)
+        y = kmoe.fused_moe(x, idx, w, *st, LIMIT, path=path)
+        assert y.shape == (T, D) and y.dtype == torch.float32
+        assert rel(y, want) < TOL, (path, T)
+
+
+def test_swiglu_clamps_bite_and_match(kmoe):
+    """Inputs where g > L and |u| > L: the clamp matters (a missing clamp fails by far)."""
+    E, D, I, k = 4, 64, 64, 2
+    st, gen = experts(E, D, I, seed=9)
+    x = (torch.randn(3, D, generator=gen) * 8).bfloat16().to(DEV)
+    idx, w = routing(3, k, E, gen)
+    w1, s1, w3, s3 = st[:4]
+    g = ref.linear_ref(x, w1[0], s1[0], "int8_mx32").float()
+    u = ref.linear_ref(x, w3[0], s3[0], "int8_mx32").float()
+    assert (g > LIMIT).any() and (u.abs() > LIMIT).any()
+    want = ref.moe_routed_ref(x, idx, w, *st, LIMIT)
+    unclamped = ref.moe_routed_ref(x, idx, w, *st, 1e9)
+    assert rel(unclamped, want) > 0.1
+    for path in ("decode", "sorted"):
+        assert rel(kmoe.fused_moe(x, idx, w, *st, LIMIT, path=path), want) < TOL
+
+
+def test_align_covers_every_pair_once_in_expert_blocks(kmoe):
+    gen = torch.Generator().manual_seed(2)
+    for T, k, E, bm in ((1, 6, 16, 16), (37, 6, 16, 16), (130, 4, 8, 64), (5, 2, 256, 16)):
+        idx = torch.randint(0, E, (T, k), generator=gen).to(DEV)
+        P = T * k
+        sorted_ids, block_e = kmoe.align(idx, E, bm)
+        assert block_e.numel() == -(-P // bm) + min(E, P) and sorted_ids.numel() == block_e.numel() * bm
+        real = sorted_ids[sorted_ids < P].long()
+        assert torch.equal(real.sort().values, torch.arange(P, device=DEV))     # each pair once
+        assert ((sorted_ids == P) | (sorted_ids < P)).all()                    # else padding
+        flat = idx.reshape(-1)
+        used = block_e < E
+        for b in torch.nonzero(used).flatten().tolist():
+            pairs = sorted_ids[b * bm:(b + 1) * bm]
+            pairs = pairs[pairs < P].long()
+            assert pairs.numel() and (flat[pairs] == block_e[b]).all()
+        assert used.sum() == (torch.bincount(flat, minlength=E) + bm - 1).div(bm, rounding_mode="floor").sum()
+        assert not used[used.sum():].any()                                     # unused at the end
+
+
+def test_bad_input_one_line_errors(kmoe):
+    st, gen = experts(2, 64, 64, seed=3)
+    x = torch.randn(1, 64).bfloat16().to(DEV)
+    idx, w = routing(1, 2, 2, gen)
+    with pytest.raises(ValueError, match="bf16"):
+        kmoe.fused_moe(x.float(), idx, w, *st, LIMIT)
+    with pytest.raises(ValueError, match="w3 must be"):
+        kmoe.fused_moe(x, idx, w, st[0], st[1], st[2][:, :32], *st[3:], LIMIT)
+    with pytest.raises(ValueError, match="idx"):
+        kmoe.fused_moe(x, idx[:, :1], w, *st, LIMIT)
+    with pytest.raises(ValueError, match="path"):
+        kmoe.fused_moe(x, idx, w, *st, LIMIT, path="fast")
+
+
+def _moe_module(E: int, D: int, I: int, tp1_process):
+    cfg = SimpleNamespace(hidden_size=D, moe_intermediate_size=I, swiglu_limit=LIMIT,
+                          n_shared_experts=1, n_routed_experts=E, num_experts_per_tok=3,
+                          routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", vocab_size=50)
+    m = moe_model.MoE(cfg, hashed=False)
+    st, gen = experts(E, D, I, seed=5)
+    for e, ex in enumerate(m.experts):
+        ex.w1.load("int8_mx32", st[0][e].clone(), st[1][e].clone())
+        ex.w3.load("int8_mx32", st[2][e].clone(), st[3][e].clone())
+        ex.w2.load("int8_mx32", st[4][e].clone(), st[5][e].clone())
+    m.gate.load("copy", torch.randn(E, D, generator=gen).bfloat16().to(DEV))
+    m.gate.bias = torch.randn(E, generator=gen).to(DEV)
+    sh = m.shared_experts
+    for lin, (n, k) in ((sh.w1, (I, D)), (sh.w3, (I, D)), (sh.w2, (D, I))):
+        lin.load("int8_g128", *[t.to(DEV) for t in quantize_int8_groups(torch.randn(n, k, generator=gen) / 8)])
+    return m, gen
+
+
+def test_moe_module_kernel_path_behind_switch(kmoe, tp1_process, monkeypatch):
+    m, gen = _moe_module(8, 128, 128, tp1_process)
+    x = (torch.randn(7, 128, generator=gen) * 2).bfloat16().to(DEV)
+    tokens = torch.arange(7, device=DEV)
+    torch_y = m(x, tokens)
+    assert m.stacked is None                                      # switch off: nothing stacked
+    assert m.prepare_kernels() and m.stacked[0].shape == (8, 128, 128)
+    ptr = m.stacked[0].untyped_storage().data_ptr()
+    assert all(ex.w1.weight.untyped_storage().data_ptr() == ptr for ex in m.experts)   # views
+    assert torch.equal(m(x, tokens), torch_y)                     # stacking keeps the torch bits
+    monkeypatch.setattr(moe_model, "get_kernel_backend", lambda: "triton")
+    y = m(x, tokens)
+    assert y.dtype == x.dtype and rel(y, torch_y) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_real_shapes_and_no_host_sync(kmoe):
+    E, D, I, k = 256, 4096, 512, 6                           # TP4-local experts
+    st, gen = experts(E, D, I, seed=11)
+    for T in (1, 8, 64, 300):
+        x = torch.randn(T, D, generator=gen).bfloat16().cuda()
+        idx, w = routing(T, k, E, gen)
+        want = ref.moe_routed_ref(x, idx, w, *st, LIMIT)
+        kmoe.fused_moe(x, idx, w, *st, LIMIT)                # compile outside the sync check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y = kmoe.fused_moe(x, idx, w, *st, LIMIT)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert rel(y, want) < 5e-3, T

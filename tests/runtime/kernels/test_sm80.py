@@ -1,0 +1,103 @@
+"""Every shipped kernel config compiles for sm_80 on this CPU machine (triton.compile to a
+GPUTarget("cuda", 80, 32), through PTX and cubin), fits 99 KB of shared memory (two blocks per
+A100 SM; 163 KB is the hard limit) and uses only BF16/INT8 mma.sync, no FP8.
+
+Compiled in a subprocess without TRITON_INTERPRET (the interpreter tests set it in-process).
+Pointer and 16-multiple int arguments get tt.divisibility 16, as the JIT specializes them at
+real shapes; without it Triton cannot vectorize or pipeline the loads, and shared use reads low.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+SHARED_LIMIT = 99 * 1024
+A100_SMS = 108
+
+
+def _compile(fn, types: dict, constexprs: dict, opts: dict, div16: tuple = ()) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {a: types.get(a, "constexpr") for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if sig[a].startswith("*") or a in div16}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    c = triton.compile(src, target=GPUTarget("cuda", 80, 32), options=opts)
+    ptx = c.asm["ptx"]
+    return dict(kernel=fn.__name__, config={k: v for k, v in constexprs.items()}, opts=opts,
+                shared=c.metadata.shared, cubin=len(c.asm["cubin"]),
+                mma=sorted(set(re.findall(r"mma\.sync\.aligned\.[\w.]+", ptx))),
+                fp8=bool(re.search(r"e4m3|e5m2|e2m1", ptx)))
+
+
+def _split(cfg: dict) -> tuple[dict, dict]:
+    cfg = dict(cfg)
+    opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+    cfg.pop("K_SPLIT", None)
+    return cfg, opts
+
+
+def compile_all() -> list[dict]:
+    from backfit.runtime.kernels import gemm, moe
+
+    out = []
+    a16 = dict(X="*bf16", W="*i8", S="*fp32", Y="*fp32", M="i32", N="i32", K="i32",
+               stride_xm="i32", K_SPLIT="i32")
+    for m, quant in ((1, True), (16, True), (32, True), (63, True), (1, False), (1024, False)):
+        cfg, opts = _split(gemm.a16_config(m, 4096, 4096, quant, A100_SMS))
+        types = a16 if quant else dict(a16, W="*bf16", S="*bf16")
+        if cfg["SPLIT"] == 1:
+            types = dict(types, Y="*bf16")
+        out.append(_compile(gemm._a16_kernel, types, dict(cfg, QUANT=quant, F32=False), opts,
+                            ("N", "K", "stride_xm", "K_SPLIT")))
+    for m in (64, 1024):
+        cfg, opts = _split(gemm.w8a8_config(m, 4096))
+        out.append(_compile(gemm._w8a8_kernel, dict(A="*i8", AS="*fp32", W="*i8", WS="*fp32",
+                            Y="*bf16", M="i32", N="i32", K="i32"), cfg, opts, ("N", "K")))
+    for g in (8, 64):
+        out.append(_compile(gemm._act_quant_kernel, dict(X="*bf16", Q="*i8", S="*fp32", K="i32",
+                            stride_xm="i32"), dict(G=g, GP=g), dict(num_warps=4), ("K", "stride_xm")))
+    mtypes = dict(A="*bf16", IDX="*i32", RW="*fp32", W1="*i8", S1="*u8", W3="*i8", S3="*u8",
+                  OUT="*bf16", N="i32", K="i32", TOPK="i32", SORTED="*i32", BLOCK_E="*i32",
+                  P="i32", E="i32")
+    for gated in (True, False):
+        out.append(_compile(moe._moe_gemv_kernel, mtypes, dict(GATED=gated, LIMIT=10.0, BN=32, BK=128),
+                            dict(num_warps=4), ("N", "K")))
+        for p in (64, 8192 * 6):
+            cfg, opts = _split(moe._sorted_config(p))
+            out.append(_compile(moe._moe_sorted_kernel, mtypes, dict(cfg, GATED=gated, LIMIT=10.0, F32=False),
+                                opts, ("N", "K")))
+    return out
+
+
+def test_every_kernel_config_compiles_for_sm80_within_shared_memory():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(results) == 16
+    for r in results:
+        name = f"{r['kernel']} {r['config']}"
+        assert r["cubin"] > 0, name
+        assert 0 < r["shared"] <= SHARED_LIMIT, f"{name}: {r['shared']} B shared on sm_80"
+        assert not r["fp8"], f"{name}: FP8/FP4 in the PTX"
+        if r["kernel"] in ("_a16_kernel", "_moe_sorted_kernel"):
+            assert r["mma"] == ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"], name
+        elif r["kernel"] == "_w8a8_kernel":
+            assert r["mma"] == ["mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32"], name
+        else:
+            assert r["mma"] == [], name                              # GEMV / quantizer: CUDA cores
+    big = [r for r in results if r["kernel"] == "_w8a8_kernel" and r["config"]["BM"] == 128]
+    # two 128x128 INT8 tiles (A and W) = 32 KB per stage; >= 2 buffers means cp.async pipelining
+    assert big and big[0]["shared"] >= 2 * 32 * 1024, "W8A8 tile not multi-stage pipelined"
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_all()))
