@@ -129,9 +129,12 @@ class SafetensorsDir:
                 if n not in header:
                     raise CheckpointError(f"{path}: {n}: listed in {self.INDEX} but not in the file")
                 self.entries[n] = header[n]
-            for n in header:
+            for n in header:                   # a stray tensor is a sign of a mixed-up download
                 if n not in weight_map:
-                    raise CheckpointError(f"{path}: {n}: in the file but not in {self.INDEX}")
+                    raise CheckpointError(f"{path}: {n}: in the file but not in {index}")
+                if weight_map[n] != fname:
+                    raise CheckpointError(f"{path}: {n}: in the file, but {index} lists it in "
+                                          f"{weight_map[n]}")
 
     def read(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
         return read_tensor(self.entries[name], device)

@@ -9,6 +9,8 @@ float32 lookup table built from the bit layout, so it is exact by construction:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = [
@@ -16,7 +18,7 @@ __all__ = [
     "decode_e4m3", "decode_e8m0", "decode_e2m1", "unpack_e2m1",
     "encode_e4m3", "encode_e2m1", "e8m0_pow2_scale",
     "dequant_fp8_block", "dequant_mxfp4", "mxfp4_to_int8", "dequant_int8_mx", "MX_EXP_BIAS",
-    "quantize_int8_groups", "dequant_int8_groups", "rel_error",
+    "quantize_int8_groups", "dequant_int8_groups", "rel_error", "first_nonfinite",
 ]
 
 FP8_BLOCK = 128     # DeepSeek's 128x128 weight tiles
@@ -192,14 +194,38 @@ def dequant_int8_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def rel_error(approx: torch.Tensor, exact: torch.Tensor, rows: int = 4096) -> tuple[float, float]:
-    """(relative Frobenius error, max abs error) of approx against exact, float64, by row chunks."""
+    """(relative Frobenius error, max abs error) of approx against exact, float64, by row chunks.
+
+    A NaN or Inf in either input makes both results NaN: a broken tensor must never look exact.
+    """
     num = den = mx = 0.0
     for a, e in zip(approx.split(rows), exact.split(rows)):
         e64 = e.double()
-        d = a.double() - e64
+        d = a.double() - e64                                        # inf - inf -> nan, on purpose
         num += d.square().sum().item()
         den += e64.square().sum().item()
         if d.numel():
-            mx = max(mx, d.abs().max().item())
+            m = d.abs().max().item()                                # torch max propagates nan
+            mx = m if math.isnan(m) or m > mx else mx               # Python's max() would drop it
+    if not (math.isfinite(num) and math.isfinite(den) and math.isfinite(mx)):
+        return math.nan, math.nan
     rel = (num / den) ** 0.5 if den > 0 else float(num > 0)
     return rel, mx
+
+
+def first_nonfinite(t: torch.Tensor, rows: int = 4096) -> list[int] | None:
+    """Index (a list, row-major first) of the first NaN/Inf in floating tensor `t`, or None.
+
+    Works in row chunks, so the bool mask it needs stays small for a 1 GB embedding.
+    """
+    if not t.is_floating_point():
+        return None
+    flat = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(-1, 1)
+    for start in range(0, flat.shape[0], rows):
+        bad = ~torch.isfinite(flat[start:start + rows])
+        if bad.any():
+            i = int(bad.reshape(-1).nonzero()[0])
+            flat_idx = start * flat.shape[1] + i
+            return [int(x) for x in torch.unravel_index(torch.tensor(flat_idx), t.shape)] \
+                if t.dim() else []
+    return None

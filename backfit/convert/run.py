@@ -1,4 +1,10 @@
-"""convert(src, dst): validate -> plan -> convert shard by shard into DST.partial -> manifest -> rename."""
+"""convert(src, dst): validate -> plan -> convert shards in parallel into DST.partial -> manifest -> rename.
+
+Shards are independent units (writer.py), so a pool of worker threads converts several at once:
+the hot paths (reads, numpy gathers, torch ops, SHA-256, pwrite) all release the GIL. Each worker
+holds one action at a time, so peak memory is about workers x the largest tensor, whatever the
+checkpoint size, and the output of a shard does not depend on which worker made it or when.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +13,21 @@ import math
 import os
 import shutil
 import sys
+import threading
 from collections import defaultdict
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from backfit.checkpoint import SafetensorsDir
 from backfit.config import ModelConfig
+from backfit.convert.manifest import finalize, print_summary
 from backfit.convert.plan import Action, ConvertError, plan_conversion
-from backfit.convert.writer import (JOURNAL, convert_shard, disk_error, load_journal, local_shape,
-                                    write_json_atomic)
-from backfit.formats import FORMAT_NAME, FORMAT_VERSION, MANIFEST, SCHEMES, rank_dir
+from backfit.convert.writer import (JOURNAL, Cancelled, convert_shard, disk_error, load_journal,
+                                    local_shape, write_json_atomic)
+from backfit.formats import FORMAT_NAME, FORMAT_VERSION, rank_dir
 from backfit.inventory import DTYPE_BYTES
 
 __all__ = ["convert", "resolve_source"]
-
-_COPY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
-
 
 def resolve_source(src: str) -> Path:
     """A local directory, or a Hugging Face repo id already in the local cache (never downloads)."""
@@ -41,21 +47,84 @@ def resolve_source(src: str) -> Path:
 
 
 def _options(cfg: ModelConfig, src: SafetensorsDir, tp: int, linears: str, experts: str) -> dict:
-    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "tp": tp, "linears": linears,
+    from backfit import __version__
+    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "backfit": __version__,
+            "tp": tp, "linears": linears,
             "experts": experts, "variant": cfg.variant,
             "source_sizes": {f: src.file_size(f) for f in sorted(src.files)}}
 
 
-def _prepare_partial(partial: Path, options: dict, tp: int) -> None:
+def _prepare_partial(partial: Path, options: dict, tp: int, out) -> None:
+    """Resume only a DST.partial made with exactly these options; anything else starts over."""
     opt_file = partial / JOURNAL / "options.json"
     if partial.exists():
-        if opt_file.exists() and json.loads(opt_file.read_text()) == options:
+        try:
+            old = json.loads(opt_file.read_text()) if opt_file.exists() else None
+        except ValueError:
+            old = None
+        if old == options:
             return                                               # resume
-        shutil.rmtree(partial)                                   # other options or no journal
+        what = ("no journal" if old is None else "other options: " + ", ".join(
+            f"{k} {old.get(k)!r} -> {v!r}" for k, v in options.items()
+            if old.get(k) != v and k != "source_sizes") or "other source file sizes")
+        print(f"{partial}: left by a run with {what}; starting over", file=out)
+        shutil.rmtree(partial)
     for r in range(tp):
         rank_dir(partial, r).mkdir(parents=True, exist_ok=True)
     (partial / JOURNAL).mkdir(parents=True, exist_ok=True)
     write_json_atomic(opt_file, options)
+
+
+def _pool_map(fn, items: list, workers: int, stop: threading.Event) -> list:
+    """fn over items on `workers` threads, results in order; the first error stops the rest
+    (they raise Cancelled between actions) and is raised once all have returned."""
+    if workers <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(workers, thread_name_prefix="convert") as pool:
+        futs = [pool.submit(fn, x) for x in items]
+        try:
+            done, _ = wait(futs, return_when=FIRST_EXCEPTION)
+        except BaseException:                                    # Ctrl-C in the main thread
+            stop.set()
+            for f in futs:
+                f.cancel()
+            raise
+        if any(f.exception() for f in done):
+            stop.set()
+            for f in futs:
+                f.cancel()                                       # not started: never starts
+            wait(futs)
+            futs = [f for f in futs if not f.cancelled()]
+            errs = [f.exception() for f in futs if f.exception() is not None]
+            raise next((e for e in errs if not isinstance(e, Cancelled)), errs[0])
+        return [f.result() for f in futs]
+
+
+def torch_threads(n: int) -> int:
+    """Set torch's intra-op threads, return the previous count."""
+    import torch
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return old
+
+
+def _resume(partial: Path, source: SafetensorsDir, files: list[str], tp: int, workers: int,
+            stop: threading.Event, out) -> dict[str, dict | None]:
+    """Journal entry per shard, None for those to (re)do; done shards are re-checked (sizes and
+    the source SHA-256 the journal recorded), in parallel."""
+    journaled = [f for f in files if (partial / JOURNAL / f"{f}.json").exists()]
+    checked = _pool_map(lambda f: load_journal(partial, f, tp, source.root / f), journaled,
+                        workers, stop)
+    journals: dict[str, dict | None] = dict.fromkeys(files)
+    for f, j in zip(journaled, checked):
+        if j is None:
+            print(f"redoing {f}: its journal entry no longer matches the files (checksum or size)",
+                  file=out)
+        journals[f] = j
+    n = sum(j is not None for j in journals.values())
+    if n:
+        print(f"resuming: {n} of {len(files)} shards already converted", file=out)
+    return journals
 
 
 def _check_disk(partial: Path, todo: dict[str, list[Action]], tp: int) -> None:
@@ -69,8 +138,11 @@ def _check_disk(partial: Path, todo: dict[str, list[Action]], tp: int) -> None:
 
 def convert(src: str | Path, dst: str | Path, tp: int = 4, linears: str = "int8",
             experts: str = "int8", force: bool = False, progress: bool = True,
-            out=sys.stdout) -> dict:
-    """Convert an original DeepSeek-V4 checkpoint into a backfit directory. Returns the manifest."""
+            out=sys.stdout, workers: int | None = None) -> dict:
+    """Convert an original DeepSeek-V4 checkpoint into a backfit directory. Returns the manifest.
+
+    workers: shards converted at once (default: every core, at most the number of shards).
+    """
     if tp not in (1, 2, 4, 8):
         raise ConvertError(f"--tp {tp}: must be 1, 2, 4 or 8")
     src_path, dst = resolve_source(str(src)), Path(dst)
@@ -84,24 +156,35 @@ def convert(src: str | Path, dst: str | Path, tp: int = 4, linears: str = "int8"
         by_file[a.file.name].append(a)
     partial = dst.with_name(dst.name + ".partial")
     options = _options(cfg, source, tp, linears, experts)
-    _prepare_partial(partial, options, tp)
-
-    journals = {f: load_journal(partial, f, tp) for f in sorted(by_file)}
-    todo = {f: by_file[f] for f, j in journals.items() if j is None}
-    _check_disk(partial, todo, tp)
-    total = sum(a.nbytes_in for a in actions)
-    done = total - sum(a.nbytes_in for acts in todo.values() for a in acts)
-    if done:
-        print(f"resuming: {len(journals) - len(todo)} of {len(journals)} shards already converted",
-              file=out)
-    from tqdm import tqdm
-    with tqdm(total=total, initial=done, unit="B", unit_scale=True, desc="convert",
-              disable=not progress, file=sys.stderr) as bar:
-        for fname, acts in todo.items():
-            bar.set_postfix_str(fname, refresh=False)
-            journals[fname] = convert_shard(source.root / fname, acts, tp, partial, bar.update)
+    _prepare_partial(partial, options, tp, out)
+    n_workers = max(1, min(workers or os.cpu_count() or 1, len(by_file)))
+    stop = threading.Event()
+    threads = torch_threads(1)                         # parallel over shards, not inside ops
     try:
-        manifest = _finalize(partial, src_path, cfg, actions, journals, options, tp)
+        journals = _resume(partial, source, sorted(by_file), tp, n_workers, stop, out)
+        todo = {f: by_file[f] for f, j in journals.items() if j is None}
+        _check_disk(partial, todo, tp)
+        total = sum(a.nbytes_in for a in actions)
+        done = total - sum(a.nbytes_in for acts in todo.values() for a in acts)
+        from tqdm import tqdm
+        with tqdm(total=total, initial=done, unit="B", unit_scale=True, desc="convert",
+                  disable=not progress, file=sys.stderr) as bar:
+            lock = threading.Lock()
+
+            def tick(nbytes: int) -> None:
+                with lock:
+                    bar.update(nbytes)
+
+            # largest shards first: the pool then ends with small ones and stays busy
+            order = sorted(todo, key=lambda f: -source.file_size(f))
+            results = _pool_map(lambda f: convert_shard(source.root / f, todo[f], tp, partial,
+                                                        on_progress=tick, stop=stop),
+                                order, n_workers, stop)
+        journals.update(zip(order, results))
+    finally:
+        torch_threads(threads)
+    try:
+        manifest = finalize(partial, src_path, cfg, actions, journals, options, tp)
     except OSError as e:
         raise (disk_error(e, partial) or e) from None
     if dst.exists():                                           # --force: replace only now
@@ -114,74 +197,3 @@ def convert(src: str | Path, dst: str | Path, tp: int = 4, linears: str = "int8"
         os.replace(partial, dst)
     print_summary(manifest, out)
     return manifest
-
-
-def _finalize(partial: Path, src: Path, cfg: ModelConfig, actions: list[Action],
-              journals: dict[str, dict], options: dict, tp: int) -> dict:
-    tensors = {}
-    for a in actions:
-        st = journals[a.file.name]["tensors"].get(a.sources[0].name, {})
-        for o in a.outputs:
-            tensors[o.name] = {"scheme": o.scheme, "role": o.role, "dtype": o.dtype,
-                               "shape": list(o.shape), "shard_dim": o.shard_dim,
-                               "source": [e.name for e in a.sources], "file": a.file.name,
-                               **(st if o.role != "scale" else {})}
-    for r in range(tp):
-        wmap = {o.name: a.file.name for a in actions for o in a.outputs}
-        total = sum(j["bytes_out"][r] for j in journals.values())
-        write_json_atomic(rank_dir(partial, r) / "model.safetensors.index.json",
-                          {"metadata": {"total_size": total, "rank": r, "tp": tp},
-                           "weight_map": dict(sorted(wmap.items()))})
-    for f in _COPY_FILES:
-        if (src / f).exists():
-            shutil.copyfile(src / f, partial / f)
-    manifest = {
-        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "tp": tp,
-        "schemes": {"linears": options["linears"], "experts": options["experts"],
-                    "meaning": SCHEMES},
-        "model": {"variant": cfg.variant, "num_hidden_layers": cfg.num_hidden_layers,
-                  "num_mtp_stages": cfg.num_mtp_stages},
-        "source": {"files": {f: j["source"] for f, j in sorted(journals.items())}},
-        "ranks": [{"dir": rank_dir(".", r).name,
-                   "bytes": sum(j["bytes_out"][r] for j in journals.values())} for r in range(tp)],
-        "tensors": tensors,
-        "summary": _summary(tensors, journals, tp),
-    }
-    write_json_atomic(partial / MANIFEST, manifest)
-    shutil.rmtree(partial / JOURNAL)
-    return manifest
-
-
-def _summary(tensors: dict, journals: dict, tp: int) -> dict:
-    per_scheme: dict[str, int] = defaultdict(int)
-    errs = []
-    for name, t in tensors.items():
-        if t["role"] != "scale":
-            per_scheme[t["scheme"]] += 1
-        if t["scheme"] == "int8_g128" and t["role"] == "weight":
-            errs.append((t["rel_err"], name))
-    bytes_in = sum(j["source"]["size"] for j in journals.values())
-    worst = max(errs) if errs else (0.0, None)
-    return {"tensors_per_scheme": dict(sorted(per_scheme.items())), "bytes_in": bytes_in,
-            "bytes_out_per_rank": [sum(j["bytes_out"][r] for j in journals.values()) for r in range(tp)],
-            "int8_g128_rel_err": {"worst": worst[0], "worst_tensor": worst[1],
-                                  "mean": sum(e for e, _ in errs) / len(errs) if errs else 0.0,
-                                  "count": len(errs)},
-            "experts_exact": all(t.get("exact", True) for t in tensors.values()
-                                 if t["scheme"] == "int8_mx32" and t["role"] == "weight")}
-
-
-def print_summary(m: dict, out=sys.stdout) -> None:
-    s = m["summary"]
-    print(f"\nconverted to {FORMAT_NAME} v{FORMAT_VERSION}, tp={m['tp']}, linears={m['schemes']['linears']}, "
-          f"experts={m['schemes']['experts']}", file=out)
-    print(f"  {'scheme':<10} {'tensors':>8}", file=out)
-    for k, v in s["tensors_per_scheme"].items():
-        print(f"  {k:<10} {v:>8}", file=out)
-    print(f"  bytes in {s['bytes_in'] / 1e6:,.1f} MB; out per rank: "
-          + ", ".join(f"{b / 1e6:,.1f} MB" for b in s["bytes_out_per_rank"]), file=out)
-    e = s["int8_g128_rel_err"]
-    if e["count"]:
-        print(f"  FP8->INT8 relative error over {e['count']} tensors: mean {e['mean']:.3%}, "
-              f"worst {e['worst']:.3%} ({e['worst_tensor']})", file=out)
-    print(f"  MXFP4 experts bit-exact: {'yes' if s['experts_exact'] else 'NO'}", file=out)

@@ -1,30 +1,104 @@
-"""One function per Action kind: source bytes in, full (unsharded) output tensors and error stats out."""
+"""One function per Action kind: source bytes in, full (unsharded) output tensors and error stats out.
+
+Every check is made in the pass that already reads the data, and any failure is one ConvertError
+line naming the file, the tensor and the first offending index:
+  - copied floats (BF16/F32): NaN or Inf (a row-chunked isfinite pass);
+  - e4m3 bytes: the NaN codes 0x7F/0xFF;
+  - FP8 x scale and MXFP4 x scale: a non-finite product is detected through the error pass
+    (rel_error propagates NaN/Inf), so valid tensors pay nothing extra;
+  - UE8M0 scale bytes: 255 (NaN) and bytes outside E8M0_ACCEPTED (below).
+"""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from backfit.convert.plan import Action, ConvertError
-from backfit.quant import (E8M0_NAN, dequant_fp8_block, dequant_int8_groups, dequant_mxfp4,
-                           mxfp4_to_int8, quantize_int8_groups, rel_error)
+from backfit.quant import (E8M0_NAN, decode_e2m1, dequant_fp8_block, dequant_int8_groups,
+                           dequant_int8_mx, dequant_mxfp4, first_nonfinite, mxfp4_to_int8,
+                           quantize_int8_groups, rel_error, unpack_e2m1)
 
-__all__ = ["apply"]
+__all__ = ["apply", "E8M0_ACCEPTED", "experts_exact"]
 
 _E4M3_NAN = (0x7F, 0xFF)
 
+# Accepted UE8M0 scale bytes e (value 2^(e-127), dsv4-model.md 4.2). DeepSeek's scales are
+# 2^ceil(log2(amax/448)) per FP8 tile and 2^ceil(log2(amax/6)) per MXFP4 group (4.1, 4.3), and
+# trained weights are O(1), so real bytes sit a few steps below 127 (8 gives 115-130 as the
+# plausible range). The hard edges are far away: 448 * 2^(e-127) overflows float32/bf16 from
+# e = 247 and 6 * 2^(e-127) from e = 253. Accepted:
+#   e >= 1:   e = 0 is the one byte decoders disagree on (exp2 gives 2^-127, the bit-shift decode
+#             of 4.2 gives 0.0), and no power-of-two absmax scale of a weight reaches it;
+#   e <= 159: scale <= 2^32, i.e. weights up to 448 * 2^32; anything larger is a damaged byte,
+#             not a trained weight, and would push a bf16 matmul toward overflow.
+E8M0_ACCEPTED = (1, 127 + 32)
+
+
+def _where(action: Action, i: int = 0) -> str:
+    e = action.sources[i]
+    return f"{e.file}: {e.name}"
+
 
 def _check_scale(action: Action, s: torch.Tensor) -> None:
-    bad = (s == E8M0_NAN).nonzero()
-    if len(bad):
-        e = action.sources[1]
-        raise ConvertError(f"{e.file}: {e.name}: UE8M0 scale byte 255 (NaN) at {bad[0].tolist()}")
+    """UE8M0 bytes [*, *]: no 255 (NaN), every byte inside E8M0_ACCEPTED."""
+    a = s.numpy()
+    lo, hi = int(a.min()), int(a.max())                  # two cheap passes over a small tensor
+    if lo >= E8M0_ACCEPTED[0] and hi <= E8M0_ACCEPTED[1]:
+        return
+    if hi == E8M0_NAN:
+        bad = (s == E8M0_NAN).nonzero()[0].tolist()
+        raise ConvertError(f"{_where(action, 1)}: UE8M0 scale byte 255 (NaN) at {bad}")
+    bad = ((s < E8M0_ACCEPTED[0]) | (s > E8M0_ACCEPTED[1])).nonzero()[0].tolist()
+    b = int(s[tuple(bad)])
+    raise ConvertError(f"{_where(action, 1)}: UE8M0 scale byte {b} (2^{b - 127}) at {bad} is outside "
+                       f"the accepted {E8M0_ACCEPTED[0]}..{E8M0_ACCEPTED[1]} "
+                       f"(2^{E8M0_ACCEPTED[0] - 127}..2^{E8M0_ACCEPTED[1] - 127}): damaged checkpoint")
 
 
 def _check_e4m3(action: Action, w: torch.Tensor) -> None:
     bad = ((w == _E4M3_NAN[0]) | (w == _E4M3_NAN[1])).nonzero()
     if len(bad):
-        e = action.sources[0]
-        raise ConvertError(f"{e.file}: {e.name}: e4m3 NaN code at {bad[0].tolist()}")
+        raise ConvertError(f"{_where(action)}: e4m3 NaN code at {bad[0].tolist()}")
+
+
+def _check_finite_source(action: Action, t: torch.Tensor) -> None:
+    bad = first_nonfinite(t)
+    if bad is not None:
+        v = t[tuple(bad)].item()
+        raise ConvertError(f"{_where(action)}: non-finite value {v} at {bad} in the source")
+
+
+def _check_product(action: Action, ref: torch.Tensor, rel: float, what: str) -> None:
+    """rel is NaN iff ref (the dequantized source) holds a NaN/Inf: only then is ref scanned."""
+    if math.isfinite(rel):
+        return
+    bad = first_nonfinite(ref)
+    where = f"at {bad}" if bad is not None else "(error pass overflowed)"
+    v = ref[tuple(bad)].item() if bad is not None else math.nan
+    raise ConvertError(f"{_where(action)}: {what} gives {v} {where}: the scale byte is damaged")
+
+
+# Independent check table for the bit-exact expert path: packed byte -> its two values 2*e2m1, made
+# through the reference decoder (unpack_e2m1 + decode_e2m1, the dequant_mxfp4 path), not through
+# quant's gather table; viewed as one int16 per byte like the INT8 pairs it is compared with.
+_CHECK_PAIRS = (decode_e2m1(unpack_e2m1(torch.arange(256, dtype=torch.int32).to(torch.uint8)
+                                        .view(torch.int8)[:, None])) * 2).to(torch.int8)
+_CHECK_PAIRS = _CHECK_PAIRS.contiguous().view(torch.int16).reshape(256).numpy()
+
+
+def experts_exact(w: torch.Tensor, s: torch.Tensor, q: torch.Tensor, e: torch.Tensor) -> bool:
+    """True iff INT8 q [N, K] / exponents e [N, K/32] equal packed MXFP4 w [N, K/2] / s in value.
+
+    value = q * 2^(e-128) = e2m1 * 2^(s-127) for all elements iff q == 2*e2m1 and e == s, so this
+    compares bytes: one table gather over w and one compare over q (no float math).
+    """
+    if q.shape != (w.shape[0], 2 * w.shape[1]) or not torch.equal(e.view(torch.uint8), s):
+        return False
+    want = _CHECK_PAIRS.take(w.contiguous().view(torch.uint8).numpy())       # [N, K/2] int16
+    return bool(np.array_equal(q.contiguous().view(torch.int16).numpy(), want))
 
 
 def apply(action: Action, tensors: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
@@ -35,28 +109,41 @@ def apply(action: Action, tensors: list[torch.Tensor]) -> tuple[dict[str, torch.
     """
     kind, outs = action.kind, action.outputs
     if kind == "copy":
+        _check_finite_source(action, tensors[0])
         return {outs[0].name: tensors[0]}, {}
     w, s = tensors
-    _check_scale(action, s)
     if kind.startswith("fp8"):
         _check_e4m3(action, w)
-        ref = dequant_fp8_block(w, s)
+        if (s == E8M0_NAN).any():                               # before the product: clearer
+            _check_scale(action, s)
+        ref = dequant_fp8_block(w, s)                           # float32 [N, K]
         if kind == "fp8_int8":
             q, scale = quantize_int8_groups(ref)
             rel, mx = rel_error(dequant_int8_groups(q, scale), ref)
+            _check_product(action, ref, rel, "FP8 x scale")
+            _check_scale(action, s)
             return {outs[0].name: q, outs[1].name: scale}, {"rel_err": rel, "max_abs_err": mx,
                                                              "exact": rel == 0.0}
         out = ref.to(torch.bfloat16)
         rel, mx = rel_error(out, ref)
+        _check_product(action, ref, rel, "FP8 x scale")
+        _check_scale(action, s)
         return {outs[0].name: out}, {"rel_err": rel, "max_abs_err": mx, "exact": rel == 0.0}
+    _check_scale(action, s)                                     # MXFP4: the bytes are the scale
     if kind == "fp4_int8":
-        # Exact by construction (2*e2m1 is an integer, the exponent byte is unchanged); the
-        # test suite proves it over all 16 codes and all 255 finite exponents.
+        # Exact by construction (2*e2m1 is an integer, the exponent byte is unchanged); `exact`
+        # is still measured on the bytes handed to the writer, by an independent table.
         q, e = mxfp4_to_int8(w, s)
-        return {outs[0].name: q, outs[1].name: e}, {"rel_err": 0.0, "max_abs_err": 0.0, "exact": True}
+        if experts_exact(w, s, q, e):
+            return {outs[0].name: q, outs[1].name: e}, {"rel_err": 0.0, "max_abs_err": 0.0,
+                                                         "exact": True}
+        rel, mx = rel_error(dequant_int8_mx(q, e), dequant_mxfp4(w, s))     # failure path only
+        return {outs[0].name: q, outs[1].name: e}, {"rel_err": rel, "max_abs_err": mx,
+                                                     "exact": False}
     if kind == "fp4_bf16":
         ref = dequant_mxfp4(w, s)
         out = ref.to(torch.bfloat16)
         rel, mx = rel_error(out, ref)
+        _check_product(action, ref, rel, "MXFP4 x scale")
         return {outs[0].name: out}, {"rel_err": rel, "max_abs_err": mx, "exact": rel == 0.0}
     raise AssertionError(kind)

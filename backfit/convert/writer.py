@@ -1,9 +1,10 @@
 """Write one source shard's conversion for every rank, atomically, and journal it for resume.
 
-Unit of work = one source shard file. Its tp output files are written as `*.tmp` (header laid
-out first, tensors pwritten as they are produced, one action in memory at a time), fsynced,
-renamed, and only then is the shard's journal entry written. A killed run leaves at most
-`.tmp` files, which the next run overwrites.
+Unit of work = one source shard file (run.py converts several at once, one per worker thread).
+Its tp output files are written as `*.tmp` (header laid out first, tensors pwritten as they are
+produced, one action in memory at a time), fsynced, renamed, and only then is the shard's
+journal entry written. A killed run leaves at most `.tmp` files, which the next run overwrites.
+The source is read once, in file order, and hashed (SHA-256) as it is read.
 """
 
 from __future__ import annotations
@@ -13,22 +14,27 @@ import hashlib
 import json
 import math
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from backfit.checkpoint import ShardWriter, read_tensor
+from backfit.checkpoint import TORCH_DTYPE, CheckpointError, ShardWriter, TensorEntry
 from backfit.convert.plan import Action, ConvertError, Output
 from backfit.convert.transforms import apply
 from backfit.formats import rank_dir
 from backfit.inventory import DTYPE_BYTES
 
 __all__ = ["local_shape", "convert_shard", "JOURNAL", "load_journal", "write_json_atomic",
-           "disk_error"]
+           "disk_error", "Cancelled", "source_sha256"]
 
 JOURNAL = ".journal"
 _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class Cancelled(Exception):
+    """Another shard failed; this one stopped between two actions (its .tmp files stay)."""
 
 
 def local_shape(o: Output, tp: int) -> tuple[int, ...]:
@@ -56,22 +62,35 @@ def disk_error(e: OSError, path: Path) -> ConvertError | None:
     return None
 
 
-def _sha256(path: Path) -> str:
+def source_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
-            h.update(chunk)
+            h.update(chunk)                              # hashlib drops the GIL on big buffers
     return h.hexdigest()
 
 
-def load_journal(partial: Path, fname: str, tp: int) -> dict | None:
-    """The journal entry of a finished shard, or None if the shard must be (re)done."""
+def load_journal(partial: Path, fname: str, tp: int, src_file: Path | None = None) -> dict | None:
+    """The journal entry of a finished shard, or None if the shard must be (re)done.
+
+    The entry stands only if every rank file has the size it recorded and, when `src_file` is
+    given, the source still has the SHA-256 it recorded (rehashed: resume reads done shards once).
+    """
     path = partial / JOURNAL / f"{fname}.json"
     if not path.exists():
         return None
-    if not all((rank_dir(partial, r) / fname).exists() for r in range(tp)):
+    try:
+        entry = json.loads(path.read_text())
+        sizes = entry["outputs"]
+    except (ValueError, KeyError, TypeError):
+        return None                                      # torn or from an older converter
+    for r in range(tp):
+        f = rank_dir(partial, r) / fname
+        if not f.exists() or f.stat().st_size != sizes[r]:
+            return None
+    if src_file is not None and source_sha256(src_file) != entry["source"]["sha256"]:
         return None
-    return json.loads(path.read_text())
+    return entry
 
 
 def _split(t: torch.Tensor, dim: int | None, tp: int) -> list[torch.Tensor]:
@@ -87,9 +106,49 @@ def _split(t: torch.Tensor, dim: int | None, tp: int) -> list[torch.Tensor]:
     return list(out.view(t.dtype))
 
 
+class _SourceReader:
+    """One source file, read tensor by tensor through one descriptor, hashed on the way.
+
+    Reads in file order extend the SHA-256 for free; any other order (a file whose scales sit
+    far from their weights) falls back to one extra sequential pass at the end.
+    """
+
+    def __init__(self, path: Path):
+        self.path, self.fd = path, os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self.fd).st_size
+        (hlen,) = np.frombuffer(os.pread(self.fd, 8, 0), "<u8")
+        self.sha, self.pos = hashlib.sha256(os.pread(self.fd, 8 + int(hlen), 0)), 8 + int(hlen)
+
+    def read(self, e: TensorEntry) -> torch.Tensor:
+        buf = torch.empty(e.nbytes, dtype=torch.uint8)
+        view, done = memoryview(buf.numpy()), 0
+        while done < e.nbytes:
+            n = os.preadv(self.fd, [view[done:]], e.offset + done)
+            if n == 0:
+                raise CheckpointError(f"{e.file}: {e.name}: file truncated while reading")
+            done += n
+        if self.sha is not None and e.offset == self.pos:
+            self.sha.update(view)
+            self.pos += e.nbytes
+        else:
+            self.sha = None
+        return buf.view(TORCH_DTYPE[e.dtype]).reshape(e.shape)
+
+    def sha256(self) -> str:
+        if self.sha is not None and self.pos == self.size:
+            return self.sha.hexdigest()
+        return source_sha256(self.path)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 def convert_shard(src_file: Path, actions: list[Action], tp: int, partial: Path,
-                  on_progress=lambda nbytes: None) -> dict:
-    """Convert one source shard into tp rank files; returns its journal entry."""
+                  on_progress=lambda nbytes: None, stop: threading.Event | None = None) -> dict:
+    """Convert one source shard into tp rank files; returns its journal entry.
+
+    Thread-safe for distinct shards. `stop` set by another thread -> Cancelled between actions.
+    """
     fname = src_file.name
     specs: list[list] = [[] for _ in range(tp)]
     for a in actions:
@@ -99,11 +158,17 @@ def convert_shard(src_file: Path, actions: list[Action], tp: int, partial: Path,
     tmp = [rank_dir(partial, r) / (fname + ".tmp") for r in range(tp)]
     writers: list[ShardWriter] = []
     stats: dict[str, dict] = {}
+    reader = _SourceReader(src_file)
     try:
         for r in range(tp):
             writers.append(ShardWriter(tmp[r], specs[r], {"format": "pt"}))
-        for a in sorted(actions, key=lambda a: a.sources[0].offset):   # sequential reads
-            outs, st = apply(a, [read_tensor(e) for e in a.sources])
+        order = sorted(actions, key=lambda a: min(e.offset for e in a.sources))   # file order
+        for a in order:
+            if stop is not None and stop.is_set():
+                raise Cancelled(fname)
+            srcs = sorted(a.sources, key=lambda e: e.offset)
+            got = {e.name: reader.read(e) for e in srcs}
+            outs, st = apply(a, [got[e.name] for e in a.sources])
             for o in a.outputs:
                 pieces = _split(outs[o.name], o.shard_dim, tp)
                 for w, piece in zip(writers, pieces):
@@ -114,12 +179,14 @@ def convert_shard(src_file: Path, actions: list[Action], tp: int, partial: Path,
         for w in writers:
             w.close()
         writers = []
+        sha = reader.sha256()
     except OSError as e:
         err = disk_error(e, tmp[0].parent)
         if err:
             raise err from None
         raise
     finally:
+        reader.close()
         for w in writers:                                  # error path: release descriptors
             try:
                 os.close(w.fd)
@@ -128,11 +195,11 @@ def convert_shard(src_file: Path, actions: list[Action], tp: int, partial: Path,
     for r in range(tp):
         os.replace(tmp[r], rank_dir(partial, r) / fname)
     entry = {
-        "source": {"size": src_file.stat().st_size, "sha256": _sha256(src_file)},
+        "source": {"size": src_file.stat().st_size, "sha256": sha},
         "tensors": stats,
         "bytes_out": [sum(math.prod(shape) * DTYPE_BYTES[dt] for _, dt, shape in specs[r])
                       for r in range(tp)],
+        "outputs": [(rank_dir(partial, r) / fname).stat().st_size for r in range(tp)],
     }
     write_json_atomic(partial / JOURNAL / f"{fname}.json", entry)
     return entry
-
