@@ -1,7 +1,8 @@
 """One incremental parser for DeepSeek-V4 output text → neutral events (streaming and not).
 
 States (api-protocols §5.5): REASONING → CONTENT → BLOCK → INVOKE → PARAMS → PARAM → VALUE →
-back to BLOCK / AFTER → CONTENT; RAW after malformed DSML; DONE after EOS text or a stop string.
+back to BLOCK / AFTER → CONTENT; JSON for a direct `{...}` invoke body (SGLang accepts it);
+RAW after malformed DSML; DONE after EOS text or a stop string.
 The model text is `{reasoning}</think>{content}\\n\\n<｜DSML｜tool_calls>\\n<｜DSML｜invoke
 name="f">\\n<｜DSML｜parameter name="p" string="true|false">v</｜DSML｜parameter>\\n
 </｜DSML｜invoke>\\n</｜DSML｜tool_calls>` (dsv4-model.md §7.4). Arguments are built as the
@@ -105,6 +106,7 @@ class OutputParser:
         self._n_calls = 0
         self._block_calls = 0          # invokes completed in the current block
         self._call: dict | None = None  # {"index", "args", "names", "is_str", "value"}
+        self._finished = False
 
     @property
     def done(self) -> bool:
@@ -123,6 +125,9 @@ class OutputParser:
         return self._take()
 
     def finish(self, reason: str = "stop") -> list[Event]:
+        if self._finished:
+            return []
+        self._finished = True
         self.buf += self._utf8.decode(b"", final=True)
         self._run()
         st, buf = self.state, self.buf
@@ -135,7 +140,7 @@ class OutputParser:
         elif st == "BLOCK" and self._block_calls == 0:
             self._malformed("empty tool-call block", buf)
             self._emit(TextDelta, self.buf)
-        elif st in ("INVOKE", "PARAMS", "PARAM", "VALUE"):
+        elif st in ("INVOKE", "PARAMS", "PARAM", "VALUE", "JSON"):
             self._end_call("unterminated tool call (output ended inside it)")
             if st == "INVOKE":
                 self.errors.append("unterminated tool call (output ended in its header)")
@@ -269,6 +274,11 @@ class OutputParser:
         return True
 
     def _PARAMS(self) -> bool:
+        stripped = self.buf.lstrip()
+        if not self._call["args"] and stripped.startswith("{"):
+            self.raw += self.buf[:len(self.buf) - len(stripped)]
+            self.buf, self.state = stripped, "JSON"  # a direct JSON body (as SGLang accepts)
+            return True
         t = self._expect([PARAM, INVOKE_END], f"{PARAM} or {INVOKE_END}")
         if t is None:
             return self.state != "PARAMS"
@@ -322,6 +332,23 @@ class OutputParser:
                                f"{c['value'][:40]!r}")
             self._args(json.dumps(c["value"], ensure_ascii=False))
         self.state = "PARAMS"
+        return True
+
+    def _JSON(self) -> bool:
+        head, m = self._split([INVOKE_END])
+        self.raw += head + (m or "")
+        if head:
+            self._args(head)
+        if m is None:
+            return False
+        args = self._call["args"].rstrip()
+        if not (_strict_json(args) and isinstance(json.loads(args), dict)):
+            self._malformed("invoke body is not a JSON object", "")
+            return True
+        self._end_call(None)
+        self.raw, self.state = "", "BLOCK"
+        self._block_calls += 1
+        self._calls_ok += 1
         return True
 
     def _args(self, text: str):

@@ -83,19 +83,24 @@ MALFORMED = {
                             .replace(f"</{D}parameter>\n", f"</{D}parameter>\noops ")),
     "duplicate_param": "ok</think>" + block(invoke("f", ("a", "true", "1"), ("a", "true", "2"))),
     "empty_block": f"ok</think>text\n\n<{D}tool_calls>\n</{D}tool_calls> tail",
+    "bad_json_body": "ok</think>" + block(f'<{D}invoke name="f">\n{{"a": 1,}}\n</{D}invoke>'),
     "second_call_broken": ("ok</think>" + block(invoke("f", ("a", "false", "[1]")),
                                                 f'<{D}invoke name="g">\n<{D}parameter name="b">')),
 }
 
 
-@pytest.mark.parametrize("name,text", [("rich", RICH), *MALFORMED.items()])
-def test_same_events_folded_for_every_split(name, text):
+STOPPED = "Answer: 42 — done.</think>Result ✓ 42 END! never shown" + block(invoke("f"))
+
+
+@pytest.mark.parametrize("name,text,kw", [("rich", RICH, {}), ("stop", STOPPED, {"stop": ["END!"]}),
+                                          *((k, v, {}) for k, v in MALFORMED.items())])
+def test_same_events_folded_for_every_split(name, text, kw):
     rng = random.Random(7)
-    want = folded([text])
+    want = folded([text], **kw)
     for chunks in _splits(text, rng):
-        assert folded(chunks) == want, (name, chunks)
+        assert folded(chunks, **kw) == want, (name, chunks)
     for chunks in _byte_splits(text, rng):
-        assert folded(chunks) == want, (name, "bytes", chunks)
+        assert folded(chunks, **kw) == want, (name, "bytes", chunks)
 
 
 def test_no_dsml_or_partial_tag_reaches_text_or_arguments():
@@ -145,6 +150,16 @@ def test_malformed_details():
     assert m.finish.reason == "tool_calls"          # the good call stands
     m = folded([MALFORMED["empty_block"]])
     assert m.content == f"text\n\n<{D}tool_calls>\n</{D}tool_calls> tail" and not m.tool_calls
+
+
+def test_direct_json_invoke_body():
+    body = '{"city": "Paris", "days": [1, 2]}'
+    text = "r</think>" + block(f'<{D}invoke name="f">\n{body}\n</{D}invoke>', invoke("g"))
+    for chunks in _splits(text, random.Random(2), n_random=5):
+        m = folded(chunks)
+        assert [(c.name, json.loads(c.arguments), c.error) for c in m.tool_calls] == [
+            ("f", json.loads(body), None), ("g", {}, None)]
+        assert m.content == "" and m.finish.error is None
 
 
 def test_non_json_value_becomes_a_string_and_is_flagged():
