@@ -122,6 +122,48 @@ def generate(converted, prompt, max_tokens, tp, activations, device) -> None:
 
 
 @main.command()
+@click.argument("model")
+@click.option("--tp", type=click.Choice(["1", "2", "4", "8"]), default=None,
+              help="Tensor-parallel ranks (default: a converted MODEL's tp, else 4).")
+@click.option("--gpu-mem", default="80GiB", show_default=True,
+              help="Memory of one card (80GiB, 80GB, 81920MiB).")
+@click.option("--gpu-memory-utilization", type=float, default=0.90, show_default=True,
+              help="Share of the card the engine may use: weights, reserves and KV pools.")
+@click.option("--experts", type=click.Choice(["int8", "bf16", "mx4"]), default=None,
+              help="Routed-expert scheme (default: a converted MODEL's, else int8); mx4 is the "
+                   "planned 4-bit scheme (0.5 B + 1 exponent byte per 32), projected only.")
+@click.option("--kv-cache-dtype", type=click.Choice(["bf16", "int8"]), default="bf16",
+              show_default=True, help="int8: one FP32 scale per 512-d entry, ~40% fewer bytes.")
+@click.option("--max-model-len", type=int, default=None,
+              help="Longest sequence (default: the longest that fits, up to the model's limit).")
+@click.option("--max-num-seqs", type=int, default=64, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True)
+@click.option("--num-snapshot-slots", type=int, default=None,
+              help="Prefix-cache snapshot slots (default: max-num-seqs).")
+@click.option("--mtp/--no-mtp", default=True, show_default=True,
+              help="Count the MTP draft block's weights and window ring (the runtime loads it).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def plan(model, tp, gpu_mem, gpu_memory_utilization, experts, kv_cache_dtype, max_model_len,
+         max_num_seqs, max_num_batched_tokens, num_snapshot_slots, mtp, as_json) -> None:
+    """Memory plan per rank: weights, activation workspace, CUDA-graph reserve, KV bytes per
+    token and per sequence, KV capacity, longest context and concurrency. MODEL is an original
+    or converted directory or a bare config.json. Exits 1 when --max-model-len does not fit."""
+    import json as _json
+
+    from backfit.capacity import format_plan, parse_bytes
+    from backfit.capacity import plan as run_plan
+    try:
+        p = run_plan(model, tp=int(tp) if tp else None, gpu_mem=parse_bytes(gpu_mem),
+                     utilization=gpu_memory_utilization, experts=experts,
+                     kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
+                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                     num_snapshot_slots=num_snapshot_slots, mtp=mtp)
+    except (ValueError, *_user_errors()) as e:
+        _fail(e)
+    click.echo(_json.dumps(p.to_dict(), indent=1) if as_json else format_plan(p))
+
+
+@main.command()
 @click.option("--dir", "workdir", type=click.Path(file_okay=False), default=None,
               help="Where to build the demo (default: ~/.cache/backfit/demo).")
 def demo(workdir: str | None) -> None:

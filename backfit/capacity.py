@@ -1,0 +1,381 @@
+"""The memory planner: weights, reserves and KV-cache capacity per rank (`backfit plan`).
+
+Every rank holds its weight shard plus the whole KV cache (the single latent head is not split
+by TP), so one rank's budget decides everything:
+
+  pool = floor(gpu_mem · utilization) − used − workspace − graph_reserve
+  used = weights + runtime reserve (computed), or total − free after loading (measured, `fit`)
+  pool = num_slots · slot_bytes + num_blocks · block_bytes          (runtime/cache/layout.py)
+
+Weights come from the inventory and the conversion plan (the same `plan_conversion` that
+`backfit convert` runs), or from manifest.json for a converted directory. The reserves, per rank,
+for a forward of T = max_num_batched_tokens tokens (A = 2 bytes, bf16 activations):
+
+  streams    3·T·hc·H·A + T·H·4          layer input, sub-block output, mHC-mixed copy; FP32
+             collapsed input
+  attention  T · (q_lora + 2·NH/tp·D + D + o_groups/tp·o_lora + IH/tp·IHD)·A
+             + T · 2·(2D + 2·IHD)·4      q, o, kv, wo_a out, indexer q; compressor c, z (FP32)
+  moe        T·(E·4 + k·(2H·A + 2·I/tp·4 + I/tp·A) + 2·I/tp·4)   router logits, gathered x,
+             gate/up (FP32), h, expert outputs (bf16), shared expert gate/up; attention and MoE
+             run one after the other, so the larger of the two counts
+  scores     C = min(T, SCORE_CHUNK) query rows at a time: indexer C·(L/4)·4 (heads summed on
+             each rank, as DeepSeek's fp8_index kernel does) + top-k ids C·topk·4, attention
+             2·C·NH/tp·(W + max(topk, L/m))·4 (logits and probabilities; HCA attends all L/m)
+  logits     S·(V/tp·4 + V·16): local FP32 logits, gathered FP32 row, sampler probs + int64
+             sort ids (S = max_num_seqs rows are sampled per step)
+  graphs     the same workspace at T = S = max_num_seqs (decode graphs share one private pool,
+             captured largest first) + GRAPH_BYTES per captured batch size
+  runtime    CUDA context + cuBLAS: 685 MiB measured on an H200 (torch 2.11, CUDA 13), rounded
+             up to 0.75 GiB; NCCL buffers at tp > 1: 0.5 GiB, an estimate (not measured here)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from backfit.checkpoint import TensorEntry
+from backfit.config import ModelConfig
+from backfit.formats import MANIFEST, load_manifest
+from backfit.inventory import DTYPE_BYTES, expected_tensors
+from backfit.runtime.cache.layout import CacheLayout, cache_layout
+
+__all__ = ["GiB", "EXPERT_SCHEMES", "MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "SCORE_CHUNK",
+           "WeightBytes", "Workspace", "Plan", "parse_bytes", "read_model", "weight_bytes",
+           "manifest_weight_bytes", "workspace", "graph_reserve", "runtime_reserve", "fit", "plan",
+           "format_plan"]
+
+GiB = 2 ** 30
+MiB = 2 ** 20
+MAX_NUM_SEQS = 64
+MAX_NUM_BATCHED_TOKENS = 2048
+SCORE_CHUNK = 256                       # query rows per indexer / attention score block
+GRAPH_BYTES = 16 * MiB                  # per captured graph: 5.5 MiB measured for 1,720 nodes
+CONTEXT_BYTES = 3 * GiB // 4            # CUDA context + cuBLAS (685 MiB measured, H200)
+NCCL_BYTES = GiB // 2                   # estimate, tp > 1
+# --experts -> bytes of one routed-expert weight, for the record; the bytes themselves come from
+# the plan's outputs. mx4 is the planned 4-bit scheme (MXFP4 kept packed): 0.5 B + 1 B per 32.
+EXPERT_SCHEMES = {"int8": 1 + 1 / 32, "bf16": 2.0, "mx4": 0.5 + 1 / 32}
+PLANNED = {"mx4"}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '80 GB', '81920MiB', '1e9' -> bytes."""
+    units = {"kib": 2 ** 10, "mib": MiB, "gib": GiB, "tib": 2 ** 40, "kb": 10 ** 3, "mb": 10 ** 6,
+             "gb": 10 ** 9, "tb": 10 ** 12, "b": 1, "": 1}
+    s = str(text).strip().lower().replace(" ", "")
+    num = s.rstrip("kmgtib")
+    try:
+        value, unit = float(num), units[s[len(num):]]
+    except (ValueError, KeyError):
+        raise ValueError(f"cannot read {text!r} as a size (e.g. 80GiB, 80GB, 81920MiB)") from None
+    return int(value * unit)
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    per_rank: int                # the largest rank's payload (ranks are equal: torch.chunk)
+    experts: int                 # routed experts (main tower + drafts) on that rank
+    mtp: int                     # draft stages (mtp.*) on that rank, included in per_rank
+    source: str                  # "manifest" | "inventory"
+    planned: bool = False        # a scheme that no converter writes yet (mx4)
+
+
+def _per_rank(shape, dtype: str, shard_dim, tp: int) -> int:
+    n = math.prod(shape) * DTYPE_BYTES[dtype]
+    return n if shard_dim is None else n // tp
+
+
+def weight_bytes(cfg: ModelConfig, tp: int, experts: str = "int8", linears: str = "int8",
+                 mtp: bool = True) -> WeightBytes:
+    """Per-rank bytes of the directory `backfit convert --tp tp` would write, from the inventory."""
+    from backfit.convert.plan import plan_conversion
+    if experts not in EXPERT_SCHEMES:
+        raise ValueError(f"--experts {experts!r}: choose one of {', '.join(EXPERT_SCHEMES)}")
+    entries = {n: TensorEntry(Path(n), n, t.dtype, t.shape, 0, t.nbytes)
+               for n, t in expected_tensors(cfg).items()}
+    actions = plan_conversion(entries, cfg, tp, linears=linears,
+                              experts="int8" if experts == "mx4" else experts)
+    total = ex = draft = 0
+    for a in actions:
+        for o in a.outputs:
+            if o.name.startswith("mtp.") and not mtp:
+                continue
+            n = _per_rank(o.shape, o.dtype, o.shard_dim, tp)
+            if experts == "mx4" and o.scheme == "int8_mx32" and o.role == "weight":
+                n //= 2                       # hook: two e2m1 codes per byte, exponents unchanged
+            total += n
+            ex += n if ".experts." in o.name else 0
+            draft += n if o.name.startswith("mtp.") else 0
+    return WeightBytes(total, ex, draft, "inventory", experts in PLANNED)
+
+
+def manifest_weight_bytes(manifest: dict, mtp: bool = True) -> WeightBytes:
+    """Per-rank bytes of a converted directory, from its tensors; checked against ranks[].bytes."""
+    tp, total, ex, draft, kept = manifest["tp"], 0, 0, 0, 0
+    for name, t in manifest["tensors"].items():
+        n = _per_rank(t["shape"], t["dtype"], t["shard_dim"], tp)
+        total += n
+        if name.startswith("mtp.") and not mtp:
+            continue
+        kept += n
+        ex += n if ".experts." in name else 0
+        draft += n if name.startswith("mtp.") else 0
+    ranks = [r["bytes"] for r in manifest.get("ranks", [])]
+    if ranks and max(ranks) != total:
+        raise ValueError(f"{MANIFEST}: ranks[].bytes {max(ranks)} != {total}, the sum over "
+                         f"its tensors")
+    return WeightBytes(kept, ex, draft, "manifest")
+
+
+def read_model(path: str | Path) -> tuple[ModelConfig, dict | None, int]:
+    """MODEL (original dir, converted dir or config.json) -> (config, manifest, max positions)."""
+    p = Path(path)
+    if p.is_dir():
+        manifest = load_manifest(p) if (p / MANIFEST).exists() else None
+        p = p / "config.json"
+    elif p.suffix == ".json":
+        manifest = None
+    else:
+        raise ValueError(f"{path}: not a directory or a config.json")
+    cfg = ModelConfig.from_file(p)
+    raw = json.loads(p.read_text())
+    rs = cfg.rope_scaling or {}
+    longest = raw.get("max_position_embeddings") or \
+        int(rs.get("original_max_position_embeddings", 0) * rs.get("factor", 1)) or 2 ** 20
+    return cfg, manifest, int(longest)
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Per-rank activation bytes of one forward (module docstring: how each term is derived)."""
+    streams: int
+    attention: int
+    moe: int
+    scores: int
+    logits: int
+
+    @property
+    def total(self) -> int:
+        return self.streams + max(self.attention, self.moe) + self.scores + self.logits
+
+
+def workspace(cfg: ModelConfig, tp: int, tokens: int, max_model_len: int, num_seqs: int,
+              act_bytes: int = 2, score_chunk: int = SCORE_CHUNK) -> Workspace:
+    T, A, H, D = tokens, act_bytes, cfg.hidden_size, cfg.head_dim
+    NH, IH, IHD, I = cfg.num_attention_heads // tp, cfg.index_n_heads // tp, cfg.index_head_dim, \
+        cfg.moe_intermediate_size // tp
+    k, E, V, W, topk = cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.vocab_size, \
+        cfg.sliding_window, cfg.index_topk
+    ratios = {cfg.ratio(i) for i in range(cfg.num_hidden_layers)}
+    hca = min((r for r in ratios if r > 4), default=0)
+    L = max_model_len
+    streams = 3 * T * cfg.hc_mult * H * A + T * H * 4
+    attention = T * (cfg.q_lora_rank + 2 * NH * D + D + cfg.o_groups // tp * cfg.o_lora_rank
+                     + IH * IHD) * A + T * 2 * (2 * D + 2 * IHD) * 4
+    moe = T * (E * 4 + k * (2 * H * A + 2 * I * 4 + I * A) + 2 * I * 4)
+    C = min(T, score_chunk)
+    entries = max(topk, -(-L // hca) if hca else 0)
+    index = C * -(-L // 4) * 4 + C * topk * 4 if 4 in ratios else 0     # [C, L/4] + [C, topk]
+    scores = index + 2 * C * NH * (W + entries) * 4                    # [C, NH/tp, W + n] x2
+    logits = num_seqs * (V // tp * 4 + V * 16)
+    return Workspace(streams, attention, moe, scores, logits)
+
+
+def graph_reserve(cfg: ModelConfig, tp: int, max_model_len: int, max_num_seqs: int) -> int:
+    """Decode graphs for batch 1, 2, 4, 8, 16, ... max_num_seqs sharing one pool."""
+    sizes = {1, 2, 4, max_num_seqs} | set(range(8, max_num_seqs + 1, 8))
+    pool = workspace(cfg, tp, max_num_seqs, max_model_len, max_num_seqs).total
+    return pool + len(sizes) * GRAPH_BYTES
+
+
+def runtime_reserve(tp: int) -> int:
+    return CONTEXT_BYTES + (NCCL_BYTES if tp > 1 else 0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One rank's memory plan. Sizes in bytes; capacity and lengths in tokens."""
+    tp: int
+    gpu_mem_bytes: int
+    gpu_memory_utilization: float
+    kv_cache_dtype: str
+    experts: str
+    weight_bytes_per_rank: int
+    used_bytes: int                        # weights + runtime reserve (or measured)
+    workspace_bytes: int
+    graph_reserve_bytes: int
+    kv_pool_bytes: int                     # slots + blocks
+    slot_bytes: int
+    num_slots: int
+    num_snapshot_slots: int
+    block_size: int
+    block_bytes: int
+    num_blocks: int
+    kv_bytes_per_token: float
+    kv_bytes_per_sequence: int             # slot + blocks at max_model_len
+    kv_capacity_tokens: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_concurrency_at_max_model_len: int
+    longest_context: int                   # one sequence, this workspace, model limit
+    planned: bool = False
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def fit(layout: CacheLayout, free_bytes: int, total_bytes: int, *, max_model_len: int,
+        max_num_seqs: int, utilization: float = 0.90, workspace_bytes: int = 0,
+        graph_bytes: int = 0, num_snapshot_slots: int | None = None, model_limit: int | None = None,
+        **info) -> Plan:
+    """Size the pools from what is free on one rank (measured after loading, or computed).
+    Raises ValueError saying what to change when max_model_len (or anything at all) does not fit."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization {utilization}: must be in (0, 1]")
+    if max_model_len < 1 or max_num_seqs < 1:
+        raise ValueError("--max-model-len and --max-num-seqs must be at least 1")
+    snaps = max_num_seqs if num_snapshot_slots is None else num_snapshot_slots
+    used = total_bytes - free_bytes
+    budget = int(total_bytes * utilization)
+    pool = budget - used - workspace_bytes - graph_bytes
+    slots = max_num_seqs + snaps
+    blocks_free = pool - slots * layout.slot_bytes
+    need = layout.blocks_for(max_model_len)
+    num_blocks = max(blocks_free // layout.block_bytes, 0)
+    if num_blocks < need:
+        fits = num_blocks * layout.block_size
+        head = (f"--max-model-len {max_model_len} needs {_gib(need * layout.block_bytes)} of KV "
+                f"blocks per rank but {_gib(blocks_free)} is left" if fits else
+                f"no KV cache fits: {_gib(layout.block_bytes - blocks_free)} short of one block")
+        where = (f"{_gib(budget)} budget = {_gib(total_bytes)} x {utilization}, less "
+                 f"{_gib(used)} weights and runtime, {_gib(workspace_bytes)} workspace, "
+                 f"{_gib(graph_bytes)} graphs, {slots} slots x {layout.slot_bytes / MiB:.1f} MiB")
+        fixes = [f"lower --max-model-len to at most {fits}" if fits else "",
+                 "raise --gpu-memory-utilization" if utilization < 0.99 else "",
+                 "use --kv-cache-dtype int8" if layout.kv_dtype != "int8" else "",
+                 "use a larger --tp", "fewer --max-num-seqs or snapshot slots",
+                 "a smaller --max-num-batched-tokens",
+                 "4-bit experts (planned)" if info.get("experts") != "mx4" else ""]
+        raise ValueError(f"{head} ({where}); to fit: {', '.join(f for f in fixes if f)}")
+    cap = num_blocks * layout.block_size
+    return Plan(gpu_mem_bytes=total_bytes, gpu_memory_utilization=utilization,
+                kv_cache_dtype=layout.kv_dtype, used_bytes=used, workspace_bytes=workspace_bytes,
+                graph_reserve_bytes=graph_bytes,
+                kv_pool_bytes=slots * layout.slot_bytes + num_blocks * layout.block_bytes,
+                slot_bytes=layout.slot_bytes, num_slots=slots, num_snapshot_slots=snaps,
+                block_size=layout.block_size, block_bytes=layout.block_bytes, num_blocks=num_blocks,
+                kv_bytes_per_token=layout.kv_bytes_per_token,
+                kv_bytes_per_sequence=layout.sequence_bytes(max_model_len), kv_capacity_tokens=cap,
+                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                max_concurrency_at_max_model_len=min(max_num_seqs, num_blocks // need),
+                longest_context=min(cap, model_limit or cap), **info)
+
+
+def plan(model: str | Path | ModelConfig, tp: int | None = None, gpu_mem: int = 80 * GiB,
+         utilization: float = 0.90, experts: str | None = None, kv_cache_dtype: str = "bf16",
+         max_model_len: int | None = None, max_num_seqs: int = MAX_NUM_SEQS,
+         max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+         num_snapshot_slots: int | None = None, mtp: bool = True, rollback: int = 8) -> Plan:
+    """The computed plan for MODEL on cards of `gpu_mem` bytes. max_model_len None: the longest
+    that fits, up to the model's limit; given: ValueError (what to change) unless it fits."""
+    if isinstance(model, ModelConfig):
+        cfg, manifest, limit = model, None, 2 ** 20
+    else:
+        cfg, manifest, limit = read_model(model)
+    notes = []
+    if manifest is not None:
+        if tp is not None and tp != manifest["tp"]:
+            raise ValueError(f"{model} is converted for --tp {manifest['tp']}: drop --tp or "
+                             f"convert again with --tp {tp}")
+        have = manifest["schemes"]["experts"]
+        if experts is not None and experts != have:
+            raise ValueError(f"{model} holds --experts {have}: drop --experts or convert again")
+        tp, experts = manifest["tp"], have
+        weights = manifest_weight_bytes(manifest, mtp)
+    else:
+        tp, experts = tp or 4, experts or "int8"
+        weights = weight_bytes(cfg, tp, experts, mtp=mtp)
+    if weights.planned:
+        notes.append(f"--experts {experts} is planned: no converter or kernel writes it yet; its "
+                     f"weights are projected ({EXPERT_SCHEMES[experts]:.4f} B per expert weight)")
+    layout = cache_layout(cfg, kv_cache_dtype, rollback=rollback,
+                          draft_layers=cfg.num_mtp_stages if mtp and cfg.variant == "flash" else 0)
+    used = weights.per_rank + runtime_reserve(tp)
+    info = dict(tp=tp, experts=experts, weight_bytes_per_rank=weights.per_rank,
+                max_num_batched_tokens=max_num_batched_tokens, planned=weights.planned)
+
+    def attempt(length: int) -> Plan:
+        ws = workspace(cfg, tp, max_num_batched_tokens, length, max_num_seqs).total
+        gr = graph_reserve(cfg, tp, length, max_num_seqs)
+        return fit(layout, gpu_mem - used, gpu_mem, max_model_len=length, max_num_seqs=max_num_seqs,
+                   utilization=utilization, workspace_bytes=ws, graph_bytes=gr,
+                   num_snapshot_slots=num_snapshot_slots, model_limit=limit,
+                   notes=tuple(notes), **info)
+
+    longest = _longest(attempt, layout.block_size, limit)
+    if max_model_len is None:
+        if longest == 0:
+            attempt(layout.block_size)             # raises: not even one block fits
+        max_model_len = min(limit, longest)
+        if max_model_len < limit:
+            notes.append(f"--max-model-len not given: {max_model_len}, the longest that fits "
+                         f"(the model allows {limit})")
+    elif max_model_len > limit:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
+                         f"max_position_embeddings {limit}")
+    p = attempt(max_model_len)
+    return Plan(**{**p.to_dict(), "longest_context": longest, "notes": tuple(notes)})
+
+
+def _longest(attempt, B: int, limit: int) -> int:
+    """Largest length (a multiple of B, or the model limit) that fits; 0 when none does."""
+    def ok(n):
+        try:
+            attempt(n)
+            return True
+        except ValueError:
+            return False
+    if ok(limit):
+        return limit
+    lo, hi = 0, limit // B                    # ok(lo·B) (lo=0 trivially), not ok(hi·B)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid * B) else (lo, mid)
+    return lo * B
+
+
+def format_plan(p: Plan) -> str:
+    """The human table printed by `backfit plan`."""
+    rows = [
+        ("tensor parallel", f"{p.tp} ranks, every rank holds the whole KV cache"),
+        ("card", f"{_gib(p.gpu_mem_bytes)} x {p.gpu_memory_utilization} = "
+                 f"{_gib(int(p.gpu_mem_bytes * p.gpu_memory_utilization))} budget per rank"),
+        ("weights per rank", f"{_gib(p.weight_bytes_per_rank)} (experts {p.experts}"
+                             f"{', planned' if p.planned else ''})"),
+        ("runtime reserve", _gib(p.used_bytes - p.weight_bytes_per_rank)),
+        ("activation workspace", f"{_gib(p.workspace_bytes)} ({p.max_num_batched_tokens} tokens "
+                                 f"per step)"),
+        ("CUDA-graph reserve", f"{_gib(p.graph_reserve_bytes)} (decode up to {p.max_num_seqs})"),
+        ("KV pool", f"{_gib(p.kv_pool_bytes)} = {p.num_slots} slots x "
+                    f"{p.slot_bytes / MiB:.1f} MiB + {p.num_blocks} blocks x "
+                    f"{p.block_bytes / MiB:.3f} MiB ({p.block_size} tokens)"),
+        ("KV bytes per token", f"{p.kv_bytes_per_token:,.3f} ({p.kv_cache_dtype})"),
+        ("KV bytes per sequence", f"{_gib(p.kv_bytes_per_sequence)} at {p.max_model_len:,} tokens"),
+        ("KV capacity", f"{p.kv_capacity_tokens:,} tokens"),
+        ("longest context", f"{p.longest_context:,} tokens"),
+        ("max model len", f"{p.max_model_len:,} tokens"),
+        ("concurrency", f"{p.max_concurrency_at_max_model_len} sequences at max model len "
+                        f"(max-num-seqs {p.max_num_seqs})"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{w}}  {v}" for k, v in rows]
+    return "\n".join(lines + [f"note: {n}" for n in p.notes])
