@@ -1,0 +1,79 @@
+"""One request's token state, as the scheduler and block manager see it; plain Python, no torch.
+
+Positions 0 .. length-1 are `all_ids` = prompt + output. `num_computed` of them have their KV in
+the caches (block i of `block_table` holds positions i*B .. i*B+B-1; `slot` holds the window ring
+and compressor rows at position `num_computed`). While running, the tokens still to compute are
+all_ids[num_computed:]: a prefill (several, chunked) or one decode token (the last sampled).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from backfit.engine.sampling_params import SamplingParams
+
+__all__ = ["SequenceStatus", "Sequence"]
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # in the waiting queue: no slot, no blocks
+    RUNNING = "running"      # admitted: owns a slot and blocks (prefilling or decoding)
+    FINISHED = "finished"    # done (finish_reason set); everything given back
+
+
+class Sequence:
+    """A request: token ids, its place in the caches, and why it ended."""
+
+    def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams | None = None):
+        if not prompt_ids:
+            raise ValueError(f"request {seq_id}: the prompt is empty (at least one token is needed)")
+        self.seq_id = seq_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params if params is not None else SamplingParams()
+        self.status = SequenceStatus.WAITING
+        self.arrival = -1                   # set by Scheduler.add: FIFO; preemption takes the max
+        self.num_computed = 0               # positions whose KV is in the caches
+        self.slot: int | None = None
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0          # prompt tokens served by the prefix cache (usage)
+        self.prefill_len = 0                # length at admission: the prompt, or prompt + output
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None   # "stop" | "length" | "abort"
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_range(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without building all_ids (decode asks for one token per step)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, {self.status.value}, prompt={self.num_prompt}, "
+                f"output={self.num_output}, computed={self.num_computed}, slot={self.slot}, "
+                f"blocks={len(self.block_table)}, finish={self.finish_reason})")
