@@ -30,7 +30,10 @@ Unconfirmed in the spec, and what we chose:
   fallback; we never reject a replayed history).
 - A control string that the tokenizer lacks (the tiny 512-id tokenizer has no `｜DSML｜`) is
   tokenized as text; BOS/EOS/User/Assistant/think tokens are required.
-- Quick-instruction `task` tokens and the encoder's `context` argument are not supported.
+- A final assistant message renders as a closed turn, as in the reference; front ends set
+  `prefix=True` to continue it instead (Anthropic prefill), which renders it without EOS.
+- Quick-instruction `task` tokens, tools on a `developer` message and the encoder's `context`
+  argument are not supported (front ends map `developer` to `system`).
 """
 
 from __future__ import annotations
@@ -255,6 +258,8 @@ class ChatEncoder:
         if reasoning_effort not in EFFORT_PROMPTS[self.profile]:
             raise ValueError(f"reasoning_effort {reasoning_effort!r} is not a level of the "
                              f"{self.profile!r} encoder")
+        if not messages:
+            raise ValueError("messages: at least one message is required")
         if response_format is not None and response_format.get("type") == "text":
             response_format = None
         segs = self._render(list(messages), tuple(tools), thinking_mode, reasoning_effort,

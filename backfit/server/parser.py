@@ -38,11 +38,18 @@ import codecs
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from backfit.server.protocol import (
-    Event, Finish, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart)
+    Event,
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
 
 __all__ = ["OutputParser", "ParsedCall", "ParsedMessage", "fold", "parse_text"]
 
@@ -51,8 +58,8 @@ OPEN, CLOSE = f"<{D}tool_calls>", f"</{D}tool_calls>"
 INVOKE, INVOKE_END = f"<{D}invoke", f"</{D}invoke>"
 PARAM, PARAM_END = f"<{D}parameter", f"</{D}parameter>"
 _HEADER_MAX = 512          # chars allowed in an invoke/parameter header before its ">"
-_INVOKE_RE = re.compile(r'\s*name="([^"]+)"\s*>', re.S)
-_PARAM_RE = re.compile(r'\s*name="([^"]+)"\s+string="(true|false)"\s*>', re.S)
+_INVOKE_RE = re.compile(r'\s*name="([^"]+)"\s*>', re.DOTALL)
+_PARAM_RE = re.compile(r'\s*name="([^"]+)"\s+string="(true|false)"\s*>', re.DOTALL)
 
 
 def _scan(buf: str, markers: list[str]) -> tuple[int, str | None]:

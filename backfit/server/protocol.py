@@ -9,12 +9,12 @@ non-streaming reply is the fold of the stream (`parser.fold`). No protocol knowl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 __all__ = [
     "ROLES", "ToolCall", "Tool", "Message", "ChatRequest",
     "TextDelta", "ReasoningDelta", "ToolCallStart", "ToolCallArgsDelta", "ToolCallEnd",
-    "Finish", "Usage", "Event",
+    "Finish", "Usage", "Event", "FinishReason",
 ]
 
 # DSV4 encoder roles. `developer` is the encoder's internal user-like role (api-protocols §1.1):
@@ -157,6 +157,6 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
-Event = Union[TextDelta, ReasoningDelta, ToolCallStart, ToolCallArgsDelta, ToolCallEnd, Finish,
-              Usage]
+Event = (TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd | Finish
+         | Usage)
 FinishReason = Literal["stop", "tool_calls", "length", "abort", "error"]

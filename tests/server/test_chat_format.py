@@ -37,6 +37,8 @@ TOOLS_TEXT = (
     '{"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {}, "utc": {}}}}'
     "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke "
     "tool calls.\n")
+TIME_SCHEMA = ('\n{"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {}, '
+               '"utc": {}}}}')
 CALLS = (f'\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\n<{D}parameter name="city" '
          f'string="true">Paris</{D}parameter>\n</{D}invoke>\n<{D}invoke name="get_time">\n'
          f'<{D}parameter name="tz" string="true">CET</{D}parameter>\n<{D}parameter name="utc" '
@@ -82,6 +84,20 @@ def test_multi_turn_drops_history_reasoning(enc):
           f"{B}You are terse.{U}Hi 你好{A}</think>Hello!{E}{U}2+2?{A}<think>")
     check(enc, enc.encode_messages(MULTI, thinking_mode="chat"),
           f"{B}You are terse.{U}Hi 你好{A}</think>Hello!{E}{U}2+2?{A}</think>")
+
+
+def test_latest_reminder_and_missing_history_reasoning(enc):
+    conv = (Message("system", "S"), Message("latest_reminder", "2026-02-21, Paris"),
+            Message("user", "q1"), Message("assistant", "a1"), Message("user", "q2"))
+    lr = "<｜latest_reminder｜>"
+    check(enc, enc.encode_messages(conv, thinking_mode="thinking"),
+          f"{B}S{lr}2026-02-21, Paris{U}q1{A}</think>a1{E}{U}q2{A}<think>")
+    # with tools every turn keeps its reasoning; a client that sent none gets an empty one
+    check(enc, enc.encode_messages(conv, (WEATHER,), thinking_mode="thinking"),
+          f"{B}S\n\n{TOOLS_TEXT.replace(TIME_SCHEMA, '')}{lr}2026-02-21, Paris{U}q1{A}<think>"
+          f"</think>a1{E}{U}q2{A}<think>")
+    with pytest.raises(ValueError, match="at least one message"):
+        enc.encode_messages(())
 
 
 def test_tools_keep_all_reasoning_and_tool_results_follow_call_order(enc):

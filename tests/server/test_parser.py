@@ -64,7 +64,7 @@ def _splits(text, rng, n_random=60):
     yield list(text)                                # one char at a time
     for _ in range(n_random):                       # random multi-piece cuts
         cuts = sorted(rng.sample(range(1, len(text)), rng.randint(2, 12)))
-        yield [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        yield [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)], strict=True)]
 
 
 def _byte_splits(text, rng):
@@ -74,7 +74,7 @@ def _byte_splits(text, rng):
     yield [data[i:i + 1] for i in range(len(data))]
     for _ in range(20):
         cuts = sorted(rng.sample(range(1, len(data)), 8))
-        yield [data[a:b] for a, b in zip([0] + cuts, cuts + [len(data)])]
+        yield [data[a:b] for a, b in zip([0] + cuts, cuts + [len(data)], strict=True)]
 
 
 MALFORMED = {
