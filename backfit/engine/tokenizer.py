@@ -205,6 +205,17 @@ class TextStream:
         self._pieces.append(text)
         return StreamDelta(text, self.finished, reason, stop_reason)
 
+    def finish(self, reason: str = "length") -> StreamDelta:
+        """End the request from outside (context limit, abort): release the held-back text."""
+        if self.finished:
+            return StreamDelta("", True)
+        text = self._close(self.num_tokens > self.min_tokens)
+        stop_reason = self.stops.matched
+        reason = "stop" if stop_reason is not None else reason
+        self.finished = True
+        self._pieces.append(text)
+        return StreamDelta(text, True, reason, stop_reason)
+
     def _close(self, check: bool) -> str:
         tail = "" if self.stops.matched is not None else self.stops.push(self.detok.flush(), check)
         return tail + self.stops.flush()

@@ -240,3 +240,12 @@ def test_held_stop_prefix_released_at_length(real):
     assert ds[-1].finish_reason == "length" and ts.text == "value STO"
     assert "".join(d.text for d in ds[:-1]) == "value "       # "STO" was held until the end
     assert ds[-1].text == "STO"
+
+
+def test_finish_from_outside_releases_held_text(real):
+    ids = real.encode("tail 🎉", add_special_tokens=False).ids
+    ts = TextStream(real, SamplingParams(stop=["tail 🎉!"], max_tokens=None), 1)
+    assert "".join(ts.append(i).text for i in ids) == ""        # all of it may begin the stop
+    d = ts.finish("abort")
+    assert (d.text, d.finished, d.finish_reason) == ("tail 🎉", True, "abort")
+    assert ts.text == "tail 🎉" and ts.finish().text == ""

@@ -197,3 +197,29 @@ def test_prompt_logprobs_match_log_softmax():
     assert out.to_host().top[6][0][0] == int(ref[6].argmax())
     with pytest.raises(ValueError, match="next_ids"):
         prompt_logprobs(x, nxt[:3], 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_the_rules_at_full_vocab():
+    """On the device at V = 129,280: greedy = argmax, raw logprobs, one-sync host copy, seeded
+    rows equal alone and in a mixed batch, truncated rows inside their allowed set."""
+    Vf, dev = 129280, "cuda"
+    x = torch.randn(8, Vf, device=dev, generator=torch.Generator(dev).manual_seed(0)) * 4
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=77, logprobs=5)
+    params = [SamplingParams(temperature=0), seeded, SamplingParams(top_k=50),
+              SamplingParams(min_p=0.3, presence_penalty=1.0), SamplingParams(top_p=0.5)] * 2
+    params = params[:8]
+    x[6] = x[1]                                         # the seeded request again, at row 6
+    outs = [[3, 4, 5] for _ in params]
+    sb = SamplingBatch.build(params, outs, [[1, 2]] * 8, Vf, dev, eos_token_id=EOS)
+    out = sample(x, sb)
+    host = out.to_host()
+    assert host.token_ids[0] == int(x[0].argmax())
+    ref = torch.log_softmax(x, -1)
+    assert host.logprobs == pytest.approx(
+        ref.gather(1, out.token_ids[:, None])[:, 0].tolist(), abs=1e-4)
+    assert [i for i, _ in host.top[1]] == ref[1].topk(5).indices.tolist()
+    assert host.token_ids[2] in set(x[2].topk(50).indices.tolist())
+    alone = sample(x[1:2], SamplingBatch.build([seeded], [outs[1]], [[1, 2]], Vf, dev))
+    assert alone.to_host().token_ids[0] == host.token_ids[1] == host.token_ids[6]
