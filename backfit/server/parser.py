@@ -146,7 +146,6 @@ class OutputParser:
             self._emit(TextDelta, buf)
         elif st == "BLOCK" and self._block_calls == 0:
             self._malformed("empty tool-call block", buf)
-            self._emit(TextDelta, self.buf)
         elif st in ("INVOKE", "PARAMS", "PARAM", "VALUE", "JSON"):
             self._end_call("unterminated tool call (output ended inside it)")
             if st == "INVOKE":
@@ -192,7 +191,8 @@ class OutputParser:
             return False
         self.reasoning_tokens = self._tokens
         self.state = {THINK_END: "CONTENT", EOS: "DONE"}.get(m, "BLOCK")
-        self.raw, self._block_calls = m, 0
+        if self.state == "BLOCK":               # the model opened its calls inside the reasoning
+            self.raw, self._block_calls = m, 0
         return True
 
     def _CONTENT(self) -> bool:
