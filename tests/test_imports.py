@@ -50,5 +50,5 @@ def test_nothing_imports_cli_server_or_verify_from_below():
         part = _part(path)
         if part in ("verify", "cli", "demo"):
             continue
-        bad = {"cli", "demo", "server", "verify"} & set(_backfit_imports(path))
+        bad = ({"cli", "demo", "server", "verify"} - {part}) & set(_backfit_imports(path))
         assert not bad, f"{path.relative_to(PKG)} imports {bad}"
