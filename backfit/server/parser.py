@@ -25,8 +25,10 @@ Choices where the spec is silent or the model misbehaves (documented behaviour, 
   complete invoke (or the block opener) and everything after it is emitted as TextDelta, and
   Finish.error says why. DSML parsing stays off for the rest of the message.
 - Stream cut inside a call (max tokens): the call ends with error set; no DSML is shown as text.
-- EOS text, if the detokenizer passes it, ends the message; stop strings apply to content only
-  (not reasoning or arguments) and are stripped; Finish.stop_sequence names the match.
+- EOS text, if the detokenizer passes it, ends the message. Stop strings given here apply to
+  content only (not reasoning or arguments) and are stripped; the engine's TextStream applies
+  them to the whole text instead; either way Finish.stop_sequence names the match (pass the
+  engine's to finish()) and a stop string ends the message with reason "stop".
 - Tool parsing only when `tools=True` (the request had tools and tool_choice != none).
 - reasoning_tokens counts the tokens fed up to and including the chunk that ends the reasoning
   (exact when fed one token at a time).
@@ -131,7 +133,9 @@ class OutputParser:
             self._run()
         return self._take()
 
-    def finish(self, reason: str = "stop") -> list[Event]:
+    def finish(self, reason: str = "stop", stop_sequence: str | None = None) -> list[Event]:
+        """End of output. reason: the engine's (stop | length | abort | error); stop_sequence:
+        the stop string the engine matched, when stop strings are applied there instead."""
         if self._finished:
             return []
         self._finished = True
@@ -150,6 +154,7 @@ class OutputParser:
             self._end_call("unterminated tool call (output ended inside it)")
             if st == "INVOKE":
                 self.errors.append("unterminated tool call (output ended in its header)")
+        self.stop_sequence = self.stop_sequence or stop_sequence
         if self.stop_sequence is not None:
             reason = "stop"
         elif reason == "stop" and self._calls_ok:

@@ -200,6 +200,9 @@ def test_chat_mode_text_after_block_stop_strings_and_eos():
     m = folded(list(text), reasoning=False, stop=["STOP"])
     assert (m.reasoning, m.content) == ("", "aafter ")
     assert (m.finish.reason, m.finish.stop_sequence) == ("stop", "STOP")
+    p = OutputParser(False, True)                    # stop strings matched by the engine
+    m = fold(p.feed("a" + block(invoke("f"))) + p.finish("stop", stop_sequence="STOP"))
+    assert (m.finish.reason, m.finish.stop_sequence, len(m.tool_calls)) == ("stop", "STOP", 1)
     m = folded(["hello <｜end▁of", "▁sentence｜>junk"], reasoning=False, tools=False)
     assert (m.content, m.finish.reason) == ("hello ", "stop")
 
