@@ -23,6 +23,8 @@ Unconfirmed in the spec, and what we chose:
   max="Beyond maximum…", default low) [U for 0731]. Client levels map: none → chat mode;
   minimal/low/medium/high → high (flash) and minimal/low → low, medium/high → high (0731);
   xhigh/max → max; no effort given → the encoder's own default (None / low).
+- tool_choice "none" hides the tools from the model (DSML would otherwise show up as text);
+  a named choice renders only that tool; "required" renders them all (no constrained decoding).
 - Request tools and response_format go on the first system message; one empty system message is
   inserted at index 0 when there is none (vLLM's choice). `{"type": "text"}` means no format.
 - History tool-call arguments: decoded once more if double-encoded; a non-object JSON value
@@ -48,7 +50,7 @@ from backfit.server.protocol import ChatRequest, Message, Tool
 __all__ = [
     "BOS", "EOS", "USER", "ASSISTANT", "LATEST_REMINDER", "THINK_START", "THINK_END", "DSML",
     "CONTROL_TOKENS", "EFFORT_PROMPTS", "Prompt", "ChatEncoder", "resolve_reasoning",
-    "render_tools_text",
+    "request_tools", "render_tools_text",
 ]
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -123,6 +125,21 @@ def resolve_reasoning(thinking: bool | None, effort: str | None,
     if thinking is False or e == "none":
         return "chat", None
     return "thinking", (_CLIENT_EFFORT[profile][e] if e is not None else None)
+
+
+def request_tools(req: ChatRequest) -> tuple[Tool, ...]:
+    """The tools shown to the model: none for tool_choice "none", only the named one for a
+    named choice (a nudge; the output is still validated by the parser)."""
+    choice = req.tool_choice
+    if choice == "none":
+        return ()
+    if isinstance(choice, dict):
+        name = choice.get("name") or (choice.get("function") or {}).get("name")
+        named = tuple(t for t in req.tools if t.name == name)
+        if not named:
+            raise ValueError(f"tool_choice: no tool named {name!r} in tools")
+        return named
+    return req.tools
 
 
 def render_tools_text(tools: tuple[Tool, ...] | list[Tool]) -> str:
@@ -248,7 +265,8 @@ class ChatEncoder:
 
     def encode_request(self, req: ChatRequest) -> Prompt:
         mode, effort = resolve_reasoning(req.thinking, req.reasoning_effort, self.profile)
-        return self.encode_messages(req.messages, req.tools, mode, effort, req.response_format)
+        return self.encode_messages(req.messages, request_tools(req), mode, effort,
+                                    req.response_format)
 
     def encode_messages(self, messages, tools=(), thinking_mode: str = "thinking",
                         reasoning_effort: str | None = None, response_format=None,

@@ -139,6 +139,18 @@ def test_reasoning_effort_levels(enc, enc_0731, profile, effort, prefix):
     assert none.text == chat.text and none.thinking_mode == "chat"
 
 
+def test_tool_choice_decides_which_tools_are_shown(enc):
+    conv = msgs(("user", "q"))
+    shown = {c: enc.encode_request(ChatRequest(conv, (WEATHER, TIME), tool_choice=c)).text
+             for c in ("auto", "required", "none")}
+    assert shown["auto"] == shown["required"] == f"{B}\n\n{TOOLS_TEXT}{U}q{A}<think>"
+    assert shown["none"] == f"{B}{U}q{A}<think>"
+    named = enc.encode_request(ChatRequest(conv, (WEATHER, TIME), tool_choice={"name": "get_time"}))
+    assert '"get_time"' in named.text and '"get_weather"' not in named.text
+    with pytest.raises(ValueError, match="tool_choice: no tool named 'nope'"):
+        enc.encode_request(ChatRequest(conv, (WEATHER,), tool_choice={"name": "nope"}))
+
+
 def test_resolve_reasoning():
     assert resolve_reasoning(None, None) == ("thinking", None)
     assert resolve_reasoning(True, "XHigh") == ("thinking", "max")
