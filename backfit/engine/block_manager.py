@@ -226,7 +226,8 @@ class BlockManager:
     def rollback(self, seq: Sequence, k: int) -> None:
         """Take back the last k output tokens (k <= MAX_ROLLBACK) and their KV: output_ids loses
         k, num_computed := min(num_computed, new length); blocks past it go back to the pool and
-        pending snapshots past it are dropped. Refuses to cut into a registered (or shared) block."""
+        pending snapshots past it are dropped. Refuses to cut into a registered (or shared)
+        block."""
         if not (isinstance(k, int) and 0 <= k <= MAX_ROLLBACK):
             raise ValueError(f"rollback takes 0..{MAX_ROLLBACK} tokens, got {k!r}")
         if k > seq.num_output:

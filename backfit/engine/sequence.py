@@ -26,7 +26,7 @@ class Sequence:
 
     def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams | None = None):
         if not prompt_ids:
-            raise ValueError(f"request {seq_id}: the prompt is empty (at least one token is needed)")
+            raise ValueError(f"request {seq_id}: the prompt is empty (it needs one token at least)")
         self.seq_id = seq_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []

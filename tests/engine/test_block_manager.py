@@ -180,7 +180,8 @@ def test_lru_eviction_and_dependent_snapshots():
     admit(bm, x)
     assert bm.grow(x, 17)                                   # 4 never used, then b0 (and b1)
     assert b0 not in bm.hash_of and b1 not in bm.hash_of and not bm.snap_of
-    assert bm.num_free_snapshot_slots == 2 and bm.match(Sequence(4, list(range(1, 10)))).num_tokens == 0
+    assert bm.num_free_snapshot_slots == 2
+    assert bm.match(Sequence(4, list(range(1, 10)))).num_tokens == 0
     bm.free(x)
     bm.check([])
 

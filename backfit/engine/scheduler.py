@@ -1,0 +1,256 @@
+"""Continuous batching: which tokens of which sequences run in the next forward; plain Python.
+
+One step = decode tokens of running sequences + prefill chunks (of admitted, partially prefilled
+sequences and of newly admitted ones) under `max_num_batched_tokens` and `max_num_seqs`. The
+engine calls schedule() -> runner -> postprocess(step, sampled) strictly in turn; finish() or
+abort() of a running sequence while a step is in flight is applied at the end of postprocess (the
+runner may still be reading its blocks).
+
+Order: running sequences by arrival (decode tokens are reserved out of the budget before a prefill
+chunk takes it), then waiting ones FIFO (no admission in a step that preempted). A chunk that
+cannot take the whole remaining prefill ends on a block boundary where the budget allows; with
+prefix caching the last full-block boundary of the prefill is always a chunk end, so its snapshot
+can be saved. When blocks run out the newest running sequence not yet in the step is preempted
+by recompute (it may be the one asking): everything is given back and it re-enters the front of
+the waiting queue, to prefill prompt + output again (prefix cache hits included).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, NamedTuple
+
+from backfit.engine.block_manager import BlockManager
+from backfit.engine.sequence import Sequence, SequenceStatus
+
+__all__ = ["ScheduledSeq", "ScheduledStep", "Scheduler"]
+
+
+class ScheduledSeq(NamedTuple):
+    seq: Sequence            # slot and block_table as they are when the step runs
+    start: int               # position of token_ids[0]; the forward writes start .. start+n-1
+    token_ids: list[int]
+    sample: bool             # the chunk reaches the last known token: sample the next one
+
+
+@dataclass
+class ScheduledStep:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    restores: list[tuple[int, int]] = field(default_factory=list)   # (snapshot, seq slot): before
+    saves: list[tuple[int, int]] = field(default_factory=list)      # (seq slot, snapshot): after
+    preempted: list[int] = field(default_factory=list)              # seq ids, newest first
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int,
+                 enable_chunked_prefill: bool = True,
+                 eos_token_id: int | Iterable[int] | None = None):
+        for name, v in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        self.bm = block_manager
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        eos = [] if eos_token_id is None else (
+            [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+        self.eos = frozenset(eos)
+        self.waiting: deque[Sequence] = deque()   # by arrival; preempted ones at the front
+        self.running: list[Sequence] = []         # by arrival
+        self.seqs: dict[int, Sequence] = {}       # every unfinished sequence
+        self._arrivals = itertools.count()
+        self._in_flight = False                   # between schedule() and postprocess()
+        self._deferred: dict[int, str] = {}       # seq_id -> finish reason, applied after it
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request; ValueError (one line: what to change) if it can never run."""
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"request id {seq.seq_id} is already in use")
+        if seq.status is not SequenceStatus.WAITING or seq.output_ids or seq.block_table:
+            raise ValueError(f"request {seq.seq_id} is not a new sequence")
+        p, params, L, B = seq.num_prompt, seq.params, self.max_model_len, self.bm.block_size
+        least = max(1, params.min_tokens)           # what it must generate before it may stop
+        if p + least > L:
+            raise ValueError(f"request {seq.seq_id}: {p} prompt tokens + {least} output tokens "
+                             f"exceed max_model_len {L}; shorten the prompt")
+        longest = L if params.max_tokens is None else min(L, p + params.max_tokens)
+        need = self.bm.blocks_for(longest - 1)      # the last token's KV is never computed
+        if need > self.bm.num_blocks:
+            raise ValueError(f"request {seq.seq_id}: up to {longest} tokens need {need} cache "
+                             f"blocks of {B} but the pool has {self.bm.num_blocks}; lower "
+                             f"max_tokens or max_model_len, or give the KV cache more memory")
+        if not self.enable_chunked_prefill and p > self.max_num_batched_tokens:
+            raise ValueError(f"request {seq.seq_id}: {p} prompt tokens exceed "
+                             f"max_num_batched_tokens {self.max_num_batched_tokens} with chunked "
+                             f"prefill off; enable chunked prefill or raise the token budget")
+        seq.arrival = next(self._arrivals)
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledStep:
+        if self._in_flight:
+            raise RuntimeError("schedule() called again before postprocess() of the last step")
+        self._in_flight = True
+        step, budget = ScheduledStep(), self.max_num_batched_tokens
+        running = self.running
+        decodes_left = sum(1 for s in running if s.length - s.num_computed == 1)
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            todo = seq.length - seq.num_computed
+            if todo == 1:
+                decodes_left -= 1
+                n = 1
+            elif self._chunkable(seq):          # leave one token per later decode
+                n = self._chunk(seq, seq.num_computed, budget - decodes_left)
+            else:
+                n = todo if todo <= budget else 0
+            if n <= 0:
+                i += 1
+                continue
+            while not self.bm.grow(seq, n):
+                victim = running[-1]            # newest not yet in the step (all after i)
+                self._preempt(victim, step)
+                if victim is seq:
+                    break
+            else:
+                self._emit(step, seq, n)
+                budget -= n
+                i += 1
+        while (self.waiting and budget > 0 and not step.preempted
+               and len(running) < self.max_num_seqs and self.bm.num_free_slots):
+            seq = self.waiting[0]
+            seq.prefill_len = seq.length
+            hit = self.bm.match(seq)
+            todo = seq.length - hit.num_tokens
+            if self._chunkable(seq):
+                n = self._chunk(seq, hit.num_tokens, budget)
+            else:
+                n = todo if todo <= budget else 0
+            if n <= 0 or not self.bm.can_admit(hit, hit.num_tokens + n):
+                break                               # FIFO: nobody overtakes the head
+            self.waiting.popleft()
+            restore = self.bm.admit(seq, hit)
+            if restore is not None:
+                step.restores.append(restore)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(running, seq, key=lambda s: s.arrival)
+            assert self.bm.grow(seq, n)
+            self._emit(step, seq, n)
+            budget -= n
+        return step
+
+    def postprocess(self, step: ScheduledStep, sampled: dict[int, int]) -> list[Sequence]:
+        """Advance num_computed, append sampled tokens, apply token-level stops; returns the
+        sequences that finished (already freed)."""
+        finished = []
+        for item in step.seqs:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in self._deferred:
+                continue                            # finished or aborted since schedule()
+            seq.num_computed = item.start + len(item.token_ids)
+            self.bm.commit(seq)
+            if not item.sample:
+                continue
+            if seq.seq_id not in sampled:
+                raise KeyError(f"no sampled token for sequence {seq.seq_id} (its row asked)")
+            token = sampled[seq.seq_id]
+            seq.output_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        self._in_flight = False
+        for seq_id, reason in self._deferred.items():
+            seq = self.seqs[seq_id]
+            self._finish(seq, reason)
+            finished.append(seq)
+        self._deferred.clear()
+        return finished
+
+    def finish(self, seq_id: int, reason: str = "stop") -> Sequence | None:
+        """End a request (the engine matched a stop string); None if it is not active. A running
+        one, while a step is in flight, ends in that step's postprocess (and is returned by it)."""
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq_id in self._deferred:
+            return None
+        if self._in_flight and seq.status is SequenceStatus.RUNNING:
+            self._deferred[seq_id] = reason
+        else:
+            self._finish(seq, reason)
+        return seq
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Drop a request, waiting or running, giving back its slot, blocks and snapshots."""
+        return self.finish(seq_id, "abort")
+
+    # ---- internals ----
+    def _chunkable(self, seq: Sequence) -> bool:
+        # a preempted sequence's prompt + output may exceed the budget: it must still progress
+        return self.enable_chunked_prefill or seq.length > self.max_num_batched_tokens
+
+    def _chunk(self, seq: Sequence, start: int, avail: int) -> int:
+        """Tokens of the prefill from `start` to run now, at most avail (0: none)."""
+        if avail <= 0:
+            return 0
+        B, end = self.bm.block_size, min(seq.length, start + avail)
+        if end < seq.length and end // B * B > start:
+            end = end // B * B                      # a partial chunk ends on a block boundary
+        last = seq.prefill_len // B * B             # the prefill's last full-block boundary
+        if self.bm.enable_prefix_caching and start < last < end:
+            end = last                              # ... always a chunk end (its snapshot)
+        return end - start
+
+    def _emit(self, step: ScheduledStep, seq: Sequence, n: int) -> None:
+        start = seq.num_computed
+        end = start + n
+        step.seqs.append(ScheduledSeq(seq, start, seq.token_range(start, end), end == seq.length))
+        B = self.bm.block_size
+        if end % B == 0 and (end == seq.prefill_len // B * B or end > seq.prefill_len):
+            save = self.bm.plan_save(seq, end, decode=end > seq.prefill_len)
+            if save is not None:
+                step.saves.append(save)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if seq.num_output >= p.min_tokens and (
+                (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids):
+            return "stop"
+        if p.max_tokens is not None and seq.num_output >= p.max_tokens:
+            return "length"
+        if seq.length >= self.max_model_len:
+            return "length"
+        return None
+
+    def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
+        self.bm.free(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)               # newest first, so the oldest ends in front
+        step.preempted.append(seq.seq_id)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.bm.free(seq)
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        del self.seqs[seq.seq_id]
