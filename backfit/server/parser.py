@@ -29,6 +29,9 @@ Choices where the spec is silent or the model misbehaves (documented behaviour, 
   content only (not reasoning or arguments) and are stripped; the engine's TextStream applies
   them to the whole text instead; either way Finish.stop_sequence names the match (pass the
   engine's to finish()) and a stop string ends the message with reason "stop".
+- Finish.reason is "tool_calls" only when >= 1 call completed and the engine stopped on EOS
+  ("length" stays "length", pitfall #2). A call with error set was already streamed; the front
+  ends decide how to show it (it must not be executed as if complete).
 - Tool parsing only when `tools=True` (the request had tools and tool_choice != none).
 - reasoning_tokens counts the tokens fed up to and including the chunk that ends the reasoning
   (exact when fed one token at a time).
