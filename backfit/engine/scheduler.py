@@ -106,7 +106,6 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         if self._in_flight:
             raise RuntimeError("schedule() called again before postprocess() of the last step")
-        self._in_flight = True
         step, budget = ScheduledStep(), self.max_num_batched_tokens
         running = self.running
         decodes_left = sum(1 for s in running if s.length - s.num_computed == 1)
@@ -114,6 +113,9 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             todo = seq.length - seq.num_computed
+            if todo <= 0:
+                raise RuntimeError(f"sequence {seq.seq_id} has no token to run (rolled back "
+                                   f"without appending the next one?)")
             if todo == 1:
                 decodes_left -= 1
                 n = 1
@@ -154,6 +156,7 @@ class Scheduler:
             assert self.bm.grow(seq, n)
             self._emit(step, seq, n)
             budget -= n
+        self._in_flight = bool(step.seqs)         # an empty step needs no postprocess()
         return step
 
     def postprocess(self, step: ScheduledStep, sampled: dict[int, int]) -> list[Sequence]:
