@@ -16,7 +16,7 @@ the runtime never imports the engine.
 
 from __future__ import annotations
 
-import itertools
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +41,12 @@ def row_seed(seed: int, step: int) -> int:
 
 
 def _flat(rows: list[int], lists: list, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [R], lists (R lists of ids) -> (row index, id) flat int64 tensors on device."""
-    lens = torch.tensor([len(lists[i]) for i in range(len(rows))], dtype=torch.int64)
+    """rows [R], lists (R sequences of ids) -> (row index, id) flat int64 tensors on device.
+    array('q') + frombuffer converts ids ~4x faster than torch.tensor(list)."""
+    lens = torch.tensor([len(x) for x in lists], dtype=torch.int64)
     r = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lens)
-    c = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64)
+    parts = [torch.frombuffer(array("q", x), dtype=torch.int64) for x in lists if len(x)]
+    c = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
     return r.to(device), c.to(device)
 
 
@@ -99,7 +101,8 @@ class SamplingBatch:
             out_counts = torch.zeros(B, V, **f32).index_put_(
                 (r, c), torch.ones(c.shape, **f32), accumulate=True)
         if rep:                          # seen[b, id] for prompt + output ids of row b
-            r, c = _flat(rep, [list(prompt_ids[i]) + list(output_ids[i]) for i in rep], device)
+            r, c = _flat(rep + rep, [prompt_ids[i] for i in rep] + [output_ids[i] for i in rep],
+                         device)
             seen = torch.zeros(B, V, dtype=torch.bool, device=device).index_put_(
                 (r, c), torch.ones_like(c, dtype=torch.bool))
 
