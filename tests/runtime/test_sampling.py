@@ -158,6 +158,16 @@ def test_truncation_never_samples_an_excluded_id(temp, k, p, min_p):
     assert (freq - z.softmax(-1)).abs().max() < 0.03
 
 
+def test_seeded_draws_follow_the_distribution():
+    """Rows seeded 0..n-1 (one generator each) sample softmax(x / T), like the shared one."""
+    x = _logits(1, seed=9)[0] * 0.4
+    n = 3000
+    params = [SamplingParams(temperature=0.8, seed=s) for s in range(n)]
+    ids = sample(x.expand(n, V).clone(), _batch(params)).token_ids
+    freq = torch.bincount(ids, minlength=V).float() / n
+    assert (freq - (x / 0.8).softmax(-1)).abs().max() < 0.03
+
+
 def test_mixed_batch_rows_keep_their_own_settings():
     x = _logits(3, seed=6)
     params = [SamplingParams(temperature=0), SamplingParams(top_k=1, seed=1),
