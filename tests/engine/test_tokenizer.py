@@ -16,7 +16,8 @@ from backfit.synthetic import write_small_tokenizer
 
 MIXED = ["Hello 世界! naïve café — テスト 한국어 e\u0301 🎉👨‍👩‍👧 ok",
          "中文测试，日本語のテキスト。繁體中文與简体中文混合😀😃😄 🇯🇵 ∑∫√ 𝔘𝔫𝔦",
-         "def f(x):\n    return x ** 2  # ½ ¾ → ←\n\n\tÜber straße ĳ ﬁ 𠜎𠜱𠝹"]
+         "def f(x):\n    return x ** 2  # ½ ¾ → ←\n\n\tÜber straße ĳ ﬁ 𠜎𠜱𠝹",
+         "<think>推理🤔 steps</think>答案：42<｜end▁of▁sentence｜>"]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def test_deltas_concatenate_to_the_full_decode(real, small, text):
     for tok in (real, small):
         ids = tok.encode(text, add_special_tokens=False).ids
         out, _ = _stream(tok, ids)
-        assert "".join(out) == tok.decode(ids) == text
+        assert "".join(out) == tok.decode(ids) == text.replace("<｜end▁of▁sentence｜>", "")
         assert not any("\ufffd" in piece for piece in out)   # partial characters held back
 
 
