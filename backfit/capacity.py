@@ -34,9 +34,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 
-from backfit.checkpoint import TensorEntry
 from backfit.config import ModelConfig
 from backfit.formats import MANIFEST, load_manifest
 from backfit.inventory import DTYPE_BYTES, expected_tensors
@@ -88,9 +88,11 @@ def _per_rank(shape, dtype: str, shard_dim, tp: int) -> int:
     return n if shard_dim is None else n // tp
 
 
+@lru_cache(maxsize=64)                    # planning 69k Flash tensors takes ~2 s on a slow core
 def weight_bytes(cfg: ModelConfig, tp: int, experts: str = "int8", linears: str = "int8",
                  mtp: bool = True) -> WeightBytes:
     """Per-rank bytes of the directory `backfit convert --tp tp` would write, from the inventory."""
+    from backfit.checkpoint import TensorEntry             # imports torch: only when needed
     from backfit.convert.plan import plan_conversion
     if experts not in EXPERT_SCHEMES:
         raise ValueError(f"--experts {experts!r}: choose one of {', '.join(EXPERT_SCHEMES)}")
@@ -235,9 +237,11 @@ def _gib(n: float) -> str:
 
 def fit(layout: CacheLayout, free_bytes: int, total_bytes: int, *, max_model_len: int,
         max_num_seqs: int, utilization: float = 0.90, workspace_bytes: int = 0,
-        graph_bytes: int = 0, num_snapshot_slots: int | None = None, model_limit: int | None = None,
-        **info) -> Plan:
-    """Size the pools from what is free on one rank (measured after loading, or computed).
+        graph_bytes: int = 0, num_snapshot_slots: int | None = None, weight_bytes: int | None = None,
+        tp: int = 1, experts: str = "", max_num_batched_tokens: int = 0,
+        model_limit: int | None = None, planned: bool = False, notes: tuple[str, ...] = ()) -> Plan:
+    """Size the pools from what is free on one rank: measured (torch.cuda.mem_get_info() after
+    loading weights and starting NCCL) or computed (total - weights - runtime reserve).
     Raises ValueError saying what to change when max_model_len (or anything at all) does not fit."""
     if not 0 < utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization {utilization}: must be in (0, 1]")
@@ -264,7 +268,7 @@ def fit(layout: CacheLayout, free_bytes: int, total_bytes: int, *, max_model_len
                  "use --kv-cache-dtype int8" if layout.kv_dtype != "int8" else "",
                  "use a larger --tp", "fewer --max-num-seqs or snapshot slots",
                  "a smaller --max-num-batched-tokens",
-                 "4-bit experts (planned)" if info.get("experts") != "mx4" else ""]
+                 "4-bit experts (planned)" if experts != "mx4" else ""]
         raise ValueError(f"{head} ({where}); to fit: {', '.join(f for f in fixes if f)}")
     cap = num_blocks * layout.block_size
     return Plan(gpu_mem_bytes=total_bytes, gpu_memory_utilization=utilization,
@@ -277,7 +281,9 @@ def fit(layout: CacheLayout, free_bytes: int, total_bytes: int, *, max_model_len
                 kv_bytes_per_sequence=layout.sequence_bytes(max_model_len), kv_capacity_tokens=cap,
                 max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 max_concurrency_at_max_model_len=min(max_num_seqs, num_blocks // need),
-                longest_context=min(cap, model_limit or cap), **info)
+                longest_context=min(cap, model_limit or cap), tp=tp, experts=experts,
+                weight_bytes_per_rank=used if weight_bytes is None else weight_bytes,
+                max_num_batched_tokens=max_num_batched_tokens, planned=planned, notes=notes)
 
 
 def plan(model: str | Path | ModelConfig, tp: int | None = None, gpu_mem: int = 80 * GiB,
@@ -310,7 +316,7 @@ def plan(model: str | Path | ModelConfig, tp: int | None = None, gpu_mem: int = 
     layout = cache_layout(cfg, kv_cache_dtype, rollback=rollback,
                           draft_layers=cfg.num_mtp_stages if mtp and cfg.variant == "flash" else 0)
     used = weights.per_rank + runtime_reserve(tp)
-    info = dict(tp=tp, experts=experts, weight_bytes_per_rank=weights.per_rank,
+    info = dict(tp=tp, experts=experts, weight_bytes=weights.per_rank,
                 max_num_batched_tokens=max_num_batched_tokens, planned=weights.planned)
 
     def attempt(length: int) -> Plan:
