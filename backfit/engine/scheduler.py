@@ -128,6 +128,8 @@ class Scheduler:
                 continue
             while not self.bm.grow(seq, n):
                 victim = running[-1]            # newest not yet in the step (all after i)
+                if victim is not seq and victim.length - victim.num_computed == 1:
+                    decodes_left -= 1           # its reserved token is free again
                 self._preempt(victim, step)
                 if victim is seq:
                     break

@@ -28,7 +28,7 @@ class FakeRunner:
         self.slots, self.blocks = {}, {}
 
     def execute(self, step):
-        bm, out = self.bm, {}
+        bm, out, B = self.bm, {}, self.bm.block_size
         for src, dst in step.restores:                    # before the forward
             self.slots[dst] = self.slots[src]
         for item in step.seqs:
@@ -125,12 +125,35 @@ def test_decode_and_prefill_share_a_step():
     assert [(s.seq.seq_id, s.start, len(s.token_ids), s.sample) for s in step.seqs] == [
         (0, 5, 1, True), (1, 0, 12, False)]                # 15 left -> ends at block 3
     sched.postprocess(step, runner.execute(step))
-    # an older prefill leaves one token of the budget to each newer decode
-    sched.add(c := Sequence(2, [9] * 3, SamplingParams(max_tokens=20, ignore_eos=True)))
-    while c.num_output == 0 or b.num_computed < 12:
-        sched.postprocess(step := sched.schedule(), runner.execute(step))
     run(sched, runner)
     assert a.finish_reason == "length" and a.num_output == 8 and b.num_output == 2
+
+
+def test_an_older_prefill_leaves_a_token_to_each_newer_decode():
+    bm = BlockManager(128, 1, 4, 0, enable_prefix_caching=False)  # block size 1: no rounding
+    sched = Scheduler(bm, 4, 8, 128, True, eos_token_id=EOS)
+    runner = FakeRunner(bm)
+    new = Sequence(0, [5, 6], SamplingParams(max_tokens=12, ignore_eos=True))
+    old = Sequence(1, list(range(1, 61)), SamplingParams(max_tokens=1))
+    sched.add(new)
+    sched.add(old)
+    sched.postprocess(step := sched.schedule(), runner.execute(step))
+    assert new.num_output == 1 and old.num_computed == 6
+    # as after a preemption: the prefilling sequence is the older one
+    new.arrival, old.arrival = old.arrival, new.arrival
+    sched.running.sort(key=lambda s: s.arrival)
+    decoded = 0
+    while old.num_output == 0:
+        left = old.length - old.num_computed
+        step = sched.schedule()
+        assert step.num_tokens <= 8
+        if not new.is_finished:                             # 8 - 1 reserved for the decode
+            assert [(s.seq.seq_id, len(s.token_ids)) for s in step.seqs] == [
+                (1, min(7, left)), (0, 1)]
+            decoded += 1
+        sched.postprocess(step, runner.execute(step))
+    assert decoded == 8 and new.num_output == 9
+    run(sched, runner)
 
 
 def test_max_num_seqs_and_slots_bound_the_running_set():
