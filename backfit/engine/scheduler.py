@@ -71,6 +71,7 @@ class Scheduler:
         self.running: list[Sequence] = []         # by arrival
         self.seqs: dict[int, Sequence] = {}       # every unfinished sequence
         self._arrivals = itertools.count()
+        self.num_preemptions = 0                  # since start (a statistic)
         self._in_flight = False                   # between schedule() and postprocess()
         self._deferred: dict[int, str] = {}       # seq_id -> finish reason, applied after it
 
@@ -248,6 +249,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)               # newest first, so the oldest ends in front
         step.preempted.append(seq.seq_id)
 

@@ -196,7 +196,8 @@ def test_preemption_is_newest_first_and_resumes_by_recompute(caching):
         start = counters(bm)
         finished, _ = run(sched, FakeRunner(bm), each=each)
         assert counters(bm) == start
-        return {s.seq_id: s.output_ids for s in finished}, sum(s.num_preemptions for s in seqs)
+        assert sched.num_preemptions == sum(s.num_preemptions for s in seqs)
+        return {s.seq_id: s.output_ids for s in finished}, sched.num_preemptions
 
     alone, n0 = go(64)
     squeezed, n1 = go(12)                                  # 3 x 8 blocks wanted, 12 there
