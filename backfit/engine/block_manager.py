@@ -9,8 +9,9 @@ Ids only; the runner owns the memory. Three pools:
 Prefix cache. A full block is registered under hash(parent hash, its B token ids) and keeps its
 key (parent block id, token tuple); a hit compares that key, so a hash collision is a miss, and
 the parent is a block *id*, exact by induction: unregistering a block unregisters its registered
-descendants first. Registered blocks with no reference stay cached (`evictable`, LRU) and count as
-free; taking one evicts it. A snapshot hangs on the registered block that ends at its boundary:
+descendants with it, so a reused id is never a stale parent. A block computed again while its twin
+is registered is swapped for the twin. Registered blocks with no reference stay cached
+(`evictable`, LRU) and count as free; taking one evicts it. A snapshot hangs on the registered block that ends at its boundary:
 a prefix is reusable up to the last matched block that has one (window ring and compressor rows
 cannot be rebuilt from cached entries). Snapshots are LRU too; unregistering a block drops its own.
 
