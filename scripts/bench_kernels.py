@@ -170,15 +170,88 @@ def bench_moe(Ms, ceil: dict, rows: list, E: int = 256, D: int = 4096, I: int = 
               f"torch {t_torch:9.1f} us  err {err:.1e}", flush=True)
 
 
+def sweep(ceil: dict) -> list:
+    """Tile configs of each launcher at its key shapes (graph-timed µs); the defaults come from this."""
+    res = []
+
+    def best(tag, cands):
+        times = {}
+        for cfg, calls in cands:
+            try:
+                times[json.dumps(cfg)] = graph_us(calls)
+            except Exception as e:                                   # e.g. out of shared memory
+                times[json.dumps(cfg)] = float("inf")
+                print(f"  {tag} {cfg}: {type(e).__name__}")
+        order = sorted(times.items(), key=lambda kv: kv[1])
+        print(f"sweep {tag}: " + "  ".join(f"{c} {t:.1f}" for c, t in order[:4]), flush=True)
+        res.append(dict(tag=tag, times=times))
+    for name, N, K in (("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wo_b", 4096, 8192),
+                       ("wq_b/tp4", 8192, 1024), ("wo_b/tp4", 4096, 2048)):
+        ws = [quantize_int8_groups(torch.randn(N, K, device=DEV)) for _ in range(8)]
+        for M in (1, 64):
+            x = torch.randn(M, K, device=DEV).bfloat16()
+            cands = []
+            for cfg in (dict(BN=64), dict(BN=32), dict(BN=128), dict(BN=64, num_stages=3),
+                        dict(BN=64, num_warps=8), dict(BN=32, num_stages=6)):
+                for split in (None, 1):
+                    c = dict(cfg, split_k=split)
+                    cands.append((c, [lambda q=q, s=s, c=cfg, sp=split: gemm.linear(
+                        x, q, s, "int8_g128", path="a16", split_k=sp, config=c) for q, s in ws]))
+            best(f"a16 {name} M={M}", cands)
+        if "/" not in name:
+            x = torch.randn(8192, K, device=DEV).bfloat16()
+            cands = []
+            for bm, bn, st, wp in ((128, 128, 3, 8), (128, 128, 4, 8), (128, 256, 3, 8),
+                                   (256, 128, 3, 8), (128, 128, 3, 4), (64, 128, 4, 4)):
+                cfg = dict(BM=bm, BN=bn, num_stages=st, num_warps=wp)
+                cands.append((cfg, [lambda q=q, s=s, c=cfg: gemm.linear(
+                    x, q, s, "int8_g128", path="w8a8", config=c) for q, s in ws[:2]]))
+            best(f"w8a8 {name} M=8192", cands)
+        del ws
+    E, D, I, k = 256, 4096, 2048, 6
+    vals = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8, device=DEV)
+
+    def mx(n, kk):
+        return (vals[torch.randint(0, 16, (E, n, kk), device=DEV)],
+                torch.randint(118, 126, (E, n, kk // 32), device=DEV, dtype=torch.uint8))
+    st = (*mx(I, D), *mx(I, D), *mx(D, I))
+    for M in (1, 8, 64, 1024, 8192):
+        x = torch.randn(M, D, device=DEV).bfloat16()
+        idx = torch.rand(M, E, device=DEV).argsort(1)[:, :k]
+        w = torch.rand(M, k, device=DEV)
+        if M * k <= moe.DECODE_PAIRS:
+            cfgs = [dict(BN=bn, BK=bk, num_warps=wp, num_stages=ns) for bn, bk, wp, ns in
+                    ((32, 512, 4, 2), (32, 128, 4, 2), (16, 512, 4, 2), (64, 256, 4, 2), (32, 512, 8, 2),
+                     (16, 256, 4, 3), (32, 256, 4, 3), (64, 512, 8, 2))]
+            path = "decode"
+        elif M <= 64:
+            cfgs = [dict(BM=bm, BN=bn, BK=bk, num_warps=wp, num_stages=ns) for bm, bn, bk, wp, ns in
+                    ((16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (32, 64, 64, 4, 3), (16, 32, 128, 4, 3),
+                     (16, 64, 128, 4, 2), (16, 64, 128, 4, 3))]
+            path = "sorted"
+        else:
+            cfgs = [dict(BM=bm, BN=bn, BK=bk, num_warps=wp, num_stages=ns) for bm, bn, bk, wp, ns in
+                    ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (64, 64, 64, 4, 3),
+                     (128, 128, 32, 8, 4), (64, 128, 128, 8, 2), (32, 128, 64, 4, 3))]
+            path = "sorted"
+        best(f"moe {path} M={M}", [(c, [lambda c=c: moe.fused_moe(x, idx, w, *st, 10.0, path=path, config=c)])
+                                  for c in cfgs])
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_kernels.json")
     ap.add_argument("--quick", action="store_true", help="decode shapes only")
+    ap.add_argument("--sweep", action="store_true", help="time tile configs instead")
     args = ap.parse_args()
     t0 = time.time()
     ceil = ceilings()
     print(f"device {torch.cuda.get_device_name()}  copy {ceil['copy_TBps']:.2f} TB/s  "
           f"bf16 {ceil['bf16_TFLOPs']:.0f} TFLOP/s  int8 {ceil['int8_TOPs']:.0f} TOP/s", flush=True)
+    if args.sweep:
+        Path(args.out).write_text(json.dumps(dict(ceilings=ceil, sweep=sweep(ceil)), indent=1))
+        return
     Ms = (1, 8, 64) if args.quick else (1, 8, 64, 1024, 8192)
     rows: list = []
     for name, N, K in (("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wo_b", 4096, 8192),

@@ -144,16 +144,33 @@ def align(idx: torch.Tensor, n_experts: int, bm: int) -> tuple[torch.Tensor, tor
     return sorted_ids, block_e.to(torch.int32)
 
 
+def _fit_bk(K: int, bk: int) -> int:
+    """Largest BK <= bk that divides K (K % 64 == 0 is checked): the kernels have no K mask."""
+    while K % bk:
+        bk //= 2
+    return bk
+
+
+# tile configs: best of an H200 sweep at V4-Flash shapes (scripts/bench_kernels.py --sweep)
+def _decode_config(K: int) -> dict:
+    bk = 512 if K % 512 == 0 else 128 if K % 128 == 0 else 64
+    return dict(BN=16, BK=bk, num_warps=4, num_stages=2)
+
+
 def _sorted_config(P: int) -> dict:
     if P <= 1024:
-        return dict(BM=16, BN=64, BK=64, num_warps=4, num_stages=3)
-    return dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=3)
+        return dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3)
+    if P <= 16384:
+        return dict(BM=32, BN=128, BK=64, num_warps=4, num_stages=3)
+    return dict(BM=128, BN=64, BK=64, num_warps=4, num_stages=3)
 
 
 def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Tensor,
               s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor,
-              s2: torch.Tensor, limit: float, path: str | None = None) -> torch.Tensor:
-    """x [T, K] bf16, idx [T, k], w [T, k] -> routed-expert sum FP32 [T, D]; path "decode"/"sorted"."""
+              s2: torch.Tensor, limit: float, path: str | None = None,
+              config: dict | None = None) -> torch.Tensor:
+    """x [T, K] bf16, idx [T, k], w [T, k] -> routed-expert sum FP32 [T, D]; path "decode"/"sorted"
+    and config (tile overrides) replace the automatic choice (tests, benchmarks)."""
     if x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"fused_moe: x must be bf16 [T, K], got {x.dtype}{list(x.shape)}")
     E, I, K = w1.shape
@@ -184,24 +201,25 @@ def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Ten
     if path == "decode":
         ids = idx.reshape(-1).to(torch.int32).contiguous()
         h = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
-        _moe_gemv_kernel[(P, triton.cdiv(I, 32))](x, ids, rw, w1, s1, w3, s3, h, I, K, k,
-                                                  GATED=True, LIMIT=lim, BN=32, BK=128 if K % 128 == 0 else 64,
-                                                  num_warps=4)
-        _moe_gemv_kernel[(P, triton.cdiv(D, 32))](h, ids, rw, w2, s2, w2, s2, out, D, I, k,
-                                                  GATED=False, LIMIT=lim, BN=32, BK=128 if I % 128 == 0 else 64,
-                                                  num_warps=4)
+        c1 = {**_decode_config(K), **(config or {})}
+        c2 = {**_decode_config(I), **(config or {})}
+        c1["BK"], c2["BK"] = _fit_bk(K, c1["BK"]), _fit_bk(I, c2["BK"])
+        _moe_gemv_kernel[(P, triton.cdiv(I, c1["BN"]))](x, ids, rw, w1, s1, w3, s3, h, I, K, k,
+                                                         GATED=True, LIMIT=lim, **c1)
+        _moe_gemv_kernel[(P, triton.cdiv(D, c2["BN"]))](h, ids, rw, w2, s2, w2, s2, out, D, I, k,
+                                                         GATED=False, LIMIT=lim, **c2)
     elif path == "sorted":
-        cfg = _sorted_config(P)
+        cfg = {**_sorted_config(P), **(config or {})}
         sorted_ids, block_e = align(idx, E, cfg["BM"])
         nb = block_e.numel()
         h = torch.empty(nb * cfg["BM"], I, dtype=torch.bfloat16, device=x.device)
         f32 = interpreted()
         _moe_sorted_kernel[(nb, triton.cdiv(I, cfg["BN"]))](
             x, sorted_ids, block_e, rw, w1, s1, w3, s3, h, I, K, k, P, E,
-            GATED=True, LIMIT=lim, F32=f32, **cfg)
+            GATED=True, LIMIT=lim, F32=f32, **dict(cfg, BK=_fit_bk(K, cfg["BK"])))
         _moe_sorted_kernel[(nb, triton.cdiv(D, cfg["BN"]))](
             h, sorted_ids, block_e, rw, w2, s2, w2, s2, out, D, I, k, P, E,
-            GATED=False, LIMIT=lim, F32=f32, **cfg)
+            GATED=False, LIMIT=lim, F32=f32, **dict(cfg, BK=_fit_bk(I, cfg["BK"])))
     else:
         raise ValueError(f"fused_moe: unknown path {path!r}")
     return out.view(T, k, D).float().sum(1)                                 # FP32 sum over top-k

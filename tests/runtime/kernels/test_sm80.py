@@ -47,13 +47,11 @@ def compile_all() -> list[dict]:
     from backfit.runtime.kernels import gemm, moe
 
     out = []
-    a16 = dict(X="*bf16", W="*i8", S="*fp32", Y="*fp32", M="i32", N="i32", K="i32",
+    a16 = dict(X="*bf16", W="*i8", S="*fp32", Y="*bf16", WS="*fp32", LOCK="*i32", M="i32", N="i32", K="i32",
                stride_xm="i32", K_SPLIT="i32")
-    for m, quant in ((1, True), (16, True), (32, True), (63, True), (1, False), (1024, False)):
+    for m, quant in ((1, True), (16, True), (32, True), (127, True), (1, False), (1024, False)):
         cfg, opts = _split(gemm.a16_config(m, 4096, 4096, quant, A100_SMS))
         types = a16 if quant else dict(a16, W="*bf16", S="*bf16")
-        if cfg["SPLIT"] == 1:
-            types = dict(types, Y="*bf16")
         out.append(_compile(gemm._a16_kernel, types, dict(cfg, QUANT=quant, F32=False), opts,
                             ("N", "K", "stride_xm", "K_SPLIT")))
     for m in (64, 1024):
@@ -67,9 +65,10 @@ def compile_all() -> list[dict]:
                   OUT="*bf16", N="i32", K="i32", TOPK="i32", SORTED="*i32", BLOCK_E="*i32",
                   P="i32", E="i32")
     for gated in (True, False):
-        out.append(_compile(moe._moe_gemv_kernel, mtypes, dict(GATED=gated, LIMIT=10.0, BN=32, BK=128),
-                            dict(num_warps=4), ("N", "K")))
-        for p in (64, 8192 * 6):
+        cfg, opts = _split(moe._decode_config(4096))
+        out.append(_compile(moe._moe_gemv_kernel, mtypes, dict(cfg, GATED=gated, LIMIT=10.0), opts,
+                            ("N", "K")))
+        for p in (384, 6144, 8192 * 6):
             cfg, opts = _split(moe._sorted_config(p))
             out.append(_compile(moe._moe_sorted_kernel, mtypes, dict(cfg, GATED=gated, LIMIT=10.0, F32=False),
                                 opts, ("N", "K")))
@@ -82,7 +81,7 @@ def test_every_kernel_config_compiles_for_sm80_within_shared_memory():
     run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(results) == 16
+    assert len(results) == 18
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
@@ -94,9 +93,10 @@ def test_every_kernel_config_compiles_for_sm80_within_shared_memory():
             assert r["mma"] == ["mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32"], name
         else:
             assert r["mma"] == [], name                              # GEMV / quantizer: CUDA cores
-    big = [r for r in results if r["kernel"] == "_w8a8_kernel" and r["config"]["BM"] == 128]
-    # two 128x128 INT8 tiles (A and W) = 32 KB per stage; >= 2 buffers means cp.async pipelining
-    assert big and big[0]["shared"] >= 2 * 32 * 1024, "W8A8 tile not multi-stage pipelined"
+    # A [BM, 128] and W [BN, 128] INT8 tiles per stage; >= 2 buffers means cp.async pipelining
+    for r in (r for r in results if r["kernel"] == "_w8a8_kernel"):
+        tile = (r["config"]["BM"] + r["config"]["BN"]) * 128
+        assert r["shared"] >= 2 * tile, f"W8A8 {r['config']}: not multi-stage pipelined"
 
 
 if __name__ == "__main__":
