@@ -71,14 +71,20 @@ def _check_finite_source(action: Action, t: torch.Tensor) -> None:
         raise ConvertError(f"{_where(action)}: non-finite value {v} at {bad} in the source")
 
 
-def _check_product(action: Action, ref: torch.Tensor, rel: float, what: str) -> None:
-    """rel is NaN iff ref (the dequantized source) holds a NaN/Inf: only then is ref scanned."""
+def _check_product(action: Action, ref: torch.Tensor, s: torch.Tensor, rel: float, what: str,
+                   group: tuple[int, int]) -> None:
+    """rel is NaN iff ref (the dequantized source) holds a NaN/Inf: only then is ref scanned.
+    group: elements per scale byte (rows, cols), to name the byte behind the first bad value."""
     if math.isfinite(rel):
         return
     bad = first_nonfinite(ref)
-    where = f"at {bad}" if bad is not None else "(error pass overflowed)"
-    v = ref[tuple(bad)].item() if bad is not None else math.nan
-    raise ConvertError(f"{_where(action)}: {what} gives {v} {where}: the scale byte is damaged")
+    if bad is None:                                        # finite, but its squares overflowed
+        raise ConvertError(f"{_where(action)}: {what} is too large to measure (error pass "
+                           f"overflowed): the scale bytes are damaged")
+    v = ref[tuple(bad)].item()
+    tile = [bad[0] // group[0], bad[1] // group[1]]
+    raise ConvertError(f"{_where(action)}: {what} gives {v} at {bad} (scale byte "
+                       f"{int(s[tuple(tile)])} at {tile} of {action.sources[1].name})")
 
 
 # Independent check table for the bit-exact expert path: packed byte -> its two values 2*e2m1, made
@@ -120,13 +126,13 @@ def apply(action: Action, tensors: list[torch.Tensor]) -> tuple[dict[str, torch.
         if kind == "fp8_int8":
             q, scale = quantize_int8_groups(ref)
             rel, mx = rel_error(dequant_int8_groups(q, scale), ref)
-            _check_product(action, ref, rel, "FP8 x scale")
+            _check_product(action, ref, s, rel, "FP8 x scale", (128, 128))
             _check_scale(action, s)
             return {outs[0].name: q, outs[1].name: scale}, {"rel_err": rel, "max_abs_err": mx,
                                                              "exact": rel == 0.0}
         out = ref.to(torch.bfloat16)
         rel, mx = rel_error(out, ref)
-        _check_product(action, ref, rel, "FP8 x scale")
+        _check_product(action, ref, s, rel, "FP8 x scale", (128, 128))
         _check_scale(action, s)
         return {outs[0].name: out}, {"rel_err": rel, "max_abs_err": mx, "exact": rel == 0.0}
     _check_scale(action, s)                                     # MXFP4: the bytes are the scale
@@ -144,6 +150,6 @@ def apply(action: Action, tensors: list[torch.Tensor]) -> tuple[dict[str, torch.
         ref = dequant_mxfp4(w, s)
         out = ref.to(torch.bfloat16)
         rel, mx = rel_error(out, ref)
-        _check_product(action, ref, rel, "MXFP4 x scale")
+        _check_product(action, ref, s, rel, "MXFP4 x scale", (1, 32))
         return {outs[0].name: out}, {"rel_err": rel, "max_abs_err": mx, "exact": rel == 0.0}
     raise AssertionError(kind)

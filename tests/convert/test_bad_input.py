@@ -104,15 +104,81 @@ def test_missing_scale(src, tmp_path):
     _assert_fails(src, tmp_path / "dst", LAYER3, "layers.3.attn.wkv.scale", "missing scale")
 
 
-def test_ue8m0_nan(src, tmp_path):
+def _poke(src, name, offset, data: bytes):
+    """Overwrite bytes of tensor `name`'s payload in LAYER3, from byte `offset` of the tensor."""
     path = materialize(src / LAYER3)
     raw = bytearray(path.read_bytes())
     (n,) = struct.unpack("<Q", raw[:8])
-    h = json.loads(raw[8:8 + n])
-    start = 8 + n + h["layers.3.ffn.experts.9.w2.scale"]["data_offsets"][0]
-    raw[start + 5] = 255
+    start = 8 + n + json.loads(raw[8:8 + n])[name]["data_offsets"][0] + offset
+    raw[start:start + len(data)] = data
     path.write_bytes(bytes(raw))
-    _assert_fails(src, tmp_path / "dst", LAYER3, "layers.3.ffn.experts.9.w2.scale", "NaN")
+
+
+def test_ue8m0_nan(src, tmp_path):
+    _poke(src, "layers.3.ffn.experts.9.w2.scale", 5, b"\xff")
+    _assert_fails(src, tmp_path / "dst", LAYER3, "layers.3.ffn.experts.9.w2.scale", "NaN", "[0, 5]")
+
+
+@pytest.mark.parametrize("code,at", [(0x7F, (1, 2)), (0xFF, (200, 17))])
+def test_e4m3_nan_byte(src, tmp_path, code, at):
+    _poke(src, "layers.3.attn.wkv.weight", at[0] * 256 + at[1], bytes([code]))   # [256, 256]
+    _assert_fails(src, tmp_path / "dst", LAYER3, "layers.3.attn.wkv.weight", "e4m3 NaN",
+                  str(list(at)))
+
+
+@pytest.mark.parametrize("name,offset,data,needles", [
+    # BF16 [128]: a quiet NaN (0x7FC0) at element 7
+    ("layers.3.attn.q_norm.weight", 7 * 2, b"\xc0\x7f", ("nan", "at [7]")),
+    # F32 [24, 1024]: +Inf (0x7F800000) at [2, 3]
+    ("layers.3.hc_attn_fn", (2 * 1024 + 3) * 4, b"\x00\x00\x80\x7f", ("inf", "at [2, 3]")),
+])
+def test_non_finite_copied_tensor(src, tmp_path, name, offset, data, needles):
+    _poke(src, name, offset, data)
+    _assert_fails(src, tmp_path / "dst", LAYER3, name, "non-finite", *needles)
+
+
+def test_inf_from_dequantization(src, tmp_path):
+    # scale byte 250 = 2^123 on tile [0, 1] of wq_a [128, 256]: e4m3 codes >= 2^5 overflow float32
+    _poke(src, "layers.3.attn.wq_a.scale", 1, bytes([250]))
+    line = _assert_fails(src, tmp_path / "dst", LAYER3, "layers.3.attn.wq_a.weight",
+                         "FP8 x scale gives inf", "scale byte 250 at [0, 1]")
+    col = int(line.split(" at [")[1].split("]")[0].split(", ")[1])
+    assert 128 <= col < 256, line                            # the first bad value is in that tile
+
+
+@pytest.mark.parametrize("name,offset,byte,at", [
+    ("layers.3.ffn.experts.4.w1.scale", 3 * 8 + 1, 200, "[3, 1]"),   # [1024, 8]: 2^73, finite
+    ("layers.3.attn.wkv.scale", 3, 0, "[1, 1]"),                      # [2, 2]: the ambiguous 0
+])
+def test_scale_byte_out_of_range(src, tmp_path, name, offset, byte, at):
+    _poke(src, name, offset, bytes([byte]))
+    _assert_fails(src, tmp_path / "dst", LAYER3, name, f"UE8M0 scale byte {byte}", at,
+                  "outside the accepted 1..159")
+
+
+def _add_to_header(src, new, like):
+    """Give LAYER3 a header entry `new` that points at the bytes of its tensor `like`."""
+    path = materialize(src / LAYER3)
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    h = json.loads(raw[8:8 + n])
+    h[new] = dict(h[like])
+    head = json.dumps(h, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(struct.pack("<Q", len(head)) + head + raw[8 + n:])
+
+
+def test_shard_tensor_missing_from_index(src, tmp_path):
+    _add_to_header(src, "layers.3.attn.q_norm2.weight", "layers.3.attn.q_norm.weight")
+    _assert_fails(src, tmp_path / "dst", LAYER3, "layers.3.attn.q_norm2.weight",
+                  "in the file but not in", "model.safetensors.index.json")
+
+
+def test_shard_tensor_listed_for_another_shard(src, tmp_path):
+    # the index puts layers.2.* in shard 4; a copy of it in shard 5 is a mixed-up download
+    _add_to_header(src, "layers.2.attn_norm.weight", "layers.3.attn_norm.weight")
+    _assert_fails(src, tmp_path / "dst", LAYER3, "layers.2.attn_norm.weight",
+                  "model.safetensors.index.json lists it in model-00004-of-00009.safetensors")
 
 
 def test_unknown_tensor_name(src, tmp_path):
@@ -153,8 +219,7 @@ def test_force_replaces_only_when_done(src, tmp_path):
 
 
 def test_out_of_disk_space_preflight(src, tmp_path, monkeypatch):
-    monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: os.statvfs_result if False else
-                        type("U", (), {"free": 1000})())
+    monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
     with pytest.raises(run_mod.ConvertError, match="out of disk space") as e:
         convert(src, tmp_path / "dst", tp=2, progress=False)
     assert "dst.partial" in str(e.value) and not (tmp_path / "dst").exists()
