@@ -27,6 +27,14 @@ for a forward of T = max_num_batched_tokens tokens (A = 2 bytes, bf16 activation
              captured largest first) + GRAPH_BYTES per captured batch size
   runtime    CUDA context + cuBLAS: 685 MiB measured on an H200 (torch 2.11, CUDA 13), rounded
              up to 0.75 GiB; NCCL buffers at tp > 1: 0.5 GiB, an estimate (not measured here)
+
+Engine start-up (measured numbers; the same arithmetic as `backfit plan`):
+  layout = cache_layout(cfg, kv_cache_dtype, draft_layers=len(model.mtp))
+  free, total = torch.cuda.mem_get_info()            # after loading weights and starting NCCL
+  p = fit(layout, free, total, max_model_len=L, max_num_seqs=S, utilization=0.90,
+          workspace_bytes=workspace(cfg, tp, T, L, S).total,
+          graph_bytes=graph_reserve(cfg, tp, L, S))   # ValueError: what to change
+  -> p.num_slots, p.num_blocks, p.block_size: what the pools allocate
 """
 
 from __future__ import annotations
@@ -43,9 +51,9 @@ from backfit.inventory import DTYPE_BYTES, expected_tensors
 from backfit.runtime.cache.layout import CacheLayout, cache_layout
 
 __all__ = ["GiB", "EXPERT_SCHEMES", "MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "SCORE_CHUNK",
-           "WeightBytes", "Workspace", "Plan", "parse_bytes", "read_model", "weight_bytes",
-           "manifest_weight_bytes", "workspace", "graph_reserve", "runtime_reserve", "fit", "plan",
-           "format_plan"]
+           "WeightBytes", "Workspace", "Plan", "parse_bytes", "read_model", "max_positions",
+           "weight_bytes", "manifest_weight_bytes", "workspace", "graph_reserve", "runtime_reserve",
+           "fit", "plan", "format_plan"]
 
 GiB = 2 ** 30
 MiB = 2 ** 20
@@ -71,6 +79,8 @@ def parse_bytes(text: str) -> int:
         value, unit = float(num), units[s[len(num):]]
     except (ValueError, KeyError):
         raise ValueError(f"cannot read {text!r} as a size (e.g. 80GiB, 80GB, 81920MiB)") from None
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
     return int(value * unit)
 
 
@@ -143,11 +153,14 @@ def read_model(path: str | Path) -> tuple[ModelConfig, dict | None, int]:
     else:
         raise ValueError(f"{path}: not a directory or a config.json")
     cfg = ModelConfig.from_file(p)
-    raw = json.loads(p.read_text())
+    return cfg, manifest, int(json.loads(p.read_text()).get("max_position_embeddings")
+                              or max_positions(cfg))
+
+
+def max_positions(cfg: ModelConfig) -> int:
+    """The model's context limit from YaRN: original_max_position_embeddings x factor (Flash 1M)."""
     rs = cfg.rope_scaling or {}
-    longest = raw.get("max_position_embeddings") or \
-        int(rs.get("original_max_position_embeddings", 0) * rs.get("factor", 1)) or 2 ** 20
-    return cfg, manifest, int(longest)
+    return int(rs.get("original_max_position_embeddings", 0) * rs.get("factor", 1)) or 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -237,8 +250,9 @@ def _gib(n: float) -> str:
 
 def fit(layout: CacheLayout, free_bytes: int, total_bytes: int, *, max_model_len: int,
         max_num_seqs: int, utilization: float = 0.90, workspace_bytes: int = 0,
-        graph_bytes: int = 0, num_snapshot_slots: int | None = None, weight_bytes: int | None = None,
-        tp: int = 1, experts: str = "", max_num_batched_tokens: int = 0,
+        graph_bytes: int = 0, num_snapshot_slots: int | None = None,
+        weight_bytes: int | None = None, tp: int = 1, experts: str = "",
+        max_num_batched_tokens: int = 0,
         model_limit: int | None = None, planned: bool = False, notes: tuple[str, ...] = ()) -> Plan:
     """Size the pools from what is free on one rank: measured (torch.cuda.mem_get_info() after
     loading weights and starting NCCL) or computed (total - weights - runtime reserve).
@@ -294,7 +308,7 @@ def plan(model: str | Path | ModelConfig, tp: int | None = None, gpu_mem: int = 
     """The computed plan for MODEL on cards of `gpu_mem` bytes. max_model_len None: the longest
     that fits, up to the model's limit; given: ValueError (what to change) unless it fits."""
     if isinstance(model, ModelConfig):
-        cfg, manifest, limit = model, None, 2 ** 20
+        cfg, manifest, limit = model, None, max_positions(model)
     else:
         cfg, manifest, limit = read_model(model)
     notes = []
@@ -379,7 +393,7 @@ def format_plan(p: Plan) -> str:
         ("KV capacity", f"{p.kv_capacity_tokens:,} tokens"),
         ("longest context", f"{p.longest_context:,} tokens"),
         ("max model len", f"{p.max_model_len:,} tokens"),
-        ("concurrency", f"{p.max_concurrency_at_max_model_len} sequences at max model len "
+        ("concurrency", f"{p.max_concurrency_at_max_model_len} sequence(s) at max model len "
                         f"(max-num-seqs {p.max_num_seqs})"),
     ]
     w = max(len(k) for k, _ in rows)

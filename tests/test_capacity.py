@@ -82,7 +82,8 @@ def test_ring_rows_survive_a_rollback_of_K_tokens(ratio):
     lay = cache_layout(cfg, rollback=K).layers[1]
     W = cfg.sliding_window
     window = lambda q: range(q - W + 1, q)                # noqa: E731  (W includes q itself)
-    assert _ring_keeps(lay.window_rows, window, K) and not _ring_keeps(lay.window_rows - 1, window, K)
+    assert _ring_keeps(lay.window_rows, window, K)
+    assert not _ring_keeps(lay.window_rows - 1, window, K)
     if ratio == 4:       # overlapped: the entry q completes pools blocks q//4 - 1 and q//4
         need = lambda q: range(4 * (q // 4 - 1), q)       # noqa: E731
     else:
@@ -101,15 +102,19 @@ def test_layout_rejects_a_block_size_that_splits_an_entry():
 
 # ---- weights per rank: dsv4-model.md 6.1-6.3 ------------------------------------------------
 
-def test_flash_tp4_weights_per_rank_match_hand_computation():
-    w = weight_bytes(_flash(), 4, "int8")
-    # 6.3: FP8 -> INT8 + experts -> INT8 is 285.9 GB in all, ~1 GB of it replicated
-    base = (285.9e9 - 1e9) / 4 + 1e9
+def _hand_weights_tp4(mtp: bool = True) -> float:
+    """Per-rank bytes of the TP4 INT8 conversion, from dsv4-model.md 6.1-6.3 and FORMAT.md."""
+    base = (285.9e9 - 1e9) / 4 + 1e9          # 6.3: FP8 -> INT8, experts -> INT8; ~1 GB replicated
     mx_scales = 8.66e9 / 4                    # 6.3: one E8M0 byte per 32 expert weights (int8_mx32)
     wo_a = 43 * (8 * 1024) * (64 * 512 // 8) / 4   # FORMAT.md: wo_a stays BF16, +1 B per weight
     lin_scales = 5.86e9 * 4 / 128 / 4         # 6.2: 5.86 GB FP8 weights, FP32 scale per 128
-    mtp = 1.7e9 + 256 * 3 * 2048 * 4096 / 32 / 4   # 6.3 "+1.7", plus its expert scale bytes
-    hand = base + mx_scales + wo_a + lin_scales + mtp
+    draft = 1.7e9 + 256 * 3 * 2048 * 4096 / 32 / 4   # 6.3 "+1.7", plus its expert scale bytes
+    return base + mx_scales + wo_a + lin_scales + (draft if mtp else 0)
+
+
+def test_flash_tp4_weights_per_rank_match_hand_computation():
+    w = weight_bytes(_flash(), 4, "int8")
+    hand = _hand_weights_tp4()
     assert abs(w.per_rank / hand - 1) < 0.01, (w.per_rank, hand)
     # 6.1: routed experts 277.03 B params, at 1 + 1/32 B each, split 4 ways (+ the MTP experts)
     experts = (277.03e9 + 256 * 3 * 2048 * 4096) * (1 + 1 / 32) / 4
@@ -135,29 +140,36 @@ def test_flash_tp4_80gib_int8_experts_do_not_fit_at_090():
         assert fix in msg, fix
 
 
-def test_flash_plan_capacity_by_hand():
+def test_flash_tp4_80gib_plan_by_hand():
+    """TP4 on 80 GiB cards: bf16 KV fits at 0.95 once the MTP block and most slots are dropped."""
     cfg = _flash()
-    p = plan(cfg, tp=8, gpu_mem=80 * GiB, utilization=0.90, experts="int8", max_model_len=524288)
+    p = plan(cfg, tp=4, gpu_mem=80 * GiB, utilization=0.95, experts="int8", kv_cache_dtype="bf16",
+             max_num_seqs=8, mtp=False, max_model_len=262144)
+    assert abs(p.weight_bytes_per_rank / _hand_weights_tp4(mtp=False) - 1) < 0.01
     assert p.kv_bytes_per_token == 6880 and p.block_bytes == 128 * 6880
-    free = int(80 * GiB * 0.90) - weight_bytes(cfg, 8).per_rank - runtime_reserve(8) \
-        - p.workspace_bytes - p.graph_reserve_bytes - 2 * 64 * cache_layout(cfg, draft_layers=1).slot_bytes
+    slots = 2 * 8 * cache_layout(cfg).slot_bytes                      # 8 running + 8 snapshots
+    free = int(80 * GiB * 0.95) - p.weight_bytes_per_rank - runtime_reserve(4) \
+        - p.workspace_bytes - p.graph_reserve_bytes - slots
     assert p.num_blocks == free // (128 * 6880) and p.kv_capacity_tokens == 128 * p.num_blocks
-    assert p.max_concurrency_at_max_model_len == p.num_blocks // (524288 // 128)
-    assert p.kv_bytes_per_sequence == p.slot_bytes + 524288 * 6880
+    assert p.max_concurrency_at_max_model_len == p.num_blocks // (262144 // 128) >= 1
+    assert p.kv_bytes_per_sequence == p.slot_bytes + 262144 * 6880
+    assert 262144 < p.longest_context < 1048576
     # the workspace grows with the context (indexer scores over L/4 entries)
-    assert plan(cfg, tp=8, max_model_len=1048576).workspace_bytes > p.workspace_bytes
+    longer = plan(cfg, tp=4, utilization=0.95, max_num_seqs=8, mtp=False, max_model_len=524288)
+    assert longer.workspace_bytes > p.workspace_bytes
 
 
 def test_fit_from_measured_numbers():
     lay = cache_layout(_flash(), "bf16")
-    total, free = 80 * GiB, 80 * GiB - 70 * GiB        # e.g. torch.cuda.mem_get_info() after loading
+    total, free = 80 * GiB, 10 * GiB          # e.g. torch.cuda.mem_get_info() after loading
     p = fit(lay, free, total, max_model_len=4096, max_num_seqs=4, utilization=0.9,
             workspace_bytes=GiB, graph_bytes=GiB // 2, num_snapshot_slots=0)
     pool = int(total * 0.9) - 70 * GiB - GiB - GiB // 2 - 4 * lay.slot_bytes
     assert p.num_blocks == pool // lay.block_bytes and p.num_slots == 4
     assert p.max_concurrency_at_max_model_len == 4                   # capped by max_num_seqs
     too_long = (p.num_blocks + 1) * 128
-    with pytest.raises(ValueError, match=f"lower --max-model-len to at most {p.kv_capacity_tokens}"):
+    fix = f"lower --max-model-len to at most {p.kv_capacity_tokens}"
+    with pytest.raises(ValueError, match=fix):
         fit(lay, free, total, max_model_len=too_long, max_num_seqs=4, utilization=0.9,
             workspace_bytes=GiB, graph_bytes=GiB // 2, num_snapshot_slots=0)
 
