@@ -104,20 +104,91 @@ def verify(original, converted, tp, prompts_file, max_positions, activations, de
     sys.exit(0 if report["ok"] else 1)
 
 
+def engine_options(f):
+    """Engine flags shared by generate and serve (named as vLLM's)."""
+    opts = [
+        click.option("--tp", type=int, default=None, help="Tensor-parallel ranks (default: the "
+                     "converted tp). Each rank is its own process; this one is rank 0."),
+        click.option("--device", default="cpu", show_default=True, help="cpu or cuda."),
+        click.option("--dtype", "--activations", "dtype", default="bfloat16", show_default=True,
+                     type=click.Choice(["bfloat16", "float32"]), help="Activation dtype."),
+        click.option("--kv-cache-dtype", type=click.Choice(["auto", "bf16", "int8"]),
+                     default="auto", show_default=True, help="Cache storage: auto = the activation "
+                     "dtype; int8 = one FP32 scale per 512-d entry, dequantized on read."),
+        click.option("--max-model-len", type=int, default=8192, show_default=True,
+                     help="Longest prompt + output, in tokens."),
+        click.option("--max-num-seqs", type=int, default=None,
+                     help="Sequences running at once (default 64; generate: the prompt count)."),
+        click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True,
+                     help="Tokens per engine step (prefill chunks + decode tokens)."),
+        click.option("--block-size", type=int, default=None,
+                     help="Tokens per cache block, a multiple of every compression ratio "
+                          "(default: the smallest such multiple >= 64)."),
+        click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
+                     show_default=True, help="Reuse cached blocks of shared prompt prefixes."),
+        click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=True,
+                     show_default=True, help="Split long prompts across steps, next to decodes."),
+        click.option("--gpu-memory-utilization", type=float, default=0.90, show_default=True,
+                     help="Share of the card for weights, activations and the cache pools."),
+        click.option("--cpu-kv-cache-gib", type=float, default=4.0, show_default=True,
+                     help="Cache pool budget on CPU."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def engine_kwargs(kw: dict) -> dict:
+    """Pop the engine flags out of a command's keyword arguments -> EngineConfig fields."""
+    names = ("device", "dtype", "kv_cache_dtype", "max_model_len", "max_num_batched_tokens",
+             "block_size", "enable_prefix_caching", "enable_chunked_prefill",
+             "gpu_memory_utilization", "cpu_kv_cache_gib")
+    out = {n: kw.pop(n) for n in names}
+    if kw.get("max_num_seqs") is not None:
+        out["max_num_seqs"] = kw.pop("max_num_seqs")
+    kw.pop("max_num_seqs", None)
+    return out
+
+
 @main.command()
 @click.argument("converted", type=click.Path(exists=True, file_okay=False))
-@click.option("--prompt", required=True, help="Raw text; BOS is prepended, no chat template.")
+@click.option("--prompt", default=None, help="Raw text; BOS is prepended, no chat template.")
+@click.option("--prompts-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="One raw-text prompt per line, all in flight at once.")
 @click.option("--max-tokens", type=int, default=64, show_default=True)
-@click.option("--tp", type=int, default=None, help="Ranks (default: the converted tp).")
-@click.option("--activations", type=click.Choice(["float32", "bfloat16"]), default="bfloat16",
-              show_default=True)
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
-def generate(converted, prompt, max_tokens, tp, activations, device) -> None:
-    """Greedy generation with the runtime on a converted directory, printed as it is produced."""
-    from backfit.runtime.generate import generate as run_generate
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int, default=None, help="Per-request seed (reproducible).")
+@click.option("--presence-penalty", type=float, default=0.0, show_default=True)
+@click.option("--frequency-penalty", type=float, default=0.0, show_default=True)
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
+@click.option("--stop", multiple=True, help="Stop string (repeatable); not printed.")
+@click.option("--ignore-eos", is_flag=True, help="Keep going past the end-of-sentence token.")
+@engine_options
+def generate(converted, prompt, prompts_file, tp, **kw) -> None:
+    """Generate from raw-text prompts with the engine on a converted directory (printed as produced)."""
+    from pathlib import Path as _P
+
+    from backfit.engine.sampling_params import SamplingParams
+    from backfit.generate import generate as run_generate
+    if (prompt is None) == (prompts_file is None):
+        _fail(click.UsageError("give exactly one of --prompt and --prompts-file"))
+    prompts = [prompt] if prompt is not None else \
+        [ln for ln in _P(prompts_file).read_text().splitlines() if ln.strip()]
+    if not prompts:
+        _fail(ValueError(f"{prompts_file}: no prompts (one per line)"))
+    ekw = engine_kwargs(kw)
     try:
-        run_generate(converted, prompt, max_tokens=max_tokens, tp=tp, dtype=activations, device=device)
-    except _user_errors() as e:
+        params = SamplingParams(max_tokens=kw["max_tokens"], temperature=kw["temperature"],
+                                top_p=kw["top_p"], top_k=kw["top_k"], min_p=kw["min_p"],
+                                seed=kw["seed"], presence_penalty=kw["presence_penalty"],
+                                frequency_penalty=kw["frequency_penalty"],
+                                repetition_penalty=kw["repetition_penalty"], stop=kw["stop"],
+                                ignore_eos=kw["ignore_eos"], skip_special_tokens=False)
+        run_generate(converted, prompts, params, tp=tp, **ekw)
+    except (ValueError, *_user_errors()) as e:
         _fail(e)
 
 

@@ -22,7 +22,8 @@ def _step(n: int, text: str) -> float:
 
 def run_demo(workdir: str | None = None, max_positions: int = 512, max_tokens: int = 24) -> dict:
     from backfit.convert.run import convert
-    from backfit.runtime.generate import generate
+    from backfit.engine.sampling_params import SamplingParams
+    from backfit.generate import generate
     from backfit.synthetic import write_checkpoint
     from backfit.verify.run import verify
 
@@ -53,7 +54,8 @@ def run_demo(workdir: str | None = None, max_positions: int = 512, max_tokens: i
 
     t = _step(5, f"backfit generate {int8} --prompt {PROMPT!r} --max-tokens {max_tokens}")
     print(f"      (random weights: the text is gibberish, the point is that it runs)\n{PROMPT}", end="")
-    generate(int8, PROMPT, max_tokens=max_tokens)
+    generate(int8, [PROMPT], SamplingParams(max_tokens=max_tokens, temperature=0,
+                                            skip_special_tokens=False))
     print(f"      {time.time() - t:.1f} s")
     verdict = {True: "PASS", False: "FAIL"}
     print(f"\nsemantics check {verdict[sem['ok']]}; conversion check {verdict[conv['ok']]} "
