@@ -8,13 +8,17 @@ __all__ = ["tensor_metrics", "logit_metrics", "format_table"]
 
 
 def tensor_metrics(got: torch.Tensor, ref: torch.Tensor) -> dict:
-    """max |diff|, relative Frobenius error and cosine of two same-shape tensors (float64)."""
+    """max |diff|, relative Frobenius error and cosine of two same-shape tensors (float64).
+
+    NaN in either tensor makes max_abs and rel NaN; rel is inf where ref is all zero and got is not.
+    """
     g, r = got.double().flatten(), ref.double().flatten()
     d = g - r
-    rn = r.norm().item()
+    rn, dn = r.norm().item(), d.norm().item()
     cos = (g @ r / (g.norm() * r.norm()).clamp(min=1e-300)).item() if g.numel() else 1.0
-    return {"max_abs": d.abs().max().item() if d.numel() else 0.0,
-            "rel": d.norm().item() / rn if rn > 0 else float(d.norm().item() > 0), "cos": cos}
+    # a NaN anywhere stays NaN (never 0): judges treat NaN as a breach; 0 reference -> inf
+    rel = dn / rn if rn > 0 else (0.0 if dn == 0 else float("inf"))
+    return {"max_abs": d.abs().max().item() if d.numel() else 0.0, "rel": rel, "cos": cos}
 
 
 def logit_metrics(got: torch.Tensor, ref: torch.Tensor, k: int = 5) -> dict:

@@ -2,8 +2,11 @@
 
 Three checks, each number meaning one thing (docs/VERIFICATION.md):
   weights     every converted tensor dequantized vs the original dequantized (manifest-driven)
-  hidden      per-layer 4-stream residual: max-abs, relative error, cosine
+  hidden      per-layer 4-stream residual: max-abs, relative error, cosine; each layer's
+              relative error is held to a limit (THRESHOLDS "hidden_*")
   logits      mean/max KL(ref || runtime), top-1 / top-5 agreement, max |dlogit|
+Each is a gate of its own (report["gates"]): a check passes only when all three pass, and a NaN
+metric always fails.
 The thresholds depend on what is compared: a lossless conversion with float32 activations must
 match to float rounding ("semantics"), the INT8 conversion with float32 activations must keep
 top-1 and KL ("conversion"), and bfloat16 activations are judged against the reference's own
@@ -24,13 +27,15 @@ from backfit.verify.compare import format_table, logit_metrics, tensor_metrics
 from backfit.verify.prompts import PROMPTS
 from backfit.verify.weights import check_weights
 
-__all__ = ["verify", "THRESHOLDS", "prompt_sequences"]
+__all__ = ["verify", "THRESHOLDS", "hidden_limits", "prompt_sequences"]
 
 THRESHOLDS = {
-    "semantics": {"rel_max": 1e-4, "top1_min": 1.0, "kl_mean_max": 1e-8},
-    "conversion": {"top1_min": 0.99, "kl_mean_max": 1e-3},
+    # hidden_rel_max: per-layer relative (Frobenius) error of the 4-stream residual
+    "semantics": {"rel_max": 1e-4, "top1_min": 1.0, "kl_mean_max": 1e-8, "hidden_rel_max": 1e-5},
+    "conversion": {"top1_min": 0.99, "kl_mean_max": 1e-3, "hidden_rel_max": 1e-2},
     # precision: limits derived from the measured floor (reference bf16 vs reference fp32)
-    "precision": {"top1_slack": 0.02, "kl_factor": 2.0, "kl_abs": 1e-3},
+    "precision": {"top1_slack": 0.02, "kl_factor": 2.0, "kl_abs": 1e-3,
+                  "hidden_factor": 2.0, "hidden_abs": 1e-2},
 }
 
 
@@ -72,19 +77,39 @@ def _reference_pass(original: Path, seqs: list[list[int]], dtype: torch.dtype) -
                        for i in range(len(outs[0]["hidden"]))]}
 
 
+def _over(value: float, limit: float) -> bool:
+    """value breaches an upper limit; NaN always does (NaN > limit is False)."""
+    return not value <= limit
+
+
 def _judge(kind: str, lm: dict, floor: dict | None) -> list[str]:
+    """Logit gate: the problems of the runtime's logit metrics lm against THRESHOLDS[kind]."""
     t, bad = THRESHOLDS[kind], []
     if kind == "semantics":
-        if lm["rel"] > t["rel_max"]:
+        if _over(lm["rel"], t["rel_max"]):
             bad.append(f"logit relative error {lm['rel']:.2e} > {t['rel_max']:.0e}")
     if kind == "precision":
         t = {"top1_min": floor["top1"] - t["top1_slack"],
              "kl_mean_max": max(t["kl_factor"] * floor["kl_mean"], t["kl_abs"])}
-    if lm["top1"] < t["top1_min"]:
+    if not lm["top1"] >= t["top1_min"]:
         bad.append(f"top-1 agreement {lm['top1']:.4f} < {t['top1_min']:.4f}")
-    if lm["kl_mean"] > t["kl_mean_max"]:
+    if _over(lm["kl_mean"], t["kl_mean_max"]):
         bad.append(f"mean KL {lm['kl_mean']:.2e} > {t['kl_mean_max']:.2e}")
     return bad
+
+
+def hidden_limits(kind: str, floor_rel: list[float] | None, n_layers: int) -> list[float]:
+    """Per-layer limit on the hidden-state relative error; precision scales the bf16 floor."""
+    t = THRESHOLDS[kind]
+    if kind == "precision":
+        return [max(t["hidden_factor"] * f, t["hidden_abs"]) for f in floor_rel]
+    return [t["hidden_rel_max"]] * n_layers
+
+
+def _judge_hidden(rows: list[tuple[str, dict]], limits: list[float]) -> list[str]:
+    """Hidden gate: every layer whose residual relative error breaches its limit."""
+    return [f"{label} hidden relative error {m['rel']:.2e} > {lim:.1e}"
+            for (label, m), lim in zip(rows, limits) if _over(m["rel"], lim)]
 
 
 def verify(original: str | Path, converted: str | Path, tp: int | None = None,
@@ -98,7 +123,7 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
     manifest = load_manifest(converted)
     tp = tp or manifest["tp"]
     cfg = ModelConfig.from_file(converted / "config.json")
-    w_rows, problems = check_weights(original, converted)
+    w_rows, w_problems = check_weights(original, converted)
     by_scheme: dict[str, list[float]] = {}
     for _, m in w_rows:
         by_scheme.setdefault(m["scheme"], []).append(m["rel"])
@@ -112,22 +137,33 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
     got = run_on_ranks(_runtime_pass, tp, (str(converted), seqs, activations, device), device)
     lossless = manifest["schemes"]["linears"] == manifest["schemes"]["experts"] == "bf16"
     kind = "precision" if activations == "bfloat16" else ("semantics" if lossless else "conversion")
-    floor = None
+    floor, floor_rel = None, None
     if kind == "precision":
-        floor = logit_metrics(_reference_pass(original, seqs, torch.bfloat16)["logits"], ref["logits"])
+        ref16 = _reference_pass(original, seqs, torch.bfloat16)
+        floor = logit_metrics(ref16["logits"], ref["logits"])
+        floor_rel = [tensor_metrics(h, r)["rel"] for h, r in zip(ref16["hidden"], ref["hidden"])]
     rows = [(f"layer {i}", tensor_metrics(g, r)) for i, (g, r) in enumerate(zip(got["hidden"], ref["hidden"]))]
+    limits = hidden_limits(kind, floor_rel, len(rows))
+    for (_, m), lim, f in zip(rows, limits, floor_rel or [None] * len(rows)):
+        m["rel_limit"] = lim
+        if f is not None:
+            m["floor_rel"] = f
     lm = logit_metrics(got["logits"], ref["logits"])
     print(f"\nhidden states ({sum(map(len, seqs))} positions, {len(seqs)} sequences, "
           f"activations {activations}, tp={tp}):", file=out)
-    print(format_table(rows, ["max_abs", "rel", "cos"]), file=out)
+    print(format_table(rows, ["max_abs", "rel", "cos", "rel_limit"] + (["floor_rel"] if floor_rel else [])),
+          file=out)
     print("\nlogits:", file=out)
     keys = ["kl_mean", "kl_max", "top1", "top5", "max_dlogit", "rel"]
     print(format_table([("runtime", lm)] + ([("ref-bf16 floor", floor)] if floor else []), keys), file=out)
-    problems += _judge(kind, lm, floor)
+    # three gates, judged separately so a report says which one failed
+    gates = {"weights": w_problems, "hidden": _judge_hidden(rows, limits),
+             "logits": _judge(kind, lm, floor)}
+    problems = [p for g in gates.values() for p in g]
     report = {"check": kind, "activations": activations, "tp": tp, "positions": sum(map(len, seqs)),
               "weights": {k: {"tensors": len(v), "rel_max": max(v)} for k, v in by_scheme.items()},
               "hidden": [{"layer": i, **m} for i, (_, m) in enumerate(rows)], "logits": lm,
-              "floor": floor, "thresholds": THRESHOLDS[kind], "problems": problems,
+              "floor": floor, "thresholds": THRESHOLDS[kind], "gates": gates, "problems": problems,
               "ok": not problems}
     print(f"\n{kind} check: " + ("PASS" if report["ok"] else "FAIL: " + "; ".join(problems)), file=out)
     if json_out:

@@ -77,7 +77,8 @@ def check_weights(original: str | Path, converted: str | Path) -> tuple[list[tup
             {"max_abs": float((got != ref).sum()), "rel": float(not torch.equal(got, ref)), "cos": 1.0}
         m["scheme"] = t["scheme"]
         recorded = t.get("rel_err")
-        if recorded is not None and abs(recorded - m["rel"]) > 1e-6 + 1e-3 * recorded:
+        # written "not <=" so that a NaN on either side is a problem, never a silent pass
+        if recorded is not None and not abs(recorded - m["rel"]) <= 1e-6 + 1e-3 * recorded:
             problems.append(f"{name}: manifest rel_err {recorded:.3e} but measured {m['rel']:.3e}")
         if t["scheme"] in ("int8_mx32", "bf16", "copy") and m["rel"] != 0.0:
             problems.append(f"{name}: scheme {t['scheme']} must be exact, rel error {m['rel']:.3e}")
