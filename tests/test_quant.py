@@ -116,3 +116,26 @@ def test_rel_error():
     assert quant.rel_error(a, a) == (0.0, 0.0)
     rel, mx = quant.rel_error(a * 1.01, a)
     assert abs(rel - 0.01) < 1e-6 and abs(mx - 0.01) < 1e-6
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_rel_error_propagates_non_finite(bad):
+    exact = torch.ones(300, 7)
+    approx = exact.clone()
+    approx[250, 3] = bad                                      # in the second row chunk of 4096/7
+    rel, mx = quant.rel_error(approx, exact, rows=128)
+    assert math.isnan(rel) and math.isnan(mx)
+    rel, mx = quant.rel_error(exact, approx, rows=128)       # in the reference side too
+    assert math.isnan(rel) and math.isnan(mx)
+    assert quant.rel_error(exact * 0, exact * 0) == (0.0, 0.0)
+
+
+def test_first_nonfinite_row_major():
+    t = torch.zeros(70, 5, dtype=torch.bfloat16)
+    assert quant.first_nonfinite(t) is None
+    t[66, 1] = math.inf
+    t[66, 4] = math.nan
+    t[69, 0] = math.nan
+    assert quant.first_nonfinite(t, rows=16) == [66, 1]       # found in a later chunk
+    assert quant.first_nonfinite(torch.tensor([0.0, 1.0, math.nan])) == [2]
+    assert quant.first_nonfinite(torch.zeros(3, dtype=torch.int64)) is None

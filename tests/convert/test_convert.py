@@ -1,13 +1,17 @@
 """Conversion results: bit-exact experts, measured FP8 error, lossless bf16, tp sharding, manifest."""
 
 import hashlib
+import io
 import json
+import math
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from backfit.checkpoint import SafetensorsDir
+from backfit import quant
+from backfit.convert.manifest import print_summary, summarize
 from backfit.convert.run import convert
 from backfit.formats import load_manifest, rank_dir
 from backfit.quant import dequant_fp8_block, dequant_int8_groups, dequant_int8_mx, dequant_mxfp4
@@ -43,7 +47,8 @@ def test_experts_bit_exact(tiny_flash, tp4):
         assert q.dtype == torch.int8 and e.dtype == torch.uint8
         orig = dequant_mxfp4(src.read(name), src.read(base + ".scale"))
         assert torch.equal(dequant_int8_mx(q, e), orig), name
-        assert m["tensors"][name]["exact"] is True
+        assert m["tensors"][name]["exact"] is True and m["tensors"][name]["rel_err"] == 0.0
+    assert m["summary"]["experts_exact"] is True
 
 
 def test_fp8_error_recorded_and_bounded(tiny_flash, tp4):
@@ -101,8 +106,7 @@ def test_manifest_complete(tiny_flash, tp4):
         total = 0
         for f in files:
             with safe_open(rank_dir(tp4, r) / f, framework="pt") as h:
-                total += sum(h.get_slice(k).get_shape().__len__() >= 0 and h.get_tensor(k).nbytes
-                             for k in h.keys())
+                total += sum(h.get_tensor(k).nbytes for k in h.keys())
         assert total == idx["metadata"]["total_size"] == m["ranks"][r]["bytes"]
     assert (tp4 / "config.json").read_bytes() == (tiny_flash / "config.json").read_bytes()
     assert (tp4 / "tokenizer.json").exists() and not (tp4.parent / "tp4.partial").exists()
@@ -152,3 +156,32 @@ def test_0731_variant_converts(tiny_0731, tmp_path):
     assert m["model"]["variant"] == "0731" and m["model"]["num_mtp_stages"] == 3
     assert m["tensors"]["mtp.0.main_proj.weight"]["scheme"] == "int8_g128"
     assert m["tensors"]["mtp.2.markov_head.markov_w1.weight"]["shard_dim"] is None
+
+
+def test_exact_flag_is_measured(tiny_flash, tmp_path, monkeypatch):
+    """A planted bug in the expert gather table (nibbles swapped) must show up as exact: false."""
+    pairs = quant._BYTE_TO_PAIR.view(torch.int8).reshape(256, 2)
+    monkeypatch.setattr(quant, "_BYTE_TO_PAIR", pairs.flip(1).contiguous().view(torch.int16))
+    out = io.StringIO()
+    m = convert(tiny_flash, tmp_path / "bad", tp=1, progress=False, out=out)
+    t = m["tensors"]["layers.3.ffn.experts.5.w2.weight"]
+    assert t["exact"] is False and 0 < t["rel_err"] < math.inf
+    assert m["summary"]["experts_exact"] is False and "bit-exact: NO" in out.getvalue()
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("first", [True, False])
+def test_summary_never_hides_a_non_finite_error(bad, first):
+    errs = [("a.weight", 0.012), ("b.weight", bad), ("c.weight", 0.009)]
+    tensors = {n: {"scheme": "int8_g128", "role": "weight", "rel_err": e}
+               for n, e in (errs if first else errs[::-1])}
+    journals = {"f": {"source": {"size": 1}, "bytes_out": [1]}}
+    s = summarize(tensors, journals, 1)["int8_g128_rel_err"]
+    assert s["worst_tensor"] == "b.weight" and not math.isfinite(s["worst"])
+    assert math.isnan(s["mean"]) and s["nonfinite"] == 1 and s["count"] == 3
+    out = io.StringIO()
+    print_summary({"tp": 1, "schemes": {"linears": "int8", "experts": "int8"},
+                   "summary": {"tensors_per_scheme": {"int8_g128": 3}, "bytes_in": 1,
+                               "bytes_out_per_rank": [1], "int8_g128_rel_err": s,
+                               "experts_exact": True}}, out)
+    assert "worst NON-FINITE" in out.getvalue() and "mean NaN" in out.getvalue()
