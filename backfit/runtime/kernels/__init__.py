@@ -23,7 +23,7 @@ def set_kernel_backend(name: str) -> None:
     if name not in KERNEL_BACKENDS:
         raise ValueError(f"kernel backend {name!r}: expected one of {KERNEL_BACKENDS}")
     if _backend is not None and _backend != name:
-        raise RuntimeError(f"kernel backend already set to {_backend!r}; it is set once per process")
+        raise RuntimeError(f"kernel backend already set to {_backend!r} (set once per process)")
     _backend = name
 
 

@@ -46,24 +46,27 @@ def _a16_kernel(X, W, S, Y, WS, LOCK, M, N, K, stride_xm, K_SPLIT,
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     m_ok, n_ok = rm < M, rn < N
+    xrow = rm.to(tl.int64)[:, None]                  # int64 rows: M·N may pass 2^31 in prefill
+    x_rows = X + xrow * stride_xm
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     for k0 in range(k_lo, k_hi, BK):
         kk = k0 + rk
         k_ok = kk < k_hi
-        x = tl.load(X + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(W + rn[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)   # [BN, BK]
+        x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+        w = tl.load(W + rn[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0)                                                      # [BN, BK]
         if QUANT:
-            # BK == 128 == the scale group: q (|q| <= 127) is exact in BF16, the scale is applied in FP32
+            # BK == 128 == the scale group: q (|q| <= 127) is exact in BF16, scale applied in FP32
             part = dot_bf16(x, tl.trans(w), tl.zeros((BM, BN), dtype=tl.float32), F32)
-            s = tl.load(S + rn * (K // 128) + k0 // 128, mask=n_ok, other=0.0)             # [BN] fp32
+            s = tl.load(S + rn * (K // 128) + k0 // 128, mask=n_ok, other=0.0)   # [BN] fp32
             acc += part * s[None, :]
         else:
             acc = dot_bf16(x, tl.trans(w), acc, F32)
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT == 1:
-        tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + xrow * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
     else:
         # split-K in one launch: each split stores its FP32 tile in the workspace, then bumps the
         # tile's counter; the last to arrive sums the SPLIT tiles in split order (deterministic),
@@ -76,14 +79,14 @@ def _a16_kernel(X, W, S, Y, WS, LOCK, M, N, K, stride_xm, K_SPLIT,
             tot = tl.zeros((BM, BN), dtype=tl.float32)
             for i in range(SPLIT):
                 tot += tl.load(WS + (tile * SPLIT + i) * (BM * BN) + offs, cache_modifier=".cg")
-            tl.store(Y + rm[:, None] * N + rn[None, :], tot.to(Y.dtype.element_ty), mask=mask)
+            tl.store(Y + xrow * N + rn[None, :], tot.to(Y.dtype.element_ty), mask=mask)
             tl.atomic_xchg(LOCK + tile, 0)
 
 
 @triton.jit
 def _act_quant_kernel(X, Q, S, K, stride_xm, G: tl.constexpr, GP: tl.constexpr):
     """Row m of x [M, K] -> q int8 [M, K], scale fp32 [M, K/128]; G = K/128 groups (GP padded)."""
-    m = tl.program_id(0)
+    m = tl.program_id(0).to(tl.int64)
     rg = tl.arange(0, GP)
     rc = tl.arange(0, 128)
     g_ok = rg < G
@@ -93,7 +96,7 @@ def _act_quant_kernel(X, Q, S, K, stride_xm, G: tl.constexpr, GP: tl.constexpr):
     scale = tl.math.div_rn(amax, tl.full((GP,), 127.0, tl.float32))          # IEEE, as torch
     safe = tl.where(scale > 0, scale, 1.0)
     y = tl.math.div_rn(x, tl.broadcast_to(safe[:, None], (GP, 128)))
-    y = (y + 12582912.0) - 12582912.0      # + 1.5·2^23 - 1.5·2^23: round half to even, |y| < 2^22
+    y = (y + 12582912.0) - 12582912.0      # ± 1.5·2^23: round half to even for |y| < 2^22
     y = tl.minimum(tl.maximum(y, -127.0), 127.0)
     tl.store(Q + m * K + offs, y.to(tl.int8), mask=g_ok[:, None])
     tl.store(S + m * G + rg, scale, mask=g_ok)
@@ -105,7 +108,7 @@ def _w8a8_kernel(A, AS, W, WS, Y, M, N, K,
     """Tile of (q_x·s_x) @ (q_w·s_w)^T: int32 MMA per 128-K step, scaled and summed in FP32."""
     pid = tl.program_id(0)
     grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    width = GROUP_M * grid_n                          # grouped order: GROUP_M row tiles share W tiles
+    width = GROUP_M * grid_n                     # grouped order: GROUP_M row tiles share W tiles
     first_m = (pid // width) * GROUP_M
     size_m = tl.minimum(grid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % width) % size_m
@@ -115,15 +118,17 @@ def _w8a8_kernel(A, AS, W, WS, Y, M, N, K,
     rk = tl.arange(0, 128)
     m_ok, n_ok = rm < M, rn < N
     G = K // 128
+    row = rm.to(tl.int64)[:, None]                   # int64 rows: M·N may pass 2^31 in prefill
+    a_rows = A + row * K
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for g in range(0, G):
-        a = tl.load(A + rm[:, None] * K + g * 128 + rk[None, :], mask=m_ok[:, None], other=0)
+        a = tl.load(a_rows + g * 128 + rk[None, :], mask=m_ok[:, None], other=0)
         w = tl.load(W + rn[:, None] * K + g * 128 + rk[None, :], mask=n_ok[:, None], other=0)
         part = tl.dot(a, tl.trans(w))                                        # int32 [BM, BN]
         sa = tl.load(AS + rm * G + g, mask=m_ok, other=0.0)
         sw = tl.load(WS + rn * G + g, mask=n_ok, other=0.0)
         acc += part.to(tl.float32) * sa[:, None] * sw[None, :]
-    tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty),
+    tl.store(Y + row * N + rn[None, :], acc.to(Y.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -165,7 +170,7 @@ def _workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Ten
         if ws is not None:
             _RETIRED.append((ws, lock))
         ws = torch.empty(max(floats, 1 << 20), dtype=torch.float32, device=device)
-        lock = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)   # counters rest at 0
+        lock = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)   # counters: 0
         _WORKSPACE[device] = (ws, lock)
     return ws, lock
 
@@ -177,7 +182,7 @@ def w8a8_config(M: int, N: int) -> dict:
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] bf16/fp32, K % 128 == 0 -> (q int8 [M, K], scale fp32 [M, K/128]), per (token, 128)."""
+    """x [M, K] bf16/fp32, K % 128 == 0 -> q int8 [M, K], scale fp32 [M, K/128] per (token, 128)."""
     if x.dim() != 2 or x.shape[1] % INT8_GROUP or x.stride(1) != 1:
         raise ValueError(f"act_quant: need [M, K] with K % {INT8_GROUP} == 0 and unit stride, "
                          f"got {list(x.shape)} strides {x.stride()}")
@@ -191,7 +196,8 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scheme: str,
-           path: str | None = None, split_k: int | None = None, config: dict | None = None) -> torch.Tensor:
+           path: str | None = None, split_k: int | None = None,
+           config: dict | None = None) -> torch.Tensor:
     """x [..., K] bf16 @ weight[N, K]^T -> [..., N] bf16 for scheme int8_g128 | bf16 | copy.
 
     path "a16"/"w8a8", split_k and config (tile overrides) replace the automatic choice (tests,
@@ -208,7 +214,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
     if quant:
         if weight.dtype != torch.int8 or scale is None or scale.dtype != torch.float32 \
                 or tuple(scale.shape) != (N, K // INT8_GROUP) or K % INT8_GROUP:
-            raise ValueError(f"linear kernel: int8_g128 needs int8 [N, K] and fp32 [N, K/128] scales, "
+            raise ValueError(f"linear kernel: int8_g128 needs int8 [N, K], fp32 [N, K/128] scales, "
                              f"got {weight.dtype}{list(weight.shape)} / "
                              f"{None if scale is None else (scale.dtype, list(scale.shape))}")
         scale = scale.contiguous()

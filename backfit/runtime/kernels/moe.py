@@ -52,7 +52,7 @@ def _swiglu(g, u, wr, LIMIT: tl.constexpr):
 @triton.jit
 def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
                      GATED: tl.constexpr, LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Pair p, rows [pid_n·BN, +BN) of expert idx[p]: GATED -> h [P, N] bf16, else out [P, N] bf16."""
+    """Pair p, rows [pid_n·BN, +BN) of expert idx[p]: GATED -> h [P, N], else out [P, N] (bf16)."""
     p, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(IDX + p).to(tl.int64)
     arow = p // TOPK if GATED else p                        # gate/up read x[t], down reads h[p]
@@ -69,11 +69,11 @@ def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
         a = tl.load(A + arow * K + k0 + rk).to(tl.float32)                   # [BK]
         q = tl.load(W1 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
         s = tl.load(S1 + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
-        acc1 += tl.sum(_dequant_mx(q, s, BN, BK).to(tl.bfloat16).to(tl.float32) * a[None, :], axis=1)
+        acc1 += tl.sum(_dequant_mx(q, s, BN, BK) * a[None, :], axis=1)       # exact BF16 values
         if GATED:
             q = tl.load(W3 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
             s = tl.load(S3 + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
-            acc3 += tl.sum(_dequant_mx(q, s, BN, BK).to(tl.bfloat16).to(tl.float32) * a[None, :], axis=1)
+            acc3 += tl.sum(_dequant_mx(q, s, BN, BK) * a[None, :], axis=1)
     if GATED:
         out = _swiglu(acc1, acc3, tl.load(RW + p), LIMIT)
     else:
@@ -106,7 +106,8 @@ def _moe_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
     acc3 = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        a = tl.load(A + arow[:, None].to(tl.int64) * K + k0 + rk[None, :], mask=valid[:, None], other=0.0)
+        a = tl.load(A + arow[:, None].to(tl.int64) * K + k0 + rk[None, :], mask=valid[:, None],
+                    other=0.0)
         q = tl.load(W1 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
         s = tl.load(S1 + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
         acc1 = dot_bf16(a, tl.trans(_dequant_mx(q, s, BN, BK).to(tl.bfloat16)), acc1, F32)
@@ -120,7 +121,8 @@ def _moe_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
         h = _swiglu(acc1, acc3, wr[:, None], LIMIT)
         tl.store(OUT + slots[:, None].to(tl.int64) * N + rn[None, :], h.to(tl.bfloat16), mask=mask)
     else:
-        tl.store(OUT + pair[:, None].to(tl.int64) * N + rn[None, :], acc1.to(tl.bfloat16), mask=mask)
+        tl.store(OUT + pair[:, None].to(tl.int64) * N + rn[None, :], acc1.to(tl.bfloat16),
+                 mask=mask)
 
 
 def align(idx: torch.Tensor, n_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,7 +189,8 @@ def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Ten
         raise ValueError(f"fused_moe: x has {x.shape[1]} inputs, experts {K}; K and I must be "
                          f"multiples of 64")
     if idx.shape != w.shape or idx.dim() != 2 or idx.shape[0] != x.shape[0]:
-        raise ValueError(f"fused_moe: idx {list(idx.shape)} / w {list(w.shape)} for {x.shape[0]} tokens")
+        raise ValueError(f"fused_moe: idx {list(idx.shape)} / w {list(w.shape)} "
+                         f"for {x.shape[0]} tokens")
     T, k = idx.shape
     P = T * k
     x = x.contiguous()
