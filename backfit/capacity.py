@@ -304,7 +304,8 @@ def plan(model: str | Path | ModelConfig, tp: int | None = None, gpu_mem: int = 
          utilization: float = 0.90, experts: str | None = None, kv_cache_dtype: str = "bf16",
          max_model_len: int | None = None, max_num_seqs: int = MAX_NUM_SEQS,
          max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
-         num_snapshot_slots: int | None = None, mtp: bool = True, rollback: int = 8) -> Plan:
+         num_snapshot_slots: int | None = None, mtp: bool = True, rollback: int = 8,
+         block_size: int | None = None) -> Plan:
     """The computed plan for MODEL on cards of `gpu_mem` bytes. max_model_len None: the longest
     that fits, up to the model's limit; given: ValueError (what to change) unless it fits."""
     if isinstance(model, ModelConfig):
@@ -327,7 +328,7 @@ def plan(model: str | Path | ModelConfig, tp: int | None = None, gpu_mem: int = 
     if weights.planned:
         notes.append(f"--experts {experts} is planned: no converter or kernel writes it yet; its "
                      f"weights are projected ({EXPERT_SCHEMES[experts]:.4f} B per expert weight)")
-    layout = cache_layout(cfg, kv_cache_dtype, rollback=rollback,
+    layout = cache_layout(cfg, kv_cache_dtype, block_size, rollback=rollback,
                           draft_layers=cfg.num_mtp_stages if mtp and cfg.variant == "flash" else 0)
     used = weights.per_rank + runtime_reserve(tp)
     info = dict(tp=tp, experts=experts, weight_bytes=weights.per_rank,

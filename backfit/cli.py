@@ -211,11 +211,14 @@ def generate(converted, prompt, prompts_file, tp, **kw) -> None:
 @click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True)
 @click.option("--num-snapshot-slots", type=int, default=None,
               help="Prefix-cache snapshot slots (default: max-num-seqs).")
+@click.option("--block-size", type=int, default=None,
+              help="Tokens per cache block (default: the lcm of the compression ratios).")
 @click.option("--mtp/--no-mtp", default=True, show_default=True,
               help="Count the MTP draft block's weights and window ring (the runtime loads it).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan(model, tp, gpu_mem, gpu_memory_utilization, experts, kv_cache_dtype, max_model_len,
-         max_num_seqs, max_num_batched_tokens, num_snapshot_slots, mtp, as_json) -> None:
+         max_num_seqs, max_num_batched_tokens, num_snapshot_slots, block_size, mtp,
+         as_json) -> None:
     """Memory plan per rank: weights, activation workspace, CUDA-graph reserve, KV bytes per
     token and per sequence, KV capacity, longest context and concurrency. MODEL is an original
     or converted directory or a bare config.json. Exits 1 when --max-model-len does not fit."""
@@ -228,7 +231,7 @@ def plan(model, tp, gpu_mem, gpu_memory_utilization, experts, kv_cache_dtype, ma
                      utilization=gpu_memory_utilization, experts=experts,
                      kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                     num_snapshot_slots=num_snapshot_slots, mtp=mtp)
+                     num_snapshot_slots=num_snapshot_slots, mtp=mtp, block_size=block_size)
     except (ValueError, *_user_errors()) as e:
         _fail(e)
     click.echo(_json.dumps(p.to_dict(), indent=1) if as_json else format_plan(p))
