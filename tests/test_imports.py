@@ -1,54 +1,122 @@
-"""One-way data flow, enforced: checkpoint -> convert -> converted dir -> runtime -> verify/server."""
+"""One-way data flow, enforced: checkpoint -> convert -> converted dir -> runtime -> verify/server.
+
+Every `import` / `from ... import` in backfit/ (lazy ones inside functions included, relative
+ones resolved) is checked against RULES. To add a rule (engine, server), append a Rule: the
+files it covers (globs relative to backfit/) and the backfit modules they may import and/or
+must not import (dotted prefixes). Every rule that covers a file applies to it. The runtime's own layering
+lives in tests/runtime/test_static.py.
+"""
 
 import ast
+from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "backfit"
-LEAVES = {"config", "inventory", "checkpoint", "quant", "formats"}
-# package part -> backfit modules it may import (runtime's own rule lives in tests/runtime)
-ALLOWED = {
-    "leaf": LEAVES,
-    "synthetic": LEAVES,
-    "convert": LEAVES | {"convert"},
-    "verify": LEAVES | {"runtime", "verify"},
-}
+LEAVES = ("backfit.config", "backfit.inventory", "backfit.checkpoint", "backfit.quant",
+          "backfit.formats")
+LEAF_FILES = tuple(m.split(".")[1] + ".py" for m in LEAVES)
+# the independent FP32 reference: sharing runtime code would let one bug hide in both sides
+REFERENCE_FILES = ("verify/reference.py", "verify/ref_attention.py", "verify/ref_blocks.py",
+                   "verify/qat.py")
 
 
-def _part(path: Path) -> str:
-    rel = path.relative_to(PKG).with_suffix("")
-    first = rel.parts[0]
-    return "leaf" if first in LEAVES else first
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    files: tuple[str, ...]                    # globs relative to backfit/ ("*" crosses "/")
+    may_import: tuple[str, ...] | None = None  # dotted module prefixes; None = any
+    must_not: tuple[str, ...] = ()            # dotted module prefixes, never
+    except_files: tuple[str, ...] = ()        # globs the rule skips
+
+    def covers(self, rel: str) -> bool:
+        return any(fnmatch(rel, g) for g in self.files) and \
+            not any(fnmatch(rel, g) for g in self.except_files)
+
+    def allows(self, target: str) -> bool:
+        return (self.may_import is None or _matches(target, self.may_import)) and \
+            not _matches(target, self.must_not)
 
 
-def _backfit_imports(path: Path):
-    for node in ast.walk(ast.parse(path.read_text())):
+TOP = ("backfit.cli", "backfit.demo", "backfit.server", "backfit.verify")
+RULES = [
+    Rule("leaves import only stdlib, torch, safetensors", LEAF_FILES, LEAVES),
+    Rule("synthetic builds checkpoints from the leaves", ("synthetic.py",), LEAVES),
+    Rule("convert never imports runtime", ("convert/*",), LEAVES + ("backfit.convert",)),
+    Rule("verify consumes runtime", ("verify/*",), LEAVES + ("backfit.runtime", "backfit.verify")),
+    Rule("the reference is independent of runtime", REFERENCE_FILES,
+         LEAVES + tuple("backfit." + f[:-3].replace("/", ".") for f in REFERENCE_FILES)),
+    Rule("nothing imports cli, demo, server or verify from below", ("*",), must_not=TOP,
+         except_files=("cli.py", "demo.py", "verify/*", "server/*")),
+    Rule("server never imports cli, demo or verify", ("server/*",), must_not=TOP[:2] + TOP[3:]),
+]
+
+
+def _matches(target: str, prefixes: tuple[str, ...]) -> bool:
+    return any(target == p or target.startswith(p + ".") for p in prefixes)
+
+
+def backfit_imports(source: str, module: str) -> list[str]:
+    """Dotted backfit modules imported by `source` (the text of module `module`, e.g.
+    "backfit.verify.run"); relative imports resolved, `from backfit.x import y` -> x.y when
+    y is a module, else x."""
+    package = module.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        else:
-            continue
-        for n in names:
-            if n.startswith("backfit."):
-                yield n.split(".")[1]
+            out += [a.name for a in node.names if a.name.startswith("backfit")]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:                                   # from .x / from .. import y
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            if not (base == "backfit" or base.startswith("backfit.")):
+                continue
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                is_mod = (PKG.parent / (sub.replace(".", "/") + ".py")).exists() or \
+                    (PKG.parent / sub.replace(".", "/")).is_dir()
+                out.append(sub if is_mod else base)
+    return [m for m in out if m != "backfit"]
+
+
+def _files():
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        module = "backfit." + rel[:-3].replace("/", ".").removesuffix(".__init__")
+        if rel.endswith("__init__.py"):
+            module += ".__init__"                            # relative imports resolve inside it
+        yield rel, module, path
+
+
+def test_rules_cover_their_files():
+    """Each rule matches at least one file (a renamed file must not silently drop a rule)."""
+    rels = [rel for rel, _, _ in _files()]
+    for rule in RULES:
+        assert any(rule.covers(r) for r in rels), rule.name
+    for f in REFERENCE_FILES:
+        assert f in rels, f
 
 
 def test_import_edges():
     checked = 0
-    for path in sorted(PKG.rglob("*.py")):
-        part = _part(path)
-        if part not in ALLOWED:
-            continue                                  # cli, demo (import everything), runtime
-        for target in _backfit_imports(path):
-            assert target in ALLOWED[part], f"{path.relative_to(PKG)} imports backfit.{target}"
-            checked += 1
-    assert checked > 20
+    for rel, module, path in _files():
+        rules = [r for r in RULES if r.covers(rel)]
+        for target in backfit_imports(path.read_text(), module):
+            for rule in rules:
+                assert rule.allows(target), f"{rel} imports {target}: breaks '{rule.name}'"
+                checked += 1
+    assert checked > 40
 
 
-def test_nothing_imports_cli_server_or_verify_from_below():
-    for path in sorted(PKG.rglob("*.py")):
-        part = _part(path)
-        if part in ("verify", "cli", "demo"):
-            continue
-        bad = ({"cli", "demo", "server", "verify"} - {part}) & set(_backfit_imports(path))
-        assert not bad, f"{path.relative_to(PKG)} imports {bad}"
+def test_the_scanner_sees_every_import_form():
+    """The checker itself: lazy, relative and `from backfit import x` imports are all seen."""
+    src = ("import torch\nfrom . import ref_blocks\nfrom ..runtime.layers import Linear\n"
+           "from backfit import runtime\nimport backfit.quant\n"
+           "def f():\n    from backfit.runtime.loader import load_model\n")
+    got = backfit_imports(src, "backfit.verify.reference")
+    assert sorted(got) == ["backfit.quant", "backfit.runtime", "backfit.runtime.layers",
+                           "backfit.runtime.loader", "backfit.verify.ref_blocks"]
+    rule = next(r for r in RULES if r.files == REFERENCE_FILES)
+    assert [t for t in got if not rule.allows(t)] == \
+        ["backfit.runtime.layers", "backfit.runtime", "backfit.runtime.loader"]
