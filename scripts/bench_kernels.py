@@ -34,6 +34,14 @@ from backfit.quant import quantize_int8_groups  # noqa: E402
 from backfit.runtime.kernels import gemm, moe, ref  # noqa: E402
 
 DEV = "cuda"
+E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)      # int8_mx32 codes by nibble
+
+
+def mx_stack(E: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random int8_mx32 experts: codes [E, n, k] int8 and exponent bytes [E, n, k/32]."""
+    vals = torch.tensor(E2M1_X2, dtype=torch.int8, device=DEV)
+    return (vals[torch.randint(0, 16, (E, n, k), device=DEV)],
+            torch.randint(118, 126, (E, n, k // 32), device=DEV, dtype=torch.uint8))
 
 
 def events_ms(fn, reps: int = 10) -> float:
@@ -108,18 +116,21 @@ def bench_linear(name: str, N: int, K: int, Ms, ceil: dict, rows: list) -> None:
         x = torch.randn(M, K, device=DEV).bfloat16()
         q, s = ws[0]
         y = gemm.linear(x, q, s, "int8_g128")
-        want = ref.linear_w8a8_ref(x, q, s) if M >= gemm.PREFILL_M else ref.linear_ref(x, q, s, "int8_g128")
+        want = ref.linear_w8a8_ref(x, q, s) if M >= gemm.PREFILL_M \
+            else ref.linear_ref(x, q, s, "int8_g128")
         err = rel(y, want)
         n_calls = copies if M < gemm.PREFILL_M else 2
         t = graph_us([lambda q=q, s=s: gemm.linear(x, q, s, "int8_g128") for q, s in ws[:n_calls]])
-        t_torch = graph_us([lambda q=q, s=s: ref.linear_ref(x, q, s, "int8_g128") for q, s in ws[:min(n_calls, 4)]])
+        t_torch = graph_us([lambda q=q, s=s: ref.linear_ref(x, q, s, "int8_g128")
+                            for q, s in ws[:min(n_calls, 4)]])
         flops = 2 * M * N * K
         peak = ceil["int8_TOPs"] if M >= gemm.PREFILL_M else ceil["bf16_TFLOPs"]
         byts = wbytes + M * K * 2 + M * N * 2
         floor = max(byts / ceil["copy_TBps"] / 1e6, flops / peak / 1e6)     # µs
         rows.append(dict(kind="linear", name=name, N=N, K=K, M=M, us=t, torch_us=t_torch,
                          floor_us=floor, frac_roofline=floor / t,
-                         frac_bw=byts / ceil["copy_TBps"] / 1e6 / t, frac_peak=flops / peak / 1e6 / t,
+                         frac_bw=byts / ceil["copy_TBps"] / 1e6 / t,
+                         frac_peak=flops / peak / 1e6 / t,
                          path="w8a8" if M >= gemm.PREFILL_M else "a16", rel_err=err))
         print(f"linear {name:10s} M={M:5d} {t:9.1f} us  floor {floor:8.1f}  {floor / t:6.1%}  "
               f"torch {t_torch:9.1f} us  err {err:.1e}", flush=True)
@@ -138,16 +149,9 @@ def bench_linear(name: str, N: int, K: int, Ms, ceil: dict, rows: list) -> None:
     del ws
 
 
-def bench_moe(Ms, ceil: dict, rows: list, E: int = 256, D: int = 4096, I: int = 2048, k: int = 6) -> None:
-    vals = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8, device=DEV)
-
-    def mx(n, kk):
-        return (vals[torch.randint(0, 16, (E, n, kk), device=DEV)],
-                torch.randint(118, 126, (E, n, kk // 32), device=DEV, dtype=torch.uint8))
-    w1, s1 = mx(I, D)
-    w3, s3 = mx(I, D)
-    w2, s2 = mx(D, I)
-    st = (w1, s1, w3, s3, w2, s2)
+def bench_moe(Ms, ceil: dict, rows: list, E: int = 256, D: int = 4096, I: int = 2048,
+              k: int = 6) -> None:
+    st = (*mx_stack(E, I, D), *mx_stack(E, I, D), *mx_stack(E, D, I))
     per_expert = 3 * I * D * (1 + 1 / 32)
     for M in Ms:
         x = torch.randn(M, D, device=DEV).bfloat16()
@@ -166,12 +170,13 @@ def bench_moe(Ms, ceil: dict, rows: list, E: int = 256, D: int = 4096, I: int = 
                          frac_bw=byts / ceil["copy_TBps"] / 1e6 / t,
                          frac_peak=flops / ceil["bf16_TFLOPs"] / 1e6 / t,
                          path="decode" if M * k <= moe.DECODE_PAIRS else "sorted", rel_err=err))
-        print(f"moe    M={M:5d} experts={n_exp:3d} {t:9.1f} us  floor {floor:8.1f}  {floor / t:6.1%}  "
+        print(f"moe    M={M:5d} experts={n_exp:3d} {t:9.1f} us  floor {floor:8.1f}  "
+              f"{floor / t:6.1%}  "
               f"torch {t_torch:9.1f} us  err {err:.1e}", flush=True)
 
 
 def sweep(ceil: dict) -> list:
-    """Tile configs of each launcher at its key shapes (graph-timed µs); the defaults come from this."""
+    """Tile configs of each launcher at key shapes (graph-timed µs); the defaults come from it."""
     res = []
 
     def best(tag, cands):
@@ -209,33 +214,30 @@ def sweep(ceil: dict) -> list:
             best(f"w8a8 {name} M=8192", cands)
         del ws
     E, D, I, k = 256, 4096, 2048, 6
-    vals = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8, device=DEV)
-
-    def mx(n, kk):
-        return (vals[torch.randint(0, 16, (E, n, kk), device=DEV)],
-                torch.randint(118, 126, (E, n, kk // 32), device=DEV, dtype=torch.uint8))
-    st = (*mx(I, D), *mx(I, D), *mx(D, I))
+    st = (*mx_stack(E, I, D), *mx_stack(E, I, D), *mx_stack(E, D, I))
     for M in (1, 8, 64, 1024, 8192):
         x = torch.randn(M, D, device=DEV).bfloat16()
         idx = torch.rand(M, E, device=DEV).argsort(1)[:, :k]
         w = torch.rand(M, k, device=DEV)
         if M * k <= moe.DECODE_PAIRS:
             cfgs = [dict(BN=bn, BK=bk, num_warps=wp, num_stages=ns) for bn, bk, wp, ns in
-                    ((32, 512, 4, 2), (32, 128, 4, 2), (16, 512, 4, 2), (64, 256, 4, 2), (32, 512, 8, 2),
-                     (16, 256, 4, 3), (32, 256, 4, 3), (64, 512, 8, 2))]
+                    ((32, 512, 4, 2), (32, 128, 4, 2), (16, 512, 4, 2), (64, 256, 4, 2),
+                     (32, 512, 8, 2), (16, 256, 4, 3), (32, 256, 4, 3), (64, 512, 8, 2))]
             path = "decode"
         elif M <= 64:
             cfgs = [dict(BM=bm, BN=bn, BK=bk, num_warps=wp, num_stages=ns) for bm, bn, bk, wp, ns in
-                    ((16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (32, 64, 64, 4, 3), (16, 32, 128, 4, 3),
-                     (16, 64, 128, 4, 2), (16, 64, 128, 4, 3))]
+                    ((16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (32, 64, 64, 4, 3),
+                     (16, 32, 128, 4, 3), (16, 64, 128, 4, 2), (16, 64, 128, 4, 3))]
             path = "sorted"
         else:
             cfgs = [dict(BM=bm, BN=bn, BK=bk, num_warps=wp, num_stages=ns) for bm, bn, bk, wp, ns in
-                    ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (64, 64, 64, 4, 3),
-                     (128, 128, 32, 8, 4), (64, 128, 128, 8, 2), (32, 128, 64, 4, 3))]
+                    ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3),
+                     (64, 64, 64, 4, 3), (128, 128, 32, 8, 4), (64, 128, 128, 8, 2),
+                     (32, 128, 64, 4, 3))]
             path = "sorted"
-        best(f"moe {path} M={M}", [(c, [lambda c=c: moe.fused_moe(x, idx, w, *st, 10.0, path=path, config=c)])
-                                  for c in cfgs])
+        best(f"moe {path} M={M}",
+             [(c, [lambda c=c, p=path: moe.fused_moe(x, idx, w, *st, 10.0, path=p, config=c)])
+              for c in cfgs])
     return res
 
 

@@ -151,7 +151,8 @@ def test_gpu_linear_real_shapes_against_reference(gemm):
                     (333, 768, 1024), (1024, 4096, 8192)):
         q, s = int8_weight(n, k, gen)
         x = randn(m, k, gen=gen)
-        want = ref.linear_w8a8_ref(x, q, s) if m >= gemm.PREFILL_M else ref.linear_ref(x, q, s, "int8_g128")
+        want = ref.linear_w8a8_ref(x, q, s) if m >= gemm.PREFILL_M \
+            else ref.linear_ref(x, q, s, "int8_g128")
         assert rel(gemm.linear(x, q, s, "int8_g128"), want) < 5e-3, (m, n, k)
         wb = q.bfloat16()
         assert rel(gemm.linear(x, wb, None, "bf16"), ref.linear_ref(x, wb, None, "bf16")) < 5e-3

@@ -96,7 +96,8 @@ def test_align_covers_every_pair_once_in_expert_blocks(kmoe):
         idx = torch.randint(0, E, (T, k), generator=gen).to(DEV)
         P = T * k
         sorted_ids, block_e = kmoe.align(idx, E, bm)
-        assert block_e.numel() == -(-P // bm) + min(E, P) and sorted_ids.numel() == block_e.numel() * bm
+        assert block_e.numel() == -(-P // bm) + min(E, P)
+        assert sorted_ids.numel() == block_e.numel() * bm
         real = sorted_ids[sorted_ids < P].long()
         assert torch.equal(real.sort().values, torch.arange(P, device=DEV))     # each pair once
         assert ((sorted_ids == P) | (sorted_ids < P)).all()                    # else padding
@@ -106,7 +107,8 @@ def test_align_covers_every_pair_once_in_expert_blocks(kmoe):
             pairs = sorted_ids[b * bm:(b + 1) * bm]
             pairs = pairs[pairs < P].long()
             assert pairs.numel() and (flat[pairs] == block_e[b]).all()
-        assert used.sum() == (torch.bincount(flat, minlength=E) + bm - 1).div(bm, rounding_mode="floor").sum()
+        blocks = (torch.bincount(flat, minlength=E) + bm - 1).div(bm, rounding_mode="floor")
+        assert used.sum() == blocks.sum()
         assert not used[used.sum():].any()                                     # unused at the end
 
 
@@ -138,7 +140,8 @@ def _moe_module(E: int, D: int, I: int, tp1_process):
     m.gate.bias = torch.randn(E, generator=gen).to(DEV)
     sh = m.shared_experts
     for lin, (n, k) in ((sh.w1, (I, D)), (sh.w3, (I, D)), (sh.w2, (D, I))):
-        lin.load("int8_g128", *[t.to(DEV) for t in quantize_int8_groups(torch.randn(n, k, generator=gen) / 8)])
+        q, s = quantize_int8_groups(torch.randn(n, k, generator=gen) / 8)
+        lin.load("int8_g128", q.to(DEV), s.to(DEV))
     return m, gen
 
 

@@ -47,8 +47,8 @@ def compile_all() -> list[dict]:
     from backfit.runtime.kernels import gemm, moe
 
     out = []
-    a16 = dict(X="*bf16", W="*i8", S="*fp32", Y="*bf16", WS="*fp32", LOCK="*i32", M="i32", N="i32", K="i32",
-               stride_xm="i32", K_SPLIT="i32")
+    a16 = dict(X="*bf16", W="*i8", S="*fp32", Y="*bf16", WS="*fp32", LOCK="*i32", M="i32",
+               N="i32", K="i32", stride_xm="i32", K_SPLIT="i32")
     for m, quant in ((1, True), (16, True), (32, True), (127, True), (1, False), (1024, False)):
         cfg, opts = _split(gemm.a16_config(m, 4096, 4096, quant, A100_SMS))
         types = a16 if quant else dict(a16, W="*bf16", S="*bf16")
@@ -60,7 +60,8 @@ def compile_all() -> list[dict]:
                             Y="*bf16", M="i32", N="i32", K="i32"), cfg, opts, ("N", "K")))
     for g in (8, 64):
         out.append(_compile(gemm._act_quant_kernel, dict(X="*bf16", Q="*i8", S="*fp32", K="i32",
-                            stride_xm="i32"), dict(G=g, GP=g), dict(num_warps=4), ("K", "stride_xm")))
+                            stride_xm="i32"), dict(G=g, GP=g), dict(num_warps=4),
+                            ("K", "stride_xm")))
     mtypes = dict(A="*bf16", IDX="*i32", RW="*fp32", W1="*i8", S1="*u8", W3="*i8", S3="*u8",
                   OUT="*bf16", N="i32", K="i32", TOPK="i32", SORTED="*i32", BLOCK_E="*i32",
                   P="i32", E="i32")
@@ -70,15 +71,16 @@ def compile_all() -> list[dict]:
                             ("N", "K")))
         for p in (384, 6144, 8192 * 6):
             cfg, opts = _split(moe._sorted_config(p))
-            out.append(_compile(moe._moe_sorted_kernel, mtypes, dict(cfg, GATED=gated, LIMIT=10.0, F32=False),
-                                opts, ("N", "K")))
+            out.append(_compile(moe._moe_sorted_kernel, mtypes,
+                                dict(cfg, GATED=gated, LIMIT=10.0, F32=False), opts, ("N", "K")))
     return out
 
 
 def test_every_kernel_config_compiles_for_sm80_within_shared_memory():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=300)
+    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(results) == 18
