@@ -164,3 +164,54 @@ def test_abort_frees_everything(engine):
     assert out.finish_reason == "abort"
     assert not engine.has_unfinished()
     assert _counters(engine) == start
+
+
+def test_random_requests_with_stops_and_aborts_return_every_counter(engine):
+    """60 random requests (lengths, max_tokens, stop strings, seeds), some aborted mid-way:
+    every one ends, and free blocks / slots / snapshot slots are back at their start values
+    (cached prefix blocks count as free: they are evictable)."""
+    bm = engine.block_manager
+    start = (bm.num_free_blocks, bm.num_free_slots, bm.num_free_snapshot_slots)
+    r = random.Random(42)
+    live, ended, steps = set(), 0, 0
+    for i, p in enumerate(prompts(60, seed=77, lo=2, hi=90)):
+        sp = SamplingParams(max_tokens=r.randrange(1, 12), temperature=r.choice([0, 0.8]),
+                            seed=r.randrange(100), stop=[chr(r.randrange(97, 123))])
+        live.add(engine.add_request(p, sp))
+        if i % 3 == 0:
+            for o in engine.step():
+                ended += o.finished
+                live.discard(o.request_id) if o.finished else None
+            steps += 1
+        if i % 7 == 0 and live:
+            victim = r.choice(sorted(live))
+            assert engine.abort(victim).finish_reason == "abort"
+            live.discard(victim)
+            ended += 1
+    while engine.has_unfinished() and steps < 2000:
+        for o in engine.step():
+            ended += o.finished
+        steps += 1
+    assert not engine.has_unfinished() and ended == 60
+    assert (bm.num_free_blocks, bm.num_free_slots, bm.num_free_snapshot_slots) == start
+
+
+def test_tp2_engine_gives_the_tp1_tokens(tiny_converted, tmp_path):
+    """`backfit generate --tp 2` (two real rank processes, gloo) = the tp 1 engine's tokens."""
+    import subprocess
+    import sys
+    ps = ["Hello world", "The quick brown fox", "1 2 3 4 5"]
+    f = tmp_path / "prompts.txt"
+    f.write_text("\n".join(ps) + "\n")
+    args = ["--prompts-file", str(f), "--max-tokens", "8", "--dtype", "float32",
+            "--ignore-eos", "--max-model-len", "256"]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    outs = []
+    for tp in (1, 2):
+        r = subprocess.run([sys.executable, "-m", "backfit.cli", "generate",
+                            str(tiny_converted(tp)), *args], capture_output=True, text=True,
+                           env=env, timeout=600)
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout)
+    assert outs[0] == outs[1]
+    assert outs[0].count("\n") == 3 and "[2] " in outs[0]
