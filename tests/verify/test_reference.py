@@ -210,7 +210,9 @@ def test_layers_are_built_one_at_a_time(flash, tokens, monkeypatch):
         return p
 
     monkeypatch.setattr(Reference, "params", params)
-    Reference(flash).forward(tokens[:24])
+    ref = Reference(flash)
+    ref.forward(tokens[:24])
+    assert len(alive) >= ref.cfg.num_hidden_layers            # the check above really ran
 
 
 def test_query_chunking_is_invisible(flash, tokens, ours, monkeypatch):
@@ -235,14 +237,25 @@ def test_qat_points_are_the_only_difference(flash, tokens, monkeypatch):
     assert torch.equal(Reference(flash, qat=True).forward(tokens[:120])["logits"], base)
 
 
-def test_0731_main_tower(tmp_path):
+def test_0731_main_tower_matches_transformers(tmp_path, tokens):
+    """The 0731 variant's main tower (DSpark stages aside) against transformers, logits and every
+    layer's streams; 120 tokens so its CSA indexer selects 16 of up to 30 entries."""
     d = write_checkpoint(tmp_path / "v0731", "0731", seed=0, small_vocab=True, tokenizer=False,
                          moe_intermediate_size=128, n_routed_experts=8)
     ref = Reference(d)
-    out = ref.forward(torch.arange(40), capture=True)
-    assert out["logits"].shape == (40, 512) and out["logits"].isfinite().all()
-    assert len(out["hidden"]) == ref.cfg.num_hidden_layers
-    with pytest.raises(ValueError):
+    assert ref.cfg.variant == "0731" and ref.cfg.num_mtp_stages == 3
+    toks = tokens[:120]
+    out = ref.forward(toks, capture=True)
+    with torch.no_grad():
+        o = _hf_load(d)(toks[None], output_hidden_states=True)
+    assert rel(out["logits"], o.logits[0]) <= TOL                      # measured 1.8e-7
+    assert torch.equal(out["logits"].argmax(-1), o.logits[0].argmax(-1))
+    # their hidden_states: the input of every layer, then the final normed hidden
+    assert len(out["hidden"]) == ref.cfg.num_hidden_layers == len(o.hidden_states) - 1
+    for i, h in enumerate(o.hidden_states[1:-1]):
+        assert rel(out["hidden"][i], h[0]) <= TOL, f"layer {i}"
+    assert rel(out["final"], o.hidden_states[-1][0]) <= TOL
+    with pytest.raises(ValueError):                                    # DSpark is not the Flash MTP
         ref.mtp_logits(torch.arange(10))
 
 
