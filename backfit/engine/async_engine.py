@@ -126,10 +126,11 @@ class AsyncEngine:
                 self._cmds.put(("abort", rid))
 
     def stats(self) -> dict:
+        """The engine's counters (a snapshot: plain ints read without locking; fine for
+        metrics), plus `ready`. Empty numbers before the model is loaded."""
         e = self.engine
-        if e is None:
-            return {}
-        return e.stats() if hasattr(e, "stats") else {}
+        return {"ready": self.ready.is_set(), **(e.stats() if e is not None and self.ready.is_set()
+                                                 else {})}
 
     def shutdown(self) -> None:
         self._cmds.put(("stop",))

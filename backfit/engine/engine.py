@@ -101,6 +101,7 @@ class LLMEngine:
                                    cfg.max_num_batched_tokens, cfg.max_model_len,
                                    cfg.enable_chunked_prefill, self.model_cfg.eos_token_id)
         self.requests: dict[int, _Request] = {}
+        self.prompt_tokens_total = self.generation_tokens_total = 0
         self._ids = itertools.count()
         self._gen = torch.Generator(device=r.device).manual_seed(cfg.seed)
 
@@ -121,6 +122,7 @@ class LLMEngine:
         limit = self.cfg.max_model_len - len(prompt_ids)
         stream = TextStream(self.tokenizer, params, self.model_cfg.eos_token_id, prompt_ids, limit)
         self.requests[rid] = _Request(seq, stream)
+        self.prompt_tokens_total += len(prompt_ids)
         return rid
 
     def abort(self, request_id: int) -> RequestOutput | None:
@@ -159,6 +161,7 @@ class LLMEngine:
             host = sample(out.logits, sb).to_host()
             sampled = {q.seq_id: t for q, t in zip(seqs, host.token_ids)}
         finished = {q.seq_id: q for q in self.scheduler.postprocess(sched, sampled)}
+        self.generation_tokens_total += len(sampled)
         outputs = []
         for b, s in enumerate(rows):
             rid = s.seq.seq_id
@@ -194,6 +197,18 @@ class LLMEngine:
             lp = prompt_logprobs(logits[:len(nxt)], torch.tensor(nxt, device=logits.device),
                                  seq.params.prompt_logprobs).to_host()
             req.prompt_logprobs += [(t, l, top) for t, l, top in zip(nxt, lp.logprobs, lp.top)]
+
+    def stats(self) -> dict:
+        """Counters and gauges for /metrics (plain numbers; read from the engine thread)."""
+        bm, sch = self.block_manager, self.scheduler
+        return {"num_requests_running": len(sch.running), "num_requests_waiting": len(sch.waiting),
+                "kv_cache_usage": 1 - bm.num_free_blocks / bm.num_blocks,
+                "num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
+                "num_free_slots": bm.num_free_slots, "num_preemptions": sch.num_preemptions,
+                "prefix_cache_queries": bm.cache_query_tokens,
+                "prefix_cache_hits": bm.cache_hit_tokens,
+                "prompt_tokens": self.prompt_tokens_total,
+                "generation_tokens": self.generation_tokens_total}
 
     def _usage(self, seq: Sequence) -> Usage:
         return Usage(seq.num_prompt, seq.num_output, seq.num_cached_tokens)
