@@ -100,7 +100,7 @@ def _per_rank(shape, dtype: str, shard_dim, tp: int) -> int:
 
 @lru_cache(maxsize=64)                    # planning 69k Flash tensors takes ~2 s on a slow core
 def weight_bytes(cfg: ModelConfig, tp: int, experts: str = "int8", linears: str = "int8",
-                 mtp: bool = True) -> WeightBytes:
+                 mtp: bool = False) -> WeightBytes:
     """Per-rank bytes of the directory `backfit convert --tp tp` would write, from the inventory."""
     from backfit.checkpoint import TensorEntry             # imports torch: only when needed
     from backfit.convert.plan import plan_conversion
@@ -124,7 +124,7 @@ def weight_bytes(cfg: ModelConfig, tp: int, experts: str = "int8", linears: str 
     return WeightBytes(total, ex, draft, "inventory", experts in PLANNED)
 
 
-def manifest_weight_bytes(manifest: dict, mtp: bool = True) -> WeightBytes:
+def manifest_weight_bytes(manifest: dict, mtp: bool = False) -> WeightBytes:
     """Per-rank bytes of a converted directory, from its tensors; checked against ranks[].bytes."""
     tp, total, ex, draft, kept = manifest["tp"], 0, 0, 0, 0
     for name, t in manifest["tensors"].items():
@@ -304,7 +304,7 @@ def plan(model: str | Path | ModelConfig, tp: int | None = None, gpu_mem: int = 
          utilization: float = 0.90, experts: str | None = None, kv_cache_dtype: str = "bf16",
          max_model_len: int | None = None, max_num_seqs: int = MAX_NUM_SEQS,
          max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
-         num_snapshot_slots: int | None = None, mtp: bool = True, rollback: int = 8,
+         num_snapshot_slots: int | None = None, mtp: bool = False, rollback: int = 8,
          block_size: int | None = None) -> Plan:
     """The computed plan for MODEL on cards of `gpu_mem` bytes. max_model_len None: the longest
     that fits, up to the model's limit; given: ValueError (what to change) unless it fits."""

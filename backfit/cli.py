@@ -212,9 +212,11 @@ def generate(converted, prompt, prompts_file, tp, **kw) -> None:
 @click.option("--num-snapshot-slots", type=int, default=None,
               help="Prefix-cache snapshot slots (default: max-num-seqs).")
 @click.option("--block-size", type=int, default=None,
-              help="Tokens per cache block (default: the lcm of the compression ratios).")
-@click.option("--mtp/--no-mtp", default=True, show_default=True,
-              help="Count the MTP draft block's weights and window ring (the runtime loads it).")
+              help="Tokens per cache block (default: the smallest multiple of every "
+                   "compression ratio >= 64, as the engine).")
+@click.option("--mtp/--no-mtp", default=False, show_default=True,
+              help="Count the MTP draft block's weights and window ring (the engine does not "
+                   "load it yet; speculative decoding will).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan(model, tp, gpu_mem, gpu_memory_utilization, experts, kv_cache_dtype, max_model_len,
          max_num_seqs, max_num_batched_tokens, num_snapshot_slots, block_size, mtp,

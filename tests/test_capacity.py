@@ -93,6 +93,20 @@ def test_ring_rows_survive_a_rollback_of_K_tokens(ratio):
     assert lay.index_rows == (lay.comp_rows if ratio == 4 else 0)
 
 
+@pytest.mark.parametrize("kv, act", [("bf16", "bf16"), ("int8", "bf16"), ("fp32", "fp32")])
+def test_layout_equals_the_bytes_the_paged_pools_allocate(kv, act):
+    """The planner's numbers and the pools' own (built on the meta device) cannot drift."""
+    import torch
+    from backfit.runtime.cache.paged import PagedCache
+    from backfit.synthetic import TINY_DIMS, tiny_config_dict
+    dtype = torch.bfloat16 if act == "bf16" else torch.float32
+    for cfg in (_flash(), ModelConfig.from_dict(tiny_config_dict("flash", **TINY_DIMS))):
+        lay = cache_layout(cfg, kv, act_dtype=act, draft_layers=1)
+        pools = PagedCache(cfg, 3, 5, lay.block_size, dtype, "int8" if kv == "int8" else "auto",
+                           device="meta", mtp_layers=1).nbytes()
+        assert pools == {"slots": 3 * lay.slot_bytes, "blocks": 5 * lay.block_bytes}
+
+
 def test_layout_rejects_a_block_size_that_splits_an_entry():
     with pytest.raises(ValueError, match="multiple of every compression ratio"):
         cache_layout(_flash(), block_size=64)
@@ -113,7 +127,7 @@ def _hand_weights_tp4(mtp: bool = True) -> float:
 
 
 def test_flash_tp4_weights_per_rank_match_hand_computation():
-    w = weight_bytes(_flash(), 4, "int8")
+    w = weight_bytes(_flash(), 4, "int8", mtp=True)
     hand = _hand_weights_tp4()
     assert abs(w.per_rank / hand - 1) < 0.01, (w.per_rank, hand)
     # 6.1: routed experts 277.03 B params, at 1 + 1/32 B each, split 4 ways (+ the MTP experts)
@@ -186,9 +200,10 @@ def test_parse_bytes():
 def test_tiny_converted_weights_from_manifest_inventory_and_files(tiny_converted, tiny_flash):
     conv = tiny_converted(2, "int8")
     m = load_manifest(conv)
-    from_manifest = manifest_weight_bytes(m)
+    from_manifest = manifest_weight_bytes(m, mtp=True)
     cfg = ModelConfig.from_file(tiny_flash / "config.json")
-    assert weight_bytes(cfg, 2, "int8").per_rank == from_manifest.per_rank
+    assert weight_bytes(cfg, 2, "int8", mtp=True).per_rank == from_manifest.per_rank
+    assert weight_bytes(cfg, 2, "int8").per_rank == manifest_weight_bytes(m).per_rank
     for r in range(2):                          # payload = file size - 8-byte length - header
         payload = 0
         for f in (conv / f"rank{r}").glob("*.safetensors"):
@@ -209,7 +224,7 @@ def test_cli_json_on_the_tiny_converted_dir(tiny_converted):
                 "max_concurrency_at_max_model_len"):
         assert key in p, key
     # tiny: D 256, layers [0, 0, 4, 8, 4, 8]: 2 x (512 + 128·2)/4 + 2 x 512/8 = 512 B per token
-    assert p["kv_bytes_per_token"] == 512 and p["tp"] == 2 and p["block_size"] == 8
+    assert p["kv_bytes_per_token"] == 512 and p["tp"] == 2 and p["block_size"] == 64
     assert p["max_concurrency_at_max_model_len"] == min(64, p["kv_capacity_tokens"] // 4096)
     r = _cli(tiny_converted(2, "int8"), "--tp", "4")
     assert r.exit_code == 1 and "converted for --tp 2" in r.output

@@ -25,14 +25,15 @@ from functools import reduce
 
 from backfit.config import ModelConfig
 
-__all__ = ["KV_DTYPES", "ACT_DTYPES", "ROLLBACK", "LayerLayout", "CacheLayout", "cache_layout",
-           "vector_bytes"]
+__all__ = ["KV_DTYPES", "ACT_DTYPES", "ROLLBACK", "MIN_BLOCK", "LayerLayout", "CacheLayout",
+           "cache_layout", "default_block_size", "vector_bytes"]
 
 # --kv-cache-dtype -> (bytes per element, bytes of the per-vector scale)
 KV_DTYPES = {"bf16": (2, 0), "int8": (1, 4), "fp32": (4, 0)}
 ACT_DTYPES = {"bf16": 2, "fp32": 4}      # indexer keys are stored in the activation dtype
 ROLLBACK = 8                             # speculative decoding rolls back at most 8 tokens
 ROW_BYTES = 4                            # compressor rolling rows (c and z) are FP32
+MIN_BLOCK = 64                           # default blocks hold at least 64 tokens (tiny: 64)
 
 
 def vector_bytes(width: int, kv_dtype: str) -> int:
@@ -117,6 +118,12 @@ class CacheLayout:
         return sum(lay.kind == kind for lay in self.layers)
 
 
+def default_block_size(cfg: ModelConfig) -> int:
+    """The smallest multiple of every compression ratio that is >= MIN_BLOCK (Flash: 128)."""
+    step = reduce(math.lcm, {r for r in cfg.compress_ratios if r}, 1)
+    return step * max(1, -(-MIN_BLOCK // step))
+
+
 def _layer(cfg: ModelConfig, layer: int, ratio: int, B: int, K: int, kv_dtype: str,
            act_dtype: str) -> LayerLayout:
     D = cfg.head_dim
@@ -138,8 +145,8 @@ def _layer(cfg: ModelConfig, layer: int, ratio: int, B: int, K: int, kv_dtype: s
 def cache_layout(cfg: ModelConfig, kv_dtype: str = "bf16", block_size: int | None = None,
                  rollback: int = ROLLBACK, act_dtype: str = "bf16",
                  draft_layers: int = 0) -> CacheLayout:
-    """The pools' layout for `cfg`. block_size defaults to the lcm of the compression ratios
-    (Flash: 128, tiny: 8); draft_layers adds window-only rings for MTP / DSpark stages."""
+    """The pools' layout for `cfg`. block_size defaults to default_block_size (Flash 128, tiny
+    64); draft_layers adds window-only rings for MTP / DSpark stages (the engine loads none yet)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv cache dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
     if act_dtype not in ACT_DTYPES:
@@ -151,7 +158,7 @@ def cache_layout(cfg: ModelConfig, kv_dtype: str = "bf16", block_size: int | Non
                          f"draft stage(s)")
     ratios = sorted({cfg.ratio(i) for i in range(cfg.num_hidden_layers)} - {0})
     lcm = reduce(math.lcm, ratios, 1)
-    B = lcm if block_size is None else block_size
+    B = default_block_size(cfg) if block_size is None else block_size
     if B <= 0 or B % lcm:
         raise ValueError(f"block_size {B} must be a positive multiple of every compression ratio "
                          f"({', '.join(map(str, ratios))}): e.g. {lcm}")
