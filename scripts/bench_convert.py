@@ -1,12 +1,16 @@
 """Converter throughput and peak memory on a multi-GB synthetic checkpoint (a benchmark, not a test).
 
-    python scripts/bench_convert.py [--workdir DIR] [--experts 256] [--hidden 1024] [--tp 4]
+    python scripts/bench_convert.py [--workdir DIR] [--dst-dir DIR] [--experts 256] [--hidden 1024] [--tp 4]
 
 Writes a checkpoint in the original format (valid random bytes; dims chosen so it is a few GB),
 then measures, with the page cache dropped for those files before each step (posix_fadvise):
   1. raw read speed of the same files (16 MiB reads, nothing else),
-  2. `backfit convert` in a subprocess: wall time, GB/s of source bytes, peak RSS (ru_maxrss).
-Peak RSS must not grow with checkpoint size: run with two sizes (--experts 128 / 256) to see it.
+  2. raw durable write speed where DST goes (1 GiB in 16 MiB writes, then fsync),
+  3. `backfit convert` in a subprocess: wall time, GB/s of source bytes, CPU seconds, peak RSS.
+The converter writes ~2x the bytes it reads (MXFP4 -> INT8), so its ceiling is min(read, write/2);
+--dst-dir /dev/shm takes the output disk out of the measurement. The load average is printed
+because the machine may be shared. Peak RSS must not grow with checkpoint size: run with two
+sizes (--experts 64 / 256) to see it.
 """
 
 from __future__ import annotations
@@ -41,9 +45,22 @@ def raw_read(root: Path) -> tuple[int, float]:
     return total, time.perf_counter() - t
 
 
+def raw_write(root: Path, nbytes: int = 1 << 30) -> float:
+    path, buf = root / "bench-write.tmp", os.urandom(1 << 24)
+    t = time.perf_counter()
+    with open(path, "wb", buffering=0) as fh:
+        for _ in range(nbytes // len(buf)):
+            fh.write(buf)
+        os.fsync(fh.fileno())
+    secs = time.perf_counter() - t
+    path.unlink()
+    return nbytes / 1e9 / secs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default="/tmp/backfit-bench")
+    ap.add_argument("--dst-dir", default=None, help="where DST is written (default: --workdir)")
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--tp", type=int, default=4)
@@ -52,7 +69,8 @@ def main() -> None:
     from backfit.synthetic import write_checkpoint
 
     work = Path(a.workdir)
-    src, dst = work / f"src-e{a.experts}-h{a.hidden}", work / "dst"
+    src = work / f"src-e{a.experts}-h{a.hidden}"
+    dst = Path(a.dst_dir or work) / "backfit-bench-dst"
     if not src.exists():
         t = time.perf_counter()
         write_checkpoint(src, "flash", seed=0, small_vocab=True, realistic=False,
@@ -63,17 +81,22 @@ def main() -> None:
     drop_cache(src)
     nbytes, secs = raw_read(src)
     print(f"raw read : {nbytes / 1e9:.2f} GB in {secs:.1f} s = {nbytes / 1e9 / secs:.2f} GB/s")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    print(f"raw write: {raw_write(dst.parent):.2f} GB/s durable (fsync) in {dst.parent}")
     shutil.rmtree(dst, ignore_errors=True)
-    shutil.rmtree(dst.with_name("dst.partial"), ignore_errors=True)
+    shutil.rmtree(dst.with_name(dst.name + ".partial"), ignore_errors=True)
     drop_cache(src)
+    load = os.getloadavg()[0]
     t = time.perf_counter()
     subprocess.run([sys.executable, "-m", "backfit.cli", "convert", str(src), str(dst),
                     "--tp", str(a.tp), "--quiet"], check=True, stdout=subprocess.DEVNULL)
     secs = time.perf_counter() - t
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = sum(f.stat().st_size for f in dst.rglob("*.safetensors"))
     print(f"convert  : {size / 1e9:.2f} GB in {secs:.1f} s = {size / 1e9 / secs:.2f} GB/s source "
-          f"({out / 1e9:.2f} GB written), peak RSS {rss:.0f} MiB, tp={a.tp}, threads={os.cpu_count()}")
+          f"({out / 1e9:.2f} GB written), CPU {ru.ru_utime + ru.ru_stime:.1f} s, peak RSS "
+          f"{ru.ru_maxrss / 1024:.0f} MiB, tp={a.tp}, cores={os.cpu_count()}, load average "
+          f"{load:.1f} -> {os.getloadavg()[0]:.1f}")
     shutil.rmtree(dst)
     if not a.keep:
         shutil.rmtree(src)
