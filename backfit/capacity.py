@@ -35,6 +35,8 @@ Engine start-up (measured numbers; the same arithmetic as `backfit plan`):
           workspace_bytes=workspace(cfg, tp, T, L, S).total,
           graph_bytes=graph_reserve(cfg, tp, L, S))   # ValueError: what to change
   -> p.num_slots, p.num_blocks, p.block_size: what the pools allocate
+If free is read after a profile forward of T tokens instead (the caching allocator keeps that
+peak reserved), the workspace is already excluded from it: pass workspace_bytes=0.
 """
 
 from __future__ import annotations
