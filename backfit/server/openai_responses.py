@@ -1,0 +1,584 @@
+"""POST /v1/responses (OpenAI Responses, Codex CLI): JSON → ChatRequest; events → SSE or JSON.
+
+Request (api-protocols §2.1): `input` is a string or a list of items: messages (role
+system/developer → system, user, assistant; text parts joined, other parts → `[Unsupported
+<type>]`), `function_call` / `custom_tool_call` (joined onto the assistant turn they follow),
+`function_call_output` / `custom_tool_call_output` (→ tool results), `reasoning` (text from
+`content`, else `summary`; `encrypted_content` ignored: attached to the next assistant turn);
+`item_reference` and hosted-tool items are dropped. `instructions` is a leading system message.
+Tools are flat `{"type":"function","name",...}`; `custom` tools (Codex's `apply_patch`) are shown
+to the model as a function with one string parameter `input`, and its calls come back as
+`custom_tool_call` items; hosted tools (web_search, local_shell, ...) are ignored, not 400.
+`previous_response_id` / `conversation` need server state we do not keep: 400 naming them.
+
+Reply (§2.2-§2.6): the event sequence of §2.3 with dense `sequence_number` and `output_index`,
+exactly one terminal event (completed | incomplete(max_output_tokens) | failed), and the same
+items (same ids) in the terminal response as in each `output_item.done`. The non-streaming reply
+is the terminal event's `response`, built by the same renderer (the fold of the stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from backfit.server import http
+from backfit.server.bridge import (
+    CTX, ContextTooLong, EngineUnavailable, KeepAlive, QueueFull, SamplingParams,
+)
+from backfit.server.chat_format import resolve_reasoning
+from backfit.server.http import BadRequest
+from backfit.server.protocol import (
+    ChatRequest, Finish, Message, ReasoningDelta, TextDelta, Tool, ToolCall, ToolCallArgsDelta,
+    ToolCallEnd, ToolCallStart, Usage,
+)
+
+__all__ = ["handle", "parse_request", "reasoning_wishes", "sampling_params", "ResponsesRenderer",
+           "openai_error"]
+
+log = logging.getLogger(__name__)
+_TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
+
+
+def _now() -> int:
+    return int(time.time())             # integer seconds: Go/Rust clients break on floats (§0)
+
+
+def _hex() -> str:
+    return uuid.uuid4().hex
+
+
+# ---- request → ChatRequest ------------------------------------------------------------------
+
+def reasoning_wishes(body: dict, effort: Any = None, effort_param: str = "reasoning.effort"
+                     ) -> tuple[bool | None, str | None]:
+    """(thinking, effort) from every known field, as on Chat: top-level `thinking` (bool or
+    {"type": enabled|adaptive|disabled}), `chat_template_kwargs.thinking/enable_thinking/
+    reasoning_effort`, top-level `reasoning_effort`, and the protocol's own `effort`. Any
+    explicit "off" wins; the first effort given wins. Validated once here (400 naming it)."""
+    kw = http.get_dict(body, "chat_template_kwargs", {})
+    votes: list[bool] = []
+    t = body.get("thinking")
+    if isinstance(t, bool):
+        votes.append(t)
+    elif isinstance(t, dict):
+        kind = t.get("type")
+        if kind not in ("enabled", "adaptive", "disabled", None):
+            raise BadRequest(f"thinking.type must be enabled, adaptive or disabled, got {kind!r}",
+                             "thinking.type")
+        if kind is not None:
+            votes.append(kind != "disabled")
+    elif t is not None:
+        raise BadRequest("thinking must be an object like {\"type\": \"enabled\"}", "thinking")
+    for k in ("thinking", "enable_thinking"):
+        if kw.get(k) is not None:
+            if not isinstance(kw[k], bool):
+                raise BadRequest(f"chat_template_kwargs.{k} must be true or false",
+                                 f"chat_template_kwargs.{k}")
+            votes.append(kw[k])
+    thinking = None if not votes else all(votes)
+    chosen, param = None, None
+    for value, name in ((effort, effort_param), (body.get("reasoning_effort"), "reasoning_effort"),
+                        (kw.get("reasoning_effort"), "chat_template_kwargs.reasoning_effort")):
+        if value is not None:
+            if not isinstance(value, str):
+                raise BadRequest(f"{name} must be a string, got {value!r}"[:200], name)
+            chosen, param = value, name
+            break
+    try:
+        resolve_reasoning(thinking, chosen)
+    except ValueError as e:
+        raise BadRequest(str(e), param) from None
+    return thinking, chosen
+
+
+def _parts_text(content: Any, param: str) -> str:
+    """A string, or parts [{type: input_text|output_text|..., text}] joined; others flagged."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(f"{param} must be a string or an array of content parts", param)
+    out = []
+    for j, p in enumerate(content):
+        if isinstance(p, str):
+            out.append(p)
+        elif not isinstance(p, dict):
+            raise BadRequest(f"{param}[{j}] must be an object", f"{param}[{j}]")
+        elif p.get("type") in _TEXT_PARTS or (p.get("type") is None and "text" in p):
+            text = p.get("text", p.get("refusal", ""))
+            if not isinstance(text, str):
+                raise BadRequest(f"{param}[{j}].text must be a string", f"{param}[{j}].text")
+            out.append(text)
+        else:
+            out.append(f"[Unsupported {str(p.get('type'))[:40]}]")
+    return "".join(out)
+
+
+def _args_text(v: Any, param: str) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict):
+        return json.dumps(v, ensure_ascii=False)
+    raise BadRequest(f"{param} must be a JSON string", param)
+
+
+class _Turns:
+    """Builds Messages; consecutive assistant items (reasoning, message, calls) form one turn."""
+
+    def __init__(self):
+        self.out: list[Message] = []
+        self.cur: dict | None = None         # {"reasoning", "content", "calls"}
+
+    def flush(self):
+        if self.cur is not None:
+            c = self.cur
+            self.out.append(Message("assistant", c["content"], c["reasoning"] or None,
+                                    tuple(c["calls"])))
+            self.cur = None
+
+    def assistant(self, *, reasoning: str = "", content: str = "", call: ToolCall | None = None):
+        c = self.cur
+        if c is not None and ((reasoning and (c["content"] or c["calls"]))
+                              or (content and c["calls"])):
+            self.flush()                     # text after calls, or new reasoning: a new turn
+        if self.cur is None:
+            self.cur = {"reasoning": "", "content": "", "calls": []}
+        self.cur["reasoning"] += reasoning
+        self.cur["content"] += content
+        if call is not None:
+            self.cur["calls"].append(call)
+
+    def other(self, m: Message):
+        self.flush()
+        self.out.append(m)
+
+
+def _input_messages(items: Any) -> list[Message]:
+    if isinstance(items, str):
+        return [Message("user", items)]
+    if not isinstance(items, list):
+        raise BadRequest("input must be a string or an array of items", "input")
+    turns = _Turns()
+    for i, it in enumerate(items):
+        p = f"input[{i}]"
+        if not isinstance(it, dict):
+            raise BadRequest(f"{p} must be an object", p)
+        kind = it.get("type") or ("message" if "role" in it else None)
+        if kind == "message":
+            role = it.get("role")
+            text = _parts_text(it.get("content"), f"{p}.content")
+            if role in ("system", "developer"):
+                turns.other(Message("system", text))
+            elif role == "user":
+                turns.other(Message("user", text))
+            elif role == "assistant":
+                turns.assistant(content=text)
+            else:
+                raise BadRequest(f"{p}.role must be user, assistant, system or developer, "
+                                 f"got {role!r}"[:200], f"{p}.role")
+        elif kind in ("function_call", "custom_tool_call"):
+            name = it.get("name")
+            if not isinstance(name, str) or not name:
+                raise BadRequest(f"{p}.name must be a non-empty string", f"{p}.name")
+            call_id = it.get("call_id") or it.get("id") or ""
+            if not isinstance(call_id, str):
+                raise BadRequest(f"{p}.call_id must be a string", f"{p}.call_id")
+            if kind == "custom_tool_call":
+                raw = it.get("input", "")
+                if not isinstance(raw, str):
+                    raise BadRequest(f"{p}.input must be a string", f"{p}.input")
+                args = json.dumps({"input": raw}, ensure_ascii=False)
+            else:
+                args = _args_text(it.get("arguments", "{}"), f"{p}.arguments")
+            turns.assistant(call=ToolCall(call_id, name, args))
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            call_id = it.get("call_id", "")
+            if not isinstance(call_id, str):
+                raise BadRequest(f"{p}.call_id must be a string", f"{p}.call_id")
+            turns.other(Message("tool", _parts_text(it.get("output"), f"{p}.output"),
+                                tool_call_id=call_id))
+        elif kind == "reasoning":           # accepted with or without summary/content (§2.4)
+            text = _parts_text(it.get("content"), f"{p}.content") or \
+                _parts_text(it.get("summary"), f"{p}.summary")
+            turns.assistant(reasoning=text)
+        else:                               # item_reference, web_search_call, compaction, ...
+            log.debug("responses: dropped input item of type %r", kind)
+    turns.flush()
+    return turns.out
+
+
+def _tools(body: dict) -> tuple[tuple[Tool, ...], set[str]]:
+    tools, custom = [], set()
+    for i, t in enumerate(http.get_list(body, "tools", [])):
+        if not isinstance(t, dict):
+            raise BadRequest(f"tools[{i}] must be an object", f"tools[{i}]")
+        kind = t.get("type", "function")
+        f = t.get("function") if kind == "function" and isinstance(t.get("function"), dict) else t
+        name = f.get("name")
+        if kind not in ("function", "custom"):
+            continue                        # hosted tools cannot run here: ignored, not 400
+        if not isinstance(name, str) or not name:
+            raise BadRequest(f"tools[{i}].name must be a non-empty string", f"tools[{i}].name")
+        desc = f.get("description")
+        desc = desc if isinstance(desc, str) else None
+        if kind == "custom":
+            custom.add(name)
+            params = {"type": "object", "properties": {"input": {
+                "type": "string", "description": "the raw input text for this tool"}},
+                "required": ["input"]}
+        else:
+            params = f.get("parameters")
+            if params is not None and not isinstance(params, dict):
+                raise BadRequest(f"tools[{i}].parameters must be an object",
+                                 f"tools[{i}].parameters")
+        tools.append(Tool.function(name, desc, params))
+    return tuple(tools), custom
+
+
+def _tool_choice(v: Any) -> str | dict:
+    if v is None:
+        return "auto"
+    if v in ("auto", "none", "required"):
+        return v
+    if isinstance(v, dict) and v.get("type") in ("function", "custom"):
+        if not isinstance(v.get("name"), str):
+            raise BadRequest("tool_choice.name must be a string", "tool_choice.name")
+        return {"name": v["name"]}
+    if isinstance(v, dict):
+        return "auto"                       # allowed_tools, hosted tools: lenient
+    raise BadRequest(f"tool_choice must be auto, none, required or an object, got {v!r}"[:200],
+                     "tool_choice")
+
+
+def _text_format(body: dict) -> dict | None:
+    fmt = http.get_dict(http.get_dict(body, "text", {}), "format", None)
+    if fmt is None or fmt.get("type") in (None, "text"):
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {
+            k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
+    raise BadRequest(f"text.format.type must be text, json_object or json_schema, got "
+                     f"{fmt.get('type')!r}"[:200], "text.format.type")
+
+
+def parse_request(body: dict) -> tuple[ChatRequest, set[str]]:
+    """Responses JSON → (ChatRequest, names of the custom tools); BadRequest names the field."""
+    for name in ("previous_response_id", "conversation"):
+        if body.get(name) is not None:
+            raise BadRequest(f"{name} is not supported: this server keeps no conversation "
+                             "state; send the whole input instead", name)
+    if http.get_int(body, "n", 1) != 1:
+        raise BadRequest("n > 1 is not supported", "n")
+    if "input" not in body:
+        raise BadRequest("input is required", "input")
+    messages = _input_messages(body["input"])
+    instructions = http.get_str(body, "instructions")
+    if instructions:
+        messages.insert(0, Message("system", instructions))
+    if not messages:
+        raise BadRequest("input must contain at least one message", "input")
+    tools, custom = _tools(body)
+    reasoning = http.get_dict(body, "reasoning", {})
+    thinking, effort = reasoning_wishes(body, reasoning.get("effort"))
+    stop = body.get("stop")
+    stop = (stop,) if isinstance(stop, str) else stop
+    if stop is not None and not (isinstance(stop, list)
+                                 and all(isinstance(s, str) and s for s in stop)):
+        raise BadRequest("stop must be a string or an array of strings", "stop")
+    req = ChatRequest(
+        messages=tuple(messages), tools=tools, tool_choice=_tool_choice(body.get("tool_choice")),
+        thinking=thinking, reasoning_effort=effort, response_format=_text_format(body),
+        max_tokens=http.get_int(body, "max_output_tokens", lo=1),
+        temperature=http.get_num(body, "temperature", lo=0, hi=2),
+        top_p=http.get_num(body, "top_p", lo=0, hi=1), top_k=http.get_int(body, "top_k", lo=-1),
+        seed=http.get_int(body, "seed"), stop=tuple(stop or ()),
+        stream=http.get_bool(body, "stream", False),
+        parallel_tool_calls=http.get_bool(body, "parallel_tool_calls", True),
+        extra={"reasoning_summary": reasoning.get("summary"),
+               "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
+               "tools_echo": [t for t in body.get("tools") or [] if isinstance(t, dict)]})
+    return req, custom
+
+
+def sampling_params(req: ChatRequest, prompt_len: int, max_model_len: int,
+                    param: str = "max_output_tokens") -> SamplingParams:
+    """Output cap (reasoning included) checked against the context (400 context_length_...)."""
+    room = max_model_len - prompt_len
+    want = req.max_tokens if req.max_tokens is not None else room
+    if want < 1 or prompt_len + want > max_model_len:
+        raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. "
+                         f"However, you requested {prompt_len + max(want, 0)} tokens "
+                         f"({prompt_len} in the input, {max(want, 0)} for the output). Please "
+                         "reduce the length of the input or of the output cap.", param,
+                         code="context_length_exceeded")
+    kw = {k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p),
+                            ("top_k", req.top_k), ("seed", req.seed)) if v is not None}
+    try:
+        return SamplingParams(max_tokens=want, **kw)
+    except ValueError as e:
+        raise BadRequest(str(e), str(e).split(" ", 1)[0]) from None
+
+
+def openai_error(status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict | None = None) -> web.Response:
+    return http.json_response({"error": {"message": message, "type": type, "param": param,
+                                         "code": code}}, status=status, headers=headers)
+
+
+# ---- events → the §2.3 sequence --------------------------------------------------------------
+
+def _usage(u: Usage | None) -> dict:
+    u = u or Usage(0, 0)
+    return {"input_tokens": u.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
+            "output_tokens": u.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+            "total_tokens": u.total_tokens}
+
+
+class ResponsesRenderer:
+    """Neutral events → [(event type, data)] frames; `response` is the Response object so far.
+    One item is open at a time; `output_index` is its place in `output` (dense, in order)."""
+
+    def __init__(self, req: ChatRequest, model: str, custom: set[str] = frozenset(), *,
+                 created_at: int | None = None, new_id=None):
+        self.req, self.custom, self.new_id = req, custom, new_id or _hex
+        self.id = "resp_" + self.new_id()
+        self.seq = 0
+        self.output: list[dict] = []
+        self.open: dict | None = None       # the item being streamed (also in self.output)
+        self.text = ""                      # the open item's text / arguments so far
+        self.usage: Usage | None = None
+        self.finish: Finish | None = None
+        self.response = {
+            "id": self.id, "object": "response", "created_at": created_at or _now(),
+            "status": "in_progress", "model": model, "output": [], "error": None,
+            "incomplete_details": None, "instructions": None,
+            "max_output_tokens": req.max_tokens, "temperature": req.temperature,
+            "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
+            "tool_choice": req.tool_choice if isinstance(req.tool_choice, str)
+            else {"type": "function", **req.tool_choice},
+            "tools": req.extra.get("tools_echo", []),
+            "reasoning": {"effort": req.reasoning_effort,
+                          "summary": req.extra.get("reasoning_summary")},
+            "metadata": req.extra.get("metadata", {}), "usage": None}
+
+    def _ev(self, etype: str, **kw) -> tuple[str, dict]:
+        data = {"type": etype, "sequence_number": self.seq, **kw}
+        self.seq += 1
+        return etype, data
+
+    def _snapshot(self) -> dict:
+        return json.loads(json.dumps(self.response))     # frozen copy for this event
+
+    def start(self) -> list[tuple[str, dict]]:
+        return [self._ev("response.created", response=self._snapshot()),
+                self._ev("response.in_progress", response=self._snapshot())]
+
+    # items: open / delta / close
+
+    def _open(self, kind: str, **fields) -> list:
+        frames = self._close_item()
+        prefix = {"reasoning": "rs_", "message": "msg_", "function_call": "fc_",
+                  "custom_tool_call": "ctc_"}[kind]
+        item = {"type": kind, "id": prefix + self.new_id(), **fields, "status": "in_progress"}
+        self.open, self.text = item, ""
+        self.output.append(item)
+        idx = len(self.output) - 1
+        frames.append(self._ev("response.output_item.added", output_index=idx,
+                               item=json.loads(json.dumps(item))))
+        part = {"reasoning": {"type": "reasoning_text", "text": ""},
+                "message": {"type": "output_text", "text": "", "annotations": [],
+                            "logprobs": []}}.get(kind)
+        if part is not None:
+            frames.append(self._ev("response.content_part.added", output_index=idx,
+                                   item_id=item["id"], content_index=0, part=part))
+        return frames
+
+    def _where(self) -> dict:
+        return {"output_index": len(self.output) - 1, "item_id": self.open["id"]}
+
+    def _close_item(self, status: str = "completed") -> list:
+        item, text = self.open, self.text
+        if item is None:
+            return []
+        frames, w = [], self._where()
+        if item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": text}
+            frames += [self._ev("response.reasoning_text.done", **w, content_index=0, text=text),
+                       self._ev("response.content_part.done", **w, content_index=0, part=part)]
+            item.update(content=[part], encrypted_content=None)
+        elif item["type"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            frames += [self._ev("response.output_text.done", **w, content_index=0, text=text,
+                                logprobs=[]),
+                       self._ev("response.content_part.done", **w, content_index=0, part=part)]
+            item["content"] = [part]
+        elif item["type"] == "function_call":
+            frames.append(self._ev("response.function_call_arguments.done", **w,
+                                   name=item["name"], arguments=text))
+            item["arguments"] = text
+        else:                               # custom: unwrap {"input": "..."} (§2.5)
+            try:
+                raw = json.loads(text)
+                raw = raw["input"] if isinstance(raw, dict) and "input" in raw else text
+            except ValueError:
+                raw = text
+            raw = raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False)
+            frames += [self._ev("response.custom_tool_call_input.delta", **w, delta=raw),
+                       self._ev("response.custom_tool_call_input.done", **w, input=raw)]
+            item["input"] = raw
+        item["status"] = status
+        frames.append(self._ev("response.output_item.done", output_index=w["output_index"],
+                               item=json.loads(json.dumps(item))))
+        self.open = None
+        return frames
+
+    def feed(self, ev) -> list[tuple[str, dict]]:
+        frames: list = []
+        kind = self.open and self.open["type"]
+        if isinstance(ev, (ReasoningDelta, TextDelta)) and ev.text:
+            want = "reasoning" if isinstance(ev, ReasoningDelta) else "message"
+            if kind != want:
+                frames += self._open(want, **({"summary": []} if want == "reasoning" else
+                                              {"role": "assistant", "content": []}))
+            self.text += ev.text
+            etype = ("response.reasoning_text.delta" if want == "reasoning"
+                     else "response.output_text.delta")
+            extra = {} if want == "reasoning" else {"logprobs": []}
+            frames.append(self._ev(etype, **self._where(), content_index=0, delta=ev.text,
+                                   **extra))
+        elif isinstance(ev, ToolCallStart):
+            if ev.name in self.custom:
+                frames += self._open("custom_tool_call", call_id=ev.id, name=ev.name, input="")
+            else:
+                frames += self._open("function_call", call_id=ev.id, name=ev.name,
+                                     arguments="")
+        elif isinstance(ev, ToolCallArgsDelta) and self.open is not None:
+            self.text += ev.text
+            if kind == "function_call" and ev.text:
+                frames.append(self._ev("response.function_call_arguments.delta",
+                                       **self._where(), delta=ev.text))
+        elif isinstance(ev, ToolCallEnd):   # a broken call is shown, marked incomplete
+            frames += self._close_item("incomplete" if ev.error else "completed")
+        elif isinstance(ev, Usage):
+            self.usage = ev
+        elif isinstance(ev, Finish):
+            self.finish = ev
+        return frames
+
+    def close(self) -> list[tuple[str, dict]]:
+        """The open item's done events and exactly one terminal event."""
+        f = self.finish or Finish("error", error="the output stream ended without a finish")
+        if f.reason in ("abort", "error"):
+            return self.fail(f.error or f"generation ended: {f.reason}")
+        frames = self._close_item("incomplete" if f.reason == "length" else "completed")
+        r = self.response
+        r.update(output=self.output, usage=_usage(self.usage))
+        if f.reason == "length":
+            r.update(status="incomplete", incomplete_details={"reason": "max_output_tokens"})
+            return frames + [self._ev("response.incomplete", response=self._snapshot())]
+        r["status"] = "completed"
+        return frames + [self._ev("response.completed", response=self._snapshot())]
+
+    def fail(self, message: str, code: str = "server_error") -> list[tuple[str, dict]]:
+        frames = self._close_item("incomplete")
+        self.response.update(status="failed", output=self.output, usage=_usage(self.usage),
+                             error={"code": code, "message": message})
+        return frames + [self._ev("response.failed", response=self._snapshot())]
+
+
+async def handle(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses."""
+    ctx = request.app[CTX]
+    try:
+        body = await http.read_json(request)
+        req, custom = parse_request(body)
+        try:
+            prompt = ctx.encoder.encode_request(req)
+        except ValueError as e:
+            raise BadRequest(str(e), "tool_choice" if "tool_choice" in str(e) else "input") \
+                from None
+        params = sampling_params(req, len(prompt.ids), ctx.max_model_len)
+    except BadRequest as e:
+        return openai_error(e.status, e.message, param=e.param, code=e.code)
+    r = ResponsesRenderer(req, ctx.model_name, custom)
+    it = ctx.bridge.stream(prompt, params, tools=req.tools_enabled, stop=req.stop).__aiter__()
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except QueueFull:
+        return openai_error(429, "Server is busy, try again in 2s", type="rate_limit_exceeded",
+                            code="rate_limit_exceeded", headers={"Retry-After": "2"})
+    except EngineUnavailable as e:
+        return openai_error(503, str(e) or "engine unavailable", type="server_error",
+                            code="overloaded", headers={"Retry-After": "5"})
+    except ContextTooLong as e:
+        return openai_error(400, str(e), param="max_output_tokens", code="context_length_exceeded")
+    except ValueError as e:
+        return openai_error(400, str(e), param="input")
+    try:
+        if not req.stream:
+            return await _fold(r, it, first)
+        return await _stream(request, r, it, first)
+    finally:
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()                  # abort the engine request if it is still running
+
+
+async def _events(it, first):
+    if first is not None:
+        yield first
+    async for ev in it:
+        yield ev
+
+
+async def _fold(r: ResponsesRenderer, it, first) -> web.Response:
+    try:
+        async for ev in _events(it, first):
+            if not isinstance(ev, KeepAlive):
+                r.feed(ev)
+    except EngineUnavailable as e:
+        return openai_error(503, str(e) or "engine unavailable", type="server_error",
+                            code="overloaded", headers={"Retry-After": "5"})
+    r.close()
+    return http.json_response(r.response, headers={"x-request-id": r.id})
+
+
+async def _stream(request, r: ResponsesRenderer, it, first) -> web.StreamResponse:
+    resp = await http.sse_start(request, {"x-request-id": r.id})
+    try:
+        for etype, data in r.start():
+            await http.sse_event(resp, etype, data)
+        try:
+            async for ev in _events(it, first):
+                if isinstance(ev, KeepAlive):
+                    await http.sse_comment(resp)
+                    continue
+                for etype, data in r.feed(ev):
+                    await http.sse_event(resp, etype, data)
+            frames = r.close()
+        except (http.ClientGone, asyncio.CancelledError):
+            raise
+        except Exception as e:              # noqa: BLE001 - engine died mid-stream: failed
+            log.warning("responses: stream failed: %r", e)
+            frames = r.fail(f"generation failed: {e}"[:300])
+        for etype, data in frames:
+            await http.sse_event(resp, etype, data)
+        await http.sse_end(resp)
+    except http.ClientGone:
+        pass                                # the finally in handle() aborts the request
+    return resp

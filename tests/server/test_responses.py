@@ -1,0 +1,267 @@
+"""/v1/responses: request parsing, the §2.3 event sequence (golden SSE transcripts) and the folded
+reply on a fake bridge; then the official `openai` SDK against a live tiny-model server."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+from pathlib import Path
+
+import pydantic
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from backfit.server import openai_responses as R
+from backfit.server.bridge import CTX, KEEPALIVE, QueueFull, ServerContext
+from backfit.server.chat_format import ChatEncoder
+from backfit.server.http import BadRequest
+from backfit.server.protocol import (
+    Finish, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart, Usage,
+)
+from backfit.synthetic import write_small_tokenizer
+
+openai = pytest.importorskip("openai")
+from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
+
+STREAM_EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
+
+GOLDEN = Path(__file__).parent / "golden"
+TOOL = {"type": "function", "name": "shell", "description": "run a command",
+        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}
+# a thinking turn: reasoning, text, one tool call (arguments in 2 fragments), usage, finish
+TOOL_TURN = [ReasoningDelta("The user wants "), ReasoningDelta("a listing."), TextDelta("Sure."),
+             ToolCallStart(0, "call_1", "shell"), ToolCallArgsDelta(0, '{"cmd": "l'),
+             ToolCallArgsDelta(0, 's"}'), ToolCallEnd(0, '{"cmd": "ls"}'),
+             Usage(40, 12, cached_tokens=16, reasoning_tokens=5), Finish("tool_calls")]
+CUT = [TextDelta("Hello"), Usage(30, 4), Finish("length")]
+
+
+class FakeBridge:
+    """Bridge.stream's contract: events, or QueueFull before the first; records aborts."""
+
+    def __init__(self):
+        self.events, self.raise_first, self.calls, self.closed = [], None, [], 0
+
+    async def stream(self, prompt, params, *, tools, stop=()):
+        self.calls.append({"prompt": prompt, "params": params, "tools": tools, "stop": stop})
+        if self.raise_first is not None:
+            raise self.raise_first
+        try:
+            for e in self.events:
+                await asyncio.sleep(0)
+                yield e
+        finally:
+            self.closed += 1
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    write_small_tokenizer(d, 512)
+    return ChatEncoder.from_file(d)
+
+
+@pytest.fixture
+def fixed_ids(monkeypatch):
+    """Deterministic ids and clock, so transcripts are byte-stable."""
+    counter = itertools.count(1)
+    monkeypatch.setattr(R, "_hex", lambda: f"{next(counter):04d}")
+    monkeypatch.setattr(R, "_now", lambda: 1767225600)
+
+
+def call(encoder, bridge, body, raw: bytes | None = None):
+    """POST body to /v1/responses on an app around the fake bridge -> (status, headers, text)."""
+    async def go():
+        app = web.Application()
+        app[CTX] = ServerContext(bridge=bridge, encoder=encoder, model_name="deepseek-v4-flash",
+                                 max_model_len=4096, api_key=None, tokenizer=None)
+        app.router.add_post("/v1/responses", R.handle)
+        async with TestClient(TestServer(app)) as c:
+            r = await c.post("/v1/responses", data=raw if raw is not None else json.dumps(body),
+                             headers={"Content-Type": "application/json"})
+            return r.status, r.headers, await r.text()
+    return asyncio.run(go())
+
+
+def sse(text: str) -> list[tuple[str, dict]]:
+    out = []
+    for frame in text.strip().split("\n\n"):
+        lines = frame.split("\n")
+        if lines[0].startswith(":"):
+            continue
+        assert lines[0].startswith("event: ") and lines[1].startswith("data: "), frame
+        out.append((lines[0][7:], json.loads(lines[1][6:])))
+    return out
+
+
+# ---- parsing --------------------------------------------------------------------------------
+
+def test_input_items_become_neutral_messages():
+    req, custom = R.parse_request({"model": "x", "instructions": "Be brief.", "input": [
+        {"role": "developer", "content": "dev rules"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi "},
+                                                         {"type": "input_image"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "think"}], "encrypted_content": "zz"},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "ok"}]},
+        {"type": "function_call", "call_id": "call_a", "name": "shell", "arguments": "{}"},
+        {"type": "custom_tool_call", "call_id": "call_b", "name": "apply_patch", "input": "P"},
+        {"type": "function_call_output", "call_id": "call_a", "output": "done"},
+        {"type": "item_reference", "id": "x"}, {"type": "web_search_call"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]},
+        {"type": "function_call", "call_id": "call_c", "name": "shell", "arguments": "{}"}],
+        "tools": [TOOL, {"type": "custom", "name": "apply_patch"}, {"type": "web_search"}],
+        "reasoning": {"effort": "high", "summary": "auto"}, "store": False,
+        "include": ["reasoning.encrypted_content"], "prompt_cache_key": "k"})
+    roles = [m.role for m in req.messages]
+    assert roles == ["system", "system", "user", "assistant", "tool", "assistant"]
+    assert req.messages[2].content == "hi [Unsupported input_image]"
+    a = req.messages[3]
+    assert (a.reasoning, a.content) == ("think", "ok")
+    assert [(c.id, c.name) for c in a.tool_calls] == [("call_a", "shell"), ("call_b", "apply_patch")]
+    assert json.loads(a.tool_calls[1].arguments) == {"input": "P"}
+    assert req.messages[4].tool_call_id == "call_a" and req.messages[4].content == "done"
+    assert req.messages[5].reasoning == "s"          # summary used when content is missing
+    assert [t.name for t in req.tools] == ["shell", "apply_patch"] and custom == {"apply_patch"}
+    assert req.reasoning_effort == "high" and req.thinking is None
+
+
+@pytest.mark.parametrize("body, thinking, effort", [
+    ({"reasoning": {"effort": "none"}}, None, "none"),
+    ({"reasoning_effort": "max"}, None, "max"),
+    ({"thinking": {"type": "disabled"}}, False, None),
+    ({"thinking": {"type": "enabled"}, "chat_template_kwargs": {"thinking": False}}, False, None),
+    ({"chat_template_kwargs": {"enable_thinking": True, "reasoning_effort": "low"}}, True, "low"),
+])
+def test_thinking_and_effort_from_every_field(body, thinking, effort):
+    req, _ = R.parse_request({"input": "q", **body})
+    assert (req.thinking, req.reasoning_effort) == (thinking, effort)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "q", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"input": 5}, "input"),
+    ({"input": "q", "max_output_tokens": "9"}, "max_output_tokens"),
+    ({"input": "q", "temperature": True}, "temperature"),
+    ({"input": "q", "reasoning": {"effort": "ultra"}}, "reasoning.effort"),
+    ({"input": "q", "n": 2}, "n"),
+    ({"input": [{"type": "function_call", "arguments": "{}"}]}, "input[0].name"),
+])
+def test_bad_fields_are_named(body, param):
+    with pytest.raises(BadRequest) as e:
+        R.parse_request(body)
+    assert e.value.param == param
+
+
+# ---- rendering through the handler ----------------------------------------------------------
+
+@pytest.mark.parametrize("name, events, body", [
+    ("tool_call", TOOL_TURN, {"input": "list files", "tools": [TOOL], "stream": True}),
+    ("incomplete", CUT, {"input": "hi", "max_output_tokens": 4, "stream": True}),
+    ("failed", [TextDelta("par"), Usage(30, 1), Finish("error", error="engine failed: boom")],
+     {"input": "hi", "stream": True}),
+])
+def test_golden_sse_transcripts(encoder, fixed_ids, name, events, body):
+    bridge = FakeBridge()
+    bridge.events = events[:1] + [KEEPALIVE] + events[1:]
+    status, headers, text = call(encoder, bridge, body)
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    golden = GOLDEN / f"responses_{name}.txt"
+    if os.environ.get("UPDATE_GOLDEN"):          # regenerate, then review the diff by hand
+        golden.write_text(text)
+    assert text == golden.read_text(), f"transcript differs from {golden}"
+    frames = sse(text)
+    for _, d in frames:                                 # every event parses as the SDK's type
+        assert type(STREAM_EVENT.validate_python(d)).__name__.startswith("Response"), d
+    assert [d["sequence_number"] for _, d in frames] == list(range(len(frames)))
+    assert all(t == d["type"] for t, d in frames)
+    assert frames[0][0] == "response.created"
+    terminal = [t for t, _ in frames if t in ("response.completed", "response.incomplete",
+                                              "response.failed")]
+    assert terminal == [frames[-1][0]]                  # exactly one, and last
+    assert isinstance(frames[0][1]["response"]["created_at"], int)
+    done = [d["item"] for t, d in frames if t == "response.output_item.done"]
+    assert frames[-1][1]["response"]["output"] == done  # same items, same ids (pitfall #13)
+    assert bridge.closed == 1
+
+
+def test_tool_turn_shapes(encoder, fixed_ids):
+    bridge = FakeBridge()
+    bridge.events = TOOL_TURN
+    _, _, text = call(encoder, bridge, {"input": "ls", "tools": [TOOL], "stream": True})
+    frames = sse(text)
+    out = frames[-1][1]["response"]
+    assert [i["type"] for i in out["output"]] == ["reasoning", "message", "function_call"]
+    assert [d["output_index"] for t, d in frames if t == "response.output_item.added"] == [0, 1, 2]
+    fc = out["output"][2]
+    assert (fc["call_id"], fc["name"], json.loads(fc["arguments"])) == ("call_1", "shell",
+                                                                         {"cmd": "ls"})
+    args = "".join(d["delta"] for t, d in frames if t == "response.function_call_arguments.delta")
+    assert args == fc["arguments"]
+    assert out["output"][0]["content"] == [{"type": "reasoning_text",
+                                            "text": "The user wants a listing."}]
+    assert out["usage"] == {"input_tokens": 40, "input_tokens_details": {
+        "cached_tokens": 16, "cache_write_tokens": 0}, "output_tokens": 12,
+        "output_tokens_details": {"reasoning_tokens": 5}, "total_tokens": 52}
+    assert bridge.calls[0]["tools"] is True
+
+
+def test_non_streaming_reply_is_the_fold_of_the_stream(encoder, fixed_ids, monkeypatch):
+    bridge = FakeBridge()
+    bridge.events = TOOL_TURN
+    _, _, text = call(encoder, bridge, {"input": "ls", "tools": [TOOL], "stream": True})
+    streamed = sse(text)[-1][1]["response"]
+    counter = itertools.count(1)
+    monkeypatch.setattr(R, "_hex", lambda: f"{next(counter):04d}")
+    status, _, body = call(encoder, bridge, {"input": "ls", "tools": [TOOL]})
+    assert status == 200 and json.loads(body) == streamed
+    Response.model_validate(json.loads(body))         # the SDK's required keys are all there
+
+
+def test_custom_tool_call_is_unwrapped(encoder, fixed_ids):
+    bridge = FakeBridge()
+    bridge.events = [ToolCallStart(0, "call_p", "apply_patch"),
+                     ToolCallArgsDelta(0, '{"input": "*** Begin Patch\\n"}'),
+                     ToolCallEnd(0, '{"input": "*** Begin Patch\\n"}'), Usage(9, 3),
+                     Finish("tool_calls")]
+    _, _, text = call(encoder, bridge, {"input": "fix", "stream": True,
+                                        "tools": [{"type": "custom", "name": "apply_patch"}]})
+    frames = sse(text)
+    item = frames[-1][1]["response"]["output"][0]
+    assert item["type"] == "custom_tool_call" and item["input"] == "*** Begin Patch\n"
+    assert [d["input"] for t, d in frames if t == "response.custom_tool_call_input.done"] == \
+        ["*** Begin Patch\n"]
+
+
+def test_errors_in_openai_shape(encoder):
+    bridge = FakeBridge()
+    status, _, text = call(encoder, bridge, None, raw=b'{"input": "x"')
+    assert status == 400 and json.loads(text)["error"]["type"] == "invalid_request_error"
+    status, _, text = call(encoder, bridge, {"input": "x", "max_output_tokens": 10_000})
+    err = json.loads(text)["error"]
+    assert status == 400 and err["code"] == "context_length_exceeded"
+    assert err["param"] == "max_output_tokens"
+    bridge.raise_first = QueueFull("busy")
+    status, headers, text = call(encoder, bridge, {"input": "x", "stream": True})
+    assert status == 429 and headers["Retry-After"] == "2"
+    assert json.loads(text)["error"]["code"] == "rate_limit_exceeded"
+    assert not bridge.closed or bridge.closed == 0
+
+
+def test_params_reach_the_bridge(encoder):
+    bridge = FakeBridge()
+    bridge.events = [TextDelta("a"), Usage(5, 1), Finish("stop")]
+    status, _, _ = call(encoder, bridge, {
+        "input": "x", "max_output_tokens": 7, "temperature": 0.5, "top_p": 0.9,
+        "reasoning": {"effort": "none"}, "tools": [TOOL], "tool_choice": "none",
+        "metadata": {"a": "b"}, "service_tier": "auto", "unknown_vendor_field": {"x": 1}})
+    c = bridge.calls[0]
+    assert status == 200
+    assert (c["params"].max_tokens, c["params"].temperature, c["params"].top_p) == (7, 0.5, 0.9)
+    assert c["tools"] is False                          # tool_choice none: no DSML parsing
+    assert c["prompt"].thinking_mode == "chat" and not c["prompt"].reasoning_open
