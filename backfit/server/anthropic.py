@@ -1,0 +1,456 @@
+"""POST /v1/messages and /v1/messages/count_tokens (Anthropic Messages: Claude Code, SDK).
+
+Request (api-protocols §3.1): `system` string or text blocks (blocks starting with
+`x-anthropic-billing-header` dropped: a per-request hash that defeats prefix caching); roles
+user / assistant / system, Claude Code's `ctx` / `msg` → user; content blocks: text; tool_use
+(assistant) and tool_result (user, → tool results); thinking (→ the turn's reasoning, signature
+accepted unchecked), redacted_thinking and server-tool history blocks dropped; image / document
+→ `[Unsupported <type>]` placeholders (a text document's data is kept). A final assistant
+message is a prefill: continued, not closed. Tools `{name, description?, input_schema}` with
+`input_schema.type` defaulted to object and `required: null` → []; server tools (no
+input_schema) are dropped. thinking/effort as on the OpenAI paths (`thinking`,
+`output_config.effort`, `reasoning_effort`, `chat_template_kwargs`).
+
+Reply (§3.2-§3.6): message_start, ping, one content block open at a time (thinking with a
+signature_delta before its stop, text, tool_use with input_json_delta), message_delta (stop
+reason, stop_sequence, cumulative usage), message_stop; `event: error` mid-stream. Usage:
+input_tokens excludes the prefix-cache hit, reported as cache_read_input_tokens. The
+non-streaming reply is the message the same renderer builds (the fold of the stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import os
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from backfit.server import http
+from backfit.server.bridge import CTX, ContextTooLong, EngineUnavailable, KeepAlive, QueueFull
+from backfit.server.http import BadRequest
+from backfit.server.openai_responses import reasoning_wishes, sampling_params
+from backfit.server.protocol import (
+    ChatRequest, Finish, Message, ReasoningDelta, TextDelta, Tool, ToolCall, ToolCallArgsDelta,
+    ToolCallEnd, ToolCallStart, Usage,
+)
+
+__all__ = ["handle_messages", "handle_count_tokens", "parse_request", "anthropic_error",
+           "AnthropicRenderer", "signature"]
+
+log = logging.getLogger(__name__)
+_SECRET = os.urandom(32)                 # thinking signatures: HMAC(secret, text), per process
+_USER_ROLES = ("user", "ctx", "msg")
+_STOP = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}
+
+
+def signature(text: str) -> str:
+    """Opaque thinking-block signature (clients send it back; we accept any)."""
+    mac = hmac.new(_SECRET, text.encode("utf-8", "replace"), hashlib.sha256).digest()
+    return base64.b64encode(mac).decode()
+
+
+def _hex() -> str:
+    return uuid.uuid4().hex
+
+
+def anthropic_error(status: int, type: str, message: str, headers: dict | None = None
+                    ) -> web.Response:
+    rid = "req_" + _hex()[:24]
+    return http.json_response({"type": "error", "error": {"type": type, "message": message},
+                               "request_id": rid}, status=status,
+                              headers={"request-id": rid, **(headers or {})})
+
+
+# ---- request → ChatRequest ------------------------------------------------------------------
+
+def _block_text(b: dict, p: str) -> str:
+    kind = b.get("type")
+    if kind == "text":
+        if not isinstance(b.get("text"), str):
+            raise BadRequest(f"{p}.text must be a string", f"{p}.text")
+        return b["text"]
+    src = b.get("source")
+    if kind == "document" and isinstance(src, dict) and src.get("type") == "text" \
+            and isinstance(src.get("data"), str):
+        return src["data"]
+    return f"[Unsupported {str(kind)[:40]}]"
+
+
+def _result_content(c: Any, p: str) -> str | list[dict]:
+    if c is None or isinstance(c, str):
+        return c or ""
+    if not isinstance(c, list):
+        raise BadRequest(f"{p} must be a string or an array of blocks", p)
+    out = []
+    for j, b in enumerate(c):
+        if not isinstance(b, dict):
+            raise BadRequest(f"{p}[{j}] must be an object", f"{p}[{j}]")
+        out.append({"type": "text", "text": _block_text(b, f"{p}[{j}]")}
+                   if b.get("type") in ("text", "document") else {"type": b.get("type")})
+    return out
+
+
+def _message(m: Any, i: int, last: bool) -> list[Message]:
+    p = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise BadRequest(f"{p} must be an object", p)
+    role = m.get("role")
+    if role not in _USER_ROLES + ("assistant", "system"):
+        raise BadRequest(f"{p}.role must be user, assistant or system, got {role!r}"[:200],
+                         f"{p}.role")
+    content = m.get("content")
+    if isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise BadRequest(f"{p}.content must be a string or an array of blocks", f"{p}.content")
+    out: list[Message] = []
+    text, reasoning, calls = [], [], []
+    for j, b in enumerate(content):
+        q = f"{p}.content[{j}]"
+        if not isinstance(b, dict):
+            raise BadRequest(f"{q} must be an object", q)
+        kind = b.get("type")
+        if kind == "tool_result" and role != "assistant":
+            if text:
+                out.append(Message("user", "".join(text)))
+                text = []
+            tid = b.get("tool_use_id", "")
+            if not isinstance(tid, str):
+                raise BadRequest(f"{q}.tool_use_id must be a string", f"{q}.tool_use_id")
+            out.append(Message("tool", _result_content(b.get("content"), f"{q}.content"),
+                               tool_call_id=tid))
+        elif kind == "tool_use" and role == "assistant":
+            name, tid = b.get("name"), b.get("id", "")
+            if not isinstance(name, str) or not name or not isinstance(tid, str):
+                raise BadRequest(f"{q}: tool_use needs a string id and name", f"{q}.name")
+            calls.append(ToolCall(tid, name, json.dumps(b.get("input") or {},
+                                                        ensure_ascii=False)))
+        elif kind == "thinking":
+            if isinstance(b.get("thinking"), str):
+                reasoning.append(b["thinking"])
+        elif kind in ("text", "image", "document", "search_result"):
+            text.append(_block_text(b, q))
+        else:                  # redacted_thinking, server_tool_use, web_search_tool_result, ...
+            log.debug("anthropic: dropped %s block in %s", kind, p)
+    if role == "assistant":
+        out.append(Message("assistant", "".join(text), "".join(reasoning) or None, tuple(calls),
+                           prefix=last))
+    elif text or not out:
+        out.append(Message("system" if role == "system" else "user", "".join(text)))
+    return out
+
+
+def _system(v: Any) -> str:
+    if v is None or isinstance(v, str):
+        return v or ""
+    if not isinstance(v, list):
+        raise BadRequest("system must be a string or an array of text blocks", "system")
+    texts = []
+    for j, b in enumerate(v):
+        if not isinstance(b, dict) or not isinstance(b.get("text"), str):
+            raise BadRequest(f"system[{j}] must be a text block", f"system[{j}]")
+        if not b["text"].startswith("x-anthropic-billing-header"):
+            texts.append(b["text"])
+    return "\n".join(texts)
+
+
+def _tools(v: Any) -> tuple[Tool, ...]:
+    out = []
+    for i, t in enumerate(v or []):
+        if not isinstance(t, dict):
+            raise BadRequest(f"tools[{i}] must be an object", f"tools[{i}]")
+        if "input_schema" not in t:
+            continue                     # server tools (web_search_*, bash_*): cannot run here
+        name, schema = t.get("name"), t.get("input_schema")
+        if not isinstance(name, str) or not name:
+            raise BadRequest(f"tools[{i}].name must be a non-empty string", f"tools[{i}].name")
+        if not isinstance(schema, dict):
+            raise BadRequest(f"tools[{i}].input_schema must be an object",
+                             f"tools[{i}].input_schema")
+        schema = {"type": "object", **schema}
+        if schema.get("required", []) is None:
+            schema["required"] = []      # Claude Code sends required: null
+        desc = t.get("description")
+        out.append(Tool.function(name, desc if isinstance(desc, str) else None, schema))
+    return tuple(out)
+
+
+def _tool_choice(v: Any) -> tuple[str | dict, bool]:
+    if v is None:
+        return "auto", True
+    if not isinstance(v, dict) or v.get("type") not in ("auto", "any", "tool", "none"):
+        raise BadRequest("tool_choice.type must be auto, any, tool or none", "tool_choice")
+    parallel = not v.get("disable_parallel_tool_use", False)
+    if v["type"] == "tool":
+        if not isinstance(v.get("name"), str):
+            raise BadRequest("tool_choice.name must be a string", "tool_choice.name")
+        return {"name": v["name"]}, parallel
+    return {"any": "required"}.get(v["type"], v["type"]), parallel
+
+
+def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
+    """Messages JSON → ChatRequest; BadRequest names the field (max_tokens is required)."""
+    if http.get_int(body, "n", 1) != 1:
+        raise BadRequest("n > 1 is not supported", "n")
+    max_tokens = http.get_int(body, "max_tokens", lo=1)
+    if max_tokens is None and not count_only:
+        raise BadRequest("max_tokens is required", "max_tokens")
+    msgs = http.get_list(body, "messages")
+    if not msgs:
+        raise BadRequest("messages must be a non-empty array", "messages")
+    messages = [x for i, m in enumerate(msgs) for x in _message(m, i, i == len(msgs) - 1)]
+    system = _system(body.get("system"))
+    if system:
+        messages.insert(0, Message("system", system))
+    thinking_cfg = http.get_dict(body, "thinking", {})
+    http.get_int(thinking_cfg, "budget_tokens", lo=0)
+    out_cfg = http.get_dict(body, "output_config", {})
+    thinking, effort = reasoning_wishes(body, out_cfg.get("effort"), "output_config.effort")
+    fmt = http.get_dict(out_cfg, "format")
+    fmt = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}} \
+        if fmt and fmt.get("type") == "json_schema" else None
+    stop = http.get_list(body, "stop_sequences", [])
+    if not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("stop_sequences must be non-empty strings", "stop_sequences")
+    choice, parallel = _tool_choice(body.get("tool_choice"))
+    return ChatRequest(
+        messages=tuple(messages), tools=_tools(http.get_list(body, "tools", [])),
+        tool_choice=choice, thinking=thinking, reasoning_effort=effort, response_format=fmt,
+        max_tokens=max_tokens, temperature=http.get_num(body, "temperature", lo=0, hi=2),
+        top_p=http.get_num(body, "top_p", lo=0, hi=1), top_k=http.get_int(body, "top_k", lo=-1),
+        seed=http.get_int(body, "seed"), stop=tuple(stop),
+        stream=http.get_bool(body, "stream", False), parallel_tool_calls=parallel,
+        extra={"display": thinking_cfg.get("display")})
+
+
+# ---- events → the §3.3 sequence --------------------------------------------------------------
+
+class AnthropicRenderer:
+    """Neutral events → [(event type, data)]; `message` is the Message object so far."""
+
+    def __init__(self, req: ChatRequest, model: str, prompt_tokens: int, new_id=None):
+        self.new_id = new_id or _hex
+        self.hide = req.extra.get("display") == "omitted"
+        self.open: dict | None = None       # the content block being streamed
+        self.args = ""                      # the open tool_use block's JSON text
+        self.finish: Finish | None = None
+        self.usage = Usage(prompt_tokens, 0)
+        self.message = {"id": "msg_" + self.new_id(), "type": "message", "role": "assistant",
+                        "model": model, "content": [], "stop_reason": None,
+                        "stop_sequence": None, "usage": self._usage()}
+
+    def _usage(self) -> dict:
+        u = self.usage
+        return {"input_tokens": u.prompt_tokens - u.cached_tokens,
+                "output_tokens": u.completion_tokens, "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": u.cached_tokens,
+                "output_tokens_details": {"thinking_tokens": u.reasoning_tokens}}
+
+    def start(self) -> list[tuple[str, dict]]:
+        return [("message_start", {"type": "message_start",
+                                   "message": json.loads(json.dumps(self.message))}),
+                ("ping", {"type": "ping"})]
+
+    def _start_block(self, block: dict) -> list:
+        frames = self._stop_block()
+        self.open = block
+        self.message["content"].append(block)
+        return frames + [("content_block_start", {
+            "type": "content_block_start", "index": len(self.message["content"]) - 1,
+            "content_block": json.loads(json.dumps(block))})]
+
+    def _delta(self, delta: dict) -> tuple[str, dict]:
+        return ("content_block_delta", {"type": "content_block_delta",
+                                        "index": len(self.message["content"]) - 1,
+                                        "delta": delta})
+
+    def _stop_block(self) -> list:
+        b = self.open
+        if b is None:
+            return []
+        frames = []
+        if b["type"] == "thinking":         # the signature comes last; the SDK replaces it
+            b["signature"] = signature(b["thinking"])
+            frames.append(self._delta({"type": "signature_delta", "signature": b["signature"]}))
+        elif b["type"] == "tool_use":
+            try:
+                val = json.loads(self.args) if self.args else {}
+            except ValueError:
+                val = {}                    # a broken call (cut off): no input
+            b["input"] = val if isinstance(val, dict) else {"input": val}
+        self.open = None
+        return frames + [("content_block_stop", {"type": "content_block_stop",
+                                                 "index": len(self.message["content"]) - 1})]
+
+    def feed(self, ev) -> list[tuple[str, dict]]:
+        frames: list = []
+        kind = self.open and self.open["type"]
+        if isinstance(ev, ReasoningDelta) and ev.text:
+            if kind != "thinking":
+                frames += self._start_block({"type": "thinking", "thinking": "",
+                                             "signature": ""})
+            if not self.hide:               # display "omitted": an empty, signed block
+                self.open["thinking"] += ev.text
+                frames.append(self._delta({"type": "thinking_delta", "thinking": ev.text}))
+        elif isinstance(ev, TextDelta) and ev.text:
+            if kind != "text":
+                frames += self._start_block({"type": "text", "text": ""})
+            self.open["text"] += ev.text
+            frames.append(self._delta({"type": "text_delta", "text": ev.text}))
+        elif isinstance(ev, ToolCallStart):
+            tid = "toolu_" + (ev.id[5:] if ev.id.startswith("call_") else ev.id)
+            frames += self._start_block({"type": "tool_use", "id": tid, "name": ev.name,
+                                         "input": {}})
+            self.args = ""
+        elif isinstance(ev, ToolCallArgsDelta) and kind == "tool_use" and ev.text:
+            self.args += ev.text
+            frames.append(self._delta({"type": "input_json_delta", "partial_json": ev.text}))
+        elif isinstance(ev, ToolCallEnd):
+            frames += self._stop_block()
+        elif isinstance(ev, Usage):
+            self.usage = ev
+        elif isinstance(ev, Finish):
+            self.finish = ev
+        return frames
+
+    def close(self) -> list[tuple[str, dict]]:
+        """The open block's stop, message_delta and message_stop (or an error event)."""
+        f = self.finish or Finish("error", error="the output stream ended without a finish")
+        frames = self._stop_block()
+        if f.reason not in _STOP:
+            return frames + [self.error(f.error or f"generation ended: {f.reason}")]
+        reason = "stop_sequence" if f.stop_sequence is not None else _STOP[f.reason]
+        self.message.update(stop_reason=reason, stop_sequence=f.stop_sequence,
+                            usage=self._usage())
+        return frames + [
+            ("message_delta", {"type": "message_delta",
+                               "delta": {"stop_reason": reason, "stop_sequence": f.stop_sequence},
+                               "usage": self._usage()}),
+            ("message_stop", {"type": "message_stop"})]
+
+    @staticmethod
+    def error(message: str, type: str = "api_error") -> tuple[str, dict]:
+        return "error", {"type": "error", "error": {"type": type, "message": message}}
+
+
+# ---- handlers --------------------------------------------------------------------------------
+
+def _context_error(n: int, m: int | None, limit: int) -> str:
+    if m is None or n >= limit:
+        return f"prompt is too long: {n} tokens > {limit - 1} maximum"
+    return (f"input length and `max_tokens` exceed context limit: {n} + {m} > {limit}, "
+            "decrease input length or `max_tokens` and try again")
+
+
+async def _parse(request: web.Request, count_only: bool):
+    ctx = request.app[CTX]
+    body = await http.read_json(request)
+    req = parse_request(body, count_only)
+    try:
+        prompt = ctx.encoder.encode_request(req)
+    except ValueError as e:
+        raise BadRequest(str(e), "tool_choice" if "tool_choice" in str(e) else "messages") \
+            from None
+    return ctx, req, prompt
+
+
+async def handle_count_tokens(request: web.Request) -> web.Response:
+    """POST /v1/messages/count_tokens: the exact prompt length from the DSV4 encoder."""
+    try:
+        _, _, prompt = await _parse(request, count_only=True)
+    except BadRequest as e:
+        return anthropic_error(e.status, "invalid_request_error" if e.status != 413
+                               else "request_too_large", e.message)
+    return http.json_response({"input_tokens": len(prompt.ids)})
+
+
+async def handle_messages(request: web.Request) -> web.StreamResponse:
+    """POST /v1/messages (`?beta=true` and anthropic-* headers accepted)."""
+    try:
+        ctx, req, prompt = await _parse(request, count_only=False)
+        n = len(prompt.ids)
+        try:
+            params = sampling_params(req, n, ctx.max_model_len, "max_tokens")
+        except BadRequest as e:
+            if e.code != "context_length_exceeded":
+                raise
+            raise BadRequest(_context_error(n, req.max_tokens, ctx.max_model_len),
+                             "max_tokens") from None
+    except BadRequest as e:
+        return anthropic_error(e.status, "invalid_request_error" if e.status != 413
+                               else "request_too_large", e.message)
+    r = AnthropicRenderer(req, ctx.model_name, n)
+    it = ctx.bridge.stream(prompt, params, tools=req.tools_enabled, stop=req.stop).__aiter__()
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except QueueFull as e:                  # Claude Code retries 529 as an overload
+        return anthropic_error(529, "overloaded_error", str(e),
+                               {"Retry-After": str(QueueFull.retry_after)})
+    except EngineUnavailable as e:
+        return anthropic_error(503, "api_error", str(e),
+                               {"Retry-After": str(EngineUnavailable.retry_after)})
+    except ContextTooLong:
+        return anthropic_error(400, "invalid_request_error",
+                               _context_error(n, req.max_tokens, ctx.max_model_len))
+    except ValueError as e:
+        return anthropic_error(400, "invalid_request_error", str(e))
+    try:
+        if req.stream:
+            return await _stream(request, r, it, first)
+        try:
+            async for ev in _events(it, first):
+                if not isinstance(ev, KeepAlive):
+                    r.feed(ev)
+        except EngineUnavailable as e:
+            return anthropic_error(503, "api_error", str(e))
+        frames = r.close()
+        if frames and frames[-1][0] == "error":
+            return anthropic_error(500, "api_error", frames[-1][1]["error"]["message"],
+                                   {"x-should-retry": "false"})
+        return http.json_response(r.message, headers={"request-id": r.message["id"]})
+    finally:
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()                  # abort the engine request if it is still running
+
+
+async def _events(it, first):
+    if first is not None:
+        yield first
+    async for ev in it:
+        yield ev
+
+
+async def _stream(request, r: AnthropicRenderer, it, first) -> web.StreamResponse:
+    resp = await http.sse_start(request, {"request-id": r.message["id"]})
+    try:
+        for etype, data in r.start():
+            await http.sse_event(resp, etype, data)
+        try:
+            async for ev in _events(it, first):
+                if isinstance(ev, KeepAlive):
+                    await http.sse_event(resp, "ping", {"type": "ping"})
+                    continue
+                for etype, data in r.feed(ev):
+                    await http.sse_event(resp, etype, data)
+            frames = r.close()
+        except (http.ClientGone, asyncio.CancelledError):
+            raise
+        except Exception as e:              # noqa: BLE001 - engine died mid-stream
+            log.warning("anthropic: stream failed: %r", e)
+            frames = [r.error(f"generation failed: {e}"[:300])]
+        for etype, data in frames:
+            await http.sse_event(resp, etype, data)
+        await http.sse_end(resp)
+    except http.ClientGone:
+        pass                                # the finally in handle_messages() aborts it
+    return resp
