@@ -6,15 +6,19 @@ forward. forward(step) runs every prefill chunk and decode token in ONE batch an
 logits [num_sampled, vocab] for the sequences that sample (their last token), plus every row of
 the sequences that asked for prompt logprobs. Sampling is the engine's (rank 0 only).
 
-Pool sizing (size_pools): on CUDA, free memory after loading and a profile forward of
-max_num_batched_tokens tokens, times gpu_memory_utilization, goes to slots first (running
-sequences + snapshots) and blocks after; on CPU, --cpu-kv-cache-gib bounds it the same way.
-Byte counts come from the pools themselves (built on the meta device), so they cannot drift.
+Pool sizing (size_pools) is the planner's `fit` (runtime/cache/budget.py, also behind
+`backfit plan`): on CUDA, the memory free after loading, less (1 - gpu_memory_utilization) of the
+card and the activation workspace of a max_num_batched_tokens step, goes to slots first (running
+sequences + snapshots) and blocks after; on CPU, --cpu-kv-cache-gib is the budget. Byte counts
+come from runtime/cache/layout.py, which a test holds equal to what PagedCache allocates.
+
+Kernels (--kernels): "triton" (default on CUDA) or "torch" (default on CPU, the reference path);
+the runner sets the process-wide runtime.kernels backend once, before the model is built, and
+stacks the experts for the fused MoE right after loading (MoE.prepare_kernels).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +27,10 @@ import torch
 
 from backfit.config import ModelConfig
 from backfit.runtime.batch import ForwardBatch
+from backfit.runtime.cache.layout import default_block_size
 from backfit.runtime.cache.paged import PagedCache, check_block_size
 
-__all__ = ["RunnerConfig", "StepSeq", "StepInput", "ModelRunner", "default_block_size",
-           "pool_bytes"]
+__all__ = ["RunnerConfig", "StepSeq", "StepInput", "ModelRunner", "resolve_kernels"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class RunnerConfig:
     num_blocks: int | None = None            # None: from memory (size_pools)
     gpu_memory_utilization: float = 0.90
     cpu_kv_cache_gib: float = 4.0
+    kernels: str | None = None               # triton | torch; None: triton on CUDA, torch on CPU
 
 
 @dataclass(frozen=True)
@@ -69,23 +74,27 @@ class StepOutput:
     all_logits: dict[int, torch.Tensor] = field(default_factory=dict)   # seq_id -> [n, V]
 
 
-def default_block_size(cfg: ModelConfig) -> int:
-    """The smallest multiple of every compression ratio that is >= 64 tokens."""
-    step = math.lcm(*[r for r in cfg.compress_ratios if r] or [1])
-    return step * max(1, math.ceil(64 / step))
-
-
-def pool_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv: str) -> tuple[int, int]:
-    """(bytes per slot, bytes per block), measured on pools built on the meta device."""
-    c = PagedCache(cfg, 1, 1, block_size, dtype, kv, device="meta").nbytes()
-    return c["slots"], c["blocks"]
+def resolve_kernels(kernels: str | None, device: str | torch.device) -> str:
+    """The kernel backend for --kernels on `device`; raises ValueError with what to change."""
+    from backfit.runtime.kernels import KERNEL_BACKENDS
+    cuda = torch.device(device).type == "cuda"
+    name = kernels if kernels is not None else ("triton" if cuda else "torch")
+    if name not in KERNEL_BACKENDS:
+        raise ValueError(f"--kernels {name!r}: choose one of {', '.join(KERNEL_BACKENDS)}")
+    if name == "triton" and not cuda:
+        raise ValueError(f"--kernels triton needs a CUDA device (got --device {device}); "
+                         "use --kernels torch on CPU")
+    return name
 
 
 class ModelRunner:
     def __init__(self, rc: RunnerConfig):
+        from backfit.runtime.kernels import set_kernel_backend
         from backfit.runtime.loader import load_model
         from backfit.runtime.model.transformer import Transformer
         self.rc, self.timings = rc, {}
+        self.kernels = resolve_kernels(rc.kernels, rc.device)
+        set_kernel_backend(self.kernels)                # once per process (raises on a change)
         self.cfg = ModelConfig.from_file(Path(rc.model) / "config.json")
         self.dtype = getattr(torch, rc.dtype)
         self.device = torch.device(rc.device)
@@ -101,6 +110,9 @@ class ModelRunner:
         t = time.perf_counter()
         self.model = Transformer(self.cfg, self.dtype, mtp=False)
         load_model(self.model, rc.model, self.device)
+        if self.kernels == "triton":                    # stacked experts before pool sizing
+            for layer in self.model.layers:
+                layer.ffn.prepare_kernels()
         self.timings["weights_s"] = time.perf_counter() - t
         t = time.perf_counter()
         self.num_slots, self.num_blocks = self.size_pools()
@@ -113,46 +125,37 @@ class ModelRunner:
         return self.num_slots - self.rc.max_num_seqs
 
     def size_pools(self) -> tuple[int, int]:
-        """(slots, blocks) from the configured memory budget; raises with what to change."""
+        """(slots, blocks) from the planner's `fit` (runtime/cache/budget.py), the same
+        arithmetic as `backfit plan`, on measured free memory; raises with what to change."""
+        from backfit.runtime.cache.budget import GiB, fit, workspace
+        from backfit.runtime.cache.layout import cache_layout
+        from backfit.runtime.distributed import get_tp_info
         rc = self.rc
-        slots = rc.max_num_seqs + (rc.max_num_seqs if rc.num_snapshot_slots is None
-                                   else rc.num_snapshot_slots)
-        per_slot, per_block = pool_bytes(self.cfg, self.block_size, self.dtype, self.kv)
-        need = math.ceil(rc.max_model_len / self.block_size)        # one full-length sequence
-        if rc.num_blocks is not None:
-            blocks = rc.num_blocks
-        else:
-            if self.device.type == "cuda":
-                self._profile_forward()
-                free, _ = torch.cuda.mem_get_info(self.device)
-                total = torch.cuda.get_device_properties(self.device).total_memory
-                budget = free - (1 - rc.gpu_memory_utilization) * total
-            else:
-                budget = rc.cpu_kv_cache_gib * 2**30
-            blocks = int((budget - slots * per_slot) // per_block)
-            blocks = min(blocks, need * rc.max_num_seqs) if self.device.type == "cpu" else blocks
-        if blocks < need:
-            raise ValueError(
-                f"the KV cache holds {max(blocks, 0) * self.block_size} tokens, fewer than "
-                f"--max-model-len {rc.max_model_len}: lower --max-model-len or --max-num-seqs, "
-                f"use --kv-cache-dtype int8, or raise --gpu-memory-utilization / --cpu-kv-cache-gib "
-                f"(a slot takes {per_slot / 2**20:.1f} MiB, a block of {self.block_size} "
-                f"tokens {per_block / 2**20:.2f} MiB)")
-        return slots, blocks
-
-    @torch.no_grad()
-    def _profile_forward(self) -> None:
-        """One forward of max_num_batched_tokens tokens so the free-memory reading after it
-        leaves room for the activations of the largest step (a scratch cache, then freed)."""
-        n = min(self.rc.max_num_batched_tokens, self.rc.max_model_len)
-        scratch = PagedCache(self.cfg, 1, math.ceil(n / self.block_size), self.block_size,
-                             self.dtype, self.kv, self.device)
-        b = ForwardBatch.build([(0, torch.zeros(n, dtype=torch.int64), 0)], self.device, [0],
-                               [list(range(scratch.num_blocks))])
-        self.model(b, scratch, last_only=True)
-        del scratch
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
+        act = "fp32" if self.dtype == torch.float32 else "bf16"
+        layout = cache_layout(self.cfg, act if self.kv == "auto" else "int8", self.block_size,
+                              act_dtype=act)
+        kw = dict(max_model_len=rc.max_model_len, max_num_seqs=rc.max_num_seqs,
+                  num_snapshot_slots=rc.num_snapshot_slots, tp=get_tp_info().size,
+                  max_num_batched_tokens=rc.max_num_batched_tokens)
+        if rc.num_blocks is not None:                         # fixed (tests, CPU runs)
+            per = layout.slot_bytes * (rc.max_num_seqs + (rc.max_num_seqs if rc.num_snapshot_slots
+                                                         is None else rc.num_snapshot_slots))
+            n = per + rc.num_blocks * layout.block_bytes
+            self.plan = fit(layout, n, n, utilization=1.0, **kw)
+        elif self.device.type == "cuda":                      # after loading: what is really free
+            torch.cuda.synchronize(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            ws = workspace(self.cfg, kw["tp"], rc.max_num_batched_tokens, rc.max_model_len,
+                           rc.max_num_seqs, act_bytes=self.dtype.itemsize).total
+            self.plan = fit(layout, free, total, utilization=rc.gpu_memory_utilization,
+                            workspace_bytes=ws, graph_bytes=0, **kw)   # no CUDA graphs yet
+        else:                                                 # CPU: --cpu-kv-cache-gib
+            budget = int(rc.cpu_kv_cache_gib * GiB)
+            self.plan = fit(layout, budget, budget, utilization=1.0, **kw)
+        blocks = self.plan.num_blocks
+        if rc.num_blocks is None and self.device.type == "cpu":   # no more than can be used
+            blocks = min(blocks, layout.blocks_for(rc.max_model_len) * rc.max_num_seqs)
+        return self.plan.num_slots, blocks
 
     @torch.no_grad()
     def forward(self, step: StepInput) -> StepOutput:

@@ -1,0 +1,162 @@
+"""The start-up budget: activation workspace, graph reserve, runtime reserve, and `fit`.
+
+Shared by the engine's runner (measured free memory after loading) and `backfit plan`
+(backfit/capacity.py: computed from the inventory). Pure Python; the derivation of every term is
+in backfit/capacity.py's docstring and docs/PERFORMANCE.md (Capacity).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from backfit.config import ModelConfig
+from backfit.runtime.cache.layout import CacheLayout
+
+__all__ = ["GiB", "MiB", "SCORE_CHUNK", "GRAPH_BYTES", "CONTEXT_BYTES", "NCCL_BYTES", "Workspace",
+           "workspace", "graph_reserve", "runtime_reserve", "Plan", "fit"]
+
+GiB = 2 ** 30
+MiB = 2 ** 20
+SCORE_CHUNK = 256                       # query rows per indexer / attention score block
+GRAPH_BYTES = 16 * MiB                  # per captured graph: 5.5 MiB measured for 1,720 nodes
+CONTEXT_BYTES = 3 * GiB // 4            # CUDA context + cuBLAS (685 MiB measured, H200)
+NCCL_BYTES = GiB // 2                   # estimate, tp > 1
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Per-rank activation bytes of one forward (module docstring: how each term is derived)."""
+    streams: int
+    attention: int
+    moe: int
+    scores: int
+    logits: int
+
+    @property
+    def total(self) -> int:
+        return self.streams + max(self.attention, self.moe) + self.scores + self.logits
+
+
+def workspace(cfg: ModelConfig, tp: int, tokens: int, max_model_len: int, num_seqs: int,
+              act_bytes: int = 2, score_chunk: int = SCORE_CHUNK) -> Workspace:
+    T, A, H, D = tokens, act_bytes, cfg.hidden_size, cfg.head_dim
+    NH, IH, IHD, I = cfg.num_attention_heads // tp, cfg.index_n_heads // tp, cfg.index_head_dim, \
+        cfg.moe_intermediate_size // tp
+    k, E, V, W, topk = cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.vocab_size, \
+        cfg.sliding_window, cfg.index_topk
+    ratios = {cfg.ratio(i) for i in range(cfg.num_hidden_layers)}
+    hca = min((r for r in ratios if r > 4), default=0)
+    L = max_model_len
+    streams = 3 * T * cfg.hc_mult * H * A + T * H * 4
+    attention = T * (cfg.q_lora_rank + 2 * NH * D + D + cfg.o_groups // tp * cfg.o_lora_rank
+                     + IH * IHD) * A + T * 2 * (2 * D + 2 * IHD) * 4
+    moe = T * (E * 4 + k * (2 * H * A + 2 * I * 4 + I * A) + 2 * I * 4)
+    C = min(T, score_chunk)
+    entries = max(topk, -(-L // hca) if hca else 0)
+    index = C * -(-L // 4) * 4 + C * topk * 4 if 4 in ratios else 0     # [C, L/4] + [C, topk]
+    scores = index + 2 * C * NH * (W + entries) * 4                    # [C, NH/tp, W + n] x2
+    logits = num_seqs * (V // tp * 4 + V * 16)
+    return Workspace(streams, attention, moe, scores, logits)
+
+
+def graph_reserve(cfg: ModelConfig, tp: int, max_model_len: int, max_num_seqs: int) -> int:
+    """Decode graphs for batch 1, 2, 4, 8, 16, ... max_num_seqs sharing one pool."""
+    sizes = {1, 2, 4, max_num_seqs} | set(range(8, max_num_seqs + 1, 8))
+    pool = workspace(cfg, tp, max_num_seqs, max_model_len, max_num_seqs).total
+    return pool + len(sizes) * GRAPH_BYTES
+
+
+def runtime_reserve(tp: int) -> int:
+    return CONTEXT_BYTES + (NCCL_BYTES if tp > 1 else 0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One rank's memory plan. Sizes in bytes; capacity and lengths in tokens."""
+    tp: int
+    gpu_mem_bytes: int
+    gpu_memory_utilization: float
+    kv_cache_dtype: str
+    experts: str
+    weight_bytes_per_rank: int
+    used_bytes: int                        # weights + runtime reserve (or measured)
+    workspace_bytes: int
+    graph_reserve_bytes: int
+    kv_pool_bytes: int                     # slots + blocks
+    slot_bytes: int
+    num_slots: int
+    num_snapshot_slots: int
+    block_size: int
+    block_bytes: int
+    num_blocks: int
+    kv_bytes_per_token: float
+    kv_bytes_per_sequence: int             # slot + blocks at max_model_len
+    kv_capacity_tokens: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_concurrency_at_max_model_len: int
+    longest_context: int                   # one sequence, this workspace, model limit
+    planned: bool = False
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def fit(layout: CacheLayout, free_bytes: int, total_bytes: int, *, max_model_len: int,
+        max_num_seqs: int, utilization: float = 0.90, workspace_bytes: int = 0,
+        graph_bytes: int = 0, num_snapshot_slots: int | None = None,
+        weight_bytes: int | None = None, tp: int = 1, experts: str = "",
+        max_num_batched_tokens: int = 0,
+        model_limit: int | None = None, planned: bool = False, notes: tuple[str, ...] = ()) -> Plan:
+    """Size the pools from what is free on one rank: measured (torch.cuda.mem_get_info() after
+    loading weights and starting NCCL) or computed (total - weights - runtime reserve).
+    Raises ValueError saying what to change when max_model_len (or anything at all) does not fit."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization {utilization}: must be in (0, 1]")
+    if max_model_len < 1 or max_num_seqs < 1:
+        raise ValueError("--max-model-len and --max-num-seqs must be at least 1")
+    snaps = max_num_seqs if num_snapshot_slots is None else num_snapshot_slots
+    used = total_bytes - free_bytes
+    budget = int(total_bytes * utilization)
+    pool = budget - used - workspace_bytes - graph_bytes
+    slots = max_num_seqs + snaps
+    blocks_free = pool - slots * layout.slot_bytes
+    need = layout.blocks_for(max_model_len)
+    num_blocks = max(blocks_free // layout.block_bytes, 0)
+    if num_blocks < need:
+        fits = num_blocks * layout.block_size
+        head = (f"--max-model-len {max_model_len} needs {_gib(need * layout.block_bytes)} of KV "
+                f"blocks per rank but {_gib(blocks_free)} is left" if fits else
+                f"no KV cache fits: {_gib(layout.block_bytes - blocks_free)} short of one block")
+        where = (f"{_gib(budget)} budget = {_gib(total_bytes)} x {utilization}, less "
+                 f"{_gib(used)} weights and runtime, {_gib(workspace_bytes)} workspace, "
+                 f"{_gib(graph_bytes)} graphs, {slots} slots x {layout.slot_bytes / MiB:.1f} MiB")
+        fixes = [f"lower --max-model-len to at most {fits}" if fits else "",
+                 "raise --gpu-memory-utilization" if utilization < 0.99 else "",
+                 "use --kv-cache-dtype int8" if layout.kv_dtype != "int8" else "",
+                 "use a larger --tp", "fewer --max-num-seqs or snapshot slots",
+                 "a smaller --max-num-batched-tokens",
+                 "4-bit experts (planned)" if experts != "mx4" else ""]
+        raise ValueError(f"{head} ({where}); to fit: {', '.join(f for f in fixes if f)}")
+    cap = num_blocks * layout.block_size
+    return Plan(gpu_mem_bytes=total_bytes, gpu_memory_utilization=utilization,
+                kv_cache_dtype=layout.kv_dtype, used_bytes=used, workspace_bytes=workspace_bytes,
+                graph_reserve_bytes=graph_bytes,
+                kv_pool_bytes=slots * layout.slot_bytes + num_blocks * layout.block_bytes,
+                slot_bytes=layout.slot_bytes, num_slots=slots, num_snapshot_slots=snaps,
+                block_size=layout.block_size, block_bytes=layout.block_bytes, num_blocks=num_blocks,
+                kv_bytes_per_token=layout.kv_bytes_per_token,
+                kv_bytes_per_sequence=layout.sequence_bytes(max_model_len), kv_capacity_tokens=cap,
+                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                max_concurrency_at_max_model_len=min(max_num_seqs, num_blocks // need),
+                longest_context=min(cap, model_limit or cap), tp=tp, experts=experts,
+                weight_bytes_per_rank=used if weight_bytes is None else weight_bytes,
+                max_num_batched_tokens=max_num_batched_tokens, planned=planned, notes=notes)
+
+
