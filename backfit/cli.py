@@ -110,6 +110,9 @@ def engine_options(f):
         click.option("--tp", type=int, default=None, help="Tensor-parallel ranks (default: the "
                      "converted tp). Each rank is its own process; this one is rank 0."),
         click.option("--device", default="cpu", show_default=True, help="cpu or cuda."),
+        click.option("--kernels", type=click.Choice(["triton", "torch"]), default=None,
+                     help="GPU kernels: triton (default on CUDA) or the plain-torch reference "
+                          "path (default on CPU; triton needs --device cuda)."),
         click.option("--dtype", "--activations", "dtype", default="bfloat16", show_default=True,
                      type=click.Choice(["bfloat16", "float32"]), help="Activation dtype."),
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "bf16", "int8"]),
@@ -140,7 +143,7 @@ def engine_options(f):
 
 def engine_kwargs(kw: dict) -> dict:
     """Pop the engine flags out of a command's keyword arguments -> EngineConfig fields."""
-    names = ("device", "dtype", "kv_cache_dtype", "max_model_len", "max_num_batched_tokens",
+    names = ("device", "kernels", "dtype", "kv_cache_dtype", "max_model_len", "max_num_batched_tokens",
              "block_size", "enable_prefix_caching", "enable_chunked_prefill",
              "gpu_memory_utilization", "cpu_kv_cache_gib")
     out = {n: kw.pop(n) for n in names}
@@ -189,6 +192,38 @@ def generate(converted, prompt, prompts_file, tp, **kw) -> None:
                                 ignore_eos=kw["ignore_eos"], skip_special_tokens=False)
         run_generate(converted, prompts, params, tp=tp, **ekw)
     except (ValueError, *_user_errors()) as e:
+        _fail(e)
+
+
+@main.command()
+@click.argument("converted", type=click.Path(exists=True, file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--served-model-name", default="deepseek-v4-flash", show_default=True,
+              help="The model id clients see (any requested model name is accepted).")
+@click.option("--alias", "aliases", multiple=True, help="Extra model ids listed by /v1/models.")
+@click.option("--api-key", default=None, envvar="BACKFIT_API_KEY",
+              help="Require this key (Authorization: Bearer or x-api-key) on /v1 paths.")
+@click.option("--max-queue", type=int, default=256, show_default=True,
+              help="Requests admitted beyond --max-num-seqs; more get 429 (529 on Anthropic).")
+@click.option("--keepalive", type=float, default=10.0, show_default=True,
+              help="Seconds of silence before an SSE keep-alive comment / ping.")
+@engine_options
+def serve(converted, host, port, served_model_name, aliases, api_key, max_queue, keepalive, tp,
+          **kw) -> None:
+    """Serve CONVERTED over HTTP: OpenAI Chat Completions, Responses, legacy Completions and
+    Anthropic Messages (docs/API.md). /health answers 503 until the model is loaded; SIGINT or
+    SIGTERM shuts down cleanly (open streams end with an error event, rank processes exit)."""
+    import logging
+
+    from backfit.server.app import serve as run_serve
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    ekw = engine_kwargs(kw)
+    try:
+        run_serve(converted, host, port, served_model_name=served_model_name, api_key=api_key,
+                  max_queue=max_queue, keepalive_s=keepalive, aliases=tuple(aliases), tp=tp,
+                  **ekw)
+    except (ValueError, OSError, *_user_errors()) as e:
         _fail(e)
 
 

@@ -1,0 +1,339 @@
+"""The aiohttp application: routes, auth, CORS, error shapes, and `serve` (the CLI's entry).
+
+    POST /v1/chat/completions        openai_chat.handle
+    POST /v1/completions             openai_completions.handle (legacy; lm-eval)
+    POST /v1/responses               openai_responses.handle           (imported lazily)
+    POST /v1/messages[/count_tokens] anthropic.handle_messages / handle_count_tokens
+    GET  /v1/models[/{id}]           OpenAI list, or Anthropic's with an anthropic-version header
+    POST /tokenize, /detokenize      vLLM-compatible (also under /v1/)
+    GET  /health, /ping, /version    503 until the model is loaded, 200 after
+    GET  /metrics                    Prometheus text (metrics.py)
+Every POST route is also served without the /v1 prefix (clients with bare base URLs).
+Errors come in the protocol's own shape: Anthropic's for /v1/messages*, OpenAI's elsewhere;
+an unexpected exception is logged and answered 500 with `x-should-retry: false` (the fuzz
+test holds this at zero). Auth (`--api-key`): `Authorization: Bearer` or `x-api-key`,
+compared in constant time, on every path but OPTIONS, /health, /ping, /version and /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import importlib
+import logging
+import time
+
+from aiohttp import web
+
+from backfit import __version__
+from backfit.server import openai_chat, openai_completions
+from backfit.server.bridge import CTX, ContextTooLong, EngineUnavailable, QueueFull, ServerContext
+from backfit.server.http import (
+    MAX_BODY, BadRequest, get_bool, get_dict, get_list, json_response, read_json,
+)
+from backfit.server.metrics import CONTENT_TYPE
+from backfit.server.openai_chat import error_response
+from backfit.server.protocol import ChatRequest
+
+__all__ = ["build_app", "start_server", "make_context", "serve", "ready_line", "anthropic_error",
+           "OPEN_PATHS"]
+
+log = logging.getLogger("backfit.server")
+OPEN_PATHS = ("/health", "/ping", "/version", "/metrics")
+_CORS = {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+         "Access-Control-Expose-Headers": "x-request-id, request-id, retry-after",
+         "Access-Control-Max-Age": "600"}
+
+
+def _is_anthropic(path: str) -> bool:
+    return path.startswith(("/v1/messages", "/messages"))
+
+
+def anthropic_error(status: int, type_: str, message: str, headers: dict | None = None):
+    return json_response({"type": "error", "error": {"type": type_, "message": message}},
+                         status, headers)
+
+
+def _error(path: str, status: int, message: str, headers: dict | None = None,
+           param: str | None = None, code: str | None = None) -> web.Response:
+    if _is_anthropic(path):
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
+        return anthropic_error(status, kind.get(status, "api_error"), message, headers)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return error_response(status, message, kind, param, code, headers)
+
+
+# ---- middlewares ---------------------------------------------------------------------------
+
+@web.middleware
+async def cors(request: web.Request, handler):
+    if request.method == "OPTIONS":
+        asked = request.headers.get("Access-Control-Request-Headers", "authorization, "
+                                    "content-type, x-api-key, anthropic-version")
+        return web.Response(status=204, headers={**_CORS, "Access-Control-Allow-Headers": asked})
+    resp = await handler(request)
+    if not resp.prepared:
+        resp.headers.update({k: v for k, v in _CORS.items() if k not in resp.headers})
+    return resp
+
+
+@web.middleware
+async def errors(request: web.Request, handler):
+    path = request.path
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _error(path, e.status, e.reason or "error")
+    except BadRequest as e:
+        return _error(path, e.status, e.message, param=e.param, code=e.code)
+    except QueueFull as e:
+        status = 529 if _is_anthropic(path) else 429
+        return _error(path, status, str(e), {"Retry-After": str(e.retry_after)},
+                      code="rate_limit_exceeded")
+    except EngineUnavailable as e:
+        return _error(path, 503, str(e), {"Retry-After": str(e.retry_after)}, code="overloaded")
+    except ContextTooLong as e:
+        return _error(path, 400, str(e), param="messages", code="context_length_exceeded")
+    except (ConnectionError, asyncio.CancelledError):
+        raise
+    except Exception as e:                         # noqa: BLE001 - a bug; logged, never a crash
+        log.exception("unhandled error on %s %s", request.method, path)
+        return _error(path, 500, f"internal error: {type(e).__name__}",
+                      {"x-should-retry": "false"})
+
+
+@web.middleware
+async def auth(request: web.Request, handler):
+    key = request.app[CTX].api_key
+    if key and request.method != "OPTIONS" and request.path not in OPEN_PATHS:
+        given = request.headers.get("x-api-key", "")
+        bearer = request.headers.get("Authorization", "")
+        if bearer[:7].lower() == "bearer ":
+            given = bearer[7:].strip()
+        if not hmac.compare_digest(given.encode("utf-8", "replace"), key.encode()):
+            if _is_anthropic(request.path):
+                return anthropic_error(401, "authentication_error", "invalid x-api-key")
+            return error_response(401, "Invalid API key", code="invalid_api_key")
+    return await handler(request)
+
+
+# ---- small endpoints -----------------------------------------------------------------------
+
+async def health(request: web.Request) -> web.Response:
+    b = request.app[CTX].bridge
+    if b.ready:
+        return json_response({"status": "ok"})
+    return json_response({"status": "draining" if b.draining else "loading"}, 503,
+                         {"Retry-After": "5"})
+
+
+async def version(request: web.Request) -> web.Response:
+    return json_response({"version": __version__})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    m = request.app[CTX].metrics
+    body = m.render() if m is not None else b""
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def _model_card(ctx: ServerContext, name: str) -> dict:
+    return {"id": name, "object": "model", "created": ctx.created, "owned_by": "backfit",
+            "root": ctx.model_name, "parent": None, "max_model_len": ctx.max_model_len,
+            "context_window": ctx.max_model_len}
+
+
+def _anthropic_card(ctx: ServerContext, name: str) -> dict:
+    ts = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ctx.created))
+    return {"type": "model", "id": name, "display_name": name, "created_at": ts}
+
+
+async def models(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    names = (ctx.model_name, *ctx.aliases)
+    if "anthropic-version" in request.headers:
+        data = [_anthropic_card(ctx, n) for n in names]
+        return json_response({"data": data, "has_more": False, "first_id": names[0],
+                              "last_id": names[-1]})
+    return json_response({"object": "list", "data": [_model_card(ctx, n) for n in names]})
+
+
+async def model(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    name = request.match_info["id"]
+    if name not in (ctx.model_name, *ctx.aliases):
+        return error_response(404, f"The model {name!r} does not exist", param="model",
+                              code="model_not_found")
+    if "anthropic-version" in request.headers:
+        return json_response(_anthropic_card(ctx, name))
+    return json_response(_model_card(ctx, name))
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """{prompt} (BOS unless add_special_tokens is false; text never parsed into control
+    tokens) or {messages, tools?, ...}: the same encoder path as generation."""
+    ctx = request.app[CTX]
+    body = await read_json(request)
+    if "messages" in body:
+        tools, choice = openai_chat.parse_tools(body)
+        thinking, effort = openai_chat.parse_reasoning(body)
+        req = ChatRequest(openai_chat.parse_messages(body["messages"]), tools, choice,
+                          thinking, effort, get_dict(body, "response_format", None))
+        try:
+            ids = ctx.encoder.encode_request(req).ids
+        except ValueError as e:
+            raise BadRequest(str(e)[:500], "messages") from None
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise BadRequest("prompt must be a string (or give messages)", "prompt")
+        ids = ctx.encoder.encode_text(prompt)
+        if get_bool(body, "add_special_tokens", True):
+            ids = [ctx.encoder.control_ids["<｜begin▁of▁sentence｜>"]] + ids
+    out = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+    if get_bool(body, "return_token_strs", False):
+        out["token_strs"] = [ctx.tokenizer.id_to_token(t) for t in ids]
+    return json_response(out)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    body = await read_json(request)
+    ids = get_list(body, "tokens")
+    vocab = ctx.tokenizer.get_vocab_size(with_added_tokens=True)
+    if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                              for t in ids):
+        raise BadRequest(f"tokens must be an array of token ids in [0, {vocab})", "tokens")
+    return json_response({"prompt": ctx.tokenizer.decode(ids, skip_special_tokens=False)})
+
+
+# ---- protocol modules written elsewhere, imported lazily -----------------------------------
+
+def _lazy(module: str, attr: str, anthropic: bool):
+    async def handler(request: web.Request) -> web.StreamResponse:
+        try:
+            mod = importlib.import_module(f"backfit.server.{module}")
+            fn = getattr(mod, attr)
+        except (ImportError, AttributeError):
+            return _error("/v1/messages" if anthropic else "/v1/responses", 501,
+                          f"{request.path} is not implemented in this build")
+        return await fn(request)
+    return handler
+
+
+def build_app(ctx: ServerContext) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[cors, errors, auth])
+    app[CTX] = ctx
+    post = [("/chat/completions", openai_chat.handle),
+            ("/completions", openai_completions.handle),
+            ("/responses", _lazy("openai_responses", "handle", False)),
+            ("/messages", _lazy("anthropic", "handle_messages", True)),
+            ("/messages/count_tokens", _lazy("anthropic", "handle_count_tokens", True)),
+            ("/tokenize", tokenize), ("/detokenize", detokenize)]
+    for path, fn in post:
+        app.router.add_post("/v1" + path, fn)
+        app.router.add_post(path, fn)
+    for path, fn in (("/v1/models", models), ("/models", models), ("/v1/models/{id}", model),
+                     ("/health", health), ("/ping", health), ("/version", version),
+                     ("/metrics", metrics)):
+        app.router.add_get(path, fn)
+    return app
+
+
+async def start_server(ctx: ServerContext, host: str, port: int) -> web.AppRunner:
+    """Listen now (health answers 503 until the engine is ready). handler_cancellation: a
+    client that goes away cancels its handler, which aborts its engine request (§7.9)."""
+    runner = web.AppRunner(build_app(ctx), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, shutdown_timeout=5).start()
+    return runner
+
+
+# ---- assembling a server -------------------------------------------------------------------
+
+def make_context(engine, model_dir: str, *, model_name: str = "deepseek-v4-flash",
+                 api_key: str | None = None, max_queue: int = 256, keepalive_s: float = 10.0,
+                 aliases: tuple[str, ...] = (), encoder_profile: str = "flash") -> ServerContext:
+    """ServerContext over an engine (AsyncEngine, or a test double with the same surface:
+    cfg, ready, error, generate, stats). The tokenizer is read from model_dir."""
+    from backfit.server.bridge import Bridge, load_tokenizer
+    from backfit.server.chat_format import ChatEncoder
+    from backfit.server.metrics import Metrics
+
+    tok = load_tokenizer(model_dir)
+    m = Metrics(model_name, engine.stats)
+    bridge = Bridge(engine, max_model_len=engine.cfg.max_model_len,
+                    max_num_seqs=engine.cfg.max_num_seqs, max_queue=max_queue,
+                    keepalive_s=keepalive_s, metrics=m)
+    return ServerContext(bridge, ChatEncoder(tok, encoder_profile), model_name,
+                         engine.cfg.max_model_len, api_key, tok, tuple(aliases),
+                         int(time.time()), m)
+
+
+def ready_line(engine, host: str, port: int, t_start: float) -> str:
+    """The start-up report: address, capacity from the planner's pools, time to ready."""
+    e = engine.engine
+    t = getattr(e, "timings", {}) or {}
+    total = time.perf_counter() - t_start
+    cap = e.num_blocks * e.block_size
+    return (f"backfit serve: ready on http://{host}:{port} (model {e.cfg.model}, tp {e.cfg.tp}, "
+            f"{e.cfg.device}) | capacity: {e.num_blocks} blocks x {e.block_size} tokens = "
+            f"{cap} cached tokens, {e.cfg.max_num_seqs} sequences, max_model_len "
+            f"{e.cfg.max_model_len} | ready in {total:.1f} s: weights {t.get('weights_s', 0):.1f}"
+            f" s, pools {t.get('pools_s', 0):.1f} s, kernel warm-up -- and graph capture -- "
+            "(not implemented yet: the plain-torch path compiles and captures nothing)")
+
+
+async def _serve(cfg, host: str, port: int, ctx_kw: dict) -> None:
+    import signal
+
+    from backfit.server.bridge import AsyncEngine
+
+    t0 = time.perf_counter()
+    engine = AsyncEngine(cfg)
+    ctx = make_context(engine, cfg.model, **ctx_kw)
+    runner = await start_server(ctx, host, port)
+    print(f"backfit serve: listening on http://{host}:{port}; loading {cfg.model} "
+          "(/health answers 503 until ready)", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    engine.start()
+    waiter = asyncio.ensure_future(engine.wait_ready())
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if waiter.done():
+            waiter.result()                              # EngineDeadError: load failed
+            print(ready_line(engine, host, port, t0), flush=True)
+            await stopper
+        n = ctx.bridge.drain()
+        print(f"backfit serve: shutting down ({n} open streams end with an error event)",
+              flush=True)
+        for _ in range(40):                              # let streams write their error event
+            if ctx.bridge.active == 0:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        waiter.cancel()
+        stopper.cancel()
+        await runner.cleanup()
+        await asyncio.to_thread(engine.shutdown)         # joins the engine thread; ranks exit
+
+
+def serve(model: str, host: str = "127.0.0.1", port: int = 8000, *, served_model_name: str
+          = "deepseek-v4-flash", api_key: str | None = None, max_queue: int = 256,
+          keepalive_s: float = 10.0, aliases: tuple[str, ...] = (), **engine_kw) -> None:
+    """`backfit serve`: engine + HTTP in this process (TP ranks are child processes)."""
+    from backfit.formats import load_manifest
+    from backfit.server.bridge import EngineConfig
+
+    engine_kw["tp"] = engine_kw.get("tp") or load_manifest(model)["tp"]
+    cfg = EngineConfig(str(model), **engine_kw)
+    asyncio.run(_serve(cfg, host, port, {"model_name": served_model_name, "api_key": api_key,
+                                         "max_queue": max_queue, "keepalive_s": keepalive_s,
+                                         "aliases": aliases}))

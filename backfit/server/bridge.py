@@ -1,0 +1,249 @@
+"""asyncio ↔ engine: admit, stream, parse, abort on disconnect; the only server file that
+imports `backfit.engine`.
+
+    Bridge.generate(ids, params)  -> RequestOutput deltas (+ KEEPALIVE markers)   legacy paths
+    Bridge.stream(prompt, params, tools=, stop=) -> neutral events (+ KEEPALIVE)   chat paths
+        TextDelta / ReasoningDelta / ToolCall* ... Usage, Finish (a FinishWithUsage: .usage)
+
+Both raise, before their first event: `EngineUnavailable` (→ 503: loading, dead, draining),
+`QueueFull` (→ 429, 529 on the Anthropic path; with Retry-After), `ContextTooLong` (a ValueError
+→ 400 context_length_exceeded) and ValueError (→ 400). Closing the iterator — the handler task
+is cancelled on a client disconnect (`handler_cancellation=True`), or the caller stops early —
+cancels the engine stream, which aborts the request before the engine's next step (its slot and
+blocks are free within one step). An engine failure after the first event ends the stream with
+Finish(reason="error"). If nothing comes for `keepalive_s` seconds (long prefill), a KEEPALIVE
+marker is yielded; SSE writers render it as a comment / ping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from backfit.engine.async_engine import AsyncEngine, EngineDeadError
+from backfit.engine.engine import EngineConfig, RequestOutput
+from backfit.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from backfit.engine.tokenizer import load_tokenizer
+from backfit.server.chat_format import ChatEncoder, Prompt
+from backfit.server.parser import OutputParser
+from backfit.server.protocol import Finish, Usage
+
+__all__ = [
+    "Bridge", "ServerContext", "CTX", "QueueFull", "EngineUnavailable", "ContextTooLong",
+    "KeepAlive", "KEEPALIVE", "ServerShutdown", "FinishWithUsage", "SamplingParams", "MAX_LOGPROBS",
+    "AsyncEngine", "EngineConfig", "RequestOutput", "load_tokenizer",
+]
+
+
+class QueueFull(RuntimeError):
+    """Every running slot and the waiting queue are taken: reject now (pitfall #20)."""
+    retry_after = 2
+
+
+class EngineUnavailable(RuntimeError):
+    """Not loaded yet, shutting down, or dead: 503."""
+    retry_after = 5
+
+
+class ServerShutdown(EngineDeadError):
+    """Put into every open stream on SIGINT/SIGTERM: each ends with an error event."""
+
+
+class ContextTooLong(ValueError):
+    """prompt + max tokens > max_model_len (400, code context_length_exceeded)."""
+
+
+class KeepAlive:
+    """Marker: nothing happened for keepalive_s; write an SSE comment / ping."""
+
+    def __repr__(self):
+        return "KEEPALIVE"
+
+
+KEEPALIVE = KeepAlive()
+
+
+@dataclass(frozen=True)
+class FinishWithUsage(Finish):
+    """The last event of Bridge.stream: a Finish that also carries the request's Usage (the same
+    Usage is yielded as its own event just before it)."""
+    usage: Usage | None = None
+
+
+class Bridge:
+    def __init__(self, engine, *, max_model_len: int, max_num_seqs: int, max_queue: int = 256,
+                 keepalive_s: float = 10.0, metrics=None):
+        self.engine = engine
+        self.max_model_len = max_model_len
+        self.capacity = max_num_seqs + max_queue          # running + waiting, admitted at most
+        self.keepalive_s = keepalive_s
+        self.metrics = metrics
+        self.active = 0                                   # open streams (admitted requests)
+        self.draining = False
+        self._queues: set[asyncio.Queue] = set()
+
+    def drain(self) -> int:
+        """Refuse new requests (503) and end every open stream with an error; -> how many."""
+        self.draining = True
+        for q in self._queues:
+            q.put_nowait(ServerShutdown("the server is shutting down"))
+        return len(self._queues)
+
+    @property
+    def ready(self) -> bool:
+        e = self.engine
+        return (not self.draining and e.ready.is_set() and getattr(e, "error", None) is None)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def _admit(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+        if not self.ready:
+            why = "shutting down" if self.draining else \
+                "failed" if getattr(self.engine, "error", None) else "loading"
+            self._reject("unavailable")
+            raise EngineUnavailable(f"the model is {why}; try again later")
+        if self.active >= self.capacity:
+            self._reject("queue_full")
+            raise QueueFull(f"Server is busy ({self.active} requests in flight), "
+                            f"try again in {QueueFull.retry_after}s")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        n = len(ids)
+        if params.max_tokens is None:
+            if n >= self.max_model_len:
+                raise ContextTooLong(self._too_long(n, 1))
+            params = replace(params, max_tokens=self.max_model_len - n)
+        if n + params.max_tokens > self.max_model_len:
+            raise ContextTooLong(self._too_long(n, params.max_tokens))
+        return params
+
+    def _too_long(self, n: int, m: int) -> str:
+        return (f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {n + m} tokens ({n} in the messages, {m} in the completion). "
+                "Please reduce the length of the messages or completion.")
+
+    def _reject(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected(reason)
+
+    async def generate(self, ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput | KeepAlive]:
+        """Engine outputs for raw token ids (legacy completions); see the module docstring."""
+        params = self._admit(ids, params)
+        self.active += 1
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues.add(q)
+        done = False
+
+        async def pump():
+            try:
+                async for o in self.engine.generate(ids, params):
+                    q.put_nowait(o)
+                q.put_nowait(None)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:                 # noqa: BLE001 - handed to the consumer
+                q.put_nowait(e)
+
+        t0 = time.monotonic()
+        t_first, n_out, reason = None, 0, None
+        task = asyncio.ensure_future(pump())
+        getter = None
+        try:
+            while True:
+                if getter is None:
+                    getter = asyncio.ensure_future(q.get())
+                got, _ = await asyncio.wait({getter}, timeout=self.keepalive_s)
+                if not got:
+                    yield KEEPALIVE
+                    continue
+                item, getter = getter.result(), None
+                if item is None:
+                    break
+                if isinstance(item, EngineDeadError):
+                    raise EngineUnavailable(str(item)) if n_out == 0 and t_first is None else item
+                if isinstance(item, BaseException):
+                    raise item
+                if item.token_ids and t_first is None:
+                    t_first = time.monotonic()
+                n_out += len(item.token_ids)
+                if item.finished:
+                    done, reason = True, item.finish_reason
+                yield item
+        finally:
+            self.active -= 1
+            self._queues.discard(q)
+            for t in (getter, task):
+                if t is not None and not t.done():
+                    t.cancel()
+                    with contextlib.suppress(BaseException):
+                        await t
+            if self.metrics is not None:
+                self.metrics.request_done(t0, t_first, time.monotonic(), n_out,
+                                          reason if done else "abort", disconnected=not done)
+
+    async def stream(self, prompt: Prompt, params: SamplingParams, *, tools: bool,
+                     stop=()) -> AsyncIterator[Any]:
+        """Neutral protocol events for an encoded chat prompt; see the module docstring.
+        stop: stop strings applied by the parser to content (not reasoning or arguments)."""
+        parser = OutputParser(reasoning=prompt.reasoning_open, tools=tools, stop=tuple(stop))
+        agen = self.generate(prompt.ids, params)
+        n_out, usage, started = 0, None, False
+        try:
+            try:
+                async for o in agen:
+                    if o is KEEPALIVE:
+                        yield o
+                        continue
+                    started = True
+                    n_out += len(o.token_ids)
+                    events = parser.feed(o.text, len(o.token_ids))
+                    if o.finished or parser.done:
+                        usage = o.usage
+                        stop_seq = o.stop_reason if isinstance(o.stop_reason, str) else None
+                        reason = o.finish_reason if o.finished else "stop"
+                        events += parser.finish(reason or "stop", stop_seq)
+                    for e in events:
+                        if isinstance(e, Finish):
+                            u = Usage(len(prompt.ids), usage.completion_tokens if usage else n_out,
+                                      usage.cached_tokens if usage else 0, parser.reasoning_tokens)
+                            yield u
+                            yield FinishWithUsage(e.reason, e.stop_sequence, e.error, usage=u)
+                            return
+                        yield e
+            except (EngineDeadError, RuntimeError) as e:
+                if not started or isinstance(e, (QueueFull, EngineUnavailable)):
+                    raise
+                events = parser.finish("error")
+                for ev in events:
+                    if not isinstance(ev, Finish):
+                        yield ev
+                u = Usage(len(prompt.ids), n_out, 0, parser.reasoning_tokens)
+                yield u
+                yield FinishWithUsage("error", None, f"engine failed: {e}", usage=u)
+        finally:
+            await agen.aclose()
+
+
+@dataclass
+class ServerContext:
+    """What every handler needs: `request.app[CTX]`."""
+    bridge: Bridge
+    encoder: ChatEncoder
+    model_name: str
+    max_model_len: int
+    api_key: str | None
+    tokenizer: Any
+    aliases: tuple[str, ...] = ()
+    created: int = 0
+    metrics: Any = None
+    extra: dict | None = None
+
+
+CTX = web.AppKey("ctx", ServerContext)

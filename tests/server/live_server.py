@@ -1,0 +1,93 @@
+"""A live backfit server on a free loopback port, in a thread (for the real openai SDK), and a
+scripted fake engine for golden transcripts (exact outputs the random tiny model never makes)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+
+from backfit.engine.engine import RequestOutput, Usage
+from backfit.server.app import make_context, start_server
+
+
+class LiveServer:
+    """serve(engine) on 127.0.0.1:<free port> in a background event loop; .url, .ctx, stop()."""
+
+    def __init__(self, engine, model_dir, **ctx_kw):
+        self.engine = engine
+        self.ctx = make_context(engine, str(model_dir), **ctx_kw)
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def run():
+            asyncio.set_event_loop(self.loop)
+            self.runner = self.loop.run_until_complete(start_server(self.ctx, "127.0.0.1", 0))
+            started.set()
+            self.loop.run_forever()
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        started.wait(30)
+        self.port = self.runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def call(self, coro, timeout=60):
+        """Run a coroutine on the server's loop (to inspect or poke the bridge)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self):
+        self.call(self.runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
+
+
+@dataclass
+class _Cfg:
+    max_model_len: int = 1024
+    max_num_seqs: int = 4
+
+
+class FakeEngine:
+    """AsyncEngine's surface (cfg, ready, error, generate, stats) over a script: each request
+    yields `script` = [(text, n_tokens), ...] one delta per step, then finishes with
+    `finish_reason`. `delay` seconds between deltas; `aborted` counts requests closed early."""
+
+    def __init__(self, script=(), finish_reason="stop", delay=0.0, **cfg):
+        self.cfg = _Cfg(**cfg)
+        self.ready = threading.Event()
+        self.ready.set()
+        self.error = None
+        self.script, self.finish_reason, self.delay = list(script), finish_reason, delay
+        self.aborted = self.finished = self.running = 0
+        self.last_prompt: list[int] | None = None
+        self.last_params = None
+
+    def stats(self) -> dict:
+        return {"num_requests_running": self.running, "num_requests_waiting": 0,
+                "kv_cache_usage": 0.0, "num_blocks": 8, "num_free_blocks": 8,
+                "prompt_tokens": 0, "generation_tokens": 0}
+
+    async def generate(self, ids, params):
+        self.last_prompt, self.last_params = list(ids), params
+        self.running += 1
+        done, n = False, 0
+        try:
+            for k, (text, nt) in enumerate(self.script):
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                n += nt
+                last = k == len(self.script) - 1
+                o = RequestOutput(0, text, list(range(nt)))
+                if last:
+                    o.finished, o.finish_reason = True, self.finish_reason
+                    o.usage = Usage(len(ids), n, 0)
+                    done = True
+                yield o
+        finally:
+            self.running -= 1
+            if done:
+                self.finished += 1
+            else:
+                self.aborted += 1
