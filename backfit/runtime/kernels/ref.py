@@ -71,3 +71,76 @@ def moe_routed_ref(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
         h = swiglu_ref(g, u, limit) * w[rows, slot][:, None]         # weight before w2
         y.index_add_(0, rows, linear_ref(h.to(x.dtype), w2[e], s2[e], "int8_mx32").float())
     return y
+
+
+# Attention and indexer over the paged pools (kernels.attention, kernels.indexer):
+# decode_attention_ref = Attention._attend/_core for one query per sequence, gathering the window
+# and the entries from the pools per sequence (int8 dequantized as cache.paged._Store.get);
+# indexer_scores_ref / topk_select_ref = Indexer.select's scores over the paged keys, its top-k.
+__all__ += ["pool_get_ref", "decode_attention_ref", "indexer_scores_ref", "topk_select_ref"]
+
+
+def pool_get_ref(data: torch.Tensor, scale: torch.Tensor | None, idx: tuple,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """Vectors data[idx] in `dtype`; int8: q · scale in FP32, then dtype (= _Store.get)."""
+    if scale is None:
+        return data[idx].to(dtype)
+    return (data[idx].float() * scale[idx][..., None]).to(dtype)
+
+
+def decode_attention_ref(q, kv, pos, sink, ring, ring_scale, slots, window, mode="window",
+                         entries=None, entry_scale=None, tables=None, ratio=0, sel=None):
+    """The torch path's decode attention: q [B, H, D], kv [B, D] act dtype -> o [B, H, D] FP32.
+
+    Per sequence: keys = ring rows of positions max(0, p-W+1) .. p-1, then kv (in flight),
+    then HCA entries j < (p+1)//ratio or CSA entries sel[b] (>= 0); scores (q·k)/sqrt(D) in FP32,
+    softmax with the per-head sink logit in the denominator only (Attention._core).
+    """
+    B, H, D = q.shape
+    o = torch.empty(B, H, D, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        p = int(pos[b])
+        prev = torch.arange(max(0, p - window + 1), p, device=q.device)
+        keys = torch.cat((pool_get_ref(ring, ring_scale, (int(slots[b]), prev % ring.shape[1]),
+                                       q.dtype), kv[b:b + 1])).float()
+        if mode != "window":
+            per = entries.shape[1]
+            if mode == "hca":
+                j = torch.arange((p + 1) // ratio, device=q.device)
+            else:
+                j = sel[b][sel[b] >= 0].long()
+            blk = tables[b].long()[j // per]
+            keys = torch.cat((keys, pool_get_ref(entries, entry_scale, (blk, j % per),
+                                                 q.dtype).float()))
+        s = torch.einsum("hd,kd->hk", q[b].float(), keys) * D ** -0.5
+        pr = torch.softmax(torch.cat((s, sink.float()[:, None]), -1), dim=-1)[:, :-1]
+        o[b] = pr @ keys
+    return o
+
+
+def indexer_scores_ref(qI, w, keys, tables, pos) -> torch.Tensor:
+    """Indexer.select's scores Σ_h w_h·ReLU(qI_h·K_j) over the paged keys: [B, nblk·PB] FP32,
+    -inf for j >= (p+1)//4 (qI [B, H, d] FP32, w [B, H], keys [NB, PB, d], tables [B, nblk])."""
+    B, PB = qI.shape[0], keys.shape[1]
+    NC = tables.shape[1] * PB
+    out = torch.full((B, NC), float("-inf"), dtype=torch.float32, device=qI.device)
+    for b in range(B):
+        n = (int(pos[b]) + 1) // 4
+        j = torch.arange(n, device=qI.device)
+        k = keys[tables[b].long()[j // PB], j % PB].float()                 # [n, d]
+        dots = torch.einsum("hd,ed->he", qI[b].float(), k).relu()
+        out[b, :n] = torch.einsum("h,he->e", w[b].float(), dots)
+    return out
+
+
+def topk_select_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """sel [B, k] int32: torch.topk indices of the k largest (stable: ties keep the lower index),
+    -1 where the score is -inf or past N."""
+    B, N = scores.shape
+    order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    kk = min(k, N)
+    sel = torch.full((B, k), -1, dtype=torch.int32, device=scores.device)
+    top = order.indices[:, :kk].to(torch.int32)
+    sel[:, :kk] = torch.where(torch.isinf(order.values[:, :kk]) & (order.values[:, :kk] < 0),
+                              torch.full_like(top, -1), top)
+    return sel

@@ -1,0 +1,159 @@
+"""Lightning-indexer scores and top-k over the paged indexer keys (dsv4-model.md 5.4.7), Triton.
+
+Decode: one query per sequence b at position p; valid keys j < (p+1)//4, key j at block
+table[b, j // PB], row j % PB of the pool keys [NB, PB, 128] (act dtype, never int8).
+  indexer_scores  score[b, j] = Σ_h w_h · ReLU(qI_h · K_j)  [B, NC] FP32, -inf where j is not
+                  valid. Partial over the local heads: with TP the caller all-reduces it (as
+                  Indexer.select does) before the top-k. qI·K on BF16 MMA (both hold BF16 values,
+                  so products are exact), FP32 accumulate.
+  topk_select     sel [B, k] int32: the k best j per row, best first, -1 where fewer than k are
+                  valid. Two-pass: each C-wide chunk keeps its top k (bitonic tl.topk on packed
+                  int64 keys = order-preserving score bits << 32 | (2^31-1-j), so equal scores
+                  keep the lower j), then the chunk winners are reduced the same way until one
+                  chunk is left.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["indexer_scores", "topk_select", "TOPK_CHUNK"]
+
+TOPK_CHUNK = 2048       # candidates per top-k program (int64 keys in registers: 16 KB)
+_LOW = 2 ** 31 - 1      # j -> _LOW - j in the low word: equal scores prefer the lower j
+
+
+@triton.jit
+def _score_kernel(QI, WI, KEYS, TABLES, POS, OUT, H, NC, stride_tb,
+                  PB: tl.constexpr, DI: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                  F32: tl.constexpr, EXACT: tl.constexpr):
+    """Program (b, key tile): scores of keys [tile·BN, +BN) for sequence b."""
+    b, t = tl.program_id(0), tl.program_id(1)
+    b64 = b.to(tl.int64)
+    hh = tl.arange(0, BH)
+    h_ok = hh < H
+    dd = tl.arange(0, DI)
+    qi = tl.load(QI + (b64 * H + hh[:, None]) * DI + dd[None, :], mask=h_ok[:, None], other=0.0)
+    w = tl.load(WI + b64 * H + hh, mask=h_ok, other=0.0)                # [BH] FP32
+    n_valid = (tl.load(POS + b) + 1) // 4
+    j = t * BN + tl.arange(0, BN)
+    ok = j < n_valid
+    jj = tl.where(ok, j, 0)
+    blk = tl.load(TABLES + b64 * stride_tb + jj // PB, mask=ok, other=0).to(tl.int64)
+    k = tl.load(KEYS + (blk * PB + jj % PB)[:, None] * DI + dd[None, :], mask=ok[:, None],
+                other=0.0)                                              # [BN, DI]
+    if F32:                                      # interpreter: BF16 dots are wrong there
+        dots = tl.dot(qi.to(tl.float32), tl.trans(k.to(tl.float32)))
+    elif EXACT:
+        dots = tl.dot(qi.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        dots = tl.dot(qi.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))  # [BH, BN]
+    score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)          # [BN]
+    score = tl.where(ok, score, float("-inf"))
+    tl.store(OUT + b64 * NC + j, score, mask=j < NC)
+
+
+@triton.jit
+def _pack(score, j):
+    """FP32 score, index j -> int64 whose signed order is (score, -j)."""
+    bits = score.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)                  # monotone in score
+    return (key.to(tl.int64) << 32) | (2147483647 - j).to(tl.int64)
+
+
+@triton.jit
+def _topk_scores_kernel(SCORES, OUT, N, n_out, K: tl.constexpr, C: tl.constexpr):
+    """Program (b, chunk): the top K packed keys of scores[b, chunk·C, +C) -> OUT[b, chunk]."""
+    b, c = tl.program_id(0), tl.program_id(1)
+    j = c * C + tl.arange(0, C)
+    s = tl.load(SCORES + b.to(tl.int64) * N + j, mask=j < N, other=float("-inf"))
+    key = tl.where(j < N, _pack(s, j), -9223372036854775807 - 1)
+    top = tl.topk(key, K)
+    tl.store(OUT + b.to(tl.int64) * n_out + c * K + tl.arange(0, K), top)
+
+
+@triton.jit
+def _topk_keys_kernel(IN, OUT, N, n_out, K: tl.constexpr, C: tl.constexpr):
+    """Program (b, chunk): the top K of packed keys IN[b, chunk·C, +C) -> OUT[b, chunk]."""
+    b, c = tl.program_id(0), tl.program_id(1)
+    i = c * C + tl.arange(0, C)
+    key = tl.load(IN + b.to(tl.int64) * N + i, mask=i < N, other=-9223372036854775807 - 1)
+    top = tl.topk(key, K)
+    tl.store(OUT + b.to(tl.int64) * n_out + c * K + tl.arange(0, K), top)
+
+
+@triton.jit
+def _unpack_kernel(IN, SEL, N, k, NEG_INF_KEY, KP: tl.constexpr):
+    """Row b: the first k packed keys -> j (int32), -1 where the score was -inf (not valid)."""
+    b = tl.program_id(0)
+    i = tl.arange(0, KP)
+    key = tl.load(IN + b.to(tl.int64) * N + i, mask=i < k, other=0)
+    hi = key >> 32
+    j = (2147483647 - (key - (hi << 32))).to(tl.int32)             # the low word
+    j = tl.where(hi > NEG_INF_KEY, j, -1)
+    tl.store(SEL + b.to(tl.int64) * k + i, j, mask=i < k)
+
+
+def _interpreted() -> bool:
+    return not isinstance(_score_kernel, triton.runtime.jit.JITFunction)
+
+
+def indexer_scores(qI: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: torch.Tensor,
+                   pos: torch.Tensor) -> torch.Tensor:
+    """qI [B, H, 128] (FP32 holding act-dtype values), w [B, H] FP32, keys [NB, PB, 128] pool,
+    tables [B, nblk], pos [B] -> scores [B, nblk·PB] FP32 (-inf past (p+1)//4)."""
+    if qI.dim() != 3 or w.shape != qI.shape[:2] or keys.dim() != 3 or keys.shape[2] != qI.shape[2]:
+        raise ValueError(f"indexer_scores: qI [B, H, d], w [B, H], keys [NB, PB, d]; got "
+                         f"{list(qI.shape)}, {list(w.shape)}, {list(keys.shape)}")
+    B, H, DI = qI.shape
+    if tables.dim() != 2 or tables.shape[0] != B or pos.shape != (B,) or DI & (DI - 1):
+        raise ValueError(f"indexer_scores: tables [B={B}, nblk], pos [B], power-of-2 key width; "
+                         f"got {list(tables.shape)}, {list(pos.shape)}, {DI}")
+    PB = keys.shape[1]
+    NC = tables.shape[1] * PB
+    out = torch.empty(B, NC, dtype=torch.float32, device=qI.device)
+    if B == 0 or NC == 0:
+        return out
+    exact = keys.dtype == torch.float32
+    BN = 32
+    _score_kernel[(B, triton.cdiv(NC, BN))](
+        qI.to(keys.dtype if not exact else torch.float32).contiguous(), w.float().contiguous(),
+        keys, tables.to(qI.device, torch.int32).contiguous(), pos.to(qI.device, torch.int32),
+        out, H, NC, tables.shape[1], PB=PB, DI=DI, BH=max(16, triton.next_power_of_2(H)), BN=BN,
+        F32=_interpreted(), EXACT=exact, num_warps=4)
+    return out
+
+
+def _neg_inf_key() -> int:
+    bits = int(torch.tensor(float("-inf")).view(torch.int32))
+    return bits ^ 0x7FFFFFFF
+
+
+def topk_select(scores: torch.Tensor, k: int, chunk: int = TOPK_CHUNK) -> torch.Tensor:
+    """scores [B, N] FP32 -> sel [B, k] int32: indices of the k largest, best first (ties: lower
+    index), -1 where the score is -inf; k may exceed N (the tail is -1)."""
+    if scores.dim() != 2 or scores.dtype != torch.float32 or k < 1:
+        raise ValueError(f"topk_select: scores [B, N] FP32 and k >= 1, got "
+                         f"{scores.dtype}{list(scores.shape)}, k={k}")
+    B, N = scores.shape
+    KP = triton.next_power_of_2(k)
+    C = max(chunk, 2 * KP)
+    if C & (C - 1):
+        raise ValueError(f"topk_select: chunk {chunk} must be a power of two")
+    sel = torch.full((B, k), -1, dtype=torch.int32, device=scores.device)
+    if B == 0 or N == 0:
+        return sel
+    scores = scores.contiguous()
+    n_chunks = triton.cdiv(N, C)
+    keys = torch.empty(B, n_chunks * KP, dtype=torch.int64, device=scores.device)
+    _topk_scores_kernel[(B, n_chunks)](scores, keys, N, n_chunks * KP, K=KP, C=C)
+    while keys.shape[1] > KP:                                           # reduce chunk winners
+        n = keys.shape[1]
+        n_chunks = triton.cdiv(n, C)
+        nxt = torch.empty(B, n_chunks * KP, dtype=torch.int64, device=scores.device)
+        _topk_keys_kernel[(B, n_chunks)](keys, nxt, n, n_chunks * KP, K=KP, C=C)
+        keys = nxt
+    _unpack_kernel[(B,)](keys, sel, keys.shape[1], k, _neg_inf_key(), KP=KP)
+    return sel

@@ -1,0 +1,156 @@
+"""Decode attention kernel (runtime.kernels.attention) against kernels.ref over random paged pools.
+
+CPU: the Triton interpreter (TRITON_INTERPRET=1 set at import when there is no CUDA device).
+Pools are filled with random vectors and read through shuffled block tables and scattered slots,
+so a wrong ring row, block lookup, entry offset or scale gives an O(1) error. The window is 16,
+so positions up to ~150 cross it and several 16-token blocks; splits 1 and several are forced.
+The interpreter truncates FP32->BF16 casts (int8 dequantization), so there the reference
+truncates too and the tolerance is 1e-5; on a GPU the plain reference, 2e-4 (p·V with p in two
+BF16 halves, summation order).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
+TOL = 1e-5 if INTERPRET else 2e-4
+
+from support import one_thread
+
+from backfit.runtime.kernels import ref
+
+W, K_RB, BLOCK = 16, 8, 16              # window, rollback rows, block size (tokens)
+
+
+@pytest.fixture(scope="module")
+def attn():
+    import importlib
+
+    import backfit.runtime.kernels.attention as attention
+    if attention._interpreted() != INTERPRET:
+        attention = importlib.reload(attention)
+    return attention
+
+
+@pytest.fixture(autouse=True)
+def _truncating_reference(monkeypatch):
+    """Under the interpreter: the reference's int8 dequantization casts to BF16 by truncation."""
+    if not INTERPRET:
+        return
+    real = ref.pool_get_ref
+
+    def get(data, scale, idx, dtype):
+        if scale is None or dtype != torch.bfloat16:
+            return real(data, scale, idx, dtype)
+        x = data[idx].float() * scale[idx][..., None]
+        return (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
+    monkeypatch.setattr(ref, "pool_get_ref", get)
+
+
+def pools(gen, S, NB, PB, D, int8, dtype=torch.bfloat16):
+    """ring [S, W+K, D], entries [NB, PB, D] (+ FP32 scales for int8)."""
+    def one(*shape):
+        if int8:
+            return (torch.randint(-127, 128, (*shape, D), generator=gen, dtype=torch.int8).to(DEV),
+                    torch.rand(*shape, generator=gen).add(0.005).mul(0.02).to(DEV))
+        return torch.randn(*shape, D, generator=gen).to(dtype).to(DEV), None
+    return one(S, W + K_RB), one(NB, PB)
+
+
+def tables_for(gen_py, B, lengths, NB):
+    """Shuffled, disjoint block tables [B, max blocks] (padded with block 0)."""
+    free = list(range(NB))
+    gen_py.shuffle(free)
+    need = [(p + BLOCK) // BLOCK for p in lengths]
+    t = torch.zeros(B, max(need), dtype=torch.int32)
+    for b, n in enumerate(need):
+        t[b, :n] = torch.tensor([free.pop() for _ in range(n)])
+    return t.to(DEV)
+
+
+def case(gen, rnd, B, mode, int8, ratio=8, H=8, D=64, dtype=torch.bfloat16, k=12):
+    S, NB = 12, 128
+    PB = BLOCK // ratio
+    (ring, rsc), (ent, esc) = pools(gen, S, NB, PB, D, int8, dtype)
+    pos = torch.tensor([rnd.choice([0, 1, 5, W - 2, W - 1, W, W + 1, 37, 64, 95, 150])
+                        for _ in range(B)])
+    slots = torch.tensor(rnd.sample(range(S), B), dtype=torch.int32).to(DEV)
+    tables = tables_for(rnd, B, pos.tolist(), NB)
+    q = (torch.randn(B, H, D, generator=gen) * 3).to(dtype).to(DEV)
+    kv = torch.randn(B, D, generator=gen).to(dtype).to(DEV)
+    if int8:
+        kv = kv * 0.5
+    sink = torch.randn(H, generator=gen).to(DEV)
+    sel = None
+    if mode == "csa":                     # a valid selection: distinct j < (p+1)//ratio, -1 pad
+        sel = torch.full((B, k), -1, dtype=torch.int32)
+        for b, p in enumerate(pos.tolist()):
+            n = min(k, (p + 1) // ratio)
+            sel[b, :n] = torch.randperm((p + 1) // ratio, generator=gen)[:n].to(torch.int32)
+        sel = sel.to(DEV)
+    return dict(q=q, kv=kv, pos=pos.to(DEV), sink=sink, ring=ring, ring_scale=rsc, slots=slots,
+                window=W, mode=mode, entries=None if mode == "window" else ent,
+                entry_scale=None if mode == "window" else esc,
+                tables=None if mode == "window" else tables, ratio=0 if mode == "window" else
+                ratio, sel=sel)
+
+
+def rel(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("mode,ratio", [("window", 0), ("hca", 8), ("csa", 4)])
+@pytest.mark.parametrize("int8", [False, True])
+def test_decode_attention_sweep(attn, mode, ratio, int8):
+    gen, rnd = torch.Generator().manual_seed(ratio * 2 + int8), random.Random(ratio + int8)
+    with one_thread():
+        for B, split in ((1, None), (3, 1), (9, None)):
+            c = case(gen, rnd, B, mode, int8, ratio=max(ratio, 4))
+            want = ref.decode_attention_ref(**c)
+            got = attn.decode_attention(**c, split=split)
+            assert got.shape == want.shape and got.dtype == torch.float32
+            assert rel(got, want) < TOL, (mode, int8, B, split, c["pos"].tolist())
+
+
+def test_heads_past_a_block_non_pow2_dim_and_fp32(attn):
+    """H = 20 (two head blocks, one partial), D = 80 (padded to 128), FP32 act dtype (ieee)."""
+    gen, rnd = torch.Generator().manual_seed(5), random.Random(5)
+    with one_thread():
+        c = case(gen, rnd, 4, "hca", False, ratio=8, H=20, D=80, dtype=torch.float32)
+        want = ref.decode_attention_ref(**c)
+        assert rel(attn.decode_attention(**c, split=3), want) < 1e-5
+
+
+def test_sink_and_in_flight_kv_matter(attn):
+    """The sink is in the denominator; the token's own kv comes from kv, not the ring."""
+    gen, rnd = torch.Generator().manual_seed(7), random.Random(7)
+    c = case(gen, rnd, 2, "window", True)
+    base = attn.decode_attention(**c)
+    assert rel(attn.decode_attention(**dict(c, sink=c["sink"] + 3)), base) > 0.05
+    assert rel(attn.decode_attention(**dict(c, kv=-c["kv"])), base) > 0.05
+    ring = c["ring"].clone()
+    ring[c["slots"].long(), c["pos"].long() % ring.shape[1]] = 100      # the token's own row
+    assert torch.equal(attn.decode_attention(**dict(c, ring=ring)), base)
+
+
+def test_bad_inputs(attn):
+    gen, rnd = torch.Generator().manual_seed(9), random.Random(9)
+    c = case(gen, rnd, 2, "csa", False, ratio=4)
+    with pytest.raises(ValueError, match="mode"):
+        attn.decode_attention(**dict(c, mode="dense"))
+    with pytest.raises(ValueError, match="csa needs sel"):
+        attn.decode_attention(**dict(c, sel=None))
+    with pytest.raises(ValueError, match="kv \\[B, D\\]"):
+        attn.decode_attention(**dict(c, kv=c["kv"][:1]))
+    with pytest.raises(ValueError, match="int8 ring needs ring_scale"):
+        attn.decode_attention(**dict(c, ring=c["ring"].to(torch.int8)))
