@@ -24,7 +24,7 @@ from backfit.engine.sampling_params import SamplingParams
 from backfit.engine.scheduler import Scheduler
 from backfit.engine.sequence import Sequence
 from backfit.engine.tokenizer import TextStream, load_tokenizer
-from backfit.runtime.runner import RunnerConfig, StepInput, StepSeq
+from backfit.runtime.runner import RunnerConfig, StepInput, StepSeq, resolve_kernels
 from backfit.runtime.sampling import SamplingBatch, prompt_logprobs, sample
 from backfit.runtime.workers import RankGroup
 
@@ -49,12 +49,16 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     cpu_kv_cache_gib: float = 4.0
     seed: int = 0                                 # unseeded requests draw from this stream
+    kernels: str | None = None                    # triton | torch; None: triton on CUDA, else torch
+
+    def __post_init__(self):
+        resolve_kernels(self.kernels, self.device)   # a bad choice fails before ranks start
 
     def runner_config(self) -> RunnerConfig:
         return RunnerConfig(self.model, self.dtype, self.device, self.kv_cache_dtype,
                             self.block_size, self.max_num_seqs, self.max_num_batched_tokens,
                             self.max_model_len, self.num_snapshot_slots, self.num_blocks,
-                            self.gpu_memory_utilization, self.cpu_kv_cache_gib)
+                            self.gpu_memory_utilization, self.cpu_kv_cache_gib, self.kernels)
 
 
 @dataclass

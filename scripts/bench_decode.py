@@ -1,0 +1,491 @@
+"""Decode and prefill of DeepSeek-V4-Flash layers at the REAL dimensions, through the engine.
+
+    python3 scripts/bench_decode.py [--layers 4] [--tp-shard 1] [--out bench_decode.json]
+                                    [--batches 1,8,32,64] [--long 32768] [--no-hf] [--tiny]
+
+One process: (1) ceilings: copy bandwidth (read + write bytes of a 4 GiB copy), BF16 (8192^3
+matmul) and INT8 (8192^3 torch._int_mm) peaks; (2) a random converted model built on the GPU
+in the converted layout (int8_g128 FP8 linears, bf16 wo_a, copied BF16 linears, int8_mx32
+experts; docs/FORMAT.md) for layers 0..N-1 of the real schedule (0, 0, 4, 128, 4, ...), as TP
+rank 0 of --tp-shard K (collectives become counted no-ops); (3) decode ms/step at each batch,
+short context (512) and --long, through ModelRunner.forward over the paged pools (random
+contents, fake positions), with the "torch" and the "triton" kernel backend; prefill of one
+1K and one 8K sequence; (4) a torch.profiler breakdown of the batch-1 step (kernels, launches
+per step, device time per module); (5) Hugging Face transformers' DeepseekV4ForCausalLM (BF16,
+eager, same dims and layers, its own cache, tid2eid = distinct experts) decoding batch 1 and 8.
+Roofline: decode floor = bytes the step must read / copy BW: every non-routed weight + scale,
+the head, the distinct experts the step routes to (counted), the embedding rows, and per
+sequence per layer the window (128 x 512), the CSA top-k entries + every indexer key, the HCA
+entries (BF16). Prefill floor = FLOPs of the int8_g128 linears / INT8 peak + every other FLOP
+(experts, wo_a, copied linears, head, attention QK/PV, indexer) / BF16 peak, or bytes / BW if
+larger. --tiny runs the same code at small dims on CPU (torch path only; a dry run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from backfit.config import ModelConfig  # noqa: E402
+from backfit.runtime import kernels as kpkg  # noqa: E402
+from backfit.runtime.distributed import set_tp_info  # noqa: E402
+from backfit.runtime.layers import Linear, RMSNorm  # noqa: E402
+from backfit.runtime.model.moe import Gate, MoE  # noqa: E402
+from backfit.synthetic import tiny_config_dict  # noqa: E402
+
+FLASH = dict(hidden_size=4096, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,
+             q_lora_rank=1024, o_groups=8, o_lora_rank=1024, n_routed_experts=256,
+             num_experts_per_tok=6, moe_intermediate_size=2048, index_n_heads=64,
+             index_head_dim=128, index_topk=512, sliding_window=128)
+FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4]               # 43 layers (dsv4-model.md §2.1)
+TINY = dict(hidden_size=256, num_attention_heads=16, head_dim=256, qk_rope_head_dim=64,
+            q_lora_rank=128, o_groups=8, o_lora_rank=128, n_routed_experts=16,
+            num_experts_per_tok=6, moe_intermediate_size=256, index_n_heads=16,
+            index_head_dim=128, index_topk=16, sliding_window=16)
+TINY_RATIOS = [0, 0, 4, 8] * 11
+FP8 = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "indexer.wq_b", "shared_experts.w1",
+       "shared_experts.w2", "shared_experts.w3")           # -> int8_g128 (FORMAT.md)
+E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+COMM = {"all_reduce": 0, "all_reduce_bytes": 0, "all_gather": 0, "all_gather_bytes": 0}
+
+
+def raw_config(layers: int, tiny: bool) -> dict:
+    dims, ratios = (TINY, TINY_RATIOS) if tiny else (FLASH, FLASH_RATIOS)
+    return tiny_config_dict("flash", 129280 if not tiny else 512, **dims,
+                            main_ratios=ratios[:layers])
+
+
+def patch_collectives() -> None:
+    """TP rank 0 alone: collectives return their input and are counted (calls, bytes)."""
+    from backfit.runtime import layers
+    from backfit.runtime.model import compressor, moe
+
+    def counted(kind):
+        def f(x, *a, **k):
+            COMM[kind] += 1
+            COMM[kind + "_bytes"] += x.numel() * x.element_size()
+            return x
+        return f
+    for mod in (layers, moe, compressor):
+        mod.all_reduce = counted("all_reduce")
+    layers.all_gather = counted("all_gather")
+
+
+def scheme_of(name: str) -> str:
+    if ".experts." in name:
+        return "int8_mx32"
+    if name.endswith("attn.wo_a"):
+        return "bf16"
+    return "int8_g128" if name.endswith(FP8) else "copy"
+
+
+def fill_linear(m: Linear, name: str, dev) -> None:
+    """Random weights in m's scheme, scaled so a layer keeps the activation size (W ~ 1/√K)."""
+    N, K, s = m.out_features, m.in_features, scheme_of(name)
+    if s == "int8_g128":
+        q = torch.randint(-127, 128, (N, K), device=dev, dtype=torch.int8)
+        sc = torch.rand(N, K // 128, device=dev) * 0.2 + 0.9
+        m.load(s, q, sc * (3 ** 0.5 / 127 / K ** 0.5), name)
+    elif s == "int8_mx32":
+        vals = torch.tensor(E2M1_X2, dtype=torch.int8, device=dev)
+        q = vals[torch.randint(0, 16, (N, K), device=dev)]
+        e = 128 - round(math.log2(5 * K ** 0.5))            # 2^(e-128)·|q|~5 = 1/√K
+        m.load(s, q, torch.randint(e - 1, e + 2, (N, K // 32), device=dev, dtype=torch.uint8), name)
+    else:
+        m.load(s, torch.randn(N, K, device=dev, dtype=torch.bfloat16) / K ** 0.5, None, name)
+
+
+def fill_random(model, cfg: ModelConfig, dev) -> None:
+    """Every Linear and buffer of the model; tid2eid rows are distinct experts per token."""
+    for mname, mod in model.named_modules():
+        if isinstance(mod, Linear):
+            fill_linear(mod, mname, dev)
+        for bname, buf in list(mod.named_buffers(recurse=False)):
+            if buf is None or isinstance(mod, RMSNorm) or bname == "inv_freq" or \
+                    (isinstance(mod, Linear) and bname in ("weight", "scale")):
+                continue                                 # loaded above / ones / computed
+            if bname == "tid2eid":
+                E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+                rows = [torch.rand(65536, E, device=dev).argsort(-1)[:, :k]
+                        for _ in range(0, buf.shape[0], 65536)]
+                buf.copy_(torch.cat(rows)[:buf.shape[0]])
+            elif bname.endswith("_fn"):
+                buf.normal_(0, buf.shape[1] ** -0.5)
+            elif bname.endswith(("_base", "bias", "attn_sink", "ape")):
+                buf.normal_(0, 0.1)
+            elif bname.endswith("_scale"):
+                buf.fill_(0.5)
+            elif bname == "weight":                      # embed rows ~1, head ~1/√d
+                buf.normal_(0, 1 if mname == "embed" else buf.shape[1] ** -0.5)
+
+
+def build_runner(raw: dict, dev: str, slots: int, blocks: int):
+    """A ModelRunner around a random model and random pools (no converted directory)."""
+    from backfit.runtime.cache.paged import PagedCache
+    from backfit.runtime.model.transformer import Transformer
+    from backfit.runtime.runner import ModelRunner, RunnerConfig, default_block_size
+    cfg = ModelConfig.from_dict(raw)
+    with torch.device(dev):
+        model = Transformer(cfg, torch.bfloat16, mtp=False)
+    fill_random(model, cfg, dev)
+    r = ModelRunner.__new__(ModelRunner)
+    r.rc = RunnerConfig("(random)", device=dev, max_num_seqs=slots, num_snapshot_slots=0)
+    r.timings, r.cfg, r.dtype, r.device = {}, cfg, torch.bfloat16, torch.device(dev)
+    r.block_size, r.kv, r.model = default_block_size(cfg), "auto", model
+    r.num_slots, r.num_blocks = slots, blocks
+    r.cache = PagedCache(cfg, slots, blocks, r.block_size, torch.bfloat16, "auto", dev)
+    for lp in r.cache.layers:
+        lp.ring.data.normal_()
+        for p in lp.parts():
+            p.c.normal_(), p.z.normal_(), p.entries.data.normal_()
+    return r
+
+
+def sync(dev) -> None:
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_input(r, B: int, start: int, n: int = 1, seed: int = 0):
+    from backfit.runtime.runner import StepInput, StepSeq
+    nb = math.ceil((start + n) / r.block_size)
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(2, r.cfg.vocab_size, (B, n), generator=g).tolist()
+    return StepInput(tuple(StepSeq(i, i, tuple(range(i * nb, (i + 1) * nb)), start,
+                                   tuple(toks[i]), True) for i in range(B)))
+
+
+def time_forward(r, make, warm: int, reps: int) -> float:
+    """Median wall ms of runner.forward(make(i)), synchronized per step (the engine's sampler
+    reads the tokens back every step, so a step ends with a sync there too)."""
+    for i in range(warm):
+        r.forward(make(i))
+    sync(r.device)
+    ts = []
+    for i in range(reps):
+        t = time.perf_counter()
+        r.forward(make(warm + i))
+        sync(r.device)
+        ts.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ts)
+
+
+def routed_experts(r, step) -> list[int]:
+    """Distinct experts each layer routes to in this step (one untimed forward)."""
+    seen = []
+    orig = Gate.route
+
+    def route(self, x, tokens):
+        idx, w = orig(self, x, tokens)
+        seen.append(int(idx.unique().numel()))
+        return idx, w
+    Gate.route = route
+    try:
+        r.forward(step)
+    finally:
+        Gate.route = orig
+    return seen
+
+
+def model_bytes(r) -> dict:
+    """Bytes of the weights: non-routed linears + small buffers, head, one routed expert."""
+    lin = buf = 0
+    for name, mod in r.model.named_modules():
+        if isinstance(mod, Linear) and ".experts." not in name:
+            lin += sum(t.numel() * t.element_size() for t in (mod.weight, mod.scale)
+                       if t is not None)
+        for bname, b in mod.named_buffers(recurse=False):
+            if b is not None and not isinstance(mod, Linear) and bname not in ("tid2eid",) \
+                    and name not in ("embed", "head"):
+                buf += b.numel() * b.element_size()
+    ex = r.model.layers[0].ffn.experts[0]
+    expert = sum(t.numel() * t.element_size() for m in (ex.w1, ex.w2, ex.w3)
+                 for t in (m.weight, m.scale))
+    head = r.model.head.weight
+    return dict(linears=lin, buffers=buf, head=head.numel() * head.element_size(), expert=expert)
+
+
+def kv_bytes(cfg: ModelConfig, ctx: int, layers: int) -> int:
+    """KV bytes one sequence's decode token must read (BF16): window, CSA top-k + indexer keys,
+    HCA entries."""
+    D, n = cfg.head_dim, 0
+    for l in range(layers):
+        ratio = cfg.ratio(l)
+        n += min(ctx + 1, cfg.sliding_window) * D * 2
+        e = (ctx + 1) // ratio if ratio else 0
+        if ratio == 4:
+            n += min(e, cfg.index_topk) * D * 2 + e * cfg.index_head_dim * 2
+        elif ratio:
+            n += e * D * 2
+    return n
+
+
+def prefill_flops(r, T: int, tp: int) -> tuple[float, float]:
+    """(INT8-linear FLOPs, other FLOPs) of one T-token prefill from position 0 (this rank)."""
+    cfg, i8 = r.cfg, 0.0
+    other = 2.0 * T * r.model.head.weight.numel()
+    for name, mod in r.model.named_modules():
+        if isinstance(mod, Linear) and ".experts." not in name:
+            f = 2.0 * T * mod.weight.numel()
+            i8, other = (i8 + f, other) if mod.scheme == "int8_g128" else (i8, other + f)
+    k, ex = cfg.num_experts_per_tok, r.model.layers[0].ffn.experts[0]
+    other += len(r.model.layers) * 2.0 * T * k * sum(m.weight.numel() for m in (ex.w1, ex.w2, ex.w3))
+    p = torch.arange(T, dtype=torch.float64)
+    Hl, IHl = cfg.num_attention_heads // tp, cfg.index_n_heads // tp
+    for l in range(len(r.model.layers)):
+        ratio = cfg.ratio(l)
+        keys = torch.clamp(p + 1, max=cfg.sliding_window)
+        if ratio:
+            e = torch.div(p + 1, ratio, rounding_mode="floor")
+            keys = keys + (e.clamp(max=cfg.index_topk) if ratio == 4 else e)
+            if ratio == 4:
+                other += float(2 * IHl * cfg.index_head_dim * e.sum())
+        other += float(4 * Hl * cfg.head_dim * keys.sum())              # QK and PV
+    return i8, other
+
+
+def profile_targets():
+    """(owner, attribute, label): the functions whose device time the profile attributes."""
+    from backfit.runtime import layers
+    from backfit.runtime.model import attention, compressor, moe, transformer
+    return [(transformer.Block, "forward", "block"), (attention.Attention, "forward", "attn"),
+            (attention.Attention, "_attend", "attn.core"),
+            (compressor.Compressor, "project", "attn.compressor"),
+            (compressor.Compressor, "update", "attn.compressor"),
+            (compressor.Indexer, "queries", "attn.indexer"),
+            (compressor.Indexer, "select", "attn.indexer"), (moe.MoE, "forward", "moe"),
+            (moe.Gate, "route", "moe.router"), (moe.Expert, "forward", "moe.expert_mlp"), (transformer, "hc_pre", "mhc"),
+            (transformer, "hc_post", "mhc"), (layers.ParallelHead, "forward", "head"),
+            (layers.VocabParallelEmbedding, "forward", "embed")]
+
+
+def profile_step(r, step, steps: int = 3) -> dict:
+    """torch.profiler over `steps` runner.forward calls: kernels per step, busy ms, top kernels,
+    device ms per part (inclusive: attn holds attn.core/compressor/indexer, moe holds router)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    saved = []
+    for owner, attr, lab in profile_targets():
+        orig = getattr(owner, attr)
+
+        def wrapped(*a, _f=orig, _l=lab, **k):
+            with record_function(_l):
+                return _f(*a, **k)
+        saved.append((owner, attr, orig))
+        setattr(owner, attr, wrapped)
+    try:
+        r.forward(step)
+        sync(r.device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                r.forward(step)
+            sync(r.device)
+    finally:
+        for owner, attr, orig in reversed(saved):
+            setattr(owner, attr, orig)
+    names = {t[2] for t in profile_targets()}
+    kern: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in names:
+            kern.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    total = sum(sum(v) for v in kern.values())
+    top = sorted(kern.items(), key=lambda kv: -sum(kv[1]))[:15]
+    avg = [a for a in prof.key_averages() if a.key in names]
+    per = {a.key: getattr(a, "device_time_total", 0) / 1e3 / steps for a in avg}
+    cpu = {a.key: a.cpu_time_total / 1e3 / steps for a in avg}
+    return dict(launches_per_step=sum(len(v) for v in kern.values()) / steps,
+                busy_ms_per_step=total / 1e3 / steps, part_device_ms=per, part_cpu_ms=cpu,
+                top_kernels=[dict(name=n[:90], calls_per_step=len(v) / steps,
+                                  ms_per_step=sum(v) / 1e3 / steps) for n, v in top])
+
+
+def ceilings(dev: str) -> dict:
+    """Copy bandwidth (TB/s, read + write), BF16 and INT8 matmul peaks (TFLOP/s), median of 10."""
+    def ms(fn):
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(10):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+        return statistics.median(ts)
+    src = torch.empty(1 << 31, dtype=torch.bfloat16, device=dev).normal_()
+    dst = torch.empty_like(src)
+    bw = 4 * src.numel() / ms(lambda: dst.copy_(src)) / 1e9
+    del src, dst
+    a, b = (torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    bf16 = 2 * 8192 ** 3 / ms(lambda: a @ b) / 1e9
+    ai = torch.randint(-127, 128, (8192, 8192), device=dev, dtype=torch.int8)
+    bi = torch.randint(-127, 128, (8192, 8192), device=dev, dtype=torch.int8).t()
+    int8 = 2 * 8192 ** 3 / ms(lambda: torch._int_mm(ai, bi)) / 1e9
+    return dict(copy_TBps=bw, bf16_TFLOPs=bf16, int8_TOPs=int8)
+
+
+def hf_decode(raw: dict, dev: str, batches, ctx: int, reps: int) -> dict:
+    """transformers' DeepseekV4ForCausalLM, BF16, eager, random weights, its own cache: ms per
+    decode step after a ctx-token prefill."""
+    import transformers
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    d = dict(raw)
+    n = d["num_hidden_layers"]
+    ratios = d.pop("compress_ratios")[:n]
+    names = {0: "sliding_attention", 4: "compressed_sparse_attention"}
+    d["layer_types"] = [names.get(x, "heavily_compressed_attention") for x in ratios]
+    hca = [x for x in ratios if x not in (0, 4)]
+    d["compress_rates"] = {"compressed_sparse_attention": 4,
+                           "heavily_compressed_attention": hca[0] if hca else 128}
+    nh = d.pop("num_hash_layers")
+    d["mlp_layer_types"] = ["hash_moe" if i < nh else "moe" for i in range(n)]
+    d.pop("quantization_config", None)
+    cfg = DeepseekV4Config(**d)
+    with torch.device(dev):
+        m = DeepseekV4ForCausalLM._from_config(cfg, dtype=torch.bfloat16,
+                                               attn_implementation="eager").eval()
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    for name, b in m.named_buffers():
+        if name.endswith("tid2eid"):                    # a zero table routes everything to 0
+            b.copy_(torch.rand(b.shape[0], E, device=dev).argsort(-1)[:, :k])
+    out = {"transformers": transformers.__version__,
+           "experts_implementation": str(getattr(cfg, "_experts_implementation", None))}
+    with torch.no_grad():
+        for B in batches:
+            ids = torch.randint(2, cfg.vocab_size, (B, ctx), device=dev)
+            o = m(input_ids=ids, use_cache=True, logits_to_keep=1)
+            pkv, ts = o.past_key_values, []
+            tok = o.logits[:, -1:].argmax(-1)
+            for i in range(2 + reps):
+                sync(dev)
+                t = time.perf_counter()
+                o = m(input_ids=tok, past_key_values=pkv, use_cache=True)
+                tok = o.logits[:, -1:].argmax(-1)
+                sync(dev)
+                ts.append((time.perf_counter() - t) * 1e3)
+            out[f"b{B}_ms"] = statistics.median(ts[2:])
+    del m
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tp-shard", type=int, default=1)
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--ctx", type=int, default=512, help="short context (tokens cached)")
+    ap.add_argument("--long", type=int, default=32768, help="long context; 0 = skip")
+    ap.add_argument("--prefill", default="1024,8192")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="small dims on CPU (dry run)")
+    ap.add_argument("--out", default="bench_decode.json")
+    a = ap.parse_args()
+    dev = "cpu" if a.tiny else "cuda"
+    batches = [int(x) for x in a.batches.split(",")]
+    prefills = [int(x) for x in a.prefill.split(",") if x]
+    ctxs = [a.ctx] + ([a.long] if a.long else [])
+    raw = raw_config(a.layers, a.tiny)
+    set_tp_info(0, a.tp_shard)
+    patch_collectives()
+    res: dict = dict(args=vars(a), torch=torch.__version__, device=dev)
+    try:
+        res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                       capture_output=True, text=True).stdout.strip()
+    except OSError:
+        res["commit"] = None
+    if dev == "cuda":
+        import triton
+        res.update(gpu=torch.cuda.get_device_name(), triton=triton.__version__)
+        res["ceilings"] = ceil = ceilings(dev)
+    else:
+        ceil = dict(copy_TBps=0.05, bf16_TFLOPs=1.0, int8_TOPs=1.0)   # nominal, dry run only
+    from backfit.runtime.runner import default_block_size
+    B_max, bs = max(batches), default_block_size(ModelConfig.from_dict(raw))
+    blocks = max(B_max * math.ceil((max(ctxs) + 8) / bs), math.ceil(max(prefills + [1]) / bs))
+    t = time.perf_counter()
+    r = build_runner(raw, dev, B_max, blocks + 1)
+    res["build_s"] = time.perf_counter() - t
+    tp, L, cfg = a.tp_shard, a.layers, r.cfg
+    mb = model_bytes(r)
+    res["model_bytes"] = mb
+    rows, backends = [], ["torch"] + ([] if a.tiny else ["triton"])
+    for be in backends:
+        kpkg._backend = be                # the bench switches in-process (the engine sets once)
+        if be == "triton":
+            for lay in r.model.layers:
+                lay.ffn.prepare_kernels()
+        for ctx in ctxs:
+            for B in batches:
+                mk = lambda i, B=B, ctx=ctx: step_input(r, B, ctx + i % 4, seed=i)  # noqa: E731
+                COMM.update({k: 0 for k in COMM})
+                ex = routed_experts(r, mk(0))
+                comm = dict(COMM)
+                ms = time_forward(r, mk, 2, a.reps)
+                byt = (mb["linears"] + mb["buffers"] + mb["head"] + sum(ex) * mb["expert"]
+                       + B * cfg.hidden_size * 2 + B * kv_bytes(cfg, ctx, L))
+                floor = byt / (ceil["copy_TBps"] * 1e9)
+                rows.append(dict(kind="decode", kernels=be, batch=B, ctx=ctx, ms=ms,
+                                 tokens_s=B / ms * 1e3, bytes=byt, floor_ms=floor,
+                                 roofline=floor / ms, experts_per_layer=ex, comm=comm))
+                print(json.dumps(rows[-1]), flush=True)
+        for T in prefills:
+            mk = lambda i, T=T: step_input(r, 1, 0, n=T, seed=i)  # noqa: E731
+            ms = time_forward(r, mk, 1, max(2, a.reps // 2))
+            i8, oth = prefill_flops(r, T, tp)
+            cfloor = (i8 / ceil["int8_TOPs"] + oth / ceil["bf16_TFLOPs"]) / 1e9
+            floor = max(cfloor, (mb["linears"] + mb["head"] + L * cfg.n_routed_experts *
+                                 mb["expert"]) / (ceil["copy_TBps"] * 1e9))
+            rows.append(dict(kind="prefill", kernels=be, batch=1, ctx=T, ms=ms,
+                             tokens_s=T / ms * 1e3, flops_int8=i8, flops_other=oth,
+                             floor_ms=floor, roofline=floor / ms,
+                             bf16_peak_frac=(i8 + oth) / (ms * 1e-3) / 1e12 / ceil["bf16_TFLOPs"]))
+            print(json.dumps(rows[-1]), flush=True)
+        res[f"profile_{be}"] = profile_step(r, step_input(r, 1, a.ctx))
+        print(json.dumps({be: res[f"profile_{be}"]}), flush=True)
+    res["rows"] = rows
+    del r
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    if not a.no_hf:
+        hb = [b for b in batches if b <= 8]
+        res["hf"] = hf_decode(raw, dev, hb, a.ctx, a.reps)
+        print(json.dumps({"hf": res["hf"]}), flush=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print_table(res)
+
+
+def print_table(res: dict) -> None:
+    c = res.get("ceilings", {})
+    print(f"\n{res.get('gpu', res['device'])}  commit {res['commit']}  layers "
+          f"{res['args']['layers']}  tp-shard {res['args']['tp_shard']}  ceilings: copy "
+          f"{c.get('copy_TBps', 0):.2f} TB/s, bf16 {c.get('bf16_TFLOPs', 0):.0f} TFLOP/s, "
+          f"int8 {c.get('int8_TOPs', 0):.0f} TOP/s")
+    print(f"{'kind':8} {'kernels':7} {'batch':>5} {'ctx':>6} {'ms':>9} {'tok/s':>9} "
+          f"{'floor ms':>9} {'roofline':>8}")
+    for w in res["rows"]:
+        print(f"{w['kind']:8} {w['kernels']:7} {w['batch']:5d} {w['ctx']:6d} {w['ms']:9.2f} "
+              f"{w['tokens_s']:9.1f} {w['floor_ms']:9.3f} {100 * w['roofline']:7.1f}%")
+    for be in ("torch", "triton"):
+        p = res.get(f"profile_{be}")
+        if p:
+            mods = ", ".join(f"{k} {v:.2f}" for k, v in sorted(p["part_device_ms"].items()))
+            print(f"profile b1 {be}: {p['launches_per_step']:.0f} launches/step, GPU busy "
+                  f"{p['busy_ms_per_step']:.2f} ms/step; device ms: {mods}")
+    if "hf" in res:
+        print("transformers:", {k: (round(v, 2) if isinstance(v, float) else v)
+                                for k, v in res["hf"].items()})
+
+
+if __name__ == "__main__":
+    main()

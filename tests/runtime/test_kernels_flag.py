@@ -1,0 +1,108 @@
+"""--kernels triton|torch through the engine: defaults, clear errors, set once per process, and
+(on a GPU) greedy output of the Triton kernels equal to the torch path on the tiny checkpoint.
+
+CPU part: resolve_kernels' defaults (triton on CUDA, torch on CPU) and errors, EngineConfig and
+the CLI refusing triton on CPU with one line, and ModelRunner setting the process-wide backend
+(and refusing to change it). GPU part (marker gpu): two fresh processes (the backend is set once
+per process), the same prompts greedy through LLMEngine on CUDA in BF16, token ids compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from backfit.cli import main
+from backfit.engine.engine import EngineConfig
+from backfit.runtime import kernels as kpkg
+from backfit.runtime.runner import ModelRunner, RunnerConfig, resolve_kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def conv(tiny_converted):
+    return tiny_converted(1, "int8")
+
+
+def test_resolve_defaults_and_errors():
+    assert resolve_kernels(None, "cpu") == "torch"
+    assert resolve_kernels(None, "cuda") == "triton"
+    assert resolve_kernels(None, torch.device("cuda", 1)) == "triton"
+    assert resolve_kernels("torch", "cuda") == "torch"
+    with pytest.raises(ValueError, match="--kernels triton needs a CUDA device"):
+        resolve_kernels("triton", "cpu")
+    with pytest.raises(ValueError, match="choose one of torch, triton"):
+        resolve_kernels("cuda", "cuda")
+
+
+def test_engine_config_checks_before_any_rank_starts():
+    with pytest.raises(ValueError, match="use --kernels torch on CPU"):
+        EngineConfig("no-such-dir", device="cpu", kernels="triton")
+    assert EngineConfig("x").runner_config().kernels is None            # resolved per rank
+    assert EngineConfig("x", device="cuda", kernels="torch").runner_config().kernels == "torch"
+
+
+def test_cli_one_line_errors(conv):
+    r = CliRunner().invoke(main, ["generate", str(conv), "--prompt", "hi", "--tp", "1",
+                                  "--kernels", "triton"])
+    assert r.exit_code == 1
+    assert r.output.strip().splitlines() == [
+        "error: --kernels triton needs a CUDA device (got --device cpu); use --kernels torch "
+        "on CPU"]
+    r = CliRunner().invoke(main, ["generate", str(conv), "--prompt", "hi", "--kernels", "cuda"])
+    assert r.exit_code == 2 and "'cuda' is not one of 'triton', 'torch'" in r.output
+
+
+def test_runner_sets_the_backend_once(conv, tp1_process, monkeypatch):
+    rc = RunnerConfig(str(conv), dtype="float32", max_num_seqs=2, max_model_len=128,
+                      num_blocks=8)
+    monkeypatch.setattr(kpkg, "_backend", "triton")         # as if a kernel run came first
+    with pytest.raises(RuntimeError, match="already set to 'triton'"):
+        ModelRunner(rc)
+    monkeypatch.setattr(kpkg, "_backend", None)
+    r = ModelRunner(rc)                                      # CPU default: the torch path
+    assert r.kernels == "torch" and kpkg.get_kernel_backend() == "torch"
+    assert all(layer.ffn.stacked is None for layer in r.model.layers)   # nothing stacked
+
+
+_GREEDY = """
+import json, sys
+from backfit.engine.engine import EngineConfig, LLMEngine
+from backfit.engine.sampling_params import SamplingParams
+from backfit.runtime.kernels import get_kernel_backend
+e = LLMEngine(EngineConfig(sys.argv[1], device="cuda", dtype="bfloat16", kernels=sys.argv[2],
+                           max_num_seqs=4, max_model_len=256, block_size=16, num_blocks=64))
+prompts = [[0] + [(37 * i + 11 * j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(4)]
+out = e.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+m = e.ranks.runner.model
+print(json.dumps({"backend": get_kernel_backend(),
+                  "stacked": [bool(lay.ffn.stacked) for lay in m.layers],
+                  "tokens": [o["token_ids"] for o in out]}))
+e.close()
+"""
+
+
+def _greedy(conv: Path, kernels: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", _GREEDY, str(conv), kernels], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_greedy_triton_equals_torch(conv):
+    ref, got = _greedy(conv, "torch"), _greedy(conv, "triton")
+    assert ref["backend"] == "torch" and not any(ref["stacked"])
+    assert got["backend"] == "triton" and all(got["stacked"])       # the fused MoE ran
+    assert all(len(t) == 24 for t in got["tokens"])
+    assert got["tokens"] == ref["tokens"]
