@@ -402,6 +402,8 @@ def main() -> None:
     try:
         res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                        capture_output=True, text=True).stdout.strip()
+        res["dirty_files"] = len(subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=ROOT,
+                                                capture_output=True, text=True).stdout.split("\n")) - 1
     except OSError:
         res["commit"] = None
     if dev == "cuda":
