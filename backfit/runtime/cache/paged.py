@@ -100,8 +100,31 @@ class _LayerPool:
 class _PagedLayer:
     """One layer's pools bound to a batch: the runtime/state.py layer-cache interface."""
 
-    def __init__(self, pool: _LayerPool, slots: list[int], tables: list[torch.Tensor]):
-        self.pool, self.slots, self.tables = pool, slots, tables
+    def __init__(self, pool: _LayerPool, slots: list[int], tables: list[torch.Tensor],
+                 bound: "_BoundPaged | None" = None):
+        self.pool, self.slots, self.tables, self.bound = pool, slots, tables, bound
+
+    # Device views for the Triton decode kernels (kernels.attention, kernels.indexer): the pools
+    # themselves, no copies. Stores are (data [N, rows, D], FP32 scale [N, rows] or None).
+    def ring_pool(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.pool.ring.data, self.pool.ring.scale
+
+    def entry_pool(self, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        e = self._part(kind).entries
+        return e.data, e.scale
+
+    def slot_ids(self) -> torch.Tensor:
+        """[B] int32 slots of the batch's sequences, on the pools' device."""
+        return self.bound.device_tables()[0]
+
+    def block_table(self) -> torch.Tensor:
+        """[B, max blocks] int32 block tables on the pools' device, padded with block 0."""
+        return self.bound.device_tables()[1]
+
+    def write_window_tokens(self, pos: torch.Tensor, kv: torch.Tensor) -> None:
+        """Decode: sequence i's one token pos[i], kv[i] into its ring (= write_window per i)."""
+        R = self.pool.ring.data.shape[1]
+        self.pool.ring.put((self.slot_ids().long(), pos % R), kv)
 
     def window(self, i: int, start: int):
         ring = self.pool.ring
@@ -153,9 +176,19 @@ class _BoundPaged:
         self.cache, self.slots = cache, list(batch.slots)
         self.tables = [torch.tensor(t, dtype=torch.int64, device=cache.device)
                        for t in batch.block_tables]
+        self._host_tables, self._device = batch.block_tables, None
+
+    def device_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots [B] int32, block tables [B, max blocks] int32 padded with 0), built once."""
+        if self._device is None:
+            n = max(1, max(len(t) for t in self._host_tables))      # host tuples: no sync
+            rows = [list(t) + [0] * (n - len(t)) for t in self._host_tables]
+            self._device = (torch.tensor(self.slots, dtype=torch.int32, device=self.cache.device),
+                            torch.tensor(rows, dtype=torch.int32, device=self.cache.device))
+        return self._device
 
     def layer(self, l: int) -> _PagedLayer:
-        return _PagedLayer(self.cache.layers[l], self.slots, self.tables)
+        return _PagedLayer(self.cache.layers[l], self.slots, self.tables, self)
 
     def commit(self) -> None:                             # lengths live in the engine
         pass

@@ -139,8 +139,8 @@ def topk_select(scores: torch.Tensor, k: int, chunk: int = TOPK_CHUNK) -> torch.
                          f"{scores.dtype}{list(scores.shape)}, k={k}")
     B, N = scores.shape
     KP = triton.next_power_of_2(k)
-    C = max(chunk, 2 * KP)
-    if C & (C - 1):
+    C = max(min(chunk, triton.next_power_of_2(N)), 2 * KP)            # no wider than needed
+    if chunk & (chunk - 1):
         raise ValueError(f"topk_select: chunk {chunk} must be a power of two")
     sel = torch.full((B, k), -1, dtype=torch.int32, device=scores.device)
     if B == 0 or N == 0:

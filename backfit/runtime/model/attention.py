@@ -20,7 +20,8 @@ from torch import nn
 
 from backfit.config import ModelConfig
 from backfit.runtime.batch import ForwardBatch, SeqSlice
-from backfit.runtime.distributed import get_tp_info
+from backfit.runtime.distributed import all_reduce, get_tp_info
+from backfit.runtime.kernels import get_kernel_backend
 from backfit.runtime.layers import (ColumnParallelLinear, Linear, RMSNorm, RowParallelLinear,
                                     Rotary)
 from backfit.runtime.model.compressor import Compressor, Indexer
@@ -74,6 +75,11 @@ class Attention(nn.Module):
         if self.indexer is not None:
             qI, wI = self.indexer.queries(qr, x, pos)
             icomp = self.indexer.compressor.project(x, pos)
+        if get_kernel_backend() == "triton" and T == len(batch.seq_lens) \
+                and hasattr(cache, "block_table"):                    # all decode, paged pools
+            o = self._decode_kernels(q, kv, pos, batch, cache, comp,
+                                     (qI, wI, icomp) if self.indexer is not None else None)
+            return self._output(o, pos, x.dtype)
         o = torch.empty(T, Hl, D, dtype=torch.float32, device=x.device)
         for s in batch.slices():
             r = slice(s.lo, s.hi)
@@ -87,11 +93,46 @@ class Attention(nn.Module):
                                                           icomp[1][r], s.start, x.dtype)
                     extra = (entries, (qI[r], wI[r], keys))
             o[r] = self._attend(q[r], kv[r], pos[r], s, cache, extra)
-        o = self.rope(o.to(x.dtype), pos, inverse=True)               # de-rotate by query position
-        o = o.view(T, self.local_groups, self.heads_per_group * D)    # group g = heads g*hpg ..
-        wa = self.wo_a.dequantized(x.dtype).view(self.local_groups, self.cfg.o_lora_rank, -1)
+        return self._output(o, pos, x.dtype)
+
+    def _output(self, o: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """o [T, Hl, D] FP32 -> inverse RoPE, grouped wo_a, wo_b -> [T, d]."""
+        T = o.shape[0]
+        o = self.rope(o.to(dtype), pos, inverse=True)                 # de-rotate by query position
+        o = o.view(T, self.local_groups, self.heads_per_group * self.cfg.head_dim)  # g: heads g*hpg..
+        wa = self.wo_a.dequantized(dtype).view(self.local_groups, self.cfg.o_lora_rank, -1)
         zg = torch.einsum("tgi,goi->tgo", o, wa)                      # [T, Gl, o_lora]
         return self.wo_b(zg.flatten(1))                               # all-reduce over ranks
+
+    def _decode_kernels(self, q, kv, pos, batch: ForwardBatch, cache, comp, index):
+        """Decode (one token per sequence) on the Triton kernels, reading the paged pools in place.
+
+        Same order as the torch path: the compressors pool (and write) any entry this token
+        completes (per sequence, torch), the kernels attend to ring positions < p, the in-flight
+        kv and the entries, then the token's kv is written to the ring. -> o [T, Hl, D] FP32.
+        """
+        from backfit.runtime.kernels.attention import decode_attention
+        ring, ring_scale = cache.ring_pool()
+        mode, ent, ent_scale, tables, sel = "window", None, None, None, None
+        if comp is not None:
+            for s in batch.slices():                                  # one row each
+                r = slice(s.lo, s.hi)
+                self.compressor.update(cache, s.index, "comp", comp[0][r], comp[1][r], s.start,
+                                       q.dtype, read=False)
+                if index is not None:
+                    self.indexer.compressor.update(cache, s.index, "index", index[2][0][r],
+                                                   index[2][1][r], s.start, q.dtype, read=False)
+            mode, tables = "hca", cache.block_table()
+            ent, ent_scale = cache.entry_pool("comp")
+            if index is not None:                                     # CSA: indexer top-k
+                from backfit.runtime.kernels.indexer import indexer_scores, topk_select
+                keys, _ = cache.entry_pool("index")
+                scores = all_reduce(indexer_scores(index[0], index[1], keys, tables, pos))
+                mode, sel = "csa", topk_select(scores, self.indexer.topk)
+        o = decode_attention(q, kv, pos, self.attn_sink, ring, ring_scale, cache.slot_ids(),
+                             self.window, mode, ent, ent_scale, tables, self.ratio, sel)
+        cache.write_window_tokens(pos, kv)                            # after the kernel read it
+        return o
 
     def _attend(self, q, kv, pos, s: SeqSlice, cache, extra) -> torch.Tensor:
         """One sequence chunk: q [n, Hl, D], kv [n, D], pos [n] -> o [n, Hl, D] FP32.

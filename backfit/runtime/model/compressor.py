@@ -43,12 +43,13 @@ class Compressor(nn.Module):
         return self.wkv(xf), self.wgate(xf) + self.ape[pos % self.ratio]
 
     def update(self, cache, i: int, kind: str, c: torch.Tensor, z: torch.Tensor, start: int,
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype, read: bool = True) -> torch.Tensor | None:
         """Add sequence i's new rows c, z [n, width] (positions start..); -> entries [j1, D].
 
         Emits entry j for every block j that completes inside this chunk, reading the rows it
         needs from before the chunk (block j-1 for CSA, the incomplete block) from the cache.
-        Returns all entries 0 .. j1-1 with j1 = (start+n) // ratio: what the chunk's queries see.
+        Returns all entries 0 .. j1-1 with j1 = (start+n) // ratio: what the chunk's queries see
+        (read=False: None; the decode kernels read the pools in place).
         """
         m, D = self.ratio, self.head_dim
         back = 1 if self.overlap else 0                                # CSA also reads block j-1
@@ -79,7 +80,7 @@ class Compressor(nn.Module):
             cache.write_entries(i, kind, j0, self.rope(E, jpos))           # at the block's first token
         keep_from = max(0, (end // m - back) * m)                      # what the next chunk reads
         cache.write_rows(i, kind, torch.arange(start, end, device=c.device), c, z, keep_from)
-        return cache.entries(i, kind, j1)
+        return cache.entries(i, kind, j1) if read else None
 
 
 class Indexer(nn.Module):
