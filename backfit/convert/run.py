@@ -22,8 +22,8 @@ from backfit.checkpoint import SafetensorsDir
 from backfit.config import ModelConfig
 from backfit.convert.manifest import finalize, print_summary
 from backfit.convert.plan import Action, ConvertError, plan_conversion
-from backfit.convert.writer import (JOURNAL, Cancelled, convert_shard, disk_error, load_journal,
-                                    local_shape, write_json_atomic)
+from backfit.convert.writer import (JOURNAL, Cancelled, MemoryBudget, convert_shard, disk_error,
+                                    load_journal, local_shape, working_set, write_json_atomic)
 from backfit.formats import FORMAT_NAME, FORMAT_VERSION, rank_dir
 from backfit.inventory import DTYPE_BYTES
 
@@ -100,13 +100,6 @@ def _pool_map(fn, items: list, workers: int, stop: threading.Event) -> list:
         return [f.result() for f in futs]
 
 
-# Peak bytes one worker holds per source byte of an action (measured shapes of the transforms):
-# FP8 dequant keeps an int64 index, float32 values, scales and the INT8 re-quantization alive
-# (~32 B per e4m3 byte); MXFP4 -> INT8 the packed bytes, two int8 outputs and the check (~6 B);
-# MXFP4 -> BF16 ~24 B per packed byte; a copy the tensor and its chunked finiteness mask (~2 B).
-_WORKING_SET = {"fp8_int8": 32, "fp8_bf16": 32, "fp4_int8": 6, "fp4_bf16": 24, "copy": 2}
-
-
 def _available_memory() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -114,14 +107,6 @@ def _available_memory() -> int:
         return int(info["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-
-
-def _default_workers(actions: list[Action], shards: int) -> int:
-    """Every core, at most one per shard, and no more than half the available memory allows for
-    the largest action each worker may hold (so peak RSS stays bounded on a small machine)."""
-    per_worker = max(_WORKING_SET[a.kind] * a.sources[0].nbytes for a in actions) + (64 << 20)
-    by_memory = max(1, _available_memory() // 2 // per_worker)
-    return max(1, min(os.cpu_count() or 1, shards, by_memory))
 
 
 def torch_threads(n: int) -> int:
@@ -181,7 +166,10 @@ def convert(src: str | Path, dst: str | Path, tp: int = 4, linears: str = "int8"
     partial = dst.with_name(dst.name + ".partial")
     options = _options(cfg, source, tp, linears, experts)
     _prepare_partial(partial, options, tp, out)
-    n_workers = workers or _default_workers(actions, len(by_file))
+    n_workers = max(1, min(workers or os.cpu_count() or 1, len(by_file)))
+    # half the available memory, but at least the largest action: peak RSS is bounded by this
+    # (plus the interpreter), not by the checkpoint size or the worker count
+    budget = MemoryBudget(max(_available_memory() // 2, max(working_set(a) for a in actions)))
     stop = threading.Event()
     threads = torch_threads(1)                         # parallel over shards, not inside ops
     try:
@@ -202,7 +190,8 @@ def convert(src: str | Path, dst: str | Path, tp: int = 4, linears: str = "int8"
             # largest shards first: the pool then ends with small ones and stays busy
             order = sorted(todo, key=lambda f: -source.file_size(f))
             results = _pool_map(lambda f: convert_shard(source.root / f, todo[f], tp, partial,
-                                                        on_progress=tick, stop=stop),
+                                                        on_progress=tick, stop=stop,
+                                                        budget=budget),
                                 order, n_workers, stop)
         journals.update(zip(order, results))
     finally:

@@ -25,16 +25,17 @@ __all__ = ["apply", "E8M0_ACCEPTED", "experts_exact"]
 
 _E4M3_NAN = (0x7F, 0xFF)
 
-# Accepted UE8M0 scale bytes e (value 2^(e-127), dsv4-model.md 4.2). DeepSeek's scales are
-# 2^ceil(log2(amax/448)) per FP8 tile and 2^ceil(log2(amax/6)) per MXFP4 group (4.1, 4.3), and
-# trained weights are O(1), so real bytes sit a few steps below 127 (8 gives 115-130 as the
-# plausible range). The hard edges are far away: 448 * 2^(e-127) overflows float32/bf16 from
-# e = 247 and 6 * 2^(e-127) from e = 253. Accepted:
-#   e >= 1:   e = 0 is the one byte decoders disagree on (exp2 gives 2^-127, the bit-shift decode
-#             of 4.2 gives 0.0), and no power-of-two absmax scale of a weight reaches it;
-#   e <= 159: scale <= 2^32, i.e. weights up to 448 * 2^32; anything larger is a damaged byte,
-#             not a trained weight, and would push a bf16 matmul toward overflow.
-E8M0_ACCEPTED = (1, 127 + 32)
+# Accepted UE8M0 scale bytes e (value 2^(e-127), dsv4-model.md 4.2): 0..159. DeepSeek's scales
+# are 2^ceil(log2(amax/448)) per FP8 tile and 2^ceil(log2(amax/6)) per MXFP4 group (4.1, 4.3),
+# and trained weights are O(1), so real bytes sit a few steps below 127 (section 8 of that file
+# gives 115-130 as the plausible range). The overflow edges are far above: 448 * 2^(e-127) is
+# Inf in float32/bf16 from e = 247, 6 * 2^(e-127) from e = 253. e <= 159 (scale <= 2^32, weights
+# up to 448 * 2^32) leaves 32 octaves of room over any trained weight and still far from the
+# edge; anything above is a damaged byte (bit 7 set on a real scale gives 243..255). No lower
+# bound: a small scale only makes values tiny, never non-finite, and an all-zero group may
+# legitimately get any small byte (0 included) from a quantizer, so refusing one would refuse a
+# valid checkpoint. 255 is NaN and refused on its own.
+E8M0_ACCEPTED = (0, 127 + 32)
 
 
 def _where(action: Action, i: int = 0) -> str:

@@ -27,7 +27,7 @@ from backfit.formats import rank_dir
 from backfit.inventory import DTYPE_BYTES
 
 __all__ = ["local_shape", "convert_shard", "JOURNAL", "load_journal", "write_json_atomic",
-           "disk_error", "Cancelled", "source_sha256"]
+           "disk_error", "Cancelled", "source_sha256", "MemoryBudget", "working_set"]
 
 JOURNAL = ".journal"
 _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -35,6 +35,40 @@ _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 class Cancelled(Exception):
     """Another shard failed; this one stopped between two actions (its .tmp files stay)."""
+
+
+# Peak bytes one worker holds per source byte of an action (from the transforms' temporaries):
+# FP8 dequant keeps an int64 index, float32 values, scales and the INT8 re-quantization alive
+# (~32 B per e4m3 byte); MXFP4 -> INT8 the packed bytes, two int8 outputs and the check (~6 B);
+# MXFP4 -> BF16 ~24 B per packed byte; a copy the tensor and its chunked finiteness mask (~2 B).
+_WORKING_SET = {"fp8_int8": 32, "fp8_bf16": 32, "fp4_int8": 6, "fp4_bf16": 24, "copy": 2}
+
+
+def working_set(a: Action) -> int:
+    """Estimated peak bytes held while `a` is converted."""
+    return _WORKING_SET[a.kind] * a.sources[0].nbytes + sum(e.nbytes for e in a.sources[1:])
+
+
+class MemoryBudget:
+    """Bytes the workers may hold at once: an action waits until its working set fits (or until
+    it is alone, so one action larger than the budget still runs). Peak memory of the pool is
+    then about the budget, whatever the number of workers or the size of the checkpoint."""
+
+    def __init__(self, nbytes: int):
+        self.total, self.used, self.cond = nbytes, 0, threading.Condition()
+
+    def acquire(self, n: int, stop: threading.Event | None = None) -> None:
+        with self.cond:
+            while self.used and self.used + n > self.total:
+                if stop is not None and stop.is_set():
+                    raise Cancelled("memory budget")
+                self.cond.wait(0.1)
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self.cond:
+            self.used -= n
+            self.cond.notify_all()
 
 
 def local_shape(o: Output, tp: int) -> tuple[int, ...]:
@@ -144,10 +178,12 @@ class _SourceReader:
 
 
 def convert_shard(src_file: Path, actions: list[Action], tp: int, partial: Path,
-                  on_progress=lambda nbytes: None, stop: threading.Event | None = None) -> dict:
+                  on_progress=lambda nbytes: None, stop: threading.Event | None = None,
+                  budget: MemoryBudget | None = None) -> dict:
     """Convert one source shard into tp rank files; returns its journal entry.
 
-    Thread-safe for distinct shards. `stop` set by another thread -> Cancelled between actions.
+    Thread-safe for distinct shards. `stop` set by another thread -> Cancelled between actions;
+    `budget` (shared by the workers) bounds the bytes held at once.
     """
     fname = src_file.name
     specs: list[list] = [[] for _ in range(tp)]
@@ -166,13 +202,21 @@ def convert_shard(src_file: Path, actions: list[Action], tp: int, partial: Path,
         for a in order:
             if stop is not None and stop.is_set():
                 raise Cancelled(fname)
-            srcs = sorted(a.sources, key=lambda e: e.offset)
-            got = {e.name: reader.read(e) for e in srcs}
-            outs, st = apply(a, [got[e.name] for e in a.sources])
-            for o in a.outputs:
-                pieces = _split(outs[o.name], o.shard_dim, tp)
-                for w, piece in zip(writers, pieces):
-                    w.write(o.name, piece)
+            need = working_set(a)
+            if budget is not None:
+                budget.acquire(need, stop)
+            try:
+                srcs = sorted(a.sources, key=lambda e: e.offset)
+                got = {e.name: reader.read(e) for e in srcs}
+                outs, st = apply(a, [got[e.name] for e in a.sources])
+                for o in a.outputs:
+                    pieces = _split(outs[o.name], o.shard_dim, tp)
+                    for w, piece in zip(writers, pieces):
+                        w.write(o.name, piece)
+                del got, outs, pieces
+            finally:
+                if budget is not None:
+                    budget.release(need)
             if st:
                 stats[a.sources[0].name] = st
             on_progress(a.nbytes_in)

@@ -148,12 +148,20 @@ def test_inf_from_dequantization(src, tmp_path):
 
 @pytest.mark.parametrize("name,offset,byte,at", [
     ("layers.3.ffn.experts.4.w1.scale", 3 * 8 + 1, 200, "[3, 1]"),   # [1024, 8]: 2^73, finite
-    ("layers.3.attn.wkv.scale", 3, 0, "[1, 1]"),                      # [2, 2]: the ambiguous 0
+    ("layers.3.attn.wkv.scale", 3, 160, "[1, 1]"),                    # [2, 2]: first byte refused
 ])
 def test_scale_byte_out_of_range(src, tmp_path, name, offset, byte, at):
     _poke(src, name, offset, bytes([byte]))
     _assert_fails(src, tmp_path / "dst", LAYER3, name, f"UE8M0 scale byte {byte}", at,
-                  "outside the accepted 1..159")
+                  "outside the accepted 0..159")
+
+
+def test_scale_bytes_at_the_accepted_edges_convert(src, tmp_path):
+    _poke(src, "layers.3.ffn.experts.4.w1.scale", 0, bytes([159]))
+    _poke(src, "layers.3.attn.wkv.scale", 0, bytes([0]))
+    m = convert(src, tmp_path / "dst", tp=1, progress=False)
+    assert m["tensors"]["layers.3.ffn.experts.4.w1.weight"]["exact"] is True
+    assert 0 < m["tensors"]["layers.3.attn.wkv.weight"]["rel_err"] < 0.02
 
 
 def _add_to_header(src, new, like):
