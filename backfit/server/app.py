@@ -246,9 +246,10 @@ def build_app(ctx: ServerContext) -> web.Application:
 async def start_server(ctx: ServerContext, host: str, port: int) -> web.AppRunner:
     """Listen now (health answers 503 until the engine is ready). handler_cancellation: a
     client that goes away cancels its handler, which aborts its engine request (§7.9)."""
-    runner = web.AppRunner(build_app(ctx), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(ctx), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=5)
     await runner.setup()
-    await web.TCPSite(runner, host, port, shutdown_timeout=5).start()
+    await web.TCPSite(runner, host, port).start()
     return runner
 
 
