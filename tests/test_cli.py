@@ -1,11 +1,14 @@
 """The command line: instant --help (no torch, no triton), helpful text, demo end to end."""
 
+import os
 import subprocess
 import sys
 
 
 def _run(*args, **kw):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, **kw)
+    # one OpenMP thread: on a shared 2-core box two threads stall whenever a core is busy
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, **kw)
 
 
 def test_help_imports_neither_torch_nor_triton():
