@@ -11,6 +11,7 @@ BF16 halves, summation order).
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 
@@ -162,7 +163,7 @@ def _decode_run(model, kv_dtype, prompts, steps):
     from backfit.runtime.batch import ForwardBatch
     from backfit.runtime.cache.paged import PagedCache
 
-    cache = PagedCache(model.cfg, 6, 64, BLOCK, model.dtype, kv_dtype)
+    cache = PagedCache(model.cfg, 6, 64, BLOCK, model.dtype, kv_dtype, device=DEV)
     free = list(range(64))
     random.Random(3).shuffle(free)
     slots = [4, 1, 3][:len(prompts)]
@@ -172,7 +173,7 @@ def _decode_run(model, kv_dtype, prompts, steps):
         for (i, toks, start) in seqs:
             while len(tables[i]) * BLOCK < start + len(toks):
                 tables[i].append(free.pop())
-        return ForwardBatch.build(seqs, slots=[slots[i] for i, _, _ in seqs],
+        return ForwardBatch.build(seqs, DEV, slots=[slots[i] for i, _, _ in seqs],
                                   block_tables=[tables[i] for i, _, _ in seqs])
     for i, p in enumerate(prompts):
         model(batch([(i, p, 0)]), cache)
@@ -182,7 +183,7 @@ def _decode_run(model, kv_dtype, prompts, steps):
         toks = torch.randint(0, 512, (len(prompts),), generator=gen)
         out.append(model(batch([(i, toks[i:i + 1], len(p) + t)
                                 for i, p in enumerate(prompts)]), cache))
-    return torch.stack(out)
+    return torch.stack(out).cpu()
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
@@ -191,6 +192,8 @@ def test_model_decode_on_kernels_matches_torch_path(attn, model_f32, kv_dtype, m
     behind the switch: logits equal the torch path's to FP32 rounding across window wrap and
     entry completions; without the switch the kernels are never called."""
     import backfit.runtime.model.attention as attention_model
+    if not INTERPRET:
+        model_f32 = copy.deepcopy(model_f32).to(DEV)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 512, (n,), generator=gen) for n in (9, 30)]
     want = _decode_run(model_f32, kv_dtype, prompts, 8)               # torch: backend unset

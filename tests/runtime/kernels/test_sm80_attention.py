@@ -1,0 +1,78 @@
+"""The attention and indexer kernels compile for sm_80 on this CPU machine within 99 KB of shared
+memory, with BF16 mma.sync only where a dot is meant and no FP8/FP4 (as test_sm80.py does for
+the linear and MoE kernels, whose _compile helper this reuses). Real dims: D 512, 16-head blocks,
+indexer 64 heads x 128, top-512 in 2048-wide chunks. Compiled in a subprocess without
+TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_sm80 import SHARED_LIMIT, _compile  # noqa: E402
+
+BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+
+def compile_all() -> list[dict]:
+    import triton.language as tl
+
+    from backfit.runtime.kernels import attention, indexer
+
+    out = []
+    types = dict(Q="*bf16", KV="*bf16", RING="*bf16", RSC="*fp32", SLOTS="*i32", POS="*i32",
+                 ENT="*bf16", ESC="*fp32", TABLES="*i32", SEL="*i32", SINK="*fp32", O="*fp32",
+                 PO="*fp32", PM="*fp32", PL="*fp32", H="i32", R="i32", stride_tb="i32",
+                 n_sel="i32", CHUNK="i32", scale="fp32")
+    for mode, split in ((0, 1), (1, 1), (2, 1), (1, 8), (2, 20)):
+        for int8 in (False, True):
+            cfg = attention.decode_config(1 if split > 1 else 64, 64, 640, 108, split)
+            opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+            cfg.pop("CHUNK")
+            t = dict(types, RING="*i8", ENT="*i8") if int8 else types
+            out.append(_compile(attention._decode_kernel, t, dict(
+                cfg, W=128, RATIO=128 if mode == 1 else 4, PB=1 if mode == 1 else 32, MODE=mode,
+                INT8=int8, D=512, DP=512, F32=False, EXACT=False, DT=tl.bfloat16), opts,
+                ("H", "CHUNK")))
+    out.append(_compile(attention._merge_kernel, dict(PO="*fp32", PM="*fp32", PL="*fp32",
+                        SINK="*fp32", O="*fp32", H="i32"), dict(D=512, DP=512, SPLIT=20, SP=32),
+                        dict(num_warps=4, num_stages=1), ("H",)))
+    out.append(_compile(indexer._score_kernel, dict(QI="*bf16", WI="*fp32", KEYS="*bf16",
+                        TABLES="*i32", POS="*i32", OUT="*fp32", H="i32", NC="i32",
+                        stride_tb="i32"), dict(PB=32, DI=128, BH=64, BN=32, F32=False,
+                                               EXACT=False), dict(num_warps=4, num_stages=1)))
+    for fn, first in ((indexer._topk_scores_kernel, "*fp32"), (indexer._topk_keys_kernel, "*i64")):
+        key = "SCORES" if first == "*fp32" else "IN"
+        out.append(_compile(fn, {key: first, "OUT": "*i64", "N": "i32", "n_out": "i32"},
+                            dict(K=512, C=indexer.TOPK_CHUNK), dict(num_warps=4, num_stages=1)))
+    out.append(_compile(indexer._unpack_kernel, dict(IN="*i64", SEL="*i32", N="i32", k="i32",
+                        NEG_INF_KEY="i32"), dict(KP=512), dict(num_warps=4, num_stages=1)))
+    return out
+
+
+def test_attention_and_indexer_kernels_compile_for_sm80_within_shared_memory():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(results) == 15
+    for r in results:
+        name = f"{r['kernel']} {r['config']}"
+        assert r["cubin"] > 0, name
+        assert r["shared"] <= SHARED_LIMIT, f"{name}: {r['shared']} B shared on sm_80"
+        assert not r["fp8"], f"{name}: FP8/FP4 in the PTX"
+        if r["kernel"] in ("_decode_kernel", "_score_kernel"):
+            assert r["mma"] == [BF16_MMA], name                      # q·k, p·v on tensor cores
+        else:
+            assert r["mma"] == [], name
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_all(), default=str))
