@@ -115,8 +115,10 @@ class BlockManager:
     # ---- admission ----
     def match(self, seq: Sequence) -> PrefixHit:
         """The longest run of cached full blocks matching seq.all_ids whose end has a snapshot,
-        ending strictly before the last token (its logits give the next token)."""
-        if not self.enable_prefix_caching:
+        ending strictly before the last token (its logits give the next token). None for a
+        request that wants prompt logprobs (they need every prompt position's logits; vLLM)."""
+        if not self.enable_prefix_caching or \
+                getattr(seq.params, "prompt_logprobs", None) is not None:
             return PrefixHit([], None, 0)
         B, ids = self.block_size, seq.all_ids
         chain, best, parent, h = [], 0, _ROOT, _ROOT

@@ -7,7 +7,8 @@ WITHOUT parsing special tokens (typed `<｜User｜>` stays text); send token ids
 tokens in a raw prompt. `echo` prepends the prompt; with `logprobs` (0..20) the prompt tokens'
 logprobs come first (the first token has none), as OpenAI and vLLM do. `max_tokens` defaults to
 16 (OpenAI); `max_tokens: 0` with `echo` scores the prompt only (one token is run, not returned).
-`suffix` and `n` > 1 are a 400 naming the field. Stop strings apply to the whole text.
+`suffix` and `n` > 1 are a 400 naming the field. `return_tokens_as_token_ids` (vLLM) names
+logprob tokens `token_id:<id>` (exact even for byte tokens that are not valid UTF-8 alone). Stop strings apply to the whole text.
 """
 
 from __future__ import annotations
@@ -71,21 +72,22 @@ class Logprobs:
     """The legacy `logprobs` object, built token by token: tokens, token_logprobs,
     top_logprobs ({token text: logprob}), text_offset (chars into the returned text)."""
 
-    def __init__(self, tokenizer, offset: int = 0):
-        self.tok, self.offset = tokenizer, offset
+    def __init__(self, tokenizer, offset: int = 0, as_ids: bool = False):
+        self.tok, self.offset, self.as_ids = tokenizer, offset, as_ids
         self.d = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def _s(self, tid: int) -> str:
+        if self.as_ids:                                   # vLLM's return_tokens_as_token_ids
+            return f"token_id:{tid}"
         return self.tok.decode([tid], skip_special_tokens=False)
 
     def add(self, tid: int, lp: float | None, top) -> None:
-        s = self._s(tid)
-        self.d["tokens"].append(s)
+        self.d["tokens"].append(self._s(tid))
         self.d["token_logprobs"].append(lp)
         self.d["top_logprobs"].append(None if top is None else
                                       {self._s(t): v for t, v in top})
-        self.d["text_offset"].append(self.offset)
-        self.offset += len(s)
+        self.d["text_offset"].append(self.offset)         # into the text (specials skipped)
+        self.offset += len(self.tok.decode([tid], skip_special_tokens=True))
 
     def take(self) -> dict:
         out = self.d
@@ -108,15 +110,16 @@ def _parse(body: dict):
                              prompt_logprobs=nlp if echo and nlp is not None else None,
                              skip_special_tokens=get_bool(body, "skip_special_tokens", True))
     opts = get_dict(body, "stream_options", {}) or {}
+    as_ids = bool(get_bool(body, "return_tokens_as_token_ids", False))
     return mt, echo, nlp, params, bool(get_bool(body, "stream", False)), \
-        opts.get("include_usage") is True
+        opts.get("include_usage") is True, as_ids
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
     try:
         body = await read_json(request)
-        mt, echo, nlp, params, stream, include_usage = _parse(body)
+        mt, echo, nlp, params, stream, include_usage, as_ids = _parse(body)
         prompts = prompt_ids(ctx, body.get("prompt"))
         if stream and len(prompts) > 1:
             raise BadRequest("streaming takes one prompt", "prompt")
@@ -134,10 +137,12 @@ async def handle(request: web.Request) -> web.StreamResponse:
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "object": "text_completion", "created": created, "model": ctx.model_name}
     if stream:
-        return await _stream(request, ctx, head, gens[0], tasks[0], prompts[0], mt, echo, nlp,
+        return await _stream(request, ctx, head, gens[0], tasks[0], prompts[0], mt, echo,
+                             Logprobs(ctx.tokenizer, as_ids=as_ids) if nlp is not None else None,
                              include_usage)
     try:
-        results = await asyncio.gather(*(_one(ctx, g, t, ids, mt, echo, nlp)
+        results = await asyncio.gather(*(_one(ctx, g, t, ids, mt, echo, Logprobs(
+            ctx.tokenizer, as_ids=as_ids) if nlp is not None else None)
                                          for g, t, ids in zip(gens, tasks, prompts)))
     finally:
         for g, t in zip(gens, tasks):
@@ -158,11 +163,12 @@ def _usage(us: list[Usage]) -> dict:
 
 
 def _echo(ctx, ids, lp: Logprobs | None, first) -> str:
-    text = ctx.tokenizer.decode(ids, skip_special_tokens=False)
+    text = ctx.tokenizer.decode(ids, skip_special_tokens=True)
     if lp is not None:
-        plp = first.prompt_logprobs or [None] + [None] * (len(ids) - 1)
+        plp = first.prompt_logprobs or []
+        skip = len(ids) - len(plp)            # positions without logits (none: no cache hit)
         for k, tid in enumerate(ids):
-            e = plp[k] if k < len(plp) else None
+            e = plp[k - skip] if k >= skip else None
             lp.add(tid, None if e is None else e[1], None if e is None else e[2])
     return text
 
@@ -176,9 +182,8 @@ async def _outputs(g, task):
         yield o
 
 
-async def _one(ctx, g, task, ids, mt, echo, nlp):
+async def _one(ctx, g, task, ids, mt, echo, lp: Logprobs | None):
     """One prompt to completion -> (choice dict, Usage), or None on an engine failure."""
-    lp = Logprobs(ctx.tokenizer) if nlp is not None else None
     text, reason, usage, first = [], None, None, True
     try:
         async for o in _outputs(g, task):
@@ -207,9 +212,8 @@ async def _one(ctx, g, task, ids, mt, echo, nlp):
              "finish_reason": "stop" if reason == "abort" else reason}, usage)
 
 
-async def _stream(request, ctx, head, g, task, ids, mt, echo, nlp, include_usage):
+async def _stream(request, ctx, head, g, task, ids, mt, echo, lp, include_usage):
     resp, first, usage = None, True, None
-    lp = Logprobs(ctx.tokenizer) if nlp is not None else None
 
     def chunk(text, logprobs=None, finish=None):
         return {**head, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
