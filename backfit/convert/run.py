@@ -64,9 +64,10 @@ def _prepare_partial(partial: Path, options: dict, tp: int, out) -> None:
             old = None
         if old == options:
             return                                               # resume
-        what = ("no journal" if old is None else "other options: " + ", ".join(
-            f"{k} {old.get(k)!r} -> {v!r}" for k, v in options.items()
-            if old.get(k) != v and k != "source_sizes") or "other source file sizes")
+        diff = [f"{k} {old.get(k)!r} -> {v!r}" for k, v in options.items()
+                if old is not None and old.get(k) != v and k != "source_sizes"]
+        what = ("no journal" if old is None else
+                "other options: " + ", ".join(diff) if diff else "other source file sizes")
         print(f"{partial}: left by a run with {what}; starting over", file=out)
         shutil.rmtree(partial)
     for r in range(tp):

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from backfit.convert.plan import Action, ConvertError
-from backfit.quant import (E8M0_NAN, decode_e2m1, dequant_fp8_block, dequant_int8_groups,
+from backfit.quant import (E4M3_LUT, E8M0_NAN, FP8_BLOCK, decode_e2m1, decode_e8m0,
+                           dequant_fp8_block, dequant_int8_groups,
                            dequant_int8_mx, dequant_mxfp4, first_nonfinite, mxfp4_to_int8,
                            quantize_int8_groups, rel_error, unpack_e2m1)
 
@@ -88,6 +89,18 @@ def _check_product(action: Action, ref: torch.Tensor, s: torch.Tensor, rel: floa
                        f"{int(s[tuple(tile)])} at {tile} of {action.sources[1].name})")
 
 
+def _dequant_fp8(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """quant.dequant_fp8_block, same float32 values, ~3x less work: one uint8-indexed numpy gather
+    (no int64 index copy) and the tile scale broadcast in place (no two expanded copies)."""
+    n, k = w.shape
+    b = FP8_BLOCK
+    if n % b or k % b:                                     # never in Flash/0731 (dsv4-model.md 4.1)
+        return dequant_fp8_block(w, s)
+    vals = torch.from_numpy(E4M3_LUT.numpy().take(w.numpy()))                 # [N, K] float32
+    vals.view(n // b, b, k // b, b).mul_(decode_e8m0(s)[:, None, :, None])   # x 2^(e-127) per tile
+    return vals
+
+
 # Independent check table for the bit-exact expert path: packed byte -> its two values 2*e2m1, made
 # through the reference decoder (unpack_e2m1 + decode_e2m1, the dequant_mxfp4 path), not through
 # quant's gather table; viewed as one int16 per byte like the INT8 pairs it is compared with.
@@ -123,7 +136,7 @@ def apply(action: Action, tensors: list[torch.Tensor]) -> tuple[dict[str, torch.
         _check_e4m3(action, w)
         if (s == E8M0_NAN).any():                               # before the product: clearer
             _check_scale(action, s)
-        ref = dequant_fp8_block(w, s)                           # float32 [N, K]
+        ref = _dequant_fp8(w, s)                                # float32 [N, K]
         if kind == "fp8_int8":
             q, scale = quantize_int8_groups(ref)
             rel, mx = rel_error(dequant_int8_groups(q, scale), ref)
