@@ -258,3 +258,117 @@ def test_count_tokens_uses_the_encoder(encoder):
     assert want > len("hello there") + len("sys") and not bridge.calls
     status, _, text = call(encoder, bridge, {"messages": "x"}, path="/v1/messages/count_tokens")
     assert status == 400 and json.loads(text)["error"]["type"] == "invalid_request_error"
+
+
+# ---- live server: the official anthropic SDK against the tiny model on CPU ------------------
+
+@pytest.fixture(scope="module")
+def live(tiny_converted):
+    from live_server import LiveServer                  # helper H's in-process server
+    from support import one_thread
+
+    from backfit.server.bridge import AsyncEngine, EngineConfig
+
+    with one_thread():
+        engine = AsyncEngine(EngineConfig(str(tiny_converted(1)), dtype="float32",
+                                          max_model_len=2048, max_num_seqs=8, block_size=16,
+                                          num_blocks=256))
+        engine.start()
+        engine.ready.wait(120)
+        server = LiveServer(engine, tiny_converted(1), api_key="sk-test")
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+def client(live, key="sk-test", **kw):
+    return anthropic.Anthropic(base_url=live.url, api_key=key, max_retries=0, timeout=60, **kw)
+
+
+def pool_idle(live, timeout=10.0) -> bool:
+    import time
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        s = live.engine.stats()
+        if live.ctx.bridge.active == 0 and s["num_requests_running"] == 0 and \
+                s["num_free_blocks"] == s["num_blocks"]:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_live_create_thinking_on_and_off(live):
+    c = client(live)
+    m = c.messages.create(model="claude-haiku-4-5", max_tokens=6, extra_body={"temperature": 0},
+                          messages=[{"role": "user", "content": "Hello there"}])
+    assert m.role == "assistant" and m.model == "deepseek-v4-flash"
+    assert m.stop_reason in ("end_turn", "max_tokens") and 1 <= m.usage.output_tokens <= 6
+    if m.content and m.content[0].type == "thinking":    # thinking is the V4 default
+        assert m.content[0].signature and m.usage.output_tokens_details.thinking_tokens >= 1
+    off = c.messages.create(model="m", max_tokens=6, extra_body={"temperature": 0},
+                            thinking={"type": "disabled"},
+                            messages=[{"role": "user", "content": "Hello there"}])
+    assert all(b.type != "thinking" for b in off.content)
+    assert off.usage.output_tokens_details.thinking_tokens == 0
+    n = c.messages.count_tokens(model="m", messages=[{"role": "user", "content": "Hello there"}])
+    assert n.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
+
+
+def test_live_stream_and_usage(live):
+    c = client(live)
+    q = dict(model="m", max_tokens=8, extra_body={"temperature": 0}, system="Be brief.",
+             messages=[{"role": "user", "content": "Tell me a story"}])
+    with c.messages.stream(**q) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert final.stop_reason == "max_tokens" or final.stop_reason == "end_turn"
+    again = c.messages.create(**q)                      # the prefix cache serves the prompt
+    assert [b.model_dump() for b in again.content] == [b.model_dump() for b in final.content]
+    assert again.usage.cache_read_input_tokens > 0
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == \
+        final.usage.input_tokens + final.usage.cache_read_input_tokens
+    assert pool_idle(live)
+
+
+def test_live_tool_round_trip_history(live):
+    c = client(live)
+    tools = [TOOL, {"type": "web_search_20250305", "name": "web_search", "max_uses": 1}]
+    thought = {"type": "thinking", "thinking": "I should run ls.", "signature": "x"}
+    turn = [{"role": "user", "content": "List the files"},
+            {"role": "assistant", "content": [thought, {
+                "type": "tool_use", "id": "toolu_9", "name": "Bash", "input": {"command": "ls"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9",
+                                          "content": "a.txt"}]}]
+    m = c.messages.create(model="m", max_tokens=2, tools=tools, messages=turn)
+    assert m.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    turn[1]["content"] = turn[1]["content"][1:]          # a client that drops thinking: no 400
+    bare = c.messages.create(model="m", max_tokens=2, tools=tools, messages=turn)
+    n = len(live.ctx.encoder.encode_text("I should run ls."))
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens - n == \
+        bare.usage.input_tokens + bare.usage.cache_read_input_tokens
+
+
+def test_live_errors_and_auth(live):
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        client(live, key="wrong").messages.create(
+            model="m", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["error"]["type"] == "authentication_error"
+    bearer = client(live, key=None, auth_token="sk-test")      # Authorization: Bearer
+    assert bearer.messages.create(model="m", max_tokens=1,
+                                  messages=[{"role": "user", "content": "x"}]).usage
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client(live).messages.create(model="m", max_tokens=3000,
+                                     messages=[{"role": "user", "content": "x"}])
+    assert "exceed context limit" in e.value.body["error"]["message"]
+
+
+def test_live_cancel_mid_stream_frees_the_request(live):
+    c = client(live)
+    with c.messages.stream(model="m", max_tokens=400, messages=[
+            {"role": "user", "content": "Write a long essay"}]) as s:
+        for e in s:
+            if e.type == "content_block_delta":
+                break                                    # leave after the first token
+    assert pool_idle(live), live.engine.stats()

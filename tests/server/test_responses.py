@@ -265,3 +265,132 @@ def test_params_reach_the_bridge(encoder):
     assert (c["params"].max_tokens, c["params"].temperature, c["params"].top_p) == (7, 0.5, 0.9)
     assert c["tools"] is False                          # tool_choice none: no DSML parsing
     assert c["prompt"].thinking_mode == "chat" and not c["prompt"].reasoning_open
+
+
+# ---- live server: the official openai SDK against the tiny model on CPU ---------------------
+
+@pytest.fixture(scope="module")
+def live(tiny_converted):
+    from live_server import LiveServer                  # helper H's in-process server
+    from support import one_thread
+
+    from backfit.server.bridge import AsyncEngine, EngineConfig
+
+    with one_thread():
+        engine = AsyncEngine(EngineConfig(str(tiny_converted(1)), dtype="float32",
+                                          max_model_len=2048, max_num_seqs=8, block_size=16,
+                                          num_blocks=256))
+        engine.start()
+        engine.ready.wait(120)
+        server = LiveServer(engine, tiny_converted(1), keepalive_s=10.0)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+def client(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def pool_idle(live, timeout=10.0) -> bool:
+    """Every request finished and every cache block back in the pool (polls the engine)."""
+    import time
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        s = live.engine.stats()
+        if live.ctx.bridge.active == 0 and s["num_requests_running"] == 0 and \
+                s["num_free_blocks"] == s["num_blocks"]:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_live_create_reasoning_on_and_off(live):
+    c = client(live)
+    raw = c.responses.with_raw_response.create(model="deepseek-v4-flash", input="Hello there",
+                                               max_output_tokens=6, temperature=0)
+    assert isinstance(json.loads(raw.text)["created_at"], int)
+    r = raw.parse()
+    assert r.status in ("completed", "incomplete") and r.model == "deepseek-v4-flash"
+    u = r.usage
+    assert 1 <= u.output_tokens <= 6 and u.total_tokens == u.input_tokens + u.output_tokens
+    kinds = [o.type for o in r.output]
+    if "reasoning" in kinds:                             # thinking is the default: <think> open
+        assert u.output_tokens_details.reasoning_tokens >= 1
+    off = c.responses.create(model="m", input="Hello there", max_output_tokens=6,
+                             temperature=0, reasoning={"effort": "none"})
+    assert "reasoning" not in [o.type for o in off.output]
+    assert off.usage.output_tokens_details.reasoning_tokens == 0
+    on = c.responses.create(model="m", input="Hello there", max_output_tokens=6, temperature=0,
+                            extra_body={"chat_template_kwargs": {"thinking": True}})
+    assert on.usage.input_tokens == u.input_tokens   # same prompt as the default (thinking on)
+    assert on.usage.input_tokens_details.cached_tokens >= 0
+
+
+def test_live_stream_matches_final_response(live):
+    c = client(live)
+    with c.responses.stream(model="m", input="Tell me a story", max_output_tokens=8,
+                            temperature=0) as s:
+        events = list(s)
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    last = events[-1]
+    assert last.type in ("response.completed", "response.incomplete")
+    if last.type == "response.completed":
+        assert s.get_final_response().id == last.response.id
+    else:                                               # the cap was hit (§2.6)
+        assert last.response.incomplete_details.reason == "max_output_tokens"
+        assert last.response.usage.output_tokens == 8
+    again = list(c.responses.create(model="m", input="Tell me a story", max_output_tokens=8,
+                                    temperature=0, stream=True))
+    assert [e.sequence_number for e in again] == list(range(len(again)))
+    assert again[-1].type == last.type
+    assert again[-1].response.output[-1].type == last.response.output[-1].type
+    texts = [[e.delta for e in evs if e.type.endswith("text.delta")] for evs in (events, again)]
+    assert texts[0] == texts[1] and texts[0]            # greedy: the same text both times
+    assert pool_idle(live)
+
+
+def test_live_tool_round_trip_history(live):
+    c = client(live)
+    tools = [TOOL, {"type": "custom", "name": "apply_patch", "description": "patch files"},
+             {"type": "web_search"}]
+    thought = {"type": "reasoning", "id": "rs_9", "summary": [], "encrypted_content": "opaque",
+               "content": [{"type": "reasoning_text", "text": "I should run ls."}]}
+    history = [
+        {"role": "developer", "content": "You are Codex."},
+        {"role": "user", "content": "List the files"}, thought,
+        {"type": "function_call", "call_id": "call_9", "name": "shell",
+         "arguments": json.dumps({"cmd": "ls"})},
+        {"type": "function_call_output", "call_id": "call_9", "output": "a.txt\nb.txt"},
+        {"type": "custom_tool_call", "call_id": "call_8", "name": "apply_patch", "input": "*"},
+        {"type": "custom_tool_call_output", "call_id": "call_8", "output": "ok"}]
+    kw = dict(model="m", tools=tools, max_output_tokens=2, store=False,
+              include=["reasoning.encrypted_content"], prompt_cache_key="abc")
+    r = c.responses.create(input=history, **kw)
+    assert r.status in ("completed", "incomplete")
+    bare = c.responses.create(input=[h for h in history if h is not thought], **kw)
+    # with tools the encoder keeps history reasoning: exactly its tokens are in the prompt
+    n = len(live.ctx.encoder.encode_text("I should run ls."))
+    assert r.usage.input_tokens - bare.usage.input_tokens == n
+
+
+def test_live_errors(live):
+    c = client(live)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="m", input="x", previous_response_id="resp_1")
+    assert e.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="m", input="x", max_output_tokens=3000)
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_live_cancel_mid_stream_frees_the_request(live):
+    c = client(live)
+    with c.responses.create(model="m", input="Write a long essay", max_output_tokens=400,
+                            stream=True) as s:
+        for e in s:
+            if e.type.endswith(".delta"):
+                break                                    # leave after the first token
+    assert pool_idle(live), live.engine.stats()
