@@ -270,8 +270,10 @@ def profile_targets():
 
 
 def profile_step(r, step, steps: int = 3) -> dict:
-    """torch.profiler over `steps` runner.forward calls: kernels per step, busy ms, top kernels,
-    device ms per part (inclusive: attn holds attn.core/compressor/indexer, moe holds router)."""
+    """torch.profiler over `steps` runner.forward calls: kernels per step, GPU busy ms, top
+    kernels; per part the host wall ms (inclusive: attn holds attn.core/compressor/indexer, moe
+    holds router and expert_mlp) and the GPU kernel ms and launches (exclusive: each kernel goes to
+    the innermost part whose GPU-side annotation span holds its start; "other" = outside all)."""
     from torch.profiler import ProfilerActivity, profile, record_function
     saved = []
     for owner, attr, lab in profile_targets():
@@ -293,17 +295,33 @@ def profile_step(r, step, steps: int = 3) -> dict:
         for owner, attr, orig in reversed(saved):
             setattr(owner, attr, orig)
     names = {t[2] for t in profile_targets()}
+    CUDA = torch.autograd.DeviceType.CUDA
+    evs = list(prof.events())
+    spans = sorted(((e.time_range.start, e.time_range.end, e.name) for e in evs
+                    if e.device_type == CUDA and e.name in names), key=lambda x: x[1] - x[0])
     kern: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in names:
-            kern.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    part_gpu: dict[str, float] = {}
+    part_n: dict[str, int] = {}
+    for e in evs:
+        if e.device_type != CUDA or e.name in names:
+            continue
+        us = e.time_range.elapsed_us()
+        kern.setdefault(e.name, []).append(us)
+        t0 = e.time_range.start                        # innermost annotation span holding it
+        lab = next((n for a, b, n in spans if a <= t0 <= b), "other")
+        part_gpu[lab] = part_gpu.get(lab, 0.0) + us
+        part_n[lab] = part_n.get(lab, 0) + 1
+    host: dict[str, float] = {}
+    for e in evs:
+        if e.device_type != CUDA and e.name in names:  # inclusive host wall time of each part
+            host[e.name] = host.get(e.name, 0.0) + e.time_range.elapsed_us()
     total = sum(sum(v) for v in kern.values())
     top = sorted(kern.items(), key=lambda kv: -sum(kv[1]))[:15]
-    avg = [a for a in prof.key_averages() if a.key in names]
-    per = {a.key: getattr(a, "device_time_total", 0) / 1e3 / steps for a in avg}
-    cpu = {a.key: a.cpu_time_total / 1e3 / steps for a in avg}
     return dict(launches_per_step=sum(len(v) for v in kern.values()) / steps,
-                busy_ms_per_step=total / 1e3 / steps, part_device_ms=per, part_cpu_ms=cpu,
+                busy_ms_per_step=total / 1e3 / steps,
+                part_host_ms={k: v / 1e3 / steps for k, v in host.items()},
+                part_gpu_ms={k: v / 1e3 / steps for k, v in part_gpu.items()},
+                part_launches={k: v / steps for k, v in part_n.items()},
                 top_kernels=[dict(name=n[:90], calls_per_step=len(v) / steps,
                                   ms_per_step=sum(v) / 1e3 / steps) for n, v in top])
 
@@ -481,9 +499,10 @@ def print_table(res: dict) -> None:
     for be in ("torch", "triton"):
         p = res.get(f"profile_{be}")
         if p:
-            mods = ", ".join(f"{k} {v:.2f}" for k, v in sorted(p["part_device_ms"].items()))
+            parts = ", ".join(f"{k} {v:.2f}/{p['part_gpu_ms'].get(k, 0):.2f}"
+                              for k, v in sorted(p["part_host_ms"].items()))
             print(f"profile b1 {be}: {p['launches_per_step']:.0f} launches/step, GPU busy "
-                  f"{p['busy_ms_per_step']:.2f} ms/step; device ms: {mods}")
+                  f"{p['busy_ms_per_step']:.2f} ms/step; host/GPU ms per part: {parts}")
     if "hf" in res:
         print("transformers:", {k: (round(v, 2) if isinstance(v, float) else v)
                                 for k, v in res["hf"].items()})
