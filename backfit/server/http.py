@@ -99,7 +99,7 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         raise BadRequest(f"request body larger than {MAX_BODY} bytes", status=413) from None
     if not raw.strip():
         raise BadRequest("request body is empty (expected a JSON object)")
-    text = raw.decode("utf-8", errors="replace")
+    text = raw.decode("utf-8", errors="replace").lstrip("\ufeff")       # a BOM is harmless
     if not _depth_ok(text):
         raise BadRequest(f"JSON body nested deeper than {MAX_DEPTH} levels")
     try:
