@@ -68,7 +68,7 @@ def raw_config(layers: int, tiny: bool) -> dict:
 def patch_collectives() -> None:
     """TP rank 0 alone: collectives return their input and are counted (calls, bytes)."""
     from backfit.runtime import layers
-    from backfit.runtime.model import compressor, moe
+    from backfit.runtime.model import attention, compressor, moe
 
     def counted(kind):
         def f(x, *a, **k):
@@ -76,8 +76,9 @@ def patch_collectives() -> None:
             COMM[kind + "_bytes"] += x.numel() * x.element_size()
             return x
         return f
-    for mod in (layers, moe, compressor):
-        mod.all_reduce = counted("all_reduce")
+    for mod in (layers, moe, compressor, attention):       # every module that imports it
+        if hasattr(mod, "all_reduce"):
+            mod.all_reduce = counted("all_reduce")
     layers.all_gather = counted("all_gather")
 
 
