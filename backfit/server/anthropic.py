@@ -225,7 +225,7 @@ def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
         tool_choice=choice, thinking=thinking, reasoning_effort=effort, response_format=fmt,
         max_tokens=max_tokens, temperature=http.get_num(body, "temperature", lo=0, hi=2),
         top_p=http.get_num(body, "top_p", lo=0, hi=1), top_k=http.get_int(body, "top_k", lo=-1),
-        seed=http.get_int(body, "seed"), stop=tuple(stop),
+        seed=http.get_int(body, "seed", lo=-2**63, hi=2**64), stop=tuple(stop),
         stream=http.get_bool(body, "stream", False), parallel_tool_calls=parallel,
         extra={"display": thinking_cfg.get("display")})
 
@@ -238,6 +238,7 @@ class AnthropicRenderer:
     def __init__(self, req: ChatRequest, model: str, prompt_tokens: int, new_id=None):
         self.new_id = new_id or _hex
         self.hide = req.extra.get("display") == "omitted"
+        self.parallel = req.parallel_tool_calls
         self.open: dict | None = None       # the content block being streamed
         self.args = ""                      # the open tool_use block's JSON text
         self.finish: Finish | None = None
@@ -304,6 +305,9 @@ class AnthropicRenderer:
                 frames += self._start_block({"type": "text", "text": ""})
             self.open["text"] += ev.text
             frames.append(self._delta({"type": "text_delta", "text": ev.text}))
+        elif isinstance(ev, (ToolCallStart, ToolCallArgsDelta, ToolCallEnd)) and ev.index > 0 \
+                and not self.parallel:
+            pass                            # disable_parallel_tool_use: the first call only
         elif isinstance(ev, ToolCallStart):
             tid = "toolu_" + (ev.id[5:] if ev.id.startswith("call_") else ev.id)
             frames += self._start_block({"type": "tool_use", "id": tid, "name": ev.name,

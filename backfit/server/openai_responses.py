@@ -301,10 +301,10 @@ def parse_request(body: dict) -> tuple[ChatRequest, set[str]]:
         max_tokens=http.get_int(body, "max_output_tokens", lo=1),
         temperature=http.get_num(body, "temperature", lo=0, hi=2),
         top_p=http.get_num(body, "top_p", lo=0, hi=1), top_k=http.get_int(body, "top_k", lo=-1),
-        seed=http.get_int(body, "seed"), stop=tuple(stop or ()),
+        seed=http.get_int(body, "seed", lo=-2**63, hi=2**64), stop=tuple(stop or ()),
         stream=http.get_bool(body, "stream", False),
         parallel_tool_calls=http.get_bool(body, "parallel_tool_calls", True),
-        extra={"reasoning_summary": reasoning.get("summary"),
+        extra={"reasoning_summary": reasoning.get("summary"), "instructions": instructions,
                "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
                "tools_echo": [t for t in body.get("tools") or [] if isinstance(t, dict)]})
     return req, custom
@@ -364,7 +364,7 @@ class ResponsesRenderer:
         self.response = {
             "id": self.id, "object": "response", "created_at": created_at or _now(),
             "status": "in_progress", "model": model, "output": [], "error": None,
-            "incomplete_details": None, "instructions": None,
+            "incomplete_details": None, "instructions": req.extra.get("instructions"),
             "max_output_tokens": req.max_tokens, "temperature": req.temperature,
             "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
             "tool_choice": req.tool_choice if isinstance(req.tool_choice, str)
@@ -459,6 +459,9 @@ class ResponsesRenderer:
             extra = {} if want == "reasoning" else {"logprobs": []}
             frames.append(self._ev(etype, **self._where(), content_index=0, delta=ev.text,
                                    **extra))
+        elif isinstance(ev, (ToolCallStart, ToolCallArgsDelta, ToolCallEnd)) and ev.index > 0 \
+                and not self.req.parallel_tool_calls:
+            pass                            # parallel_tool_calls false: the first call only
         elif isinstance(ev, ToolCallStart):
             if ev.name in self.custom:
                 frames += self._open("custom_tool_call", call_id=ev.id, name=ev.name, input="")

@@ -234,6 +234,20 @@ def test_thinking_display_omitted_sends_an_empty_signed_block(encoder, fixed_ids
     assert content[1] == {"type": "text", "text": "hi"}
 
 
+@pytest.mark.parametrize("disable, n", [(False, 2), (True, 1)])
+def test_disable_parallel_tool_use_keeps_the_first_call(encoder, disable, n):
+    bridge = FakeBridge()
+    bridge.events = [ToolCallStart(0, "call_1", "Bash"), ToolCallArgsDelta(0, "{}"),
+                     ToolCallEnd(0, "{}"), ToolCallStart(1, "call_2", "Bash"),
+                     ToolCallArgsDelta(1, "{}"), ToolCallEnd(1, "{}"), Usage(9, 6),
+                     Finish("tool_calls")]
+    _, _, text = call(encoder, bridge, body(tools=[TOOL], tool_choice={
+        "type": "auto", "disable_parallel_tool_use": disable}))
+    m = json.loads(text)
+    assert [b["id"] for b in m["content"]] == ["toolu_1", "toolu_2"][:n]
+    assert m["stop_reason"] == "tool_use"
+
+
 def test_errors_in_anthropic_shape(encoder):
     bridge = FakeBridge()
     status, headers, text = call(encoder, bridge, None, raw=b"\xff\xfe{")
