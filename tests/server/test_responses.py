@@ -15,6 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from backfit.server import openai_responses as R
+from backfit.server import responses_render as RR
 from backfit.server.bridge import CTX, KEEPALIVE, QueueFull, ServerContext
 from backfit.server.chat_format import ChatEncoder
 from backfit.server.http import BadRequest
@@ -68,8 +69,8 @@ def encoder(tmp_path_factory):
 def fixed_ids(monkeypatch):
     """Deterministic ids and clock, so transcripts are byte-stable."""
     counter = itertools.count(1)
-    monkeypatch.setattr(R, "_hex", lambda: f"{next(counter):04d}")
-    monkeypatch.setattr(R, "_now", lambda: 1767225600)
+    monkeypatch.setattr(RR, "_hex", lambda: f"{next(counter):04d}")
+    monkeypatch.setattr(RR, "_now", lambda: 1767225600)
 
 
 def call(encoder, bridge, body, raw: bytes | None = None):
@@ -122,7 +123,8 @@ def test_input_items_become_neutral_messages():
     assert req.messages[2].content == "hi [Unsupported input_image]"
     a = req.messages[3]
     assert (a.reasoning, a.content) == ("think", "ok")
-    assert [(c.id, c.name) for c in a.tool_calls] == [("call_a", "shell"), ("call_b", "apply_patch")]
+    assert [(c.id, c.name) for c in a.tool_calls] == [("call_a", "shell"),
+                                                      ("call_b", "apply_patch")]
     assert json.loads(a.tool_calls[1].arguments) == {"input": "P"}
     assert req.messages[4].tool_call_id == "call_a" and req.messages[4].content == "done"
     assert req.messages[5].reasoning == "s"          # summary used when content is missing
@@ -217,7 +219,7 @@ def test_non_streaming_reply_is_the_fold_of_the_stream(encoder, fixed_ids, monke
     _, _, text = call(encoder, bridge, {"input": "ls", "tools": [TOOL], "stream": True})
     streamed = sse(text)[-1][1]["response"]
     counter = itertools.count(1)
-    monkeypatch.setattr(R, "_hex", lambda: f"{next(counter):04d}")
+    monkeypatch.setattr(RR, "_hex", lambda: f"{next(counter):04d}")
     status, _, body = call(encoder, bridge, {"input": "ls", "tools": [TOOL]})
     assert status == 200 and json.loads(body) == streamed
     Response.model_validate(json.loads(body))         # the SDK's required keys are all there
