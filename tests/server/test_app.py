@@ -4,9 +4,14 @@ aborts the engine request and frees its cache (real engine)."""
 
 import http.client
 import json
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -185,3 +190,62 @@ def test_queue_full_is_429_keepalive_and_drain(tiny_converted):
         assert post(srv, "/v1/chat/completions", {"model": "m", "messages": MSG})[0] == 503
     finally:
         srv.stop()
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for t in Path(f"/proc/{pid}/task").glob("*/children"):
+        out |= {int(x) for x in t.read_text().split()}
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_backfit_serve_tp2_subprocess(tiny_converted):
+    """`backfit serve --tp 2`: 503 then the ready line, one streamed request through the SDK,
+    SIGTERM during a second stream -> that stream ends with an error event, every process
+    (rank 1 included) exits."""
+    model = tiny_converted(2, "int8")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backfit.cli", "serve", str(model), "--port", str(port),
+         "--tp", "2", "--device", "cpu", "--dtype", "float32", "--max-model-len", "1024",
+         "--max-num-seqs", "4", "--block-size", "16", "--cpu-kv-cache-gib", "0.05"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "ready on" in line or len(lines) > 200:
+                break
+        ready = lines[-1]
+        assert "ready on http://127.0.0.1:%d" % port in ready and "tp 2" in ready, lines
+        assert "capacity:" in ready and "weights" in ready and "pools" in ready
+        ranks = _children(proc.pid)
+        assert ranks, "no rank process"
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        chunks = list(c.chat.completions.create(model="m", messages=MSG, max_tokens=4,
+                                                stream=True, temperature=0))
+        assert [k.choices[0].finish_reason for k in chunks][-1] == "length"
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": "m", "messages": MSG, "max_tokens": 900, "stream": True,
+             "ignore_eos": True}), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        head = r.read(300)
+        proc.send_signal(signal.SIGTERM)
+        rest = head + r.read()
+        assert b'"error"' in rest and rest.endswith(b"data: [DONE]\n\n")
+        assert proc.wait(60) == 0
+        assert not [p for p in ranks if _alive(p)]          # exited (a zombie has exited)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
