@@ -134,7 +134,8 @@ def build_runner(raw: dict, dev: str, slots: int, blocks: int):
     """A ModelRunner around a random model and random pools (no converted directory)."""
     from backfit.runtime.cache.paged import PagedCache
     from backfit.runtime.model.transformer import Transformer
-    from backfit.runtime.runner import ModelRunner, RunnerConfig, default_block_size
+    from backfit.runtime.cache.layout import default_block_size
+    from backfit.runtime.runner import ModelRunner, RunnerConfig
     cfg = ModelConfig.from_dict(raw)
     with torch.device(dev):
         model = Transformer(cfg, torch.bfloat16, mtp=False)
@@ -431,7 +432,7 @@ def main() -> None:
         res["ceilings"] = ceil = ceilings(dev)
     else:
         ceil = dict(copy_TBps=0.05, bf16_TFLOPs=1.0, int8_TOPs=1.0)   # nominal, dry run only
-    from backfit.runtime.runner import default_block_size
+    from backfit.runtime.cache.layout import default_block_size
     B_max, bs = max(batches), default_block_size(ModelConfig.from_dict(raw))
     blocks = max(B_max * math.ceil((max(ctxs) + 8) / bs), math.ceil(max(prefills + [1]) / bs))
     t = time.perf_counter()
@@ -478,7 +479,7 @@ def main() -> None:
     del r
     if dev == "cuda":
         torch.cuda.empty_cache()
-    if not a.no_hf:
+    if not a.no_hf and a.tp_shard == 1:                  # a TP slice has no HF counterpart
         hb = [b for b in batches if b <= 8]
         res["hf"] = hf_decode(raw, dev, hb, a.ctx, a.reps)
         print(json.dumps({"hf": res["hf"]}), flush=True)
