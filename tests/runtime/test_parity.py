@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from backfit.runtime.batch import ForwardBatch
-from backfit.verify.reference import Reference            # a broken import is a failure, not a skip
+from backfit.verify.reference import Reference  # a broken import is a failure, not a skip
 
 
 def _tokens(n, seed):
