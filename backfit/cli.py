@@ -277,12 +277,14 @@ def plan(model, tp, gpu_mem, gpu_memory_utilization, experts, kv_cache_dtype, ma
 @main.command()
 @click.option("--dir", "workdir", type=click.Path(file_okay=False), default=None,
               help="Where to build the demo (default: ~/.cache/backfit/demo).")
-def demo(workdir: str | None) -> None:
-    """Build the tiny built-in DeepSeek-V4 checkpoint, convert, verify and generate, explaining
-    each step. Exits 1 if a parity check fails."""
+@click.option("--serve", is_flag=True, help="Keep the demo server up on 127.0.0.1:8000.")
+def demo(workdir: str | None, serve: bool) -> None:
+    """Build the tiny built-in DeepSeek-V4 checkpoint, convert, verify, generate and serve it
+    (one request per protocol through the SDKs), explaining each step. Exits 1 if a parity
+    check fails."""
     from backfit.demo import run_demo
     try:
-        report = run_demo(workdir)
+        report = run_demo(workdir, serve=serve)
     except _user_errors() as e:
         _fail(e)
     if not all(r["ok"] for r in report.values()):

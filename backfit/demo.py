@@ -1,6 +1,7 @@
 """`backfit demo`: the whole flow on the built-in tiny checkpoint, on any CPU-only machine.
 
 original checkpoint -> convert (INT8, tp 4; and a lossless BF16 copy) -> verify -> generate
+-> serve (one request per protocol through the official SDKs; `--serve` keeps it up)
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ PROMPT = "The harbour town woke slowly that morning."
 
 
 def _step(n: int, text: str) -> float:
-    print(f"\n[{n}/5] {text}", flush=True)
+    print(f"\n[{n}/6] {text}", flush=True)
     return time.time()
 
 
-def run_demo(workdir: str | None = None, max_positions: int = 512, max_tokens: int = 24) -> dict:
+def run_demo(workdir: str | None = None, max_positions: int = 512, max_tokens: int = 24,
+             serve: bool = False) -> dict:
     from backfit.convert.run import convert
     from backfit.engine.sampling_params import SamplingParams
     from backfit.generate import generate
@@ -57,7 +59,98 @@ def run_demo(workdir: str | None = None, max_positions: int = 512, max_tokens: i
     generate(int8, [PROMPT], SamplingParams(max_tokens=max_tokens, temperature=0,
                                             skip_special_tokens=False))
     print(f"      {time.time() - t:.1f} s")
+    t = _step(6, f"backfit serve {lossless}   (OpenAI Chat/Responses/Completions, Anthropic)")
+    _serve_step(lossless, keep=serve)
+    print(f"      {time.time() - t:.1f} s")
     verdict = {True: "PASS", False: "FAIL"}
     print(f"\nsemantics check {verdict[sem['ok']]}; conversion check {verdict[conv['ok']]} "
           "(thresholds: docs/VERIFICATION.md)")
     return {"semantics": sem, "conversion": conv}
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_step(model: Path, keep: bool = False) -> None:
+    """Start the server in this process on the tiny model, send one request per protocol
+    through the official SDKs (Responses / Anthropic only where those modules exist), print
+    the curl and openai examples; stop, or with keep=True serve until Ctrl-C."""
+    import asyncio
+    import importlib.util
+    import threading
+
+    from backfit.server.app import make_context, start_server
+    from backfit.server.bridge import AsyncEngine, EngineConfig
+
+    port = 8000 if keep else _free_port()
+    engine = AsyncEngine(EngineConfig(str(model), dtype="float32", max_model_len=2048,
+                                      max_num_seqs=4, cpu_kv_cache_gib=0.25))
+    ctx = make_context(engine, str(model))
+    loop = asyncio.new_event_loop()
+    runner = loop.run_until_complete(start_server(ctx, "127.0.0.1", port))
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    engine.start()
+    while not engine.ready.is_set():
+        if engine.error is not None:
+            raise RuntimeError(f"engine failed to start: {engine.error}")
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    print(f"      listening on {url} (the model id is {ctx.model_name})")
+    try:
+        _sdk_requests(url, importlib.util.find_spec("backfit.server.openai_responses"),
+                      importlib.util.find_spec("backfit.server.anthropic"))
+        body = ('{"model": "deepseek-v4-flash", "max_tokens": 16, "stream": true, '
+                '"messages": [{"role": "user", "content": "Hi"}]}')
+        print("\n      try it yourself (backfit demo --serve keeps the server up):\n"
+              f"        curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"-d '{body}'\n"
+              f"        python -c \"import openai; c = openai.OpenAI(base_url='{url}/v1', "
+              "api_key='none'); print(c.chat.completions.create(model='deepseek-v4-flash', "
+              "max_tokens=16, messages=[{'role': 'user', 'content': 'Hi'}]).choices[0].message)\"")
+        if keep:
+            print(f"\n      serving on {url} until Ctrl-C (docs/API.md: pointing clients at it)")
+            try:
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt:
+                pass
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        engine.shutdown()
+
+
+def _sdk_requests(url: str, responses: bool, anthropic: bool) -> None:
+    import openai
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    msgs = [{"role": "user", "content": "Say hello."}]
+    r = c.chat.completions.create(model="deepseek-v4-flash", messages=msgs, max_tokens=3)
+    u = r.usage
+    print(f"      openai chat.completions: finish={r.choices[0].finish_reason} usage: "
+          f"{u.prompt_tokens} prompt, {u.completion_tokens} completion "
+          f"({u.completion_tokens_details.reasoning_tokens} reasoning)")
+    n = sum(1 for _ in c.chat.completions.create(model="deepseek-v4-flash", messages=msgs,
+                                                 max_tokens=3, stream=True))
+    print(f"      openai chat.completions stream: {n} chunks")
+    r = c.completions.create(model="deepseek-v4-flash", prompt="The harbour", max_tokens=4,
+                             logprobs=1, echo=True)
+    print(f"      openai completions (echo + logprobs, as lm-eval): "
+          f"{len(r.choices[0].logprobs.tokens)} scored tokens")
+    if responses:
+        r = c.responses.create(model="deepseek-v4-flash", input="Say hello.",
+                               max_output_tokens=3)
+        print(f"      openai responses: status={r.status} usage: {r.usage.output_tokens} output")
+    else:
+        print("      openai responses: not built in this checkout (skipped)")
+    if anthropic:
+        import anthropic as anthropic_sdk
+        a = anthropic_sdk.Anthropic(base_url=url, api_key="none")
+        m = a.messages.create(model="deepseek-v4-flash", max_tokens=3, messages=msgs)
+        print(f"      anthropic messages: stop_reason={m.stop_reason} usage: "
+              f"{m.usage.output_tokens} output")
+    else:
+        print("      anthropic messages: not built in this checkout (skipped)")
