@@ -207,6 +207,12 @@ def test_tool_call_round_trip_with_sdk_accumulator(fake):
     prompt = fake.ctx.tokenizer.decode(fake.engine.last_prompt, skip_special_tokens=False)
     assert "<tool_result>sunny, 21 C</tool_result>" in prompt
     assert f'<{D}parameter name="city" string="true">Paris</{D}parameter>' in prompt
+    history[1].pop("reasoning_content")             # clients that drop it (pitfall #17)
+    history[1]["tool_calls"][0]["function"]["arguments"] = json.dumps(   # double-encoded
+        call.function.arguments)
+    c.chat.completions.create(model="m", messages=history, tools=WEATHER)
+    again = fake.ctx.tokenizer.decode(fake.engine.last_prompt, skip_special_tokens=False)
+    assert f'<{D}parameter name="city" string="true">Paris</{D}parameter>' in again
 
 
 def test_truncated_call_is_length_not_tool_calls(fake):
