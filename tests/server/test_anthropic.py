@@ -16,6 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from backfit.server import anthropic as A
+from backfit.server import anthropic_render as AR
 from backfit.server.bridge import CTX, KEEPALIVE, QueueFull, ServerContext
 from backfit.server.chat_format import ChatEncoder
 from backfit.server.http import BadRequest
@@ -64,8 +65,8 @@ def encoder(tmp_path_factory):
 @pytest.fixture
 def fixed_ids(monkeypatch):
     counter = itertools.count(1)
-    monkeypatch.setattr(A, "_hex", lambda: f"{next(counter):04d}")
-    monkeypatch.setattr(A, "_SECRET", b"golden")
+    monkeypatch.setattr(AR, "_hex", lambda: f"{next(counter):04d}")
+    monkeypatch.setattr(AR, "_SECRET", b"golden")
 
 
 def call(encoder, bridge, body, path="/v1/messages", raw: bytes | None = None):
@@ -214,7 +215,7 @@ def test_tool_use_turn_and_fold(encoder, fixed_ids, monkeypatch):
     assert start == {"type": "tool_use", "id": "toolu_00ff", "name": "Bash", "input": {}}
     # the non-streaming reply is the fold of the same events
     counter = itertools.count(1)
-    monkeypatch.setattr(A, "_hex", lambda: f"{next(counter):04d}")
+    monkeypatch.setattr(AR, "_hex", lambda: f"{next(counter):04d}")
     status, _, folded = call(encoder, bridge, body(tools=[TOOL]))
     msg = SDKMessage.model_validate(json.loads(folded))
     assert status == 200 and msg.stop_reason == "tool_use" and msg.id == "msg_0001"
