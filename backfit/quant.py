@@ -193,7 +193,8 @@ def dequant_int8_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.to(torch.float32).reshape(n, -1, g) * scale.to(torch.float32)[..., None]).reshape(n, k)
 
 
-def rel_error(approx: torch.Tensor, exact: torch.Tensor, rows: int | None = None) -> tuple[float, float]:
+def rel_error(approx: torch.Tensor, exact: torch.Tensor,
+              rows: int | None = None) -> tuple[float, float]:
     """(relative Frobenius error, max abs error) of approx against exact, float64, by row chunks.
 
     A NaN or Inf in either input makes both results NaN: a broken tensor must never look exact.

@@ -1,6 +1,7 @@
 """Converter throughput and peak memory on a multi-GB synthetic checkpoint (a benchmark, not a test).
 
-    python scripts/bench_convert.py [--workdir DIR] [--dst-dir DIR] [--experts 256] [--hidden 1024] [--tp 4]
+    python scripts/bench_convert.py [--workdir DIR] [--dst-dir DIR] [--experts 256] [--hidden 1024]
+                                    [--tp 4] [--keep]
 
 Writes a checkpoint in the original format (valid random bytes; dims chosen so it is a few GB),
 then measures, with the page cache dropped for those files before each step (posix_fadvise):

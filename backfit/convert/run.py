@@ -1,4 +1,5 @@
-"""convert(src, dst): validate -> plan -> convert shards in parallel into DST.partial -> manifest -> rename.
+"""convert(src, dst): validate -> plan -> convert shards in parallel into DST.partial -> manifest
+-> rename.
 
 Shards are independent units (writer.py), so a pool of worker threads converts several at once:
 the hot paths (reads, numpy gathers, torch ops, SHA-256, pwrite) all release the GIL. Each worker

@@ -1,4 +1,5 @@
-"""One function per Action kind: source bytes in, full (unsharded) output tensors and error stats out.
+"""One function per Action kind: source bytes in, full (unsharded) output tensors and error stats
+out.
 
 Every check is made in the pass that already reads the data, and any failure is one ConvertError
 line naming the file, the tensor and the first offending index:
@@ -55,9 +56,10 @@ def _check_scale(action: Action, s: torch.Tensor) -> None:
         raise ConvertError(f"{_where(action, 1)}: UE8M0 scale byte 255 (NaN) at {bad}")
     bad = ((s < E8M0_ACCEPTED[0]) | (s > E8M0_ACCEPTED[1])).nonzero()[0].tolist()
     b = int(s[tuple(bad)])
-    raise ConvertError(f"{_where(action, 1)}: UE8M0 scale byte {b} (2^{b - 127}) at {bad} is outside "
-                       f"the accepted {E8M0_ACCEPTED[0]}..{E8M0_ACCEPTED[1]} "
-                       f"(2^{E8M0_ACCEPTED[0] - 127}..2^{E8M0_ACCEPTED[1] - 127}): damaged checkpoint")
+    lo, hi = E8M0_ACCEPTED
+    raise ConvertError(f"{_where(action, 1)}: UE8M0 scale byte {b} (2^{b - 127}) at {bad} is "
+                       f"outside the accepted {lo}..{hi} (2^{lo - 127}..2^{hi - 127}): damaged "
+                       f"checkpoint")
 
 
 def _check_e4m3(action: Action, w: torch.Tensor) -> None:

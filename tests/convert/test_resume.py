@@ -135,7 +135,8 @@ def test_journal_entry_whose_files_changed_is_redone(tiny_flash, clean, tmp_path
     out_a = rank_dir(partial, 1) / a                          # a done output, truncated
     out_a.write_bytes(out_a.read_bytes()[:-100])
     index = json.loads((src / "model.safetensors.index.json").read_text())
-    name = next(n for n, f in index["weight_map"].items() if f == b and n.endswith("attn_norm.weight"))
+    name = next(n for n, f in index["weight_map"].items()
+                if f == b and n.endswith("attn_norm.weight"))
     raw = bytearray(materialize(src / b).read_bytes())       # source changed, same size
     (hlen,) = struct.unpack("<Q", raw[:8])
     off = 8 + hlen + json.loads(raw[8:8 + hlen])[name]["data_offsets"][0]
