@@ -12,6 +12,9 @@ p·V with p split into two BF16 halves (hi + lo, ~16 mantissa bits); online soft
 sink only in the denominator: o = Σ e^(s-M) k / (Σ e^(s-M) + e^(sink-M)).
 Split-KV (small batches): each program handles one key range and writes (m, l, acc); a second
 kernel merges the splits and adds the sink. With one split the first kernel finishes alone.
+sparse_attention: the same kernel (PREFILL) for T queries of chunks (chunked prefill, mixed
+batches): query t of sequence seq[t] sees ring positions before its chunk's start and the
+chunk's own kv rows in flight (Attention._attend's keys), its HCA entries or CSA selection.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["decode_attention", "decode_config"]
+__all__ = ["decode_attention", "sparse_attention", "decode_config"]
 
 MODES = {"window": 0, "hca": 1, "csa": 2}
 
@@ -74,13 +77,17 @@ def _load_kv(base, rows, ok, SC, dd, d_ok, D: tl.constexpr, INT8: tl.constexpr,
 
 
 @triton.jit
-def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK,
+def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SEQ, START,
                    O, PO, PM, PL, H, R, stride_tb, n_sel, CHUNK, scale,
                    W: tl.constexpr, RATIO: tl.constexpr, PB: tl.constexpr, MODE: tl.constexpr,
                    INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
                    BN: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr,
-                   EXACT: tl.constexpr, DT: tl.constexpr):
-    """Program (b, head block, split): keys [split·CHUNK, +CHUNK) of window ++ compressed."""
+                   EXACT: tl.constexpr, DT: tl.constexpr, PREFILL: tl.constexpr = False):
+    """Program (query b, head block, split): keys [split·CHUNK, +CHUNK) of window ++ compressed.
+
+    Decode: query b is sequence b's one token. PREFILL: query b belongs to sequence SEQ[b] whose
+    chunk starts at START[b] and at row b - (p - START[b]) of q/kv; window positions >= START[b]
+    come from kv (in flight), earlier ones from the ring."""
     b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hh = hb * BH + tl.arange(0, BH)
     h_ok = hh < H
@@ -90,6 +97,12 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK,
     q = tl.load(Q + (b64 * H + hh[:, None]) * D + dd[None, :], mask=h_ok[:, None] & d_ok[None, :],
                 other=0.0).to(tl.float32)                               # [BH, DP]
     p = tl.load(POS + b)
+    if PREFILL:
+        sq = tl.load(SEQ + b).to(tl.int64)                              # sequence of query b
+        st = tl.load(START + b)
+    else:
+        sq = b64
+        st = p
     lo = tl.maximum(p - W + 1, 0)
     NW = p - lo + 1                                                     # window keys incl. p
     if MODE == 1:
@@ -104,7 +117,7 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK,
     l_i = tl.zeros((BH,), tl.float32)
     acc = tl.zeros((BH, DP), tl.float32)
     rn = tl.arange(0, BN)
-    slot = tl.load(SLOTS + b).to(tl.int64)
+    slot = tl.load(SLOTS + sq).to(tl.int64)
     cur = tl.load(KV + b64 * D + dd, mask=d_ok, other=0.0).to(tl.float32)  # this token's kv
     for t0 in range(k0, tl.minimum(k1, NW), BN):                        # window part
         t = t0 + rn
@@ -112,8 +125,14 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK,
         kp = lo + t                                                     # key positions
         is_cur = kp == p
         rows = slot * R + (kp % R)
-        k = _load_kv(RING, rows, ok & (kp < p), RSC, dd, d_ok, D, INT8, DT)
-        k = tl.where(is_cur[:, None], cur[None, :], k)
+        k = _load_kv(RING, rows, ok & (kp < st), RSC, dd, d_ok, D, INT8, DT)
+        if PREFILL:                                                     # chunk rows in flight
+            fly = kp >= st
+            kin = tl.load(KV + (b64 + kp - p)[:, None] * D + dd[None, :],
+                          mask=(ok & fly)[:, None] & d_ok[None, :], other=0.0)
+            k = tl.where(fly[:, None], kin.to(tl.float32), k)
+        else:
+            k = tl.where(is_cur[:, None], cur[None, :], k)
         m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT)
     for c0 in range(tl.maximum(k0, NW) - NW, k1 - NW, BN):              # compressed part
         c = c0 + rn
@@ -124,7 +143,7 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK,
         else:
             j = c
         j = tl.where(ok, j, 0)
-        blk = tl.load(TABLES + b64 * stride_tb + j // PB, mask=ok, other=0).to(tl.int64)
+        blk = tl.load(TABLES + sq * stride_tb + j // PB, mask=ok, other=0).to(tl.int64)
         k = _load_kv(ENT, blk * PB + j % PB, ok, ESC, dd, d_ok, D, INT8, DT)
         m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT)
     if SPLIT == 1:
@@ -164,9 +183,11 @@ def _interpreted() -> bool:
     return not isinstance(_decode_kernel, triton.runtime.jit.JITFunction)
 
 
-def decode_config(B: int, H: int, n_keys: int, sms: int, split: int | None = None) -> dict:
-    """Tiles and split count: >= ~2 programs per SM when the batch alone does not fill them."""
-    BH, BN = 16, 32
+def decode_config(B: int, H: int, n_keys: int, sms: int, split: int | None = None,
+                  prefill: bool = False) -> dict:
+    """Tiles and split count: >= ~2 programs per SM when the batch alone does not fill them.
+    prefill: 16-key tiles (the in-flight kv tile is a second buffer: 32 would pass 99 KB)."""
+    BH, BN = 16, 16 if prefill else 32
     progs = B * triton.cdiv(H, BH)
     steps = max(1, triton.cdiv(n_keys, BN))
     if split is None:
@@ -179,35 +200,50 @@ def decode_config(B: int, H: int, n_keys: int, sms: int, split: int | None = Non
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def decode_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink: torch.Tensor,
-                     ring: torch.Tensor, ring_scale: torch.Tensor | None, slots: torch.Tensor,
-                     window: int, mode: str = "window", entries: torch.Tensor | None = None,
-                     entry_scale: torch.Tensor | None = None, tables: torch.Tensor | None = None,
-                     ratio: int = 0, sel: torch.Tensor | None = None,
-                     split: int | None = None) -> torch.Tensor:
+def decode_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode="window",
+                     entries=None, entry_scale=None, tables=None, ratio=0, sel=None,
+                     split=None) -> torch.Tensor:
     """q [B, H, D] act dtype, kv [B, D] (this token's, not yet read from the ring), pos [B],
     sink [H] FP32, ring [S, R, D] (+ ring_scale [S, R] if int8), slots [B]; mode "hca" / "csa":
     entries [NB, PB, D] (+ entry_scale), tables [B, nblk] int, ratio; csa: sel [B, k] (-1 unused).
     -> o [B, H, D] FP32 (the torch path's _attend output)."""
+    return sparse_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode, entries,
+                            entry_scale, tables, ratio, sel, split=split)
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink: torch.Tensor,
+                     ring: torch.Tensor, ring_scale: torch.Tensor | None, slots: torch.Tensor,
+                     window: int, mode: str = "window", entries: torch.Tensor | None = None,
+                     entry_scale: torch.Tensor | None = None, tables: torch.Tensor | None = None,
+                     ratio: int = 0, sel: torch.Tensor | None = None, seq: torch.Tensor | None = None,
+                     start: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
+    """decode_attention for T queries of chunks (chunked prefill, mixed batches): q [T, H, D],
+    kv [T, D] the chunks' own rows, pos [T], seq [T] the sequence (row of slots [NS], tables
+    [NS, nblk]) and start [T] its chunk's first position; sel [T, k]. Rows of one sequence's
+    chunk are consecutive in q/kv. seq=None: one token per sequence (decode)."""
     if q.dim() != 3 or kv.shape != (q.shape[0], q.shape[2]) or pos.shape != (q.shape[0],):
         raise ValueError(f"decode_attention: q [B, H, D], kv [B, D], pos [B]; got "
                          f"{list(q.shape)}, {list(kv.shape)}, {list(pos.shape)}")
     B, H, D = q.shape
+    NS = B if seq is None else slots.shape[0]
+    if (seq is None) != (start is None) or (seq is not None and (seq.shape != (B,)
+                                                                 or start.shape != (B,))):
+        raise ValueError(f"sparse_attention: seq and start [T={B}] go together")
     if mode not in MODES:
         raise ValueError(f"decode_attention: mode {mode!r}, expected one of {tuple(MODES)}")
     if ring.dim() != 3 or ring.shape[2] != D or ring.shape[1] < window:
         raise ValueError(f"decode_attention: ring [S, R>=W, {D}], got {list(ring.shape)}")
     int8 = ring.dtype == torch.int8
-    if int8 != (ring_scale is not None) or sink.shape != (H,) or slots.shape != (B,):
+    if int8 != (ring_scale is not None) or sink.shape != (H,) or slots.shape != (NS,):
         raise ValueError("decode_attention: int8 ring needs ring_scale (and only then); "
-                         f"sink [H={H}], slots [B={B}]")
+                         f"sink [H={H}], slots [{NS}]")
     if q.dtype not in _TL or kv.dtype != q.dtype or (not int8 and ring.dtype != q.dtype):
         raise ValueError(f"decode_attention: q/kv/ring dtypes {q.dtype}/{kv.dtype}/{ring.dtype}")
     dev = q.device
     PB, n_sel, n_comp = 1, 0, 0
     if mode != "window":
         if entries is None or tables is None or entries.shape[2] != D or tables.dim() != 2 \
-                or tables.shape[0] != B or ratio <= 0 or (entries.dtype == torch.int8) != int8 \
+                or tables.shape[0] != NS or ratio <= 0 or (entries.dtype == torch.int8) != int8 \
                 or (entry_scale is not None) != int8:
             raise ValueError("decode_attention: hca/csa need entries [NB, PB, D] of the ring's "
                              "storage (int8: with entry_scale), tables [B, nblk] and ratio > 0")
@@ -223,7 +259,7 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
     if B == 0:
         return o
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-    cfg = decode_config(B, H, window + n_comp, sms, split)
+    cfg = decode_config(B, H, window + n_comp, sms, split, seq is not None)
     S = cfg["SPLIT"]
     po = torch.empty(B, H, S, D, dtype=torch.float32, device=dev) if S > 1 else o
     pm = torch.empty(B, H, S, dtype=torch.float32, device=dev) if S > 1 else o
@@ -235,11 +271,14 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
         q.contiguous(), kv.contiguous(), ring, dummy, slots.to(dev, torch.int32).contiguous(),
         pos.to(dev, torch.int32).contiguous(), ent, entry_scale if int8 and entries is not None
         else dummy, tables if tables is not None else slots, sel if sel is not None else slots,
-        sink.float().contiguous(), o, po, pm, pl, H, ring.shape[1],
+        sink.float().contiguous(), slots if seq is None else seq.to(dev, torch.int32).contiguous(),
+        slots if start is None else start.to(dev, torch.int32).contiguous(),
+        o, po, pm, pl, H, ring.shape[1],
         tables.shape[1] if tables is not None else 0, n_sel, cfg["CHUNK"], D ** -0.5,
         W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D,
         DP=triton.next_power_of_2(D), BH=cfg["BH"], BN=cfg["BN"], SPLIT=S, F32=_interpreted(),
-        EXACT=q.dtype == torch.float32, DT=_TL[q.dtype], num_warps=cfg["num_warps"],
+        EXACT=q.dtype == torch.float32, DT=_TL[q.dtype], PREFILL=seq is not None,
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if S > 1:
         _merge_kernel[(B, H)](po, pm, pl, sink.float().contiguous(), o, H, D=D,

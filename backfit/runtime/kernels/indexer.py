@@ -26,12 +26,17 @@ _LOW = 2 ** 31 - 1      # j -> _LOW - j in the low word: equal scores prefer the
 
 
 @triton.jit
-def _score_kernel(QI, WI, KEYS, TABLES, POS, OUT, H, NC, stride_tb,
+def _score_kernel(QI, WI, KEYS, TABLES, POS, OUT, SEQ, H, NC, stride_tb,
                   PB: tl.constexpr, DI: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-                  F32: tl.constexpr, EXACT: tl.constexpr):
-    """Program (b, key tile): scores of keys [tile·BN, +BN) for sequence b."""
+                  F32: tl.constexpr, EXACT: tl.constexpr, PREFILL: tl.constexpr = False):
+    """Program (query b, key tile): scores of keys [tile·BN, +BN) for query b (of sequence b;
+    PREFILL: of sequence SEQ[b], i.e. table row SEQ[b])."""
     b, t = tl.program_id(0), tl.program_id(1)
     b64 = b.to(tl.int64)
+    if PREFILL:
+        sq = tl.load(SEQ + b).to(tl.int64)
+    else:
+        sq = b64
     hh = tl.arange(0, BH)
     h_ok = hh < H
     dd = tl.arange(0, DI)
@@ -41,7 +46,7 @@ def _score_kernel(QI, WI, KEYS, TABLES, POS, OUT, H, NC, stride_tb,
     j = t * BN + tl.arange(0, BN)
     ok = j < n_valid
     jj = tl.where(ok, j, 0)
-    blk = tl.load(TABLES + b64 * stride_tb + jj // PB, mask=ok, other=0).to(tl.int64)
+    blk = tl.load(TABLES + sq * stride_tb + jj // PB, mask=ok, other=0).to(tl.int64)
     k = tl.load(KEYS + (blk * PB + jj % PB)[:, None] * DI + dd[None, :], mask=ok[:, None],
                 other=0.0)                                              # [BN, DI]
     if F32:                                      # interpreter: BF16 dots are wrong there
@@ -101,14 +106,16 @@ def _interpreted() -> bool:
 
 
 def indexer_scores(qI: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: torch.Tensor,
-                   pos: torch.Tensor) -> torch.Tensor:
+                   pos: torch.Tensor, seq: torch.Tensor | None = None) -> torch.Tensor:
     """qI [B, H, 128] (FP32 holding act-dtype values), w [B, H] FP32, keys [NB, PB, 128] pool,
-    tables [B, nblk], pos [B] -> scores [B, nblk·PB] FP32 (-inf past (p+1)//4)."""
+    tables [B, nblk], pos [B] -> scores [B, nblk·PB] FP32 (-inf past (p+1)//4).
+    Chunked prefill: B queries, seq [B] = each query's row of tables [NS, nblk]."""
     if qI.dim() != 3 or w.shape != qI.shape[:2] or keys.dim() != 3 or keys.shape[2] != qI.shape[2]:
         raise ValueError(f"indexer_scores: qI [B, H, d], w [B, H], keys [NB, PB, d]; got "
                          f"{list(qI.shape)}, {list(w.shape)}, {list(keys.shape)}")
     B, H, DI = qI.shape
-    if tables.dim() != 2 or tables.shape[0] != B or pos.shape != (B,) or DI & (DI - 1):
+    if tables.dim() != 2 or (seq is None and tables.shape[0] != B) or pos.shape != (B,) \
+            or DI & (DI - 1) or (seq is not None and seq.shape != (B,)):
         raise ValueError(f"indexer_scores: tables [B={B}, nblk], pos [B], power-of-2 key width; "
                          f"got {list(tables.shape)}, {list(pos.shape)}, {DI}")
     PB = keys.shape[1]
@@ -118,11 +125,13 @@ def indexer_scores(qI: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables
         return out
     exact = keys.dtype == torch.float32
     BN = 32
+    pos32 = pos.to(qI.device, torch.int32).contiguous()
     _score_kernel[(B, triton.cdiv(NC, BN))](
         qI.to(keys.dtype if not exact else torch.float32).contiguous(), w.float().contiguous(),
-        keys, tables.to(qI.device, torch.int32).contiguous(), pos.to(qI.device, torch.int32),
-        out, H, NC, tables.shape[1], PB=PB, DI=DI, BH=max(16, triton.next_power_of_2(H)), BN=BN,
-        F32=_interpreted(), EXACT=exact, num_warps=4)
+        keys, tables.to(qI.device, torch.int32).contiguous(), pos32, out,
+        pos32 if seq is None else seq.to(qI.device, torch.int32).contiguous(), H, NC,
+        tables.shape[1], PB=PB, DI=DI, BH=max(16, triton.next_power_of_2(H)), BN=BN,
+        F32=_interpreted(), EXACT=exact, PREFILL=seq is not None, num_warps=4)
     return out
 
 

@@ -118,7 +118,7 @@ def decode_attention_ref(q, kv, pos, sink, ring, ring_scale, slots, window, mode
     return o
 
 
-def indexer_scores_ref(qI, w, keys, tables, pos) -> torch.Tensor:
+def indexer_scores_ref(qI, w, keys, tables, pos, seq=None) -> torch.Tensor:
     """Indexer.select's scores Σ_h w_h·ReLU(qI_h·K_j) over the paged keys: [B, nblk·PB] FP32,
     -inf for j >= (p+1)//4 (qI [B, H, d] FP32, w [B, H], keys [NB, PB, d], tables [B, nblk])."""
     B, PB = qI.shape[0], keys.shape[1]
@@ -127,7 +127,8 @@ def indexer_scores_ref(qI, w, keys, tables, pos) -> torch.Tensor:
     for b in range(B):
         n = (int(pos[b]) + 1) // 4
         j = torch.arange(n, device=qI.device)
-        k = keys[tables[b].long()[j // PB], j % PB].float()                 # [n, d]
+        row = b if seq is None else int(seq[b])                             # prefill: its sequence
+        k = keys[tables[row].long()[j // PB], j % PB].float()               # [n, d]
         dots = torch.einsum("hd,ed->he", qI[b].float(), k).relu()
         out[b, :n] = torch.einsum("h,he->e", w[b].float(), dots)
     return out
@@ -144,3 +145,35 @@ def topk_select_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
     sel[:, :kk] = torch.where(torch.isinf(order.values[:, :kk]) & (order.values[:, :kk] < 0),
                               torch.full_like(top, -1), top)
     return sel
+
+
+def sparse_attention_ref(q, kv, pos, sink, ring, ring_scale, slots, window, mode="window",
+                         entries=None, entry_scale=None, tables=None, ratio=0, sel=None,
+                         seq=None, start=None):
+    """Chunked prefill (Attention._attend over a chunk): query t of sequence seq[t], whose chunk
+    starts at start[t] (row t - (pos[t] - start[t]) of kv), sees ring positions
+    max(0, p-W+1) .. start-1, then the chunk's kv rows up to itself, then its entries."""
+    T, H, D = q.shape
+    o = torch.empty(T, H, D, dtype=torch.float32, device=q.device)
+    for t in range(T):
+        p, st, b = int(pos[t]), int(start[t]), int(seq[t])
+        lo = max(0, p - window + 1)
+        prev = torch.arange(min(lo, st), st, device=q.device)
+        r0 = t - (p - st)
+        fly = kv[r0 + max(0, lo - st):t + 1]
+        keys = torch.cat((pool_get_ref(ring, ring_scale, (int(slots[b]), prev % ring.shape[1]),
+                                       q.dtype), fly)).float()
+        if mode != "window":
+            per = entries.shape[1]
+            j = torch.arange((p + 1) // ratio, device=q.device) if mode == "hca" else \
+                sel[t][sel[t] >= 0].long()
+            blk = tables[b].long()[j // per]
+            keys = torch.cat((keys, pool_get_ref(entries, entry_scale, (blk, j % per),
+                                                 q.dtype).float()))
+        s = torch.einsum("hd,kd->hk", q[t].float(), keys) * D ** -0.5
+        pr = torch.softmax(torch.cat((s, sink.float()[:, None]), -1), dim=-1)[:, :-1]
+        o[t] = pr @ keys
+    return o
+
+
+__all__ += ["sparse_attention_ref"]

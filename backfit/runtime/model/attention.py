@@ -75,10 +75,9 @@ class Attention(nn.Module):
         if self.indexer is not None:
             qI, wI = self.indexer.queries(qr, x, pos)
             icomp = self.indexer.compressor.project(x, pos)
-        if get_kernel_backend() == "triton" and T == len(batch.seq_lens) \
-                and hasattr(cache, "block_table"):                    # all decode, paged pools
-            o = self._decode_kernels(q, kv, pos, batch, cache, comp,
-                                     (qI, wI, icomp) if self.indexer is not None else None)
+        if get_kernel_backend() == "triton" and hasattr(cache, "block_table"):  # paged pools
+            o = self._kernels(q, kv, pos, batch, cache, comp,
+                              (qI, wI, icomp) if self.indexer is not None else None)
             return self._output(o, pos, x.dtype)
         o = torch.empty(T, Hl, D, dtype=torch.float32, device=x.device)
         for s in batch.slices():
@@ -104,18 +103,27 @@ class Attention(nn.Module):
         zg = torch.einsum("tgi,goi->tgo", o, wa)                      # [T, Gl, o_lora]
         return self.wo_b(zg.flatten(1))                               # all-reduce over ranks
 
-    def _decode_kernels(self, q, kv, pos, batch: ForwardBatch, cache, comp, index):
-        """Decode (one token per sequence) on the Triton kernels, reading the paged pools in place.
+    def _kernels(self, q, kv, pos, batch: ForwardBatch, cache, comp, index):
+        """The attention core on the Triton kernels, reading the paged pools in place.
 
-        Same order as the torch path: the compressors pool (and write) any entry this token
-        completes (per sequence, torch), the kernels attend to ring positions < p, the in-flight
-        kv and the entries, then the token's kv is written to the ring. -> o [T, Hl, D] FP32.
+        Same order as the torch path: the compressors pool (and write) the entries this batch
+        completes (per sequence, torch), the kernels attend to ring positions before each chunk,
+        the chunk's own kv in flight and the entries, then the chunks' kv go to the rings.
+        Decode (one token per sequence) and chunked prefill / mixed batches. -> o [T, Hl, D] FP32.
         """
-        from backfit.runtime.kernels.attention import decode_attention
+        from backfit.runtime.kernels.attention import decode_attention, sparse_attention
+        T, lens = q.shape[0], batch.seq_lens
+        decode = T == len(lens)
+        seq = start = None
+        if not decode:                        # per query: its sequence, its chunk's start (host)
+            seq = torch.tensor([i for i, n in enumerate(lens) for _ in range(n)],
+                               dtype=torch.int32, device=q.device)
+            start = torch.tensor([s0 for s0, n in zip(batch.starts, lens) for _ in range(n)],
+                                 dtype=torch.int32, device=q.device)
         ring, ring_scale = cache.ring_pool()
         mode, ent, ent_scale, tables, sel = "window", None, None, None, None
         if comp is not None:
-            for s in batch.slices():                                  # one row each
+            for s in batch.slices():
                 r = slice(s.lo, s.hi)
                 self.compressor.update(cache, s.index, "comp", comp[0][r], comp[1][r], s.start,
                                        q.dtype, read=False)
@@ -127,11 +135,22 @@ class Attention(nn.Module):
             if index is not None:                                     # CSA: indexer top-k
                 from backfit.runtime.kernels.indexer import indexer_scores, topk_select
                 keys, _ = cache.entry_pool("index")
-                scores = all_reduce(indexer_scores(index[0], index[1], keys, tables, pos))
-                mode, sel = "csa", topk_select(scores, self.indexer.topk)
-        o = decode_attention(q, kv, pos, self.attn_sink, ring, ring_scale, cache.slot_ids(),
-                             self.window, mode, ent, ent_scale, tables, self.ratio, sel)
-        cache.write_window_tokens(pos, kv)                            # after the kernel read it
+                sels = []
+                for a in range(0, T, self.q_chunk):                   # bounds [n, NC] scores
+                    b = min(T, a + self.q_chunk)
+                    sc = indexer_scores(index[0][a:b], index[1][a:b], keys, tables, pos[a:b],
+                                        None if seq is None else seq[a:b])
+                    sels.append(topk_select(all_reduce(sc), self.indexer.topk))
+                mode, sel = "csa", sels[0] if len(sels) == 1 else torch.cat(sels)
+        args = (q, kv, pos, self.attn_sink, ring, ring_scale, cache.slot_ids(), self.window, mode,
+                ent, ent_scale, tables, self.ratio, sel)
+        if decode:
+            o = decode_attention(*args)
+            cache.write_window_tokens(pos, kv)                        # after the kernel read it
+        else:
+            o = sparse_attention(*args, seq=seq, start=start)
+            for s in batch.slices():
+                cache.write_window(s.index, pos[s.lo:s.hi], kv[s.lo:s.hi])
         return o
 
     def _attend(self, q, kv, pos, s: SeqSlice, cache, extra) -> torch.Tensor:

@@ -123,6 +123,35 @@ def test_decode_attention_sweep(attn, mode, ratio, int8):
             assert rel(got, want) < TOL, (mode, int8, B, split, c["pos"].tolist())
 
 
+@pytest.mark.parametrize("mode,ratio,int8", [("window", 0, True), ("hca", 8, False),
+                                            ("csa", 4, True)])
+def test_chunked_prefill_sweep(attn, mode, ratio, int8):
+    """Chunks (start, length) crossing the window and blocks, mixed with one-token rows: in-flight
+    keys come from the chunk's kv rows, older ones from the ring."""
+    gen, rnd = torch.Generator().manual_seed(30 + ratio), random.Random(30 + ratio)
+    chunks = [(0, 7), (40, 1), (20, 19), (150, 3), (13, 5)]
+    NS, T = len(chunks), sum(n for _, n in chunks)
+    c = case(gen, rnd, NS, mode, int8, ratio=max(ratio, 4))         # pools, slots for NS
+    pos = torch.cat([torch.arange(s0, s0 + n) for s0, n in chunks])
+    seq = torch.cat([torch.full((n,), i) for i, (_, n) in enumerate(chunks)])
+    start = torch.cat([torch.full((n,), s0) for s0, n in chunks])
+    c.update(pos=pos.to(DEV), q=(torch.randn(T, 8, 64, generator=gen) * 3).bfloat16().to(DEV),
+             kv=(torch.randn(T, 64, generator=gen) * 0.5).bfloat16().to(DEV))
+    if mode != "window":
+        c["tables"] = tables_for(rnd, NS, [s0 + n for s0, n in chunks], 128)
+    if mode == "csa":
+        sel = torch.full((T, 12), -1, dtype=torch.int32)
+        for t, p in enumerate(pos.tolist()):
+            n = min(12, (p + 1) // ratio)
+            sel[t, :n] = torch.randperm((p + 1) // ratio, generator=gen)[:n].to(torch.int32)
+        c["sel"] = sel.to(DEV)
+    extra = dict(seq=seq.to(DEV), start=start.to(DEV))
+    with one_thread():
+        want = ref.sparse_attention_ref(**c, **extra)
+        for split in (1, None):
+            assert rel(attn.sparse_attention(**c, **extra, split=split), want) < TOL, split
+
+
 def test_heads_past_a_block_non_pow2_dim_and_fp32(attn):
     """H = 20 (two head blocks, one partial), D = 80 (padded to 128), FP32 act dtype (ieee)."""
     gen, rnd = torch.Generator().manual_seed(5), random.Random(5)
@@ -158,8 +187,9 @@ def test_bad_inputs(attn):
 
 
 def _decode_run(model, kv_dtype, prompts, steps):
-    """Prefill each prompt (torch path: several tokens), then `steps` batched decode tokens;
-    -> decode logits [steps, B, V]. Shuffled blocks, scattered slots (tests/runtime/test_paged)."""
+    """Prefill the two prompts in chunks (one step holds both), then `steps` batched decode tokens;
+    -> (prefill logits [39, V], decode logits [steps, B, V]). Shuffled blocks, scattered
+    slots (as tests/runtime/test_paged)."""
     from backfit.runtime.batch import ForwardBatch
     from backfit.runtime.cache.paged import PagedCache
 
@@ -175,33 +205,41 @@ def _decode_run(model, kv_dtype, prompts, steps):
                 tables[i].append(free.pop())
         return ForwardBatch.build(seqs, DEV, slots=[slots[i] for i, _, _ in seqs],
                                   block_tables=[tables[i] for i, _, _ in seqs])
-    for i, p in enumerate(prompts):
-        model(batch([(i, p, 0)]), cache)
+    a, b = prompts                                  # chunked prefill, one step mixing two
+    pre = [model(batch(seqs), cache) for seqs in
+           ([(0, a[:5], 0)], [(0, a[5:], 5), (1, b[:20], 0)], [(1, b[20:], 20)])]
     gen = torch.Generator().manual_seed(4)
     out = []
     for t in range(steps):
         toks = torch.randint(0, 512, (len(prompts),), generator=gen)
         out.append(model(batch([(i, toks[i:i + 1], len(p) + t)
                                 for i, p in enumerate(prompts)]), cache))
-    return torch.stack(out).cpu()
+    return torch.cat(pre).cpu(), torch.stack(out).cpu()
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_model_decode_on_kernels_matches_torch_path(attn, model_f32, kv_dtype, monkeypatch):
-    """The tiny model (window 16, CSA 4 with indexer top-16, HCA 8) decodes with the kernels
-    behind the switch: logits equal the torch path's to FP32 rounding across window wrap and
-    entry completions; without the switch the kernels are never called."""
+    """The tiny model (window 16, CSA 4 with indexer top-16, HCA 8) prefills in chunks and
+    decodes with the kernels behind the switch: prefill and decode logits equal the torch
+    path's to FP32 rounding across window wrap and entry completions; without the switch the
+    kernels are never called."""
     import backfit.runtime.model.attention as attention_model
     if not INTERPRET:
         model_f32 = copy.deepcopy(model_f32).to(DEV)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 512, (n,), generator=gen) for n in (9, 30)]
     want = _decode_run(model_f32, kv_dtype, prompts, 8)               # torch: backend unset
-    calls = []
-    real = attn.decode_attention
-    monkeypatch.setattr(attn, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = {"decode": 0, "chunks": 0}
+    dec, chunks = attn.decode_attention, attn.sparse_attention
+
+    def count(name, fn):
+        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
+    monkeypatch.setattr(attn, "decode_attention", count("decode", dec))
+    monkeypatch.setattr(attn, "sparse_attention", count("chunks", chunks))
     monkeypatch.setattr(attention_model, "get_kernel_backend", lambda: "triton")
     got = _decode_run(model_f32, kv_dtype, prompts, 8)
-    assert len(calls) == 8 * model_f32.cfg.num_hidden_layers
-    err = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
-    assert err < 1e-4, err
+    L = model_f32.cfg.num_hidden_layers
+    assert calls == {"decode": 8 * L, "chunks": 3 * L + 8 * L}     # decode calls sparse_ too
+    for g, w in zip(got, want):                                       # prefill, then decode
+        err = ((g - w).norm(dim=-1) / w.norm(dim=-1)).max().item()
+        assert err < 1e-4, err

@@ -65,6 +65,28 @@ def test_indexer_scores_sweep(idx, H):
             assert (got[~fin] == float("-inf")).all()
 
 
+def test_indexer_scores_prefill_rows(idx):
+    """Chunked prefill: query rows of 3 sequences, each row scored against its own table."""
+    gen, rnd = torch.Generator().manual_seed(8), random.Random(8)
+    qI, w, keys, tables, pos = case(gen, rnd, 3, 16)
+    seq = torch.tensor([0, 0, 0, 1, 2, 2, 1], device=DEV)
+    p = torch.tensor([5, 6, 7, 16, 2, 3, 17], device=DEV)
+    tables = tables_cover(rnd, 3, 96)
+    qI = torch.randn(7, 16, DI, generator=gen).bfloat16().float().to(DEV)
+    w = torch.randn(7, 16, generator=gen).to(DEV)
+    got = idx.indexer_scores(qI, w, keys, tables, p, seq)
+    want = ref.indexer_scores_ref(qI, w, keys, tables, p, seq)
+    fin = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), fin)
+    assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-4)
+
+
+def tables_cover(rnd, B, NB, n=2):
+    blocks = list(range(NB))
+    rnd.shuffle(blocks)
+    return torch.tensor(blocks[:B * n], dtype=torch.int32).view(B, n).to(DEV)
+
+
 def test_indexer_scores_fp32_keys(idx):
     gen, rnd = torch.Generator().manual_seed(3), random.Random(3)
     args = case(gen, rnd, 3, 8, dtype=torch.float32)

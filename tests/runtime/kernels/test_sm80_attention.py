@@ -1,6 +1,7 @@
 """The attention and indexer kernels compile for sm_80 on this CPU machine within 99 KB of shared
 memory, with BF16 mma.sync only where a dot is meant and no FP8/FP4 (as test_sm80.py does for
-the linear and MoE kernels, whose _compile helper this reuses). Real dims: D 512, 16-head blocks,
+the linear and MoE kernels, whose _compile helper this reuses), decode and chunked-prefill
+(PREFILL) variants. Real dims: D 512, 16-head blocks,
 indexer 64 heads x 128, top-512 in 2048-wide chunks. Compiled in a subprocess without
 TRITON_INTERPRET.
 """
@@ -26,26 +27,30 @@ def compile_all() -> list[dict]:
 
     out = []
     types = dict(Q="*bf16", KV="*bf16", RING="*bf16", RSC="*fp32", SLOTS="*i32", POS="*i32",
-                 ENT="*bf16", ESC="*fp32", TABLES="*i32", SEL="*i32", SINK="*fp32", O="*fp32",
+                 ENT="*bf16", ESC="*fp32", TABLES="*i32", SEL="*i32", SINK="*fp32",
+                 SEQ="*i32", START="*i32", O="*fp32",
                  PO="*fp32", PM="*fp32", PL="*fp32", H="i32", R="i32", stride_tb="i32",
                  n_sel="i32", CHUNK="i32", scale="fp32")
-    for mode, split, int8 in ((0, 1, False), (1, 1, True), (2, 1, False), (1, 8, False),
-                              (2, 20, True)):
-        cfg = attention.decode_config(1 if split > 1 else 64, 64, 640, 108, split)
+    for mode, split, int8, prefill in ((0, 1, False, False), (1, 1, True, False),
+                                       (2, 1, False, False), (1, 8, False, False),
+                                       (2, 20, True, False), (2, 1, True, True),
+                                       (1, 1, False, True)):
+        cfg = attention.decode_config(1 if split > 1 else 64, 64, 640, 108, split, prefill)
         opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
         cfg.pop("CHUNK")
         t = dict(types, RING="*i8", ENT="*i8") if int8 else types
         out.append(_compile(attention._decode_kernel, t, dict(
             cfg, W=128, RATIO=128 if mode == 1 else 4, PB=1 if mode == 1 else 32, MODE=mode,
-            INT8=int8, D=512, DP=512, F32=False, EXACT=False, DT=tl.bfloat16), opts,
-            ("H", "CHUNK")))
+            INT8=int8, D=512, DP=512, F32=False, EXACT=False, DT=tl.bfloat16, PREFILL=prefill),
+            opts, ("H", "CHUNK")))
     out.append(_compile(attention._merge_kernel, dict(PO="*fp32", PM="*fp32", PL="*fp32",
                         SINK="*fp32", O="*fp32", H="i32"), dict(D=512, DP=512, SPLIT=20, SP=32),
                         dict(num_warps=4, num_stages=1), ("H",)))
     out.append(_compile(indexer._score_kernel, dict(QI="*bf16", WI="*fp32", KEYS="*bf16",
-                        TABLES="*i32", POS="*i32", OUT="*fp32", H="i32", NC="i32",
+                        TABLES="*i32", POS="*i32", OUT="*fp32", SEQ="*i32", H="i32", NC="i32",
                         stride_tb="i32"), dict(PB=32, DI=128, BH=64, BN=32, F32=False,
-                                               EXACT=False), dict(num_warps=4, num_stages=1)))
+                                               EXACT=False, PREFILL=True),
+                        dict(num_warps=4, num_stages=1)))
     for fn, first in ((indexer._topk_scores_kernel, "*fp32"), (indexer._topk_keys_kernel, "*i64")):
         key = "SCORES" if first == "*fp32" else "IN"
         out.append(_compile(fn, {key: first, "OUT": "*i64", "N": "i32", "n_out": "i32"},
@@ -62,7 +67,7 @@ def test_attention_and_indexer_kernels_compile_for_sm80_within_shared_memory():
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(results) == 10
+    assert len(results) == 12
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
