@@ -116,10 +116,10 @@ class Attention(nn.Module):
         decode = T == len(lens)
         seq = start = None
         if not decode:                        # per query: its sequence, its chunk's start (host)
-            seq = torch.tensor([i for i, n in enumerate(lens) for _ in range(n)],
-                               dtype=torch.int32, device=q.device)
-            start = torch.tensor([s0 for s0, n in zip(batch.starts, lens) for _ in range(n)],
-                                 dtype=torch.int32, device=q.device)
+            n = torch.tensor(lens)
+            seq = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), n)
+            start = torch.repeat_interleave(torch.tensor(batch.starts, dtype=torch.int32), n)
+            seq, start = seq.to(q.device), start.to(q.device)
         ring, ring_scale = cache.ring_pool()
         mode, ent, ent_scale, tables, sel = "window", None, None, None, None
         if comp is not None:
