@@ -151,7 +151,8 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SE
         M = tl.maximum(m_i, sink)
         a = tl.exp(m_i - M)
         o = acc * a[:, None] / (l_i * a + tl.exp(sink - M))[:, None]
-        tl.store(O + (b64 * H + hh[:, None]) * D + dd[None, :], o, mask=h_ok[:, None] & d_ok[None, :])
+        tl.store(O + (b64 * H + hh[:, None]) * D + dd[None, :], o,
+                 mask=h_ok[:, None] & d_ok[None, :])
     else:
         row = (b64 * H + hh) * SPLIT + sp                                # [BH] in [B, H, SPLIT]
         tl.store(PM + row, m_i, mask=h_ok)
@@ -170,7 +171,8 @@ def _merge_kernel(PO, PM, PL, SINK, O, H, D: tl.constexpr, DP: tl.constexpr,
     dd = tl.arange(0, DP)
     m = tl.load(PM + row + ss, mask=s_ok, other=-1e30)
     l = tl.load(PL + row + ss, mask=s_ok, other=0.0)
-    acc = tl.load(PO + (row + ss[:, None]) * D + dd[None, :], mask=s_ok[:, None] & (dd < D)[None, :],
+    acc = tl.load(PO + (row + ss[:, None]) * D + dd[None, :],
+                  mask=s_ok[:, None] & (dd < D)[None, :],
                   other=0.0)                                            # [SP, DP]
     sink = tl.load(SINK + h)
     M = tl.maximum(tl.max(m, axis=0), sink)
@@ -215,8 +217,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
                      ring: torch.Tensor, ring_scale: torch.Tensor | None, slots: torch.Tensor,
                      window: int, mode: str = "window", entries: torch.Tensor | None = None,
                      entry_scale: torch.Tensor | None = None, tables: torch.Tensor | None = None,
-                     ratio: int = 0, sel: torch.Tensor | None = None, seq: torch.Tensor | None = None,
-                     start: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
+                     ratio: int = 0, sel: torch.Tensor | None = None,
+                     seq: torch.Tensor | None = None, start: torch.Tensor | None = None,
+                     split: int | None = None) -> torch.Tensor:
     """decode_attention for T queries of chunks (chunked prefill, mixed batches): q [T, H, D],
     kv [T, D] the chunks' own rows, pos [T], seq [T] the sequence (row of slots [NS], tables
     [NS, nblk]) and start [T] its chunk's first position; sel [T, k]. Rows of one sequence's

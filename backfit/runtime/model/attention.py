@@ -98,7 +98,7 @@ class Attention(nn.Module):
         """o [T, Hl, D] FP32 -> inverse RoPE, grouped wo_a, wo_b -> [T, d]."""
         T = o.shape[0]
         o = self.rope(o.to(dtype), pos, inverse=True)                 # de-rotate by query position
-        o = o.view(T, self.local_groups, self.heads_per_group * self.cfg.head_dim)  # g: heads g*hpg..
+        o = o.view(T, self.local_groups, self.heads_per_group * self.cfg.head_dim)  # g*hpg ..
         wa = self.wo_a.dequantized(dtype).view(self.local_groups, self.cfg.o_lora_rank, -1)
         zg = torch.einsum("tgi,goi->tgo", o, wa)                      # [T, Gl, o_lora]
         return self.wo_b(zg.flatten(1))                               # all-reduce over ranks
