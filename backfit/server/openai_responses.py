@@ -32,6 +32,7 @@ from backfit.server.bridge import (
 )
 from backfit.server.chat_format import resolve_reasoning
 from backfit.server.http import BadRequest
+from backfit.server.openai_chat import parse_reasoning
 from backfit.server.protocol import ChatRequest, Message, Tool, ToolCall
 from backfit.server.responses_render import ResponsesRenderer
 
@@ -46,39 +47,20 @@ _TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "
 
 def reasoning_wishes(body: dict, effort: Any = None, effort_param: str = "reasoning.effort"
                      ) -> tuple[bool | None, str | None]:
-    """(thinking, effort) from every known field, as on Chat: top-level `thinking` (bool or
-    {"type": enabled|adaptive|disabled}), `chat_template_kwargs.thinking/enable_thinking/
-    reasoning_effort`, top-level `reasoning_effort`, and the protocol's own `effort`. Any
-    explicit "off" wins; the first effort given wins. Validated once here (400 naming it)."""
-    kw = http.get_dict(body, "chat_template_kwargs", {})
-    votes: list[bool] = []
-    t = body.get("thinking")
-    if isinstance(t, bool):
-        votes.append(t)
-    elif isinstance(t, dict):
-        kind = t.get("type")
-        if kind not in ("enabled", "adaptive", "disabled", None):
-            raise BadRequest(f"thinking.type must be enabled, adaptive or disabled, got {kind!r}",
-                             "thinking.type")
-        if kind is not None:
-            votes.append(kind != "disabled")
-    elif t is not None:
-        raise BadRequest("thinking must be an object like {\"type\": \"enabled\"}", "thinking")
-    for k in ("thinking", "enable_thinking"):
-        if kw.get(k) is not None:
-            if not isinstance(kw[k], bool):
-                raise BadRequest(f"chat_template_kwargs.{k} must be true or false",
-                                 f"chat_template_kwargs.{k}")
-            votes.append(kw[k])
-    thinking = None if not votes else all(votes)
-    chosen, param = None, None
-    for value, name in ((effort, effort_param), (body.get("reasoning_effort"), "reasoning_effort"),
-                        (kw.get("reasoning_effort"), "chat_template_kwargs.reasoning_effort")):
-        if value is not None:
-            if not isinstance(value, str):
-                raise BadRequest(f"{name} must be a string, got {value!r}"[:200], name)
-            chosen, param = value, name
-            break
+    """(thinking, effort) with the Chat rules (`openai_chat.parse_reasoning`: top-level
+    `thinking`, `chat_template_kwargs.thinking/enable_thinking/reasoning_effort`,
+    `reasoning_effort`, `reasoning.effort`; later fields win), so every protocol maps the same
+    fields the same way. `effort` is the protocol's own field (Anthropic `output_config.effort`),
+    used when none of those gives one. Validated once here (400 naming the field)."""
+    thinking, chosen = parse_reasoning(body)
+    kw = body.get("chat_template_kwargs") or {}
+    param = ("chat_template_kwargs.reasoning_effort" if kw.get("reasoning_effort") is not None
+             else "reasoning_effort" if body.get("reasoning_effort") is not None
+             else effort_param)
+    if param == effort_param and effort is not None:
+        if not isinstance(effort, str):
+            raise BadRequest(f"{param} must be a string, got {effort!r}"[:200], param)
+        chosen = effort
     try:
         resolve_reasoning(thinking, chosen)
     except ValueError as e:

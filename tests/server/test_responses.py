@@ -144,6 +144,23 @@ def test_thinking_and_effort_from_every_field(body, thinking, effort):
     assert (req.thinking, req.reasoning_effort) == (thinking, effort)
 
 
+@pytest.mark.parametrize("fields", [
+    {"thinking": {"type": "enabled"}, "chat_template_kwargs": {"enable_thinking": False}},
+    {"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "max"}},
+    {"thinking": False, "reasoning_effort": "high"},
+    {"thinking": {"type": "adaptive"}},
+])
+def test_conflicting_fields_resolve_as_on_chat(fields):
+    """The same fields, the same answer on all three protocols (pitfall #16's premise)."""
+    from backfit.server import anthropic as A
+    from backfit.server.openai_chat import parse_reasoning
+    req, _ = R.parse_request({"input": "q", **fields})
+    msg = A.parse_request({"max_tokens": 4, "messages": [{"role": "user", "content": "q"}],
+                           **fields})
+    assert (req.thinking, req.reasoning_effort) == (msg.thinking, msg.reasoning_effort) == \
+        parse_reasoning(fields)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": "q", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
