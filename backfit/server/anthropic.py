@@ -191,7 +191,7 @@ def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
     system = _system(body.get("system"))
     if system:
         messages.insert(0, Message("system", system))
-    thinking_cfg = http.get_dict(body, "thinking", {})
+    thinking_cfg = body["thinking"] if isinstance(body.get("thinking"), dict) else {}
     http.get_int(thinking_cfg, "budget_tokens", lo=0)
     out_cfg = http.get_dict(body, "output_config", {})
     thinking, effort = reasoning_wishes(body, out_cfg.get("effort"), "output_config.effort")
