@@ -260,22 +260,22 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
                                else "request_too_large", e.message)
     r = AnthropicRenderer(req, ctx.model_name, n)
     it = ctx.bridge.stream(prompt, params, tools=req.tools_enabled, stop=req.stop).__aiter__()
-    try:
-        first = await it.__anext__()
-    except StopAsyncIteration:
-        first = None
-    except QueueFull as e:                  # Claude Code retries 529 as an overload
-        return anthropic_error(529, "overloaded_error", str(e),
-                               {"Retry-After": str(QueueFull.retry_after)})
-    except EngineUnavailable as e:
-        return anthropic_error(503, "api_error", str(e),
-                               {"Retry-After": str(EngineUnavailable.retry_after)})
-    except ContextTooLong:
-        return anthropic_error(400, "invalid_request_error",
-                               _context_error(n, req.max_tokens, ctx.max_model_len))
-    except ValueError as e:
-        return anthropic_error(400, "invalid_request_error", str(e))
-    try:
+    try:                                # closed in every case: aborts the request
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except QueueFull as e:                  # Claude Code retries 529 as an overload
+            return anthropic_error(529, "overloaded_error", str(e),
+                                   {"Retry-After": str(QueueFull.retry_after)})
+        except EngineUnavailable as e:
+            return anthropic_error(503, "api_error", str(e),
+                                   {"Retry-After": str(EngineUnavailable.retry_after)})
+        except ContextTooLong:
+            return anthropic_error(400, "invalid_request_error",
+                                   _context_error(n, req.max_tokens, ctx.max_model_len))
+        except ValueError as e:
+            return anthropic_error(400, "invalid_request_error", str(e))
         if req.stream:
             return await _stream(request, r, it, first)
         try:

@@ -322,21 +322,23 @@ async def handle(request: web.Request) -> web.StreamResponse:
         return openai_error(e.status, e.message, param=e.param, code=e.code)
     r = ResponsesRenderer(req, ctx.model_name, custom)
     it = ctx.bridge.stream(prompt, params, tools=req.tools_enabled, stop=req.stop).__aiter__()
-    try:
-        first = await it.__anext__()
-    except StopAsyncIteration:
-        first = None
-    except QueueFull:
-        return openai_error(429, "Server is busy, try again in 2s", type="rate_limit_exceeded",
-                            code="rate_limit_exceeded", headers={"Retry-After": "2"})
-    except EngineUnavailable as e:
-        return openai_error(503, str(e) or "engine unavailable", type="server_error",
-                            code="overloaded", headers={"Retry-After": "5"})
-    except ContextTooLong as e:
-        return openai_error(400, str(e), param="max_output_tokens", code="context_length_exceeded")
-    except ValueError as e:
-        return openai_error(400, str(e), param="input")
-    try:
+    try:                                # closed in every case: aborts the request
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except QueueFull:
+            return openai_error(429, "Server is busy, try again in 2s",
+                                type="rate_limit_exceeded", code="rate_limit_exceeded",
+                                headers={"Retry-After": "2"})
+        except EngineUnavailable as e:
+            return openai_error(503, str(e) or "engine unavailable", type="server_error",
+                                code="overloaded", headers={"Retry-After": "5"})
+        except ContextTooLong as e:
+            return openai_error(400, str(e), param="max_output_tokens",
+                                code="context_length_exceeded")
+        except ValueError as e:
+            return openai_error(400, str(e), param="input")
         if not req.stream:
             return await _fold(r, it, first)
         return await _stream(request, r, it, first)
