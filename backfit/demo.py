@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,8 +26,6 @@ def _step(n: int, text: str) -> float:
 def run_demo(workdir: str | None = None, max_positions: int = 512, max_tokens: int = 24,
              serve: bool = False) -> dict:
     from backfit.convert.run import convert
-    from backfit.engine.sampling_params import SamplingParams
-    from backfit.generate import generate
     from backfit.synthetic import write_checkpoint
     from backfit.verify.run import verify
 
@@ -56,8 +56,9 @@ def run_demo(workdir: str | None = None, max_positions: int = 512, max_tokens: i
 
     t = _step(5, f"backfit generate {int8} --prompt {PROMPT!r} --max-tokens {max_tokens}")
     print(f"      (random weights: the text is gibberish, the point is that it runs)\n{PROMPT}", end="")
-    generate(int8, [PROMPT], SamplingParams(max_tokens=max_tokens, temperature=0,
-                                            skip_special_tokens=False))
+    sys.stdout.flush()         # its own process: tp 4 ranks need a process with no TP info yet
+    subprocess.run([sys.executable, "-m", "backfit.cli", "generate", str(int8), "--prompt", PROMPT,
+                    "--max-tokens", str(max_tokens)], check=True)
     print(f"      {time.time() - t:.1f} s")
     t = _step(6, f"backfit serve {lossless}   (OpenAI Chat/Responses/Completions, Anthropic)")
     _serve_step(lossless, keep=serve)
