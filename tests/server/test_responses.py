@@ -286,6 +286,40 @@ def test_errors_in_openai_shape(encoder):
     assert json.loads(text)["error"]["code"] == "rate_limit_exceeded"
 
 
+class SlowBridge(FakeBridge):
+    """A prefill that never ends: the first event never comes."""
+
+    async def stream(self, prompt, params, *, tools, stop=()):
+        try:
+            await asyncio.Event().wait()
+            yield None
+        finally:
+            self.closed += 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_before_the_first_event_closes_the_stream(encoder, stream):
+    """A client gone during a long prefill: the handler is cancelled and the engine stream is
+    closed (that is what aborts the engine request)."""
+    bridge = SlowBridge()
+
+    async def go():
+        app = web.Application()
+        app[CTX] = ServerContext(bridge=bridge, encoder=encoder, model_name="m",
+                                 max_model_len=4096, api_key=None, tokenizer=None)
+        app.router.add_post("/v1/responses", R.handle)
+        async with TestClient(TestServer(app, handler_cancellation=True)) as c:
+            with pytest.raises(asyncio.TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await c.post("/v1/responses", json={"input": "x", "stream": stream})
+            for _ in range(100):
+                if bridge.closed:
+                    break
+                await asyncio.sleep(0.02)
+            assert bridge.closed == 1                   # while the server is still up
+    asyncio.run(go())
+
+
 def test_params_reach_the_bridge(encoder):
     bridge = FakeBridge()
     bridge.events = [TextDelta("a"), Usage(5, 1), Finish("stop")]
