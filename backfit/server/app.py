@@ -29,14 +29,27 @@ from backfit import __version__
 from backfit.server import openai_chat, openai_completions
 from backfit.server.bridge import CTX, ContextTooLong, EngineUnavailable, QueueFull, ServerContext
 from backfit.server.http import (
-    MAX_BODY, BadRequest, get_bool, get_dict, get_list, json_response, read_json,
+    MAX_BODY,
+    BadRequest,
+    get_bool,
+    get_dict,
+    get_list,
+    json_response,
+    read_json,
 )
 from backfit.server.metrics import CONTENT_TYPE
 from backfit.server.openai_chat import error_response
 from backfit.server.protocol import ChatRequest
 
-__all__ = ["build_app", "start_server", "make_context", "serve", "ready_line", "anthropic_error",
-           "OPEN_PATHS"]
+__all__ = [
+    "OPEN_PATHS",
+    "anthropic_error",
+    "build_app",
+    "make_context",
+    "ready_line",
+    "serve",
+    "start_server",
+]
 
 log = logging.getLogger("backfit.server")
 OPEN_PATHS = ("/health", "/ping", "/version", "/metrics")
@@ -97,9 +110,11 @@ async def errors(request: web.Request, handler):
         return _error(path, 503, str(e), {"Retry-After": str(e.retry_after)}, code="overloaded")
     except ContextTooLong as e:
         return _error(path, 400, str(e), param="messages", code="context_length_exceeded")
+    except ValueError as e:                        # the engine refused the request (add)
+        return _error(path, 400, str(e)[:500])
     except (ConnectionError, asyncio.CancelledError):
         raise
-    except Exception as e:                         # noqa: BLE001 - a bug; logged, never a crash
+    except Exception as e:
         log.exception("unhandled error on %s %s", request.method, path)
         return _error(path, 500, f"internal error: {type(e).__name__}",
                       {"x-should-retry": "false"})

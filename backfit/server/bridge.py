@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator
+from typing import Any
 
 from aiohttp import web
 
@@ -34,9 +35,22 @@ from backfit.server.parser import OutputParser
 from backfit.server.protocol import Finish, Usage
 
 __all__ = [
-    "Bridge", "ServerContext", "CTX", "QueueFull", "EngineUnavailable", "ContextTooLong",
-    "KeepAlive", "KEEPALIVE", "ServerShutdown", "FinishWithUsage", "SamplingParams", "MAX_LOGPROBS",
-    "AsyncEngine", "EngineConfig", "RequestOutput", "load_tokenizer",
+    "CTX",
+    "KEEPALIVE",
+    "MAX_LOGPROBS",
+    "AsyncEngine",
+    "Bridge",
+    "ContextTooLong",
+    "EngineConfig",
+    "EngineUnavailable",
+    "FinishWithUsage",
+    "KeepAlive",
+    "QueueFull",
+    "RequestOutput",
+    "SamplingParams",
+    "ServerContext",
+    "ServerShutdown",
+    "load_tokenizer",
 ]
 
 
@@ -132,9 +146,11 @@ class Bridge:
         if self.metrics is not None:
             self.metrics.rejected(reason)
 
-    async def generate(self, ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput | KeepAlive]:
-        """Engine outputs for raw token ids (legacy completions); see the module docstring."""
+    async def generate(self, ids: list[int], params: SamplingParams,
+                       _state: dict | None = None) -> AsyncIterator[RequestOutput | KeepAlive]:
+        """Engine outputs for raw token ids (legacy completions); see the module docstring.
+        _state["stopped"] = True before closing: the caller ended it (a stop string), not the
+        client (metrics)."""
         params = self._admit(ids, params)
         self.active += 1
         q: asyncio.Queue = asyncio.Queue()
@@ -185,15 +201,18 @@ class Bridge:
                     with contextlib.suppress(BaseException):
                         await t
             if self.metrics is not None:
+                stopped = bool(_state and _state.get("stopped"))
                 self.metrics.request_done(t0, t_first, time.monotonic(), n_out,
-                                          reason if done else "abort", disconnected=not done)
+                                          reason if done else "stop" if stopped else "abort",
+                                          disconnected=not (done or stopped))
 
     async def stream(self, prompt: Prompt, params: SamplingParams, *, tools: bool,
                      stop=()) -> AsyncIterator[Any]:
         """Neutral protocol events for an encoded chat prompt; see the module docstring.
         stop: stop strings applied by the parser to content (not reasoning or arguments)."""
         parser = OutputParser(reasoning=prompt.reasoning_open, tools=tools, stop=tuple(stop))
-        agen = self.generate(prompt.ids, params)
+        state: dict = {}
+        agen = self.generate(prompt.ids, params, state)
         n_out, usage, started = 0, None, False
         try:
             try:
@@ -213,6 +232,7 @@ class Bridge:
                         if isinstance(e, Finish):
                             u = Usage(len(prompt.ids), usage.completion_tokens if usage else n_out,
                                       usage.cached_tokens if usage else 0, parser.reasoning_tokens)
+                            state["stopped"] = True
                             yield u
                             yield FinishWithUsage(e.reason, e.stop_sequence, e.error, usage=u)
                             return

@@ -14,6 +14,7 @@ logprob tokens `token_id:<id>` (exact even for byte tokens that are not valid UT
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -22,15 +23,29 @@ from aiohttp import web
 
 from backfit.server.bridge import CTX, KEEPALIVE, EngineUnavailable, QueueFull
 from backfit.server.http import (
-    BadRequest, ClientGone, get_bool, get_dict, get_int, get_str, json_response, read_json,
-    sse_comment, sse_data, sse_start,
+    BadRequest,
+    ClientGone,
+    get_bool,
+    get_dict,
+    get_int,
+    get_str,
+    json_response,
+    read_json,
+    sse_comment,
+    sse_data,
+    sse_start,
 )
 from backfit.server.openai_chat import (
-    close_stream, error_response, first_event, map_exception, parse_stop, sampling_params,
+    close_stream,
+    error_response,
+    first_event,
+    map_exception,
+    parse_stop,
+    sampling_params,
 )
 from backfit.server.protocol import Usage
 
-__all__ = ["handle", "prompt_ids", "Logprobs"]
+__all__ = ["Logprobs", "handle", "prompt_ids"]
 
 log = logging.getLogger("backfit.server")
 MAX_PROMPTS = 64
@@ -199,7 +214,7 @@ async def _one(ctx, g, task, ids, mt, echo, lp: Logprobs | None):
                         lp.add(tid, v, top)
             if o.finished:
                 reason, usage = o.finish_reason, o.usage
-    except RuntimeError:                      # engine died mid-request
+    except (RuntimeError, ValueError):        # engine died mid-request, or refused it late
         return None
     if usage is None:
         return None
@@ -242,11 +257,12 @@ async def _stream(request, ctx, head, g, task, ids, mt, echo, lp, include_usage)
         if include_usage and usage is not None:
             await sse_data(resp, {**head, "choices": [], "usage": _usage([usage])})
         await sse_data(resp, "[DONE]")
-    except RuntimeError as e:
-        if resp is not None:
-            await sse_data(resp, {"error": {"message": f"engine failed: {e}",
-                                            "type": "server_error", "param": None,
-                                            "code": "engine_error"}})
+    except (ValueError, RuntimeError) as e:      # engine failure, or refused after the headers
+        if resp is None:
+            raise
+        with contextlib.suppress(ClientGone, ConnectionError):
+            await sse_data(resp, {"error": {"message": str(e)[:500], "type": "server_error",
+                                            "param": None, "code": "engine_error"}})
             await sse_data(resp, "[DONE]")
     except (ClientGone, ConnectionError):
         log.debug("completion %s: client went away", head["id"])

@@ -91,3 +91,23 @@ class FakeEngine:
                 self.finished += 1
             else:
                 self.aborted += 1
+
+
+def real_server(model_dir, *, started: bool = True, **ctx_kw):
+    """A LiveServer on the real tiny engine (float32, CPU, small pools). started=False: the
+    engine is not started yet (health must answer 503 until .engine.start() and load)."""
+    import time
+
+    from backfit.engine.async_engine import AsyncEngine
+    from backfit.engine.engine import EngineConfig
+
+    eng = AsyncEngine(EngineConfig(str(model_dir), dtype="float32", block_size=16, max_num_seqs=8,
+                                   max_model_len=2048, num_blocks=384, max_num_batched_tokens=2048))
+    srv = LiveServer(eng, model_dir, **ctx_kw)
+    if started:
+        eng.start()
+        t = time.time()
+        while not eng.ready.is_set():
+            assert eng.error is None and time.time() - t < 120, f"engine failed: {eng.error}"
+            time.sleep(0.02)
+    return srv

@@ -74,6 +74,7 @@ def test_tokenize_detokenize_match_generation(real):
     st, body, _ = post(real, "/tokenize", {"prompt": "héllo"})
     ids = json.loads(body)["tokens"]
     st, body, _ = post(real, "/detokenize", {"tokens": ids[1:]})
+    assert st == 200, body
     assert json.loads(body)["prompt"] == "héllo"
     assert post(real, "/detokenize", {"tokens": [10**9]})[0] == 400
 
@@ -226,7 +227,7 @@ def test_backfit_serve_tp2_subprocess(tiny_converted):
             if "ready on" in line or len(lines) > 200:
                 break
         ready = lines[-1]
-        assert "ready on http://127.0.0.1:%d" % port in ready and "tp 2" in ready, lines
+        assert f"ready on http://127.0.0.1:{port}" in ready and "tp 2" in ready, lines
         assert "capacity:" in ready and "weights" in ready and "pools" in ready
         ranks = _children(proc.pid)
         assert ranks, "no rank process"

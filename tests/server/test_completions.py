@@ -37,6 +37,7 @@ def test_echo_logprobs_score_a_continuation(srv):
     bos = srv.ctx.encoder.control_ids["<｜begin▁of▁sentence｜>"]
     ids = [bos] + srv.ctx.encoder.encode_text("The harbour town")
     st, body, _ = post(srv, "/tokenize", {"prompt": "The harbour town"})
+    assert st == 200, body
     assert json.loads(body)["tokens"] == ids
     g2 = c.completions.create(model="m", prompt=ids, max_tokens=3, logprobs=2, temperature=0,
                               extra_body={"return_tokens_as_token_ids": True})

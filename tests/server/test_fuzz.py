@@ -114,11 +114,10 @@ async def _storm(url: str, n: int, seed: int) -> list[tuple[int, str, str]]:
     sem = asyncio.Semaphore(12)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
         async def one(method, path, data, ctype):
-            async with sem:
-                async with s.request(method, url + path, data=data,
-                                     headers={"Content-Type": ctype}) as resp:
-                    body = await resp.read()
-                    out.append((resp.status, path, body[:300].decode("utf-8", "replace")))
+            async with sem, s.request(method, url + path, data=data,
+                                 headers={"Content-Type": ctype}) as resp:
+                body = await resp.read()
+                out.append((resp.status, path, body[:300].decode("utf-8", "replace")))
         await asyncio.gather(*(one(*j) for j in jobs))
     return out
 
