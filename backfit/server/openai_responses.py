@@ -32,7 +32,7 @@ from backfit.server.bridge import (
 )
 from backfit.server.chat_format import resolve_reasoning
 from backfit.server.http import BadRequest
-from backfit.server.openai_chat import parse_reasoning
+from backfit.server.openai_request import parse_reasoning
 from backfit.server.protocol import ChatRequest, Message, Tool, ToolCall
 from backfit.server.responses_render import ResponsesRenderer
 
@@ -47,7 +47,7 @@ _TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "
 
 def reasoning_wishes(body: dict, effort: Any = None, effort_param: str = "reasoning.effort"
                      ) -> tuple[bool | None, str | None]:
-    """(thinking, effort) with the Chat rules (`openai_chat.parse_reasoning`: top-level
+    """(thinking, effort) with the Chat rules (`openai_request.parse_reasoning`: top-level
     `thinking`, `chat_template_kwargs.thinking/enable_thinking/reasoning_effort`,
     `reasoning_effort`, `reasoning.effort`; later fields win), so every protocol maps the same
     fields the same way. `effort` is the protocol's own field (Anthropic `output_config.effort`),

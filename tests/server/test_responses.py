@@ -153,7 +153,7 @@ def test_thinking_and_effort_from_every_field(body, thinking, effort):
 def test_conflicting_fields_resolve_as_on_chat(fields):
     """The same fields, the same answer on all three protocols (pitfall #16's premise)."""
     from backfit.server import anthropic as A
-    from backfit.server.openai_chat import parse_reasoning
+    from backfit.server.openai_request import parse_reasoning
     req, _ = R.parse_request({"input": "q", **fields})
     msg = A.parse_request({"max_tokens": 4, "messages": [{"role": "user", "content": "q"}],
                            **fields})
