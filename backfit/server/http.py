@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-__all__ = [
+__all__ = [  # noqa: RUF022 (grouped: limits, errors, body, getters, SSE)
     "MAX_BODY", "MAX_DEPTH", "BadRequest", "ClientGone", "read_json", "clean_text", "dumps",
     "json_response", "get_int", "get_num", "get_str", "get_bool", "get_list", "get_dict",
     "sse_start", "sse_data", "sse_event", "sse_comment", "sse_end",
