@@ -39,6 +39,9 @@ class Rule:
 
 
 TOP = ("backfit.cli", "backfit.demo", "backfit.server", "backfit.verify")
+# engine files that are plain Python over ints (no torch, no runtime): style.md §b
+TORCH_FREE = ("engine/sequence.py", "engine/block_manager.py", "engine/scheduler.py",
+              "engine/sampling_params.py", "engine/tokenizer.py")
 RULES = [
     Rule("leaves import only stdlib, torch, safetensors", LEAF_FILES, LEAVES),
     Rule("synthetic builds checkpoints from the leaves", ("synthetic.py",), LEAVES),
@@ -49,6 +52,17 @@ RULES = [
     Rule("nothing imports cli, demo, server or verify from below", ("*",), must_not=TOP,
          except_files=("cli.py", "demo.py", "verify/*", "server/*")),
     Rule("server never imports cli, demo or verify", ("server/*",), must_not=TOP[:2] + TOP[3:]),
+    Rule("runtime never imports engine, convert or the planner", ("runtime/*",),
+         LEAVES + ("backfit.runtime",)),
+    Rule("engine imports runtime and the leaves", ("engine/*",),
+         LEAVES + ("backfit.runtime", "backfit.engine")),
+    Rule("the scheduling side never touches the runtime", TORCH_FREE,
+         LEAVES + ("backfit.engine",), must_not=("backfit.engine.engine",
+                                                 "backfit.engine.async_engine")),
+    Rule("server reaches the engine only through bridge.py", ("server/*",),
+         LEAVES + ("backfit.server",), except_files=("server/bridge.py",)),
+    Rule("bridge.py: the server's one door to the engine", ("server/bridge.py",),
+         LEAVES + ("backfit.server", "backfit.engine")),
 ]
 
 
@@ -120,3 +134,14 @@ def test_the_scanner_sees_every_import_form():
     rule = next(r for r in RULES if r.files == REFERENCE_FILES)
     assert [t for t in got if not rule.allows(t)] == \
         ["backfit.runtime.layers", "backfit.runtime", "backfit.runtime.loader"]
+
+
+def test_scheduling_side_imports_no_torch():
+    """sequence, block manager, scheduler, sampling params and tokenizer run without torch."""
+    for rel in TORCH_FREE:
+        tree = ast.parse((PKG / rel).read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n == "torch" or n.startswith(("torch.", "triton")) for n in names), \
+                f"{rel} imports {names}"
