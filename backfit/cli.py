@@ -44,9 +44,14 @@ def main() -> None:
 @click.option("--linears", type=click.Choice(["int8", "bf16"]), default="int8", show_default=True,
               help="FP8 attention/shared-expert linears: int8 = INT8 with one FP32 scale per "
                    "(row, 128 inputs), error measured per tensor; bf16 = lossless, 2x bytes.")
-@click.option("--experts", type=click.Choice(["int8", "bf16"]), default="int8", show_default=True,
-              help="MXFP4 routed experts: int8 = bit-exact INT8 with per-(row, 32) power-of-two "
-                   "scales; bf16 = lossless too, 2x bytes (verification / big machines).")
+@click.option("--experts", type=click.Choice(["int8", "mx4", "bf16"]), default="int8",
+              show_default=True,
+              help="MXFP4 routed experts, all bit-exact: int8 = INT8 with per-(row, 32) "
+                   "power-of-two scales, the Triton fused-MoE path today (the fast default on "
+                   "GPUs); mx4 = the packed 4-bit MXFP4 bytes kept as they are, half the expert "
+                   "bytes and memory (more KV cache, 1M-token contexts at TP4 on 80 GB), torch "
+                   "path only until its kernel lands (run with --kernels torch); bf16 = 2x the "
+                   "int8 bytes (verification / big machines).")
 @click.option("--force", is_flag=True, help="Replace DST if it exists (only once the new one is complete).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def convert(src: str, dst: str, tp: str, linears: str, experts: str, force: bool, quiet: bool) -> None:
@@ -80,7 +85,18 @@ def convert(src: str, dst: str, tp: str, linears: str, experts: str, force: bool
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
               help="Also write the full report as JSON.")
-def verify(original, converted, tp, prompts_file, max_positions, activations, device, json_out) -> None:
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "bf16", "int8"]), default=None,
+              help="Run the runtime on the engine's paged pools with this cache storage (int8 is "
+                   "lossy: judged as a conversion). Default: one plain full forward.")
+@click.option("--kernels", type=click.Choice(["torch", "triton"]), default=None,
+              help="Run on the paged pools with these kernels (triton needs --device cuda).")
+@click.option("--long-context", type=int, default=None, metavar="N",
+              help="One sequence of N tokens through the paged pools (65536 on a GPU), where "
+                   "index overflows and block-table or entry off-by-ones show.")
+@click.option("--chunk", type=int, default=256, show_default=True,
+              help="Prefill chunk on the paged pools (tokens per forward).")
+def verify(original, converted, tp, prompts_file, max_positions, activations, device, json_out,
+           kv_cache_dtype, kernels, long_context, chunk) -> None:
     """Logit parity: runtime on CONVERTED vs the independent reference on ORIGINAL.
 
     Prints a weight table (every tensor dequantized vs the original), per-layer hidden-state
@@ -98,8 +114,10 @@ def verify(original, converted, tp, prompts_file, max_positions, activations, de
             [p.strip() for p in text.split("\n\n") if p.strip()]
     try:
         report = run_verify(original, converted, tp=tp, prompts=prompts, max_positions=max_positions,
-                            activations=activations, device=device, json_out=json_out)
-    except _user_errors() as e:
+                            activations=activations, device=device, json_out=json_out,
+                            kv_cache_dtype=kv_cache_dtype, kernels=kernels,
+                            long_context=long_context, chunk=chunk)
+    except (ValueError, *_user_errors()) as e:
         _fail(e)
     sys.exit(0 if report["ok"] else 1)
 

@@ -52,19 +52,45 @@ def prompt_sequences(tokenizer_json: Path, prompts: list[str], max_positions: in
     return seqs
 
 
-def _runtime_pass(converted: str, seqs: list[list[int]], dtype: str, device: str) -> dict:
-    """Runs on every rank: load this rank's shard, forward each sequence, capture layer outputs."""
+def _runtime_pass(converted: str, seqs: list[list[int]], dtype: str, device: str,
+                  paged: dict | None = None) -> dict:
+    """Runs on every rank: load this rank's shard, forward each sequence, capture layer outputs.
+
+    paged=None: one full-sequence forward per sequence (a fresh DecodeState). Otherwise the
+    engine's path: PagedCache pools (kv_cache_dtype auto|int8), every sequence in prefill chunks
+    of paged["chunk"] tokens, Triton kernels when paged["kernels"] is "triton" (CUDA)."""
     from backfit.runtime.batch import ForwardBatch
     from backfit.runtime.loader import load_model
     from backfit.runtime.model.transformer import Transformer
 
     cfg = ModelConfig.from_file(Path(converted) / "config.json")
+    if paged and paged.get("kernels"):
+        from backfit.runtime.kernels import set_kernel_backend
+        from backfit.runtime.runner import resolve_kernels
+        set_kernel_backend(resolve_kernels(paged["kernels"], device))
     model = Transformer(cfg, getattr(torch, dtype), mtp=False)
     load_model(model, converted, device)
+    if paged and paged.get("kernels") == "triton":
+        for layer in model.layers:
+            layer.ffn.prepare_kernels()
     captured: list[list[torch.Tensor]] = [[] for _ in model.layers]
     for i, layer in enumerate(model.layers):
         layer.register_forward_hook(lambda m, a, out, i=i: captured[i].append(out.float().cpu()))
-    logits = [model(ForwardBatch.single(s, device=device)).float().cpu() for s in seqs]
+    if paged is None:
+        logits = [model(ForwardBatch.single(s, device=device)).float().cpu() for s in seqs]
+        return {"logits": torch.cat(logits), "hidden": [torch.cat(c) for c in captured]}
+    from backfit.runtime.cache.layout import default_block_size
+    from backfit.runtime.cache.paged import PagedCache
+    B, n = default_block_size(cfg), paged["chunk"]
+    need = [-(-len(s) // B) for s in seqs]
+    cache = PagedCache(cfg, len(seqs), sum(need), B, model.dtype, paged["kv_cache_dtype"], device)
+    logits, first = [], 0
+    for i, s in enumerate(seqs):
+        table = list(range(first, first + need[i]))[::-1]         # reversed: tables must be read
+        first += need[i]
+        for a in range(0, len(s), n):
+            b = ForwardBatch.build([(i, s[a:a + n], a)], device, slots=[i], block_tables=[table])
+            logits.append(model(b, cache).float().cpu())
     return {"logits": torch.cat(logits), "hidden": [torch.cat(c) for c in captured]}
 
 
@@ -115,8 +141,14 @@ def _judge_hidden(rows: list[tuple[str, dict]], limits: list[float]) -> list[str
 def verify(original: str | Path, converted: str | Path, tp: int | None = None,
            prompts: list[str] | None = None, max_positions: int = 512,
            activations: str = "float32", device: str = "cpu", json_out: str | Path | None = None,
-           out=sys.stdout) -> dict:
-    """Run all checks, print the tables, return the report (report['ok'] says pass/fail)."""
+           out=sys.stdout, kv_cache_dtype: str | None = None, kernels: str | None = None,
+           long_context: int | None = None, chunk: int = 256) -> dict:
+    """Run all checks, print the tables, return the report (report['ok'] says pass/fail).
+
+    kv_cache_dtype / kernels / long_context run the runtime on the engine's paged pools (in
+    prefill chunks of `chunk` tokens) instead of one full forward: int8 KV is lossy, so it is
+    judged as a conversion; long_context=N checks ONE sequence of N tokens (the prompts cycled),
+    where index overflows, wrong block tables and entry off-by-ones show."""
     from backfit.runtime.launch import run_on_ranks
 
     original, converted = Path(original), Path(converted)
@@ -131,11 +163,21 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
     print(format_table([(k, {"tensors": len(v), "rel_mean": sum(v) / len(v), "rel_max": max(v)})
                         for k, v in sorted(by_scheme.items())], ["tensors", "rel_mean", "rel_max"]), file=out)
 
-    seqs = prompt_sequences(converted / "tokenizer.json", prompts or PROMPTS, max_positions,
-                            cfg.bos_token_id)
+    seqs = prompt_sequences(converted / "tokenizer.json", prompts or PROMPTS,
+                            long_context or max_positions, cfg.bos_token_id)
+    if long_context:                                   # one sequence: the prompts back to back
+        seqs = [[t for s in seqs for t in s][:long_context]]
+    paged = None
+    if kv_cache_dtype or kernels or long_context:
+        paged = {"kv_cache_dtype": "auto" if kv_cache_dtype in (None, "auto", "bf16") else
+                 kv_cache_dtype, "kernels": kernels, "chunk": chunk}
+        print(f"runtime on paged pools: kv cache {paged['kv_cache_dtype']}, kernels "
+              f"{kernels or 'torch'}, prefill chunks of {chunk}", file=out)
     ref = _reference_pass(original, seqs, torch.float32)
-    got = run_on_ranks(_runtime_pass, tp, (str(converted), seqs, activations, device), device)
-    lossless = manifest["schemes"]["linears"] == manifest["schemes"]["experts"] == "bf16"
+    got = run_on_ranks(_runtime_pass, tp, (str(converted), seqs, activations, device, paged),
+                       device)
+    lossless = manifest["schemes"]["linears"] == manifest["schemes"]["experts"] == "bf16" \
+        and (paged is None or paged["kv_cache_dtype"] != "int8")
     kind = "precision" if activations == "bfloat16" else ("semantics" if lossless else "conversion")
     floor, floor_rel = None, None
     if kind == "precision":
@@ -161,6 +203,7 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
              "logits": _judge(kind, lm, floor)}
     problems = [p for g in gates.values() for p in g]
     report = {"check": kind, "activations": activations, "tp": tp, "positions": sum(map(len, seqs)),
+              "paged": paged, "long_context": long_context,
               "weights": {k: {"tensors": len(v), "rel_max": max(v)} for k, v in by_scheme.items()},
               "hidden": [{"layer": i, **m} for i, (_, m) in enumerate(rows)], "logits": lm,
               "floor": floor, "thresholds": THRESHOLDS[kind], "gates": gates, "problems": problems,
