@@ -279,7 +279,7 @@ def test_count_tokens_uses_the_encoder(encoder):
 
 @pytest.fixture(scope="module")
 def live(tiny_converted):
-    from live_server import LiveServer                  # helper H's in-process server
+    from live_server import LiveServer                  # the in-process server (tests/server)
     from support import one_thread
 
     from backfit.server.bridge import AsyncEngine, EngineConfig

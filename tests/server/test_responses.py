@@ -338,7 +338,7 @@ def test_params_reach_the_bridge(encoder):
 
 @pytest.fixture(scope="module")
 def live(tiny_converted):
-    from live_server import LiveServer                  # helper H's in-process server
+    from live_server import LiveServer                  # the in-process server (tests/server)
     from support import one_thread
 
     from backfit.server.bridge import AsyncEngine, EngineConfig
