@@ -279,7 +279,7 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
         if req.stream:
             return await _stream(request, r, it, first)
         try:
-            async for ev in _events(it, first):
+            async for ev in http.with_first(it, first):
                 if not isinstance(ev, KeepAlive):
                     r.feed(ev)
         except EngineUnavailable as e:
@@ -290,16 +290,7 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
                                    {"x-should-retry": "false"})
         return http.json_response(r.message, headers={"request-id": r.message["id"]})
     finally:
-        aclose = getattr(it, "aclose", None)
-        if aclose is not None:
-            await aclose()                  # abort the engine request if it is still running
-
-
-async def _events(it, first):
-    if first is not None:
-        yield first
-    async for ev in it:
-        yield ev
+        await http.close_stream(it)         # abort the engine request if it is still running
 
 
 async def _stream(request, r: AnthropicRenderer, it, first) -> web.StreamResponse:
@@ -308,7 +299,7 @@ async def _stream(request, r: AnthropicRenderer, it, first) -> web.StreamRespons
         for etype, data in r.start():
             await http.sse_event(resp, etype, data)
         try:
-            async for ev in _events(it, first):
+            async for ev in http.with_first(it, first):
                 if isinstance(ev, KeepAlive):
                     await http.sse_event(resp, "ping", {"type": "ping"})
                     continue

@@ -20,10 +20,10 @@ from typing import Any
 
 from aiohttp import web
 
-__all__ = [  # noqa: RUF022 (grouped: limits, errors, body, getters, SSE)
+__all__ = [  # noqa: RUF022 (grouped: limits, errors, body, getters, SSE, streams)
     "MAX_BODY", "MAX_DEPTH", "BadRequest", "ClientGone", "read_json", "clean_text", "dumps",
     "json_response", "get_int", "get_num", "get_str", "get_bool", "get_list", "get_dict",
-    "sse_start", "sse_data", "sse_event", "sse_comment", "sse_end",
+    "sse_start", "sse_data", "sse_event", "sse_comment", "sse_end", "with_first", "close_stream",
 ]
 
 MAX_BODY = 64 * 1024 * 1024        # bytes; aiohttp's default (1 MiB) 413s long agent histories
@@ -239,3 +239,18 @@ async def sse_end(resp: web.StreamResponse) -> None:
         await resp.write_eof()
     except (ConnectionError, RuntimeError):
         pass
+
+
+async def with_first(it, first):
+    """The stream `it` with an already-received `first` event (None: none) put back in front."""
+    if first is not None:
+        yield first
+    async for ev in it:
+        yield ev
+
+
+async def close_stream(it) -> None:
+    """Close an event stream early: aborts its engine request if it is still running."""
+    aclose = getattr(it, "aclose", None)
+    if aclose is not None:
+        await aclose()

@@ -343,21 +343,12 @@ async def handle(request: web.Request) -> web.StreamResponse:
             return await _fold(r, it, first)
         return await _stream(request, r, it, first)
     finally:
-        aclose = getattr(it, "aclose", None)
-        if aclose is not None:
-            await aclose()                  # abort the engine request if it is still running
-
-
-async def _events(it, first):
-    if first is not None:
-        yield first
-    async for ev in it:
-        yield ev
+        await http.close_stream(it)         # abort the engine request if it is still running
 
 
 async def _fold(r: ResponsesRenderer, it, first) -> web.Response:
     try:
-        async for ev in _events(it, first):
+        async for ev in http.with_first(it, first):
             if not isinstance(ev, KeepAlive):
                 r.feed(ev)
     except EngineUnavailable as e:
@@ -373,7 +364,7 @@ async def _stream(request, r: ResponsesRenderer, it, first) -> web.StreamRespons
         for etype, data in r.start():
             await http.sse_event(resp, etype, data)
         try:
-            async for ev in _events(it, first):
+            async for ev in http.with_first(it, first):
                 if isinstance(ev, KeepAlive):
                     await http.sse_comment(resp)
                     continue
