@@ -26,6 +26,8 @@ MX_EXP_BIAS = 128    # int8_mx32 value = q * 2^(e - 128)  (q = 2 * e2m1, so bias
 SCHEMES = {
     "int8_g128": "I8 weight [N, K] + F32 scale [N, K/128]; W = q * scale (re-quantized FP8, lossy)",
     "int8_mx32": "I8 weight [N, K] + U8 exponent [N, K/32]; W = q * 2^(e-128) (MXFP4, bit-exact)",
+    "mx4_e2m1": "U8 packed e2m1 codes [N, K/2] (low nibble = input 2j) + U8 exponent [N, K/32]; "
+                "W = e2m1 * 2^(e-127) (the MXFP4 source bytes, bit-exact)",
     "bf16": "BF16 weight [N, K]; exact dequantization of FP8 or MXFP4",
     "copy": "unchanged from the source (BF16, F32 or I64)",
 }

@@ -19,6 +19,7 @@ __all__ = [
     "encode_e4m3", "encode_e2m1", "e8m0_pow2_scale",
     "dequant_fp8_block", "dequant_mxfp4", "mxfp4_to_int8", "dequant_int8_mx", "MX_EXP_BIAS",
     "quantize_int8_groups", "dequant_int8_groups", "rel_error", "first_nonfinite",
+    "MX4_EXP_BIAS", "dequant_mx4",
 ]
 
 FP8_BLOCK = 128     # DeepSeek's 128x128 weight tiles
@@ -169,6 +170,29 @@ def dequant_int8_mx(q: torch.Tensor, e: torch.Tensor, group: int = MX_GROUP) -> 
     """INT8 [N, K] with exponent bytes [N, K/group] (bias 128) -> float32."""
     scale = torch.exp2(e.to(torch.float32) - MX_EXP_BIAS)
     return q.to(torch.float32) * scale.repeat_interleave(group, 1)
+
+
+# mx4_e2m1 keeps the MXFP4 bytes: packed codes (low nibble = element 2j) and the UE8M0 byte, bias
+# 127 as in the source. dequant_mx4 is the runtime's decoder, written apart from dequant_mxfp4 (a
+# byte -> value-pair table and ldexp instead of unpack + two lookups) so each checks the other.
+MX4_EXP_BIAS = 127
+_BYTE_TO_E2M1_PAIR = torch.stack((E2M1_LUT[torch.arange(256) & 15],
+                                  E2M1_LUT[torch.arange(256) >> 4]), 1)       # [256, 2] float32
+
+
+def dequant_mx4(w: torch.Tensor, s: torch.Tensor, group: int = MX_GROUP) -> torch.Tensor:
+    """mx4_e2m1: uint8 packed codes [N, K/2] with exponent bytes [N, K/group] -> float32 [N, K].
+
+    value = e2m1 * 2^(e - 127): exact in float32 (and bf16) for every code and every e up to
+    252 (e2m1 has one mantissa bit: the smallest product 0.5 * 2^-127 is a representable
+    subnormal); from e = 253 the large codes overflow to +-inf, as in dequant_mxfp4. The
+    converter accepts e <= 159 only (convert.transforms.E8M0_ACCEPTED).
+    """
+    n, half = w.shape
+    pairs = _BYTE_TO_E2M1_PAIR.to(w.device)[w.view(torch.uint8).long()]     # [N, K/2, 2]
+    vals = pairs.reshape(n, 2 * half)
+    exps = s.view(torch.uint8).to(torch.int32) - MX4_EXP_BIAS                 # [N, K/group]
+    return torch.ldexp(vals.view(n, -1, group), exps[..., None].float()).reshape(n, 2 * half)
 
 
 def quantize_int8_groups(w: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,15 +22,17 @@ def tiny_0731(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_converted(tiny_flash, tmp_path_factory):
-    """tiny_converted(tp, kind="int8" | "bf16") -> tiny_flash converted with --linears/--experts
-    kind, built once per (tp, kind) and shared by every test: read-only (copy to corrupt)."""
+    """tiny_converted(tp, kind="int8" | "bf16" | "mx4") -> tiny_flash converted with
+    --linears/--experts kind (mx4: --linears int8 --experts mx4), built once per (tp, kind) and
+    shared by every test: read-only (copy to corrupt)."""
     from backfit.convert.run import convert
     built: dict[tuple[int, str], Path] = {}
 
     def get(tp: int, kind: str = "int8") -> Path:
         if (tp, kind) not in built:
             dst = tmp_path_factory.mktemp("conv") / f"{kind}_tp{tp}"
-            convert(tiny_flash, dst, tp=tp, linears=kind, experts=kind, progress=False)
+            convert(tiny_flash, dst, tp=tp, linears="int8" if kind == "mx4" else kind,
+                    experts=kind, progress=False)
             built[tp, kind] = dst
         return built[tp, kind]
     return get

@@ -78,7 +78,8 @@ def summarize(tensors: dict, journals: dict, tp: int) -> dict:
     worst = max(errs, key=lambda x: _badness(x[0])) if errs else (0.0, None)
     nonfinite = sum(not math.isfinite(e) for e, _ in errs)
     mean = (math.nan if nonfinite else sum(e for e, _ in errs) / len(errs)) if errs else 0.0
-    experts = [t for t in tensors.values() if t["scheme"] == "int8_mx32" and t["role"] == "weight"]
+    experts = [t for t in tensors.values()
+               if t["scheme"] in ("int8_mx32", "mx4_e2m1") and t["role"] == "weight"]
     return {"tensors_per_scheme": dict(sorted(per_scheme.items())), "bytes_in": bytes_in,
             "bytes_out_per_rank": [sum(j["bytes_out"][r] for j in journals.values()) for r in range(tp)],
             "int8_g128_rel_err": {"worst": worst[0], "worst_tensor": worst[1], "mean": mean,

@@ -14,7 +14,9 @@ from backfit.config import ModelConfig
 from backfit.formats import INT8_GROUP, MX_GROUP, shard_dim_for
 from backfit.inventory import expected_tensors
 
-__all__ = ["Output", "Action", "plan_conversion", "ConvertError"]
+__all__ = ["Output", "Action", "plan_conversion", "ConvertError", "EXPERT_KINDS"]
+
+EXPERT_KINDS = ("int8", "bf16", "mx4")     # --experts: int8_mx32 | bf16 | mx4_e2m1 (FORMAT.md)
 
 
 class ConvertError(RuntimeError):
@@ -33,7 +35,7 @@ class Output:
 
 @dataclass(frozen=True)
 class Action:
-    kind: str                    # fp8_int8 | fp8_bf16 | fp4_int8 | fp4_bf16 | copy
+    kind: str                    # fp8_int8 | fp8_bf16 | fp4_int8 | fp4_bf16 | fp4_mx4 | copy
     sources: tuple[TensorEntry, ...]   # (weight,) or (weight, scale)
     outputs: tuple[Output, ...]
 
@@ -52,6 +54,9 @@ def _outputs(kind: str, name: str, entry: TensorEntry) -> tuple[Output, ...]:
     if kind == "copy":
         return (Output(name, entry.dtype, entry.shape, dim, "copy", "tensor"),)
     n, k = entry.shape
+    if kind == "fp4_mx4":                                 # the packed bytes [N, K/2] as they are
+        return (Output(name, "U8", (n, k), dim, "mx4_e2m1", "weight"),
+                Output(base + ".scale", "U8", (n, 2 * k // MX_GROUP), dim, "mx4_e2m1", "scale"))
     if kind.startswith("fp4"):
         k *= 2                                            # two e2m1 codes per byte
     if kind.endswith("bf16"):
@@ -74,6 +79,8 @@ def _check_tp(out: Output, tp: int) -> None:
 def plan_conversion(entries: dict[str, TensorEntry], cfg: ModelConfig, tp: int,
                     linears: str = "int8", experts: str = "int8") -> list[Action]:
     """Validate the source against config.json and return one Action per weight/tensor."""
+    if experts not in EXPERT_KINDS:
+        raise ConvertError(f"--experts {experts!r}: choose one of {', '.join(EXPERT_KINDS)}")
     expected = expected_tensors(cfg)
     for name, e in entries.items():
         exp = expected.get(name)
@@ -99,14 +106,16 @@ def plan_conversion(entries: dict[str, TensorEntry], cfg: ModelConfig, tp: int,
         if e.dtype == "F8_E4M3":
             kind = "fp8_bf16" if linears == "bf16" or name.endswith(".attn.wo_a.weight") else "fp8_int8"
         elif e.dtype == "I8":                             # packed MXFP4 routed expert
-            kind = "fp4_bf16" if experts == "bf16" else "fp4_int8"
+            kind = {"bf16": "fp4_bf16", "mx4": "fp4_mx4"}.get(experts, "fp4_int8")
         else:
             kind = "copy"
         srcs = (e,) if kind == "copy" else (e, entries[name[: -len(".weight")] + ".scale"])
         outs = _outputs(kind, name, e)
         for o in outs:
             _check_tp(o, tp)
-            if o.role == "scale" and o.shard_dim == 1:        # groups must not straddle ranks
+            # groups must not straddle ranks (mx4: K/(2tp) packed bytes per rank are then K/tp
+            # inputs, a whole number of 32-input groups)
+            if o.role == "scale" and o.shard_dim == 1:
                 k_local = o.shape[1] * (INT8_GROUP if o.scheme == "int8_g128" else MX_GROUP) // tp
                 if o.shape[1] % tp:
                     raise ConvertError(f"--tp {tp}: {name}: {k_local} inputs per rank is not a "

@@ -18,12 +18,12 @@ import numpy as np
 import torch
 
 from backfit.convert.plan import Action, ConvertError
-from backfit.quant import (E4M3_LUT, E8M0_NAN, FP8_BLOCK, decode_e2m1, decode_e8m0,
-                           dequant_fp8_block, dequant_int8_groups,
-                           dequant_int8_mx, dequant_mxfp4, first_nonfinite, mxfp4_to_int8,
+from backfit.quant import (E4M3_LUT, E8M0_NAN, FP8_BLOCK, MX_GROUP, decode_e2m1, decode_e8m0,
+                           dequant_fp8_block, dequant_int8_groups, dequant_int8_mx, dequant_mx4,
+                           dequant_mxfp4, first_nonfinite, mxfp4_to_int8,
                            quantize_int8_groups, rel_error, unpack_e2m1)
 
-__all__ = ["apply", "E8M0_ACCEPTED", "experts_exact"]
+__all__ = ["apply", "E8M0_ACCEPTED", "experts_exact", "mx4_exact", "mx4_decoder_exact"]
 
 _E4M3_NAN = (0x7F, 0xFF)
 
@@ -123,6 +123,34 @@ def experts_exact(w: torch.Tensor, s: torch.Tensor, q: torch.Tensor, e: torch.Te
     return bool(np.array_equal(q.contiguous().view(torch.int16).numpy(), want))
 
 
+_MX4_DECODER_EXACT: bool | None = None
+
+
+def mx4_decoder_exact() -> bool:
+    """True iff the runtime's decoder (quant.dequant_mx4) gives, bit for bit, the reference
+    dequant_mxfp4 value for every packed byte (all 16 x 16 code pairs) under every exponent byte
+    0..254: a [255, 256]-byte grid, one exponent per row. Measured once per process."""
+    global _MX4_DECODER_EXACT
+    if _MX4_DECODER_EXACT is None:
+        w = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(255, 1)   # [255, 256]
+        s = torch.arange(255, dtype=torch.int32).to(torch.uint8)[:, None]
+        s = s.repeat(1, 256 * 2 // MX_GROUP)                                      # [255, 16]
+        got, ref = dequant_mx4(w, s), dequant_mxfp4(w, s)                         # [255, 512]
+        _MX4_DECODER_EXACT = torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    return _MX4_DECODER_EXACT
+
+
+def mx4_exact(w: torch.Tensor, s: torch.Tensor, q: torch.Tensor, e: torch.Tensor) -> bool:
+    """True iff mx4 codes q [N, K/2] / exponents e [N, K/32] equal MXFP4 w / s in value.
+
+    A value is a function of (packed byte, exponent byte) only, so: the bytes handed to the
+    writer equal the source bytes, and the runtime decoder is exact on every such pair.
+    """
+    return (q.dtype == e.dtype == torch.uint8 and q.shape == w.shape and e.shape == s.shape
+            and torch.equal(q, w.view(torch.uint8)) and torch.equal(e, s.view(torch.uint8))
+            and mx4_decoder_exact())
+
+
 def apply(action: Action, tensors: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
     """Run `action` on its source tensors (as read by checkpoint.read_tensor).
 
@@ -160,6 +188,16 @@ def apply(action: Action, tensors: list[torch.Tensor]) -> tuple[dict[str, torch.
             return {outs[0].name: q, outs[1].name: e}, {"rel_err": 0.0, "max_abs_err": 0.0,
                                                          "exact": True}
         rel, mx = rel_error(dequant_int8_mx(q, e), dequant_mxfp4(w, s))     # failure path only
+        return {outs[0].name: q, outs[1].name: e}, {"rel_err": rel, "max_abs_err": mx,
+                                                     "exact": False}
+    if kind == "fp4_mx4":
+        # The source bytes as they are (int8 viewed as uint8: two e2m1 codes per byte, low
+        # nibble first; the UE8M0 byte, bias 127); `exact` measured as for fp4_int8.
+        q, e = w.view(torch.uint8), s.view(torch.uint8)
+        if mx4_exact(w, s, q, e):
+            return {outs[0].name: q, outs[1].name: e}, {"rel_err": 0.0, "max_abs_err": 0.0,
+                                                         "exact": True}
+        rel, mx = rel_error(dequant_mx4(q, e), dequant_mxfp4(w, s))          # failure path only
         return {outs[0].name: q, outs[1].name: e}, {"rel_err": rel, "max_abs_err": mx,
                                                      "exact": False}
     if kind == "fp4_bf16":

@@ -40,8 +40,10 @@ class Cancelled(Exception):
 # Peak bytes one worker holds per source byte of an action (from the transforms' temporaries):
 # FP8 dequant keeps an int64 index, float32 values, scales and the INT8 re-quantization alive
 # (~32 B per e4m3 byte); MXFP4 -> INT8 the packed bytes, two int8 outputs and the check (~6 B);
-# MXFP4 -> BF16 ~24 B per packed byte; a copy the tensor and its chunked finiteness mask (~2 B).
-_WORKING_SET = {"fp8_int8": 32, "fp8_bf16": 32, "fp4_int8": 6, "fp4_bf16": 24, "copy": 2}
+# MXFP4 -> BF16 ~24 B per packed byte; MXFP4 -> mx4 the packed bytes and a dim-1 split copy
+# (~2 B); a copy the tensor and its chunked finiteness mask (~2 B).
+_WORKING_SET = {"fp8_int8": 32, "fp8_bf16": 32, "fp4_int8": 6, "fp4_bf16": 24, "fp4_mx4": 2,
+                "copy": 2}
 
 
 def working_set(a: Action) -> int:

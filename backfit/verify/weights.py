@@ -14,7 +14,8 @@ import torch
 
 from backfit.checkpoint import SafetensorsDir, read_header, read_tensor
 from backfit.formats import load_manifest, rank_dir
-from backfit.quant import dequant_fp8_block, dequant_int8_groups, dequant_int8_mx, dequant_mxfp4
+from backfit.quant import (dequant_fp8_block, dequant_int8_groups, dequant_int8_mx, dequant_mx4,
+                           dequant_mxfp4)
 from backfit.verify.compare import tensor_metrics
 
 __all__ = ["check_weights", "ConvertedDir"]
@@ -48,6 +49,8 @@ class ConvertedDir:
             return dequant_int8_groups(self.raw(name), self.raw(name[:-7] + ".scale"))
         if t["scheme"] == "int8_mx32":
             return dequant_int8_mx(self.raw(name), self.raw(name[:-7] + ".scale"))
+        if t["scheme"] == "mx4_e2m1":                   # packed [N, K/2] -> float32 [N, K]
+            return dequant_mx4(self.raw(name), self.raw(name[:-7] + ".scale"))
         return self.raw(name).float() if self.raw(name).is_floating_point() else self.raw(name)
 
 
@@ -68,8 +71,11 @@ def check_weights(original: str | Path, converted: str | Path) -> tuple[list[tup
             continue
         used.update(t["source"])
         got, ref = conv.dequant(name), _original(src, t["source"])
-        if list(got.shape) != t["shape"]:
-            problems.append(f"{name}: shape {list(got.shape)} != manifest {t['shape']}")
+        shape = list(t["shape"])
+        if t["scheme"] == "mx4_e2m1":
+            shape[-1] *= 2                              # the manifest gives the packed width
+        if list(got.shape) != shape:
+            problems.append(f"{name}: shape {list(got.shape)} != manifest {shape}")
             continue
         if got.is_floating_point() and not torch.isfinite(got).all():
             problems.append(f"{name}: NaN or inf after dequantization")
@@ -80,7 +86,7 @@ def check_weights(original: str | Path, converted: str | Path) -> tuple[list[tup
         # written "not <=" so that a NaN on either side is a problem, never a silent pass
         if recorded is not None and not abs(recorded - m["rel"]) <= 1e-6 + 1e-3 * recorded:
             problems.append(f"{name}: manifest rel_err {recorded:.3e} but measured {m['rel']:.3e}")
-        if t["scheme"] in ("int8_mx32", "bf16", "copy") and m["rel"] != 0.0:
+        if t["scheme"] in ("int8_mx32", "mx4_e2m1", "bf16", "copy") and m["rel"] != 0.0:
             problems.append(f"{name}: scheme {t['scheme']} must be exact, rel error {m['rel']:.3e}")
         rows.append((name, m))
     unused = set(src.entries) - used
