@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backfit.formats import INT8_GROUP, MX_GROUP
-from backfit.quant import dequant_int8_groups, dequant_int8_mx
+from backfit.quant import dequant_int8_groups, dequant_int8_mx, dequant_mx4
 from backfit.runtime.distributed import all_gather, all_reduce, get_tp_info
 from backfit.runtime.kernels import get_kernel_backend
 
@@ -26,6 +26,7 @@ __all__ = ["LINEAR_SCHEMES", "Linear", "ColumnParallelLinear", "RowParallelLinea
 LINEAR_SCHEMES = {
     "int8_g128": (torch.int8, torch.float32, INT8_GROUP),
     "int8_mx32": (torch.int8, torch.uint8, MX_GROUP),
+    "mx4_e2m1": (torch.uint8, torch.uint8, MX_GROUP),     # weight [out, in/2]: 2 codes per byte
     "bf16": (torch.bfloat16, None, None),
     "copy": (None, None, None),
 }
@@ -51,7 +52,7 @@ class Linear(nn.Module):
         if scheme not in LINEAR_SCHEMES:
             raise ValueError(f"{name}: unknown scheme {scheme!r}")
         wdt, sdt, group = LINEAR_SCHEMES[scheme]
-        shape = (self.out_features, self.in_features)
+        shape = (self.out_features, self.in_features // (2 if scheme == "mx4_e2m1" else 1))
         if tuple(weight.shape) != shape:
             raise ValueError(f"{name}: weight shape {list(weight.shape)}, expected {list(shape)}")
         if wdt is not None and weight.dtype != wdt:
@@ -73,11 +74,14 @@ class Linear(nn.Module):
         return self.weight is not None
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The local weight [out, in] in `dtype` (exact for bf16/copy; q*scale for int8)."""
+        """The local weight [out, in] in `dtype` (exact for bf16/copy and for int8_mx32/mx4_e2m1
+        in bf16 or float32, which hold every MXFP4 value; q*scale for int8_g128)."""
         if self.scheme == "int8_g128":
             w = dequant_int8_groups(self.weight, self.scale)
         elif self.scheme == "int8_mx32":
             w = dequant_int8_mx(self.weight, self.scale, MX_GROUP)
+        elif self.scheme == "mx4_e2m1":                   # 16-entry e2m1 table x 2^(e-127)
+            w = dequant_mx4(self.weight, self.scale, MX_GROUP)
         elif self.scheme in ("bf16", "copy"):
             w = self.weight
         else:

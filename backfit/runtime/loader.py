@@ -1,7 +1,7 @@
 """Converted directory (docs/FORMAT.md) -> this rank's tensors -> model; proves nothing was missed.
 
 Dispatch is on each manifest entry's `scheme` and `role`, never on file names:
-  role weight (int8_g128 | int8_mx32 | bf16) + its role-scale sibling -> Linear.load(scheme, ...)
+  role weight (int8_g128 | int8_mx32 | mx4_e2m1 | bf16) + its role-scale sibling -> Linear.load
   role tensor (copy) named X.weight of a Linear                     -> Linear.load("copy", ...)
   role tensor (copy) otherwise                                      -> copied into the buffer
 Only files of rank{r}/ are opened. At the end every manifest tensor must have been consumed
@@ -24,7 +24,7 @@ from backfit.runtime.layers import Linear
 
 __all__ = ["LoadError", "load_model", "expected_names"]
 
-_QUANT = ("int8_g128", "int8_mx32", "bf16")
+_QUANT = ("int8_g128", "int8_mx32", "mx4_e2m1", "bf16")
 
 
 class LoadError(FormatError):
