@@ -63,9 +63,9 @@ __all__ = ["GiB", "EXPERT_SCHEMES", "MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "S
 MAX_NUM_SEQS = 64
 MAX_NUM_BATCHED_TOKENS = 2048
 # --experts -> bytes of one routed-expert weight, for the record; the bytes themselves come from
-# the plan's outputs. mx4 is the planned 4-bit scheme (MXFP4 kept packed): 0.5 B + 1 B per 32.
+# the plan's outputs. mx4 (mx4_e2m1, MXFP4 kept packed): 0.5 B + 1 B per 32.
 EXPERT_SCHEMES = {"int8": 1 + 1 / 32, "bf16": 2.0, "mx4": 0.5 + 1 / 32}
-PLANNED = {"mx4"}
+PLANNED: frozenset[str] = frozenset()     # schemes no converter writes yet (none now)
 
 
 def parse_bytes(text: str) -> int:
@@ -89,7 +89,7 @@ class WeightBytes:
     experts: int                 # routed experts (main tower + drafts) on that rank
     mtp: int                     # draft stages (mtp.*) on that rank, included in per_rank
     source: str                  # "manifest" | "inventory"
-    planned: bool = False        # a scheme that no converter writes yet (mx4)
+    planned: bool = False        # a scheme that no converter writes yet (none now)
 
 
 def _per_rank(shape, dtype: str, shard_dim, tp: int) -> int:
@@ -107,16 +107,13 @@ def weight_bytes(cfg: ModelConfig, tp: int, experts: str = "int8", linears: str 
         raise ValueError(f"--experts {experts!r}: choose one of {', '.join(EXPERT_SCHEMES)}")
     entries = {n: TensorEntry(Path(n), n, t.dtype, t.shape, 0, t.nbytes)
                for n, t in expected_tensors(cfg).items()}
-    actions = plan_conversion(entries, cfg, tp, linears=linears,
-                              experts="int8" if experts == "mx4" else experts)
+    actions = plan_conversion(entries, cfg, tp, linears=linears, experts=experts)
     total = ex = draft = 0
     for a in actions:
         for o in a.outputs:
             if o.name.startswith("mtp.") and not mtp:
                 continue
             n = _per_rank(o.shape, o.dtype, o.shard_dim, tp)
-            if experts == "mx4" and o.scheme == "int8_mx32" and o.role == "weight":
-                n //= 2                       # hook: two e2m1 codes per byte, exponents unchanged
             total += n
             ex += n if ".experts." in o.name else 0
             draft += n if o.name.startswith("mtp.") else 0

@@ -136,11 +136,25 @@ def test_flash_tp4_weights_per_rank_match_hand_computation():
     assert weight_bytes(_flash(), 4, "int8", mtp=False).per_rank == w.per_rank - w.mtp
 
 
-def test_mx4_hook_halves_the_expert_weights_and_keeps_the_exponents():
+def test_mx4_halves_the_expert_weights_and_keeps_the_exponents():
+    """mx4 is the converter's real mx4_e2m1 scheme now: its bytes come from plan_conversion."""
     i8, mx4 = weight_bytes(_flash(), 8, "int8"), weight_bytes(_flash(), 8, "mx4")
-    assert mx4.planned and not i8.planned
+    assert not mx4.planned and not i8.planned
     assert mx4.experts * 33 == i8.experts * 17             # (0.5 + 1/32) / (1 + 1/32) = 17/33
     assert i8.per_rank - mx4.per_rank == i8.experts - mx4.experts
+
+
+def test_flash_tp4_80gib_mx4_experts_hold_1m_tokens_at_090():
+    """Issue 10: TP4 on 80 GiB cards, 4-bit experts, utilisation 0.90, defaults otherwise: the
+    KV pool holds >= 1,048,576 tokens and one 1M-token sequence fits (bf16 KV, the default)."""
+    p = plan(_flash(), tp=4, gpu_mem=80 * GiB, utilization=0.90, experts="mx4")
+    assert not p.planned and p.experts == "mx4"
+    assert p.kv_capacity_tokens >= 1048576, p.kv_capacity_tokens
+    assert p.weight_bytes_per_rank == weight_bytes(_flash(), 4, "mx4").per_rank
+    full = plan(_flash(), tp=4, gpu_mem=80 * GiB, utilization=0.90, experts="mx4",
+                max_model_len=1048576)
+    assert full.max_concurrency_at_max_model_len >= 1
+    assert not any("planned" in n for n in full.notes)
 
 
 # ---- the plan: TP4 / 80 GiB -----------------------------------------------------------------

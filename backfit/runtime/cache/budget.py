@@ -142,7 +142,7 @@ def fit(layout: CacheLayout, free_bytes: int, total_bytes: int, *, max_model_len
                  "use --kv-cache-dtype int8" if layout.kv_dtype != "int8" else "",
                  "use a larger --tp", "fewer --max-num-seqs or snapshot slots",
                  "a smaller --max-num-batched-tokens",
-                 "4-bit experts (planned)" if experts != "mx4" else ""]
+                 "4-bit experts (--experts mx4)" if experts != "mx4" else ""]
         raise ValueError(f"{head} ({where}); to fit: {', '.join(f for f in fixes if f)}")
     cap = num_blocks * layout.block_size
     return Plan(gpu_mem_bytes=total_bytes, gpu_memory_utilization=utilization,
