@@ -255,7 +255,7 @@ def serve(converted, host, port, served_model_name, aliases, api_key, max_queue,
               help="Share of the card the engine may use: weights, reserves and KV pools.")
 @click.option("--experts", type=click.Choice(["int8", "bf16", "mx4"]), default=None,
               help="Routed-expert scheme (default: a converted MODEL's, else int8); mx4 is the "
-                   "planned 4-bit scheme (0.5 B + 1 exponent byte per 32), projected only.")
+                   "4-bit scheme of convert --experts mx4 (0.5 B + 1 exponent byte per 32).")
 @click.option("--kv-cache-dtype", type=click.Choice(["bf16", "int8"]), default="bf16",
               show_default=True, help="int8: one FP32 scale per 512-d entry, ~40% fewer bytes.")
 @click.option("--max-model-len", type=int, default=None,
