@@ -4,7 +4,6 @@ against a live tiny-model server."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import os
@@ -12,18 +11,15 @@ from pathlib import Path
 
 import pydantic
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
 
 from backfit.server import anthropic as A
 from backfit.server import anthropic_render as AR
-from backfit.server.bridge import CTX, KEEPALIVE, QueueFull, ServerContext
-from backfit.server.chat_format import ChatEncoder
+from fake_bridge import FakeBridge, post, sse
+from backfit.server.bridge import KEEPALIVE, QueueFull
 from backfit.server.http import BadRequest
 from backfit.server.protocol import (
     Finish, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart, Usage,
 )
-from backfit.synthetic import write_small_tokenizer
 
 anthropic = pytest.importorskip("anthropic")
 from anthropic.types import Message as SDKMessage, RawMessageStreamEvent  # noqa: E402
@@ -39,29 +35,6 @@ TOOL_TURN = [ReasoningDelta("The user wants "), ReasoningDelta("a listing."), Te
              Usage(40, 12, cached_tokens=16, reasoning_tokens=5), Finish("tool_calls")]
 
 
-class FakeBridge:
-    def __init__(self):
-        self.events, self.raise_first, self.calls, self.closed = [], None, [], 0
-
-    async def stream(self, prompt, params, *, tools, stop=()):
-        self.calls.append({"prompt": prompt, "params": params, "tools": tools, "stop": stop})
-        if self.raise_first is not None:
-            raise self.raise_first
-        try:
-            for e in self.events:
-                await asyncio.sleep(0)
-                yield e
-        finally:
-            self.closed += 1
-
-
-@pytest.fixture(scope="module")
-def encoder(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    write_small_tokenizer(d, 512)
-    return ChatEncoder.from_file(d)
-
-
 @pytest.fixture
 def fixed_ids(monkeypatch):
     counter = itertools.count(1)
@@ -70,26 +43,10 @@ def fixed_ids(monkeypatch):
 
 
 def call(encoder, bridge, body, path="/v1/messages", raw: bytes | None = None):
-    async def go():
-        app = web.Application()
-        app[CTX] = ServerContext(bridge=bridge, encoder=encoder, model_name="deepseek-v4-flash",
-                                 max_model_len=4096, api_key=None, tokenizer=None)
-        app.router.add_post("/v1/messages", A.handle_messages)
-        app.router.add_post("/v1/messages/count_tokens", A.handle_count_tokens)
-        async with TestClient(TestServer(app)) as c:
-            r = await c.post(path + "?beta=true", data=raw if raw is not None
-                             else json.dumps(body), headers={"anthropic-version": "2023-06-01"})
-            return r.status, r.headers, await r.text()
-    return asyncio.run(go())
-
-
-def sse(text: str) -> list[tuple[str, dict]]:
-    out = []
-    for frame in text.strip().split("\n\n"):
-        lines = frame.split("\n")
-        assert lines[0].startswith("event: ") and lines[1].startswith("data: "), frame
-        out.append((lines[0][7:], json.loads(lines[1][6:])))
-    return out
+    """POST body to an Anthropic route on an app around the fake bridge."""
+    return post(encoder, bridge, {"/v1/messages": A.handle_messages,
+                                  "/v1/messages/count_tokens": A.handle_count_tokens},
+                path + "?beta=true", body, raw, {"anthropic-version": "2023-06-01"})
 
 
 def body(**kw):

@@ -16,13 +16,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from backfit.server import openai_responses as R
 from backfit.server import responses_render as RR
+from fake_bridge import FakeBridge, post, sse
 from backfit.server.bridge import CTX, KEEPALIVE, QueueFull, ServerContext
-from backfit.server.chat_format import ChatEncoder
 from backfit.server.http import BadRequest
 from backfit.server.protocol import (
     Finish, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart, Usage,
 )
-from backfit.synthetic import write_small_tokenizer
 
 openai = pytest.importorskip("openai")
 from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
@@ -40,31 +39,6 @@ TOOL_TURN = [ReasoningDelta("The user wants "), ReasoningDelta("a listing."), Te
 CUT = [TextDelta("Hello"), Usage(30, 4), Finish("length")]
 
 
-class FakeBridge:
-    """Bridge.stream's contract: events, or QueueFull before the first; records aborts."""
-
-    def __init__(self):
-        self.events, self.raise_first, self.calls, self.closed = [], None, [], 0
-
-    async def stream(self, prompt, params, *, tools, stop=()):
-        self.calls.append({"prompt": prompt, "params": params, "tools": tools, "stop": stop})
-        if self.raise_first is not None:
-            raise self.raise_first
-        try:
-            for e in self.events:
-                await asyncio.sleep(0)
-                yield e
-        finally:
-            self.closed += 1
-
-
-@pytest.fixture(scope="module")
-def encoder(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    write_small_tokenizer(d, 512)
-    return ChatEncoder.from_file(d)
-
-
 @pytest.fixture
 def fixed_ids(monkeypatch):
     """Deterministic ids and clock, so transcripts are byte-stable."""
@@ -75,27 +49,8 @@ def fixed_ids(monkeypatch):
 
 def call(encoder, bridge, body, raw: bytes | None = None):
     """POST body to /v1/responses on an app around the fake bridge -> (status, headers, text)."""
-    async def go():
-        app = web.Application()
-        app[CTX] = ServerContext(bridge=bridge, encoder=encoder, model_name="deepseek-v4-flash",
-                                 max_model_len=4096, api_key=None, tokenizer=None)
-        app.router.add_post("/v1/responses", R.handle)
-        async with TestClient(TestServer(app)) as c:
-            r = await c.post("/v1/responses", data=raw if raw is not None else json.dumps(body),
-                             headers={"Content-Type": "application/json"})
-            return r.status, r.headers, await r.text()
-    return asyncio.run(go())
-
-
-def sse(text: str) -> list[tuple[str, dict]]:
-    out = []
-    for frame in text.strip().split("\n\n"):
-        lines = frame.split("\n")
-        if lines[0].startswith(":"):
-            continue
-        assert lines[0].startswith("event: ") and lines[1].startswith("data: "), frame
-        out.append((lines[0][7:], json.loads(lines[1][6:])))
-    return out
+    return post(encoder, bridge, {"/v1/responses": R.handle}, "/v1/responses", body, raw,
+                {"Content-Type": "application/json"})
 
 
 # ---- parsing --------------------------------------------------------------------------------
