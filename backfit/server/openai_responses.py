@@ -327,13 +327,13 @@ async def handle(request: web.Request) -> web.StreamResponse:
             first = await it.__anext__()
         except StopAsyncIteration:
             first = None
-        except QueueFull:
-            return openai_error(429, "Server is busy, try again in 2s",
-                                type="rate_limit_exceeded", code="rate_limit_exceeded",
-                                headers={"Retry-After": "2"})
+        except QueueFull as e:
+            return openai_error(429, str(e), type="rate_limit_exceeded",
+                                code="rate_limit_exceeded",
+                                headers={"Retry-After": str(e.retry_after)})
         except EngineUnavailable as e:
             return openai_error(503, str(e) or "engine unavailable", type="server_error",
-                                code="overloaded", headers={"Retry-After": "5"})
+                                code="overloaded", headers={"Retry-After": str(e.retry_after)})
         except ContextTooLong as e:
             return openai_error(400, str(e), param="max_output_tokens",
                                 code="context_length_exceeded")
@@ -353,7 +353,7 @@ async def _fold(r: ResponsesRenderer, it, first) -> web.Response:
                 r.feed(ev)
     except EngineUnavailable as e:
         return openai_error(503, str(e) or "engine unavailable", type="server_error",
-                            code="overloaded", headers={"Retry-After": "5"})
+                            code="overloaded", headers={"Retry-After": str(e.retry_after)})
     r.close()
     return http.json_response(r.response, headers={"x-request-id": r.id})
 
