@@ -36,6 +36,16 @@ def _compile(fn, types: dict, constexprs: dict, opts: dict, div16: tuple = ()) -
                 fp8=bool(re.search(r"e4m3|e5m2|e2m1", ptx)))
 
 
+def compile_in_subprocess(script: str) -> list[dict]:
+    """Run `script` (it prints compile_all()'s JSON) without TRITON_INTERPRET -> the results."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    run = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def _split(cfg: dict) -> tuple[dict, dict]:
     cfg = dict(cfg)
     opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
@@ -77,12 +87,7 @@ def compile_all() -> list[dict]:
 
 
 def test_every_kernel_config_compiles_for_sm80_within_shared_memory():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
+    results = compile_in_subprocess(__file__)
     assert len(results) == 18
     for r in results:
         name = f"{r['kernel']} {r['config']}"

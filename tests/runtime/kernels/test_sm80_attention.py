@@ -9,13 +9,11 @@ TRITON_INTERPRET.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_sm80 import SHARED_LIMIT, _compile  # noqa: E402
+from test_sm80 import SHARED_LIMIT, _compile, compile_in_subprocess  # noqa: E402
 
 BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
@@ -61,12 +59,7 @@ def compile_all() -> list[dict]:
 
 
 def test_attention_and_indexer_kernels_compile_for_sm80_within_shared_memory():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
+    results = compile_in_subprocess(__file__)
     assert len(results) == 12
     for r in results:
         name = f"{r['kernel']} {r['config']}"
