@@ -180,26 +180,21 @@ def apply(action: Action, tensors: list[torch.Tensor]) -> tuple[dict[str, torch.
         _check_scale(action, s)
         return {outs[0].name: out}, {"rel_err": rel, "max_abs_err": mx, "exact": rel == 0.0}
     _check_scale(action, s)                                     # MXFP4: the bytes are the scale
-    if kind == "fp4_int8":
-        # Exact by construction (2*e2m1 is an integer, the exponent byte is unchanged); `exact`
-        # is still measured on the bytes handed to the writer, by an independent table.
-        q, e = mxfp4_to_int8(w, s)
-        if experts_exact(w, s, q, e):
-            return {outs[0].name: q, outs[1].name: e}, {"rel_err": 0.0, "max_abs_err": 0.0,
-                                                         "exact": True}
-        rel, mx = rel_error(dequant_int8_mx(q, e), dequant_mxfp4(w, s))     # failure path only
-        return {outs[0].name: q, outs[1].name: e}, {"rel_err": rel, "max_abs_err": mx,
-                                                     "exact": False}
-    if kind == "fp4_mx4":
-        # The source bytes as they are (int8 viewed as uint8: two e2m1 codes per byte, low
-        # nibble first; the UE8M0 byte, bias 127); `exact` measured as for fp4_int8.
-        q, e = w.view(torch.uint8), s.view(torch.uint8)
-        if mx4_exact(w, s, q, e):
-            return {outs[0].name: q, outs[1].name: e}, {"rel_err": 0.0, "max_abs_err": 0.0,
-                                                         "exact": True}
-        rel, mx = rel_error(dequant_mx4(q, e), dequant_mxfp4(w, s))          # failure path only
-        return {outs[0].name: q, outs[1].name: e}, {"rel_err": rel, "max_abs_err": mx,
-                                                     "exact": False}
+    if kind in ("fp4_int8", "fp4_mx4"):
+        # Exact by construction, and `exact` still measured on the bytes handed to the writer
+        # by an independent decoder. int8: 2*e2m1 is an integer, the exponent byte unchanged;
+        # mx4: the source bytes as they are (int8 viewed as uint8: two e2m1 codes per byte, low
+        # nibble first; the UE8M0 byte, bias 127).
+        if kind == "fp4_int8":
+            (q, e), is_exact, dequant = mxfp4_to_int8(w, s), experts_exact, dequant_int8_mx
+        else:
+            (q, e), is_exact, dequant = (w.view(torch.uint8), s.view(torch.uint8)), mx4_exact, \
+                dequant_mx4
+        stats = {"rel_err": 0.0, "max_abs_err": 0.0, "exact": True}
+        if not is_exact(w, s, q, e):
+            rel, mx = rel_error(dequant(q, e), dequant_mxfp4(w, s))         # failure path only
+            stats = {"rel_err": rel, "max_abs_err": mx, "exact": False}
+        return {outs[0].name: q, outs[1].name: e}, stats
     if kind == "fp4_bf16":
         ref = dequant_mxfp4(w, s)
         out = ref.to(torch.bfloat16)
