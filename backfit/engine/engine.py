@@ -12,8 +12,7 @@ Every request gets RequestOutput deltas; the last one has finish_reason and usag
 from __future__ import annotations
 
 import itertools
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -87,7 +86,6 @@ class _Request:
     seq: Sequence
     stream: TextStream
     prompt_logprobs: list | None = None
-    t_arrival: float = field(default_factory=time.perf_counter)
 
 
 class LLMEngine:
