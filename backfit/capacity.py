@@ -28,15 +28,9 @@ for a forward of T = max_num_batched_tokens tokens (A = 2 bytes, bf16 activation
   runtime    CUDA context + cuBLAS: 685 MiB measured on an H200 (torch 2.11, CUDA 13), rounded
              up to 0.75 GiB; NCCL buffers at tp > 1: 0.5 GiB, an estimate (not measured here)
 
-Engine start-up (measured numbers; the same arithmetic as `backfit plan`):
-  layout = cache_layout(cfg, kv_cache_dtype, draft_layers=len(model.mtp))
-  free, total = torch.cuda.mem_get_info()            # after loading weights and starting NCCL
-  p = fit(layout, free, total, max_model_len=L, max_num_seqs=S, utilization=0.90,
-          workspace_bytes=workspace(cfg, tp, T, L, S).total,
-          graph_bytes=graph_reserve(cfg, tp, L, S))   # ValueError: what to change
-  -> p.num_slots, p.num_blocks, p.block_size: what the pools allocate
-If free is read after a profile forward of T tokens instead (the caching allocator keeps that
-peak reserved), the workspace is already excluded from it: pass workspace_bytes=0.
+Engine start-up (runtime/runner.py ModelRunner.size_pools; the same `fit` as `backfit plan`):
+free memory is read with torch.cuda.mem_get_info() after loading, the workspace term above is
+subtracted as computed, and graph_bytes is 0 (no CUDA graphs are captured yet).
 """
 
 from __future__ import annotations
