@@ -131,6 +131,9 @@ def engine_options(f):
         click.option("--kernels", type=click.Choice(["triton", "torch"]), default=None,
                      help="GPU kernels: triton (default on CUDA) or the plain-torch reference "
                           "path (default on CPU; triton needs --device cuda)."),
+        click.option("--enforce-eager", is_flag=True, default=False,
+                     help="No CUDA graphs: run decode steps eagerly (graphs are used with "
+                          "--kernels triton on CUDA at tp 1; they cost start-up time and memory)."),
         click.option("--dtype", "--activations", "dtype", default="bfloat16", show_default=True,
                      type=click.Choice(["bfloat16", "float32"]), help="Activation dtype."),
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "bf16", "int8"]),
@@ -161,7 +164,8 @@ def engine_options(f):
 
 def engine_kwargs(kw: dict) -> dict:
     """Pop the engine flags out of a command's keyword arguments -> EngineConfig fields."""
-    names = ("device", "kernels", "dtype", "kv_cache_dtype", "max_model_len", "max_num_batched_tokens",
+    names = ("device", "kernels", "enforce_eager", "dtype", "kv_cache_dtype", "max_model_len",
+             "max_num_batched_tokens",
              "block_size", "enable_prefix_caching", "enable_chunked_prefill",
              "gpu_memory_utilization", "cpu_kv_cache_gib")
     out = {n: kw.pop(n) for n in names}

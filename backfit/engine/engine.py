@@ -49,6 +49,7 @@ class EngineConfig:
     cpu_kv_cache_gib: float = 4.0
     seed: int = 0                                 # unseeded requests draw from this stream
     kernels: str | None = None                    # triton | torch; None: triton on CUDA, else torch
+    enforce_eager: bool = False                   # True: no CUDA graphs for decode steps
 
     def __post_init__(self):
         resolve_kernels(self.kernels, self.device)   # a bad choice fails before ranks start
@@ -57,7 +58,8 @@ class EngineConfig:
         return RunnerConfig(self.model, self.dtype, self.device, self.kv_cache_dtype,
                             self.block_size, self.max_num_seqs, self.max_num_batched_tokens,
                             self.max_model_len, self.num_snapshot_slots, self.num_blocks,
-                            self.gpu_memory_utilization, self.cpu_kv_cache_gib, self.kernels)
+                            self.gpu_memory_utilization, self.cpu_kv_cache_gib, self.kernels,
+                            self.enforce_eager)
 
 
 @dataclass

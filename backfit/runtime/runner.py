@@ -15,6 +15,11 @@ come from runtime/cache/layout.py, which a test holds equal to what PagedCache a
 Kernels (--kernels): "triton" (default on CUDA) or "torch" (default on CPU, the reference path);
 the runner sets the process-wide runtime.kernels backend once, before the model is built, and
 stacks the experts for the fused MoE right after loading (MoE.prepare_kernels).
+
+CUDA graphs (runtime/graphs.py): with the triton kernels on CUDA at tp 1, pure-decode steps
+replay a graph captured at start-up for the smallest batch size that holds them; prefill,
+mixed steps and --enforce-eager run eagerly. At tp > 1 the runner stays eager for now: graphs
+over the NCCL all-reduces have not been run on a multi-GPU machine yet.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class RunnerConfig:
     gpu_memory_utilization: float = 0.90
     cpu_kv_cache_gib: float = 4.0
     kernels: str | None = None               # triton | torch; None: triton on CUDA, torch on CPU
+    enforce_eager: bool = False              # True: no CUDA graphs for decode steps
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,26 @@ class ModelRunner:
         self.cache = PagedCache(self.cfg, self.num_slots, self.num_blocks, self.block_size,
                                 self.dtype, self.kv, self.device)
         self.timings["pools_s"] = time.perf_counter() - t
+        self.graphs = None
+        if self.use_graphs:
+            self.capture_graphs()
+
+    @property
+    def use_graphs(self) -> bool:
+        from backfit.runtime.distributed import get_tp_info
+        return (self.kernels == "triton" and self.device.type == "cuda"
+                and not self.rc.enforce_eager and get_tp_info().size == 1)
+
+    def capture_graphs(self, log=None) -> None:
+        """Capture the decode graphs (runtime/graphs.py) over the current pools; progress goes
+        to stderr (stdout may be the generated text)."""
+        import sys
+        log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        from backfit.runtime.graphs import DecodeGraphs
+        nblk = -(-self.rc.max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.cache, self.rc.max_num_seqs, nblk)
+        self.graphs.capture(log)
+        self.timings["graphs_s"] = self.graphs.capture_s
 
     @property
     def num_snapshot_slots(self) -> int:
@@ -127,7 +153,7 @@ class ModelRunner:
     def size_pools(self) -> tuple[int, int]:
         """(slots, blocks) from the planner's `fit` (runtime/cache/budget.py), the same
         arithmetic as `backfit plan`, on measured free memory; raises with what to change."""
-        from backfit.runtime.cache.budget import GiB, fit, workspace
+        from backfit.runtime.cache.budget import GiB, fit, graph_reserve, workspace
         from backfit.runtime.cache.layout import cache_layout
         from backfit.runtime.distributed import get_tp_info
         rc = self.rc
@@ -147,8 +173,10 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             ws = workspace(self.cfg, kw["tp"], rc.max_num_batched_tokens, rc.max_model_len,
                            rc.max_num_seqs, act_bytes=self.dtype.itemsize).total
+            gb = graph_reserve(self.cfg, kw["tp"], rc.max_model_len, rc.max_num_seqs) \
+                if self.use_graphs else 0
             self.plan = fit(layout, free, total, utilization=rc.gpu_memory_utilization,
-                            workspace_bytes=ws, graph_bytes=0, **kw)   # no CUDA graphs yet
+                            workspace_bytes=ws, graph_bytes=gb, **kw)
         else:                                                 # CPU: --cpu-kv-cache-gib
             budget = int(rc.cpu_kv_cache_gib * GiB)
             self.plan = fit(layout, budget, budget, utilization=1.0, **kw)
@@ -162,6 +190,13 @@ class ModelRunner:
         for src, dst in step.restores:
             self.cache.copy_slot(src, dst)
         seqs = step.seqs
+        if self.graphs is not None and all(len(s.tokens) == 1 and s.sample and not s.all_logits
+                                           for s in seqs):
+            logits = self.graphs.run([(s.tokens[0], s.start, s.slot, s.block_table) for s in seqs])
+            if logits is not None:
+                for src, dst in step.saves:
+                    self.cache.copy_slot(src, dst)
+                return StepOutput(logits)
         batch = ForwardBatch.build([(s.seq_id, list(s.tokens), s.start) for s in seqs],
                                    self.device, [s.slot for s in seqs],
                                    [s.block_table for s in seqs])

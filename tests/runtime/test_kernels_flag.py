@@ -79,20 +79,21 @@ from backfit.engine.engine import EngineConfig, LLMEngine
 from backfit.engine.sampling_params import SamplingParams
 from backfit.runtime.kernels import get_kernel_backend
 e = LLMEngine(EngineConfig(sys.argv[1], device="cuda", dtype="bfloat16", kernels=sys.argv[2],
-                           max_num_seqs=4, max_model_len=256, block_size=16, num_blocks=64))
+                           enforce_eager=sys.argv[3] == "eager", max_num_seqs=4,
+                           max_model_len=256, block_size=16, num_blocks=64))
 prompts = [[0] + [(37 * i + 11 * j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(4)]
 out = e.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-m = e.ranks.runner.model
-print(json.dumps({"backend": get_kernel_backend(),
+m, g = e.ranks.runner.model, e.ranks.runner.graphs
+print(json.dumps({"backend": get_kernel_backend(), "replays": g.replays if g else 0,
                   "stacked": [bool(lay.ffn.stacked) for lay in m.layers],
                   "tokens": [o["token_ids"] for o in out]}))
 e.close()
 """
 
 
-def _greedy(conv: Path, kernels: str) -> dict:
+def _greedy(conv: Path, kernels: str, mode: str = "eager") -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-c", _GREEDY, str(conv), kernels], env=env,
+    p = subprocess.run([sys.executable, "-c", _GREEDY, str(conv), kernels, mode], env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -101,8 +102,13 @@ def _greedy(conv: Path, kernels: str) -> dict:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_engine_greedy_triton_equals_torch(conv):
+    """torch path = triton eager = triton with the decode steps replayed from CUDA graphs."""
     ref, got = _greedy(conv, "torch"), _greedy(conv, "triton")
+    graphs = _greedy(conv, "triton", "graphs")
     assert ref["backend"] == "torch" and not any(ref["stacked"])
     assert got["backend"] == "triton" and all(got["stacked"])       # the fused MoE ran
+    assert ref["replays"] == got["replays"] == 0
+    assert graphs["replays"] >= 20                                  # decode steps were graphs
     assert all(len(t) == 24 for t in got["tokens"])
     assert got["tokens"] == ref["tokens"]
+    assert graphs["tokens"] == ref["tokens"]

@@ -13,7 +13,7 @@ from backfit.config import ModelConfig
 from backfit.runtime.cache.layout import CacheLayout
 
 __all__ = ["GiB", "MiB", "SCORE_CHUNK", "GRAPH_BYTES", "CONTEXT_BYTES", "NCCL_BYTES", "Workspace",
-           "workspace", "graph_reserve", "runtime_reserve", "Plan", "fit"]
+           "workspace", "capture_sizes", "graph_reserve", "runtime_reserve", "Plan", "fit"]
 
 GiB = 2 ** 30
 MiB = 2 ** 20
@@ -59,11 +59,17 @@ def workspace(cfg: ModelConfig, tp: int, tokens: int, max_model_len: int, num_se
     return Workspace(streams, attention, moe, scores, logits)
 
 
-def graph_reserve(cfg: ModelConfig, tp: int, max_model_len: int, max_num_seqs: int) -> int:
-    """Decode graphs for batch 1, 2, 4, 8, 16, ... max_num_seqs sharing one pool."""
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes with a CUDA graph (runtime/graphs.py): 1, 2, 4, every multiple of 8,
+    and max_num_seqs itself."""
     sizes = {1, 2, 4, max_num_seqs} | set(range(8, max_num_seqs + 1, 8))
+    return sorted(s for s in sizes if 1 <= s <= max_num_seqs)
+
+
+def graph_reserve(cfg: ModelConfig, tp: int, max_model_len: int, max_num_seqs: int) -> int:
+    """The decode graphs of capture_sizes sharing one pool (a max_num_seqs step's workspace)."""
     pool = workspace(cfg, tp, max_num_seqs, max_model_len, max_num_seqs).total
-    return pool + len(sizes) * GRAPH_BYTES
+    return pool + len(capture_sizes(max_num_seqs)) * GRAPH_BYTES
 
 
 def runtime_reserve(tp: int) -> int:

@@ -6,7 +6,9 @@ Per layer (l < num_hidden_layers; then one window-only layer per MTP stage):
   entries   [NB, B/m, D]         compressed entry j of a sequence: block table[j // (B/m)],
                                  row j % (B/m)
   index     rows [S, 16, 256] x2 and keys [NB, B/4, 128]   (CSA layers: the indexer's)
-S = slots (running sequences + prefix-cache snapshots), NB = blocks of B tokens. Rings are sized
+S = slots (running sequences + prefix-cache snapshots), NB = blocks of B tokens, plus one scratch
+slot and one scratch block that no sequence owns: the padded rows of a CUDA-graph decode batch
+and the branchless decode writes of entries that are not complete yet land there. Rings are sized
 so the last K = ROLLBACK tokens can be recomputed differently (speculative decoding) with
 nothing to undo: rolling back is re-running from an earlier start.
 kv_dtype "int8" stores the window and the compressed entries as INT8 with one FP32 scale per
@@ -121,6 +123,30 @@ class _PagedLayer:
         """[B, max blocks] int32 block tables on the pools' device, padded with block 0."""
         return self.bound.device_tables()[1]
 
+    # Decode (one token per sequence, positions pos [B] on the device): batched and branchless, so
+    # the step has no host sync and can be captured in a CUDA graph (Compressor.decode_update).
+    def write_rows_tokens(self, kind: str, pos: torch.Tensor, c: torch.Tensor,
+                          z: torch.Tensor) -> None:
+        """Sequence b's compressor rows c[b], z[b] [width] at position pos[b]."""
+        p, s = self._part(kind), self.slot_ids().long()
+        r = pos % p.rows_n
+        p.c[s, r], p.z[s, r] = c, z
+
+    def rows_tokens(self, kind: str, pos: torch.Tensor, n: int):
+        """c, z [B, n, width] of positions pos[b]-n+1 .. pos[b] (rows of positions < 0: stale)."""
+        p, s = self._part(kind), self.slot_ids().long()
+        r = (pos[:, None] - torch.arange(n - 1, -1, -1, device=pos.device)) % p.rows_n
+        return p.c[s[:, None], r], p.z[s[:, None], r]
+
+    def write_entries_tokens(self, kind: str, j: torch.Tensor, E: torch.Tensor,
+                             done: torch.Tensor) -> None:
+        """Entry j[b] := E[b] [D] where done[b]; rows not done write the scratch block instead."""
+        p, tables = self._part(kind), self.block_table()
+        col = torch.where(done, j // p.per_block, 0).clamp_max(tables.shape[1] - 1)
+        blk = tables.gather(1, col[:, None].long())[:, 0].long()
+        blk = torch.where(done, blk, self.bound.cache.scratch_block)
+        p.entries.put((blk, j % p.per_block), E)
+
     def write_window_tokens(self, pos: torch.Tensor, kv: torch.Tensor) -> None:
         """Decode: sequence i's one token pos[i], kv[i] into its ring (= write_window per i)."""
         R = self.pool.ring.data.shape[1]
@@ -170,13 +196,24 @@ class _PagedLayer:
 
 
 class _BoundPaged:
-    def __init__(self, cache: "PagedCache", batch: ForwardBatch):
+    def __init__(self, cache: "PagedCache", batch: ForwardBatch | None,
+                 device_tables: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Bound to a batch's host slots and tables, or (batch None) to device tensors: slots [B]
+        int32 and tables [B, nblk] int32 (a CUDA-graph decode step: the kernel path only)."""
+        self.cache, self._device = cache, device_tables
+        if batch is None:
+            self.slots = self.tables = self._host_tables = None
+            return
         if batch.slots is None or batch.block_tables is None:
             raise ValueError("a PagedCache batch needs slots and block tables")
-        self.cache, self.slots = cache, list(batch.slots)
+        self.slots = list(batch.slots)
         self.tables = [torch.tensor(t, dtype=torch.int64, device=cache.device)
                        for t in batch.block_tables]
-        self._host_tables, self._device = batch.block_tables, None
+        self._host_tables = batch.block_tables
+
+    def bind(self, batch: ForwardBatch) -> "_BoundPaged":
+        """An already bound cache binds to itself (Transformer.hidden calls bind)."""
+        return self
 
     def device_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots [B] int32, block tables [B, max blocks] int32 padded with 0), built once."""
@@ -204,12 +241,17 @@ class PagedCache:
             raise ValueError(f"kv cache dtype {kv_dtype!r}: choose auto (= activations) or int8")
         self.cfg, self.block_size, self.num_slots, self.num_blocks = cfg, block_size, num_slots, num_blocks
         self.dtype, self.kv_dtype, self.device = dtype, kv_dtype, torch.device(device)
+        self.scratch_slot, self.scratch_block = num_slots, num_blocks     # owned by no sequence
         ratios = [cfg.ratio(i) for i in range(cfg.num_hidden_layers)] + [0] * mtp_layers
-        self.layers = [_LayerPool(cfg, r, num_slots, num_blocks, block_size, dtype,
+        self.layers = [_LayerPool(cfg, r, num_slots + 1, num_blocks + 1, block_size, dtype,
                                   kv_dtype == "int8", self.device) for r in ratios]
 
     def bind(self, batch: ForwardBatch) -> _BoundPaged:
         return _BoundPaged(self, batch)
+
+    def bind_device(self, slots: torch.Tensor, tables: torch.Tensor) -> _BoundPaged:
+        """Bound to device slots [B] int32 and tables [B, nblk] int32 (graph decode steps)."""
+        return _BoundPaged(self, None, (slots, tables))
 
     @torch.no_grad()
     def copy_slot(self, src: int, dst: int) -> None:
@@ -222,11 +264,13 @@ class PagedCache:
                 p.c[dst], p.z[dst] = p.c[src], p.z[src]
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes allocated: {'slots': all slots, 'blocks': all blocks}."""
+        """Bytes of the pools: {'slots': num_slots slots, 'blocks': num_blocks blocks}; the
+        scratch slot and block (one of each) come on top."""
         slots = blocks = 0
         for lp in self.layers:
             slots += lp.ring.nbytes()
             for p in lp.parts():
                 slots += (p.c.numel() + p.z.numel()) * 4
                 blocks += p.entries.nbytes()
-        return {"slots": slots, "blocks": blocks}
+        return {"slots": slots * self.num_slots // (self.num_slots + 1),
+                "blocks": blocks * self.num_blocks // (self.num_blocks + 1)}

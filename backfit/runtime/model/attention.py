@@ -123,7 +123,12 @@ class Attention(nn.Module):
         ring, ring_scale = cache.ring_pool()
         mode, ent, ent_scale, tables, sel = "window", None, None, None, None
         if comp is not None:
-            for s in batch.slices():
+            if decode:                        # batched, no host sync (CUDA graphs)
+                self.compressor.decode_update(cache, "comp", comp[0], comp[1], pos, q.dtype)
+                if index is not None:
+                    self.indexer.compressor.decode_update(cache, "index", index[2][0],
+                                                          index[2][1], pos, q.dtype)
+            for s in batch.slices() if not decode else ():
                 r = slice(s.lo, s.hi)
                 self.compressor.update(cache, s.index, "comp", comp[0][r], comp[1][r], s.start,
                                        q.dtype, read=False)

@@ -82,6 +82,29 @@ class Compressor(nn.Module):
         cache.write_rows(i, kind, torch.arange(start, end, device=c.device), c, z, keep_from)
         return cache.entries(i, kind, j1) if read else None
 
+    def decode_update(self, cache, kind: str, c: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
+                      dtype: torch.dtype) -> None:
+        """Decode, one token per sequence (c, z [B, width] at positions pos [B] on the device):
+        `update` for the whole batch without a host sync or a branch (CUDA-graph safe).
+
+        Every row pools the m (CSA: 2m) rows ending at its position, as if it completed a block;
+        entry j = pos // m is written only where (pos+1) % m == 0, the others go to the cache's
+        scratch block. Same operations in the same order as `update`, so the same entries.
+        """
+        m, D = self.ratio, self.head_dim
+        cache.write_rows_tokens(kind, pos, c, z)
+        sc, sz = cache.rows_tokens(kind, pos, 2 * m if self.overlap else m)   # [B, n, width]
+        if self.overlap:                   # block j-1's first halves, then block j's second
+            sc = torch.cat((sc[:, :m, :D], sc[:, m:, D:]), dim=1)             # [B, 2m, D]
+            sz = torch.cat((sz[:, :m, :D], sz[:, m:, D:]), dim=1)
+            virtual = (pos < m)[:, None] & (torch.arange(2 * m, device=pos.device) < m)[None]
+            sc = sc.masked_fill(virtual[..., None], 0.0)                       # block -1: weight 0
+            sz = sz.masked_fill(virtual[..., None], float("-inf"))
+        E = (torch.softmax(sz, dim=1) * sc).sum(dim=1)                          # [B, D]
+        j = pos // m
+        E = self.rope(self.norm(E.to(dtype)), j * m)
+        cache.write_entries_tokens(kind, j, E, (pos + 1) % m == 0)
+
 
 class Indexer(nn.Module):
     """Lightning indexer: score_j = Σ_h w_h · ReLU(qI_h · K_j), top-k compressed entries per query.

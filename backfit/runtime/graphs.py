@@ -1,0 +1,112 @@
+"""CUDA graphs of the decode step (docs/ENGINE.md §4): one graph per padded batch size.
+
+A pure-decode step (every sequence one new token, all sampling, no prompt logprobs) on the
+Triton kernels has no host sync and no data-dependent shape: the attention kernels, the indexer,
+the fused MoE and the batched compressor update (Compressor.decode_update) read positions, slots
+and block tables from the device. So the step (embedding -> blocks -> hc_head -> head, FP32
+logits [B, V]) is captured once per batch size B in `capture_sizes` and replayed with new inputs:
+
+  static inputs   tokens [Bmax] int64, positions [Bmax] int64, slots [Bmax] int32,
+                  block tables [Bmax, nblk] int32 (nblk = blocks of max_model_len)
+  padding         rows n..B-1 of a batch of n decode with token 0 at position 0 in the cache's
+                  scratch slot, every table entry the scratch block: nothing real is touched
+  memory          every graph draws on one shared pool, captured largest first
+
+Prefill chunks, mixed steps and batches above the largest size run eagerly, as does everything
+with --enforce-eager. Capture warms each size up once on a side stream (Triton compiles there).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from backfit.runtime.batch import ForwardBatch
+from backfit.runtime.cache.budget import capture_sizes
+
+__all__ = ["pad_decode_inputs", "DecodeGraphs"]
+
+
+def pad_decode_inputs(seqs, B: int, nblk: int, scratch_slot: int, scratch_block: int):
+    """seqs: [(token, position, slot, block table)] (n <= B) -> host tensors of the padded batch:
+    tokens [B] int64, positions [B] int64, slots [B] int32, tables [B, nblk] int32."""
+    n = len(seqs)
+    if n > B:
+        raise ValueError(f"{n} sequences do not fit a graph of batch {B}")
+    tokens = torch.zeros(B, dtype=torch.int64)
+    pos = torch.zeros(B, dtype=torch.int64)
+    slots = torch.full((B,), scratch_slot, dtype=torch.int32)
+    tables = torch.full((B, nblk), scratch_block, dtype=torch.int32)
+    for i, (tok, p, slot, table) in enumerate(seqs):
+        if len(table) > nblk:
+            raise ValueError(f"block table of {len(table)} blocks, graphs hold {nblk}")
+        tokens[i], pos[i], slots[i] = tok, p, slot
+        if table:
+            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+    return tokens, pos, slots, tables
+
+
+class DecodeGraphs:
+    """Captured decode steps of `model` over `cache` (a PagedCache with its scratch slot/block)."""
+
+    def __init__(self, model, cache, max_num_seqs: int, max_blocks: int):
+        self.model, self.cache, self.nblk = model, cache, max_blocks
+        self.sizes = capture_sizes(max_num_seqs)
+        dev, Bm = cache.device, self.sizes[-1]
+        self.tokens = torch.zeros(Bm, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(Bm, dtype=torch.int64, device=dev)
+        self.slots = torch.full((Bm,), cache.scratch_slot, dtype=torch.int32, device=dev)
+        self.tables = torch.full((Bm, max_blocks), cache.scratch_block, dtype=torch.int32,
+                                 device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_s, self.replays = 0.0, 0
+
+    def _step(self, B: int) -> torch.Tensor:
+        """The decode forward on the first B rows of the static inputs -> logits [B, V] FP32."""
+        batch = ForwardBatch(self.tokens[:B], self.pos[:B], tuple(range(B)), (1,) * B, (0,) * B)
+        bound = self.cache.bind_device(self.slots[:B], self.tables[:B])
+        return self.model.logits(self.model.hidden(batch, bound))
+
+    @torch.no_grad()
+    def capture(self, log=None) -> None:
+        """Capture every size, largest first, into one memory pool (inputs: all padding)."""
+        t = time.perf_counter()
+        pool = None
+        for B in reversed(self.sizes):
+            side = torch.cuda.Stream(self.cache.device)
+            side.wait_stream(torch.cuda.current_stream(self.cache.device))
+            with torch.cuda.stream(side):                   # warm-up: compiles, workspaces
+                self._step(B)
+            torch.cuda.current_stream(self.cache.device).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                out = self._step(B)
+            pool = g.pool()
+            self.graphs[B] = (g, out)
+        torch.cuda.synchronize(self.cache.device)
+        self.capture_s = time.perf_counter() - t
+        if log:
+            log(f"captured CUDA graphs for decode batch sizes {self.sizes} in "
+                f"{self.capture_s:.1f} s")
+
+    def size_for(self, n: int) -> int | None:
+        """The smallest captured batch size >= n (None: run eagerly)."""
+        return next((B for B in self.sizes if B >= n and B in self.graphs), None)
+
+    def run(self, seqs) -> torch.Tensor | None:
+        """seqs: [(token, position, slot, block table)] -> logits [n, V] FP32 (a new tensor), or
+        None when no graph fits (more sequences than the largest size, or a longer table)."""
+        B = self.size_for(len(seqs))
+        if B is None or any(len(s[3]) > self.nblk for s in seqs):
+            return None
+        tokens, pos, slots, tables = pad_decode_inputs(seqs, B, self.nblk, self.cache.scratch_slot,
+                                                       self.cache.scratch_block)
+        self.tokens[:B].copy_(tokens, non_blocking=True)
+        self.pos[:B].copy_(pos, non_blocking=True)
+        self.slots[:B].copy_(slots, non_blocking=True)
+        self.tables[:B].copy_(tables, non_blocking=True)
+        g, out = self.graphs[B]
+        g.replay()
+        self.replays += 1
+        return out[:len(seqs)].clone()                     # the next replay overwrites `out`

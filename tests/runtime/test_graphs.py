@@ -1,0 +1,78 @@
+"""CUDA-graph decode (runtime/graphs.py): the host side on CPU, capture and replay on a GPU.
+
+CPU: the capture sizes, and the padding of a decode batch (padded rows use token 0 at position 0
+in the scratch slot with every table entry the scratch block, so a replay never touches a real
+sequence). GPU (marker gpu): a runner with graphs gives the same logits as the same runner
+eager, step after step, for batches of 1, 3 and 4 sequences (a padded size and exact ones).
+"""
+
+import pytest
+import torch
+
+from backfit.runtime.cache.budget import capture_sizes, graph_reserve
+from backfit.runtime.graphs import pad_decode_inputs
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_graph_reserve_counts_every_size(model_f32):
+    cfg = model_f32.cfg
+    assert graph_reserve(cfg, 1, 256, 64) - graph_reserve(cfg, 1, 256, 63) > 0
+
+
+def test_pad_decode_inputs():
+    seqs = [(7, 40, 3, (5, 2, 9)), (8, 3, 0, (4,))]
+    tok, pos, slots, tables = pad_decode_inputs(seqs, 4, 5, scratch_slot=6, scratch_block=11)
+    assert tok.tolist() == [7, 8, 0, 0] and pos.tolist() == [40, 3, 0, 0]
+    assert slots.tolist() == [3, 0, 6, 6] and slots.dtype == torch.int32
+    assert tables.tolist() == [[5, 2, 9, 11, 11], [4, 11, 11, 11, 11], [11] * 5, [11] * 5]
+    with pytest.raises(ValueError, match="do not fit a graph of batch 1"):
+        pad_decode_inputs(seqs, 1, 5, 6, 11)
+    with pytest.raises(ValueError, match="block table of 3 blocks, graphs hold 2"):
+        pad_decode_inputs(seqs, 4, 2, 6, 11)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graph_replay_equals_eager(tiny_converted, tp1_process):
+    """Twin runners (graphs / --enforce-eager) fed the same steps: exact sizes give bit-equal
+    logits (the same kernels at the same shapes); a padded batch (3 in a graph of 4) may split
+    attention differently, so it is held to FP32 summation noise and the same argmax."""
+    from backfit.runtime import kernels as kpkg
+    from backfit.runtime.runner import ModelRunner, RunnerConfig, StepInput, StepSeq
+    if kpkg._backend not in (None, "triton"):
+        pytest.skip("this process already runs the torch backend")
+    conv = tiny_converted(1, "int8")
+    rc = RunnerConfig(str(conv), device="cuda", kernels="triton", max_num_seqs=4,
+                      max_model_len=128, block_size=16, num_blocks=40)
+    graphed = ModelRunner(rc)
+    eager = ModelRunner(RunnerConfig(**{**rc.__dict__, "enforce_eager": True}))
+    assert graphed.graphs is not None and graphed.graphs.sizes == [1, 2, 4]
+    assert eager.graphs is None
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 3, 4):
+        tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(n)]
+        prompts = [torch.randint(3, 500, (9 + 5 * i,), generator=g).tolist() for i in range(n)]
+        first = StepInput(tuple(StepSeq(i, i, tables[i], 0, tuple(p), True)
+                                for i, p in enumerate(prompts)))
+        assert torch.equal(graphed.forward(first).logits, eager.forward(first).logits)
+        starts = [len(p) for p in prompts]
+        for _ in range(12):                                         # crosses 4- and 8-blocks
+            toks = torch.randint(3, 500, (n,), generator=g).tolist()
+            step = StepInput(tuple(StepSeq(i, i, tables[i], starts[i], (toks[i],), True)
+                                   for i in range(n)))
+            before = graphed.graphs.replays
+            got, want = graphed.forward(step).logits, eager.forward(step).logits
+            assert graphed.graphs.replays == before + 1
+            assert got.shape == want.shape == (n, graphed.cfg.vocab_size)
+            if n in graphed.graphs.sizes:
+                assert torch.equal(got, want), n
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+                assert torch.equal(got.argmax(-1), want.argmax(-1))
+            starts = [s + 1 for s in starts]
