@@ -3,7 +3,8 @@
 Parallel layers take GLOBAL sizes and own their shard (the converted directory is already split
 by rank, docs/FORMAT.md): ColumnParallel splits the output dim, RowParallel the input dim and
 all-reduces, VocabParallel splits vocabulary rows. Weights are filled by runtime.loader.
-Plain-torch path: the weight is dequantized per call in the activation dtype (Triton later).
+Plain-torch path: the weight is dequantized per call in the activation dtype; with the "triton"
+backend Linear (bf16 x), Linear.forward_f32 and ParallelHead (CUDA bf16 x) use kernels.gemm.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ LINEAR_SCHEMES = {
     "copy": (None, None, None),
 }
 _KERNEL_SCHEMES = ("int8_g128", "bf16", "copy")      # Linear schemes runtime.kernels.gemm runs
+
+
+def _on_gpu(x: torch.Tensor) -> bool:
+    """Whether the FP32-output kernels may take x (CUDA only: on CPU the reference is used)."""
+    return x.is_cuda
 
 
 class Linear(nn.Module):
@@ -95,6 +101,18 @@ class Linear(nn.Module):
             return linear(x, self.weight, self.scale, self.scheme)
         return F.linear(x, self.dequantized(x.dtype))
 
+    def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """x [.., in] bf16 or fp32 -> FP32 [.., out] = x·W^T in FP32 (router, compressors).
+
+        Triton backend, CUDA bf16 x, bf16/copy(bf16)/int8_g128 weight: the a16 kernel with FP32
+        output (no FP32 copy of the weight). Else the reference: F.linear in FP32, weight upcast.
+        """
+        if get_kernel_backend() == "triton" and x.dtype == torch.bfloat16 and _on_gpu(x) \
+                and self.scheme in _KERNEL_SCHEMES and self.weight.dtype != torch.float32:
+            from backfit.runtime.kernels.gemm import linear       # imports triton on first use
+            return linear(x, self.weight, self.scale, self.scheme, out_dtype=torch.float32)
+        return F.linear(x.float(), self.dequantized(torch.float32))
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}"
 
@@ -150,6 +168,11 @@ class ParallelHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # FP32 logits as in the reference (dsv4-model.md 5.6): small logit gaps survive
+        if get_kernel_backend() == "triton" and h.dtype == torch.bfloat16 and _on_gpu(h) \
+                and self.weight.dtype == torch.bfloat16:
+            # a16 kernel on the BF16 weight, FP32 accumulate and output: no 1 GB FP32 upcast
+            from backfit.runtime.kernels.gemm import linear
+            return all_gather(linear(h, self.weight, None, "bf16", out_dtype=torch.float32), dim=-1)
         return all_gather(F.linear(h.float(), self.weight.float()), dim=-1)
 
 

@@ -6,7 +6,8 @@ Paths (chosen by the launcher `linear` from M = tokens and the scheme):
          the (row, 128) scale in FP32, so no weight element is rounded. M < 128 (decode; still
          memory-bound): BM 16-64 and split-K so the weight is streamed once by >= ~2 programs
          per SM; the splits are summed in split order by the last program of each tile, in the
-         same launch (deterministic). bf16/copy weights use this path at any M.
+         same launch (deterministic). bf16/copy weights use this path at any M, and so does
+         every FP32-output call (out_dtype=torch.float32: the FP32 accumulator is stored).
   w8a8   int8_g128 at M >= 128 (prefill): x quantized per (token, 128) to INT8 (absmax/127, round
          half to even, clamp ±127: the same rule as quant.quantize_int8_groups) by `act_quant`,
          then an INT8 MMA (int32 per 128-K step) scaled by x_scale[m] · w_scale[n] in FP32.
@@ -149,6 +150,8 @@ def a16_config(M: int, N: int, K: int, quant: bool, sms: int, split_k: int | Non
     if M < PREFILL_M:                                          # memory-bound: split K to fill SMs
         BM = 16 if M <= 16 else 32 if M <= 32 else 64
         BN, warps, stages = 64, 4, 3                          # H200 sweep (docs/KERNELS.md)
+    elif quant:        # FP32-output linears at M >= 128 (int8 [BN, 128] tiles: 96 KB shared)
+        BM, BN, warps, stages = 64, 128, 4, 3
     else:
         BM, BN, warps, stages = 128, 128, 8, 3
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
@@ -197,14 +200,19 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scheme: str,
            path: str | None = None, split_k: int | None = None,
-           config: dict | None = None) -> torch.Tensor:
-    """x [..., K] bf16 @ weight[N, K]^T -> [..., N] bf16 for scheme int8_g128 | bf16 | copy.
+           config: dict | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [..., K] bf16 @ weight[N, K]^T -> [..., N] out_dtype for scheme int8_g128 | bf16 | copy.
 
+    out_dtype float32 (head, router, compressors): the FP32 accumulator is stored as is, and the
+    automatic path is a16 at every M (BF16 x BF16 and BF16 x INT8 products are exact in FP32, so
+    the result is F.linear(x.float(), W.float()) up to summation order; W8A8 would round x).
     path "a16"/"w8a8", split_k and config (tile overrides) replace the automatic choice (tests,
     benchmarks). Split-K uses a per-device workspace: one stream at a time.
     """
     if x.dtype != torch.bfloat16:
         raise ValueError(f"linear kernel: activations must be bfloat16, got {x.dtype}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"linear kernel: out_dtype must be bfloat16 or float32, got {out_dtype}")
     N, K = weight.shape
     if x.shape[-1] != K:
         raise ValueError(f"linear kernel: x has {x.shape[-1]} inputs, weight {list(weight.shape)}")
@@ -221,6 +229,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
     elif scheme in ("bf16", "copy"):
         if weight.dtype not in (torch.bfloat16, torch.float32) or scale is not None:
             raise ValueError(f"linear kernel: {scheme} needs a bf16/fp32 weight and no scale")
+        if out_dtype == torch.float32 and weight.dtype == torch.float32:
+            raise ValueError("linear kernel: FP32 output with an FP32 weight is the torch path "
+                             "(the kernel would round the weight to BF16)")
     else:
         raise ValueError(f"linear kernel: scheme {scheme!r} not supported")
     weight = weight.contiguous()
@@ -229,11 +240,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    y = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return y.reshape(*lead, N)
     if path is None:
-        path = "w8a8" if quant and M >= PREFILL_M else "a16"
+        path = "w8a8" if quant and M >= PREFILL_M and out_dtype == torch.bfloat16 else "a16"
     if path == "w8a8":
         if not quant:
             raise ValueError("linear kernel: the w8a8 path needs int8_g128 weights")

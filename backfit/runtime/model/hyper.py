@@ -7,12 +7,17 @@ M is a row-softmax followed by Sinkhorn normalisation (hc_sinkhorn_iters - 1 mor
 passes), so each destination ends as a convex combination of sources. All math in FP32.
 The parameters (hc_{attn,ffn}_{fn,base,scale}, hc_head_*) are buffers of the owning block, so
 they keep their checkpoint names; `add_hc_buffers` registers them.
+With the "triton" kernel backend and CUDA bf16 streams, hc_pre / hc_post / hc_head run the fused
+kernels of runtime.kernels.mhc (same signatures and results, 2 / 1 / 2 launches); otherwise the
+torch code below, which is the reference.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from backfit.runtime.kernels import get_kernel_backend
 
 __all__ = ["add_hc_buffers", "hc_pre", "hc_post", "hc_head"]
 
@@ -25,6 +30,14 @@ def add_hc_buffers(module: nn.Module, prefix: str, n_out: int, streams: int, dim
     module.register_buffer(f"{prefix}_scale", torch.empty(n_scale, dtype=torch.float32))
 
 
+def _fused(X: torch.Tensor):
+    """runtime.kernels.mhc when the triton backend is on and X is a CUDA bf16 tensor, else None."""
+    if get_kernel_backend() == "triton" and X.is_cuda and X.dtype == torch.bfloat16:
+        from backfit.runtime.kernels import mhc                     # imports triton on first use
+        return mhc
+    return None
+
+
 def _mix_logits(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """m = (fn @ flatten(X)) · rsqrt(mean(x²)+eps): X [T, S, d] -> [T, n_out] FP32."""
     x = X.flatten(1).float()                                       # [T, S*d], stream-major
@@ -35,6 +48,8 @@ def _mix_logits(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Ten
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            iters: int, hc_eps: float, norm_eps: float):
     """X [T, S, d] -> (u [T, d] in X.dtype, post [T, S] fp32, M [T, S, S] fp32)."""
+    if (k := _fused(X)) is not None:
+        return k.hc_pre(X, fn, scale, base, iters, hc_eps, norm_eps)
     S = X.shape[1]
     m = _mix_logits(X, fn, norm_eps)                               # [T, S + S + S*S]
     pre = torch.sigmoid(m[:, :S] * scale[0] + base[:S]) + hc_eps
@@ -51,6 +66,8 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
 
 def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
     """f [T, d] sub-layer output -> new streams [T, S, d]: post_k·f + Σ_j M_jk X_j (FP32 math)."""
+    if (k := _fused(X)) is not None:
+        return k.hc_post(f, X, post, M)
     mixed = torch.einsum("tjk,tjd->tkd", M, X.float())             # Mᵀ X per token
     return (post[:, :, None] * f.float()[:, None, :] + mixed).to(X.dtype)
 
@@ -58,6 +75,8 @@ def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, M: torch.Tenso
 def hc_head(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
             hc_eps: float, norm_eps: float) -> torch.Tensor:
     """Final learned collapse S -> 1 (no Sinkhorn): X [T, S, d] -> h [T, d] in X.dtype."""
+    if (k := _fused(X)) is not None:
+        return k.hc_head(X, fn, scale, base, hc_eps, norm_eps)
     m = _mix_logits(X, fn, norm_eps)                               # [T, S]
     pre = torch.sigmoid(m * scale[0] + base) + hc_eps
     return torch.einsum("ts,tsd->td", pre, X.float()).to(X.dtype)

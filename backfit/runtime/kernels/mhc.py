@@ -1,0 +1,223 @@
+"""mHC (runtime.model.hyper) in Triton: hc_pre, hc_post, hc_head with the torch functions'
+signatures and results, FP32 math on CUDA cores, SM80-safe, no host syncs (CUDA-graph safe).
+
+X [T, S, d] bf16 streams (S = hc_mult = 4), fn [n_out, S*d] FP32, n_out = (2+S)·S (pre, post,
+comb) or S (head). Launches per call: hc_pre 2, hc_head 2, hc_post 1 (torch: ~140, ~6, ~10).
+  _mix_partial_kernel  program (token t, K split i): over flattened K range i of x = X[t]
+                       the n_out dots fn·x and Σx², FP32, to PART[t, i, :NP] (dots at 0..n_out-1,
+                       Σx² at n_out). Split so that >= ~2 programs per SM stream fn at T = 1
+                       (24 x 16384 x 4 B = 1.5 MB). T >= MIX_TORCH_T (prefill): the torch FP32
+                       matmul x @ fn.T fills PART[t, 0] instead (one split), simpler and faster
+                       than re-streaming fn per token.
+  _collapse_kernel     program (t, d block): sums the splits (one [splits, .] gather, a fixed
+                       reduction tree: run-to-run deterministic, no atomics), m = dots · rsqrt(Σx²/K + eps), the sigmoid gates and (SINKHORN)
+                       the row softmax + eps, column normalise and iters-1 x (row, column) passes
+                       on the S x S matrix in registers, in hyper.hc_pre's order; writes
+                       u[t, block] = Σ_s pre_s X_s (bf16); the d-block-0 program writes post, M.
+                       Every d block recomputes the tiny S x S part (no second launch).
+  _post_kernel         out[t, k, block] = post[t,k]·f[t, block] + Σ_j M[t,j,k]·X[t,j, block].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["hc_pre", "hc_post", "hc_head", "MIX_TORCH_T", "MAX_SPLIT", "mix_split"]
+
+MIX_TORCH_T = 64        # tokens from which the logits use the torch FP32 matmul (not tuned yet)
+_BK = 128               # flattened-K step of the partial kernel: [NP, 128] FP32 fn tile
+_BD = 256               # d block of the collapse / post kernels
+MAX_SPLIT = 256         # K splits at most (the collapse kernel gathers them as one [SP, .] tile)
+
+
+@triton.jit
+def _mix_partial_kernel(X, FN, PART, K, K_SPLIT, SPLIT,
+                        NOUT: tl.constexpr, NP: tl.constexpr, BK: tl.constexpr):
+    """PART[t, i, :NOUT] = fn[:, ks] · x[t, ks], PART[t, i, NOUT] = Σ x[t, ks]², ks = split i."""
+    t, i = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    rn = tl.arange(0, NP)
+    rk = tl.arange(0, BK)
+    n_ok = rn < NOUT
+    acc = tl.zeros((NP,), dtype=tl.float32)
+    sq = tl.zeros((BK,), dtype=tl.float32)
+    k_lo = i * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BK):
+        kk = k0 + rk
+        k_ok = kk < k_hi
+        x = tl.load(X + t * K + kk, mask=k_ok, other=0.0).to(tl.float32)          # [BK]
+        w = tl.load(FN + rn[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0)                                                    # [NP, BK]
+        acc += tl.sum(w * x[None, :], axis=1)
+        sq += x * x
+    acc = tl.where(rn == NOUT, tl.sum(sq, axis=0), acc)          # slot NOUT carries Σx²
+    tl.store(PART + (t * SPLIT + i) * NP + rn, acc)
+
+
+@triton.jit
+def _collapse_kernel(PART, X, SCALE, BASE, U, POST, MOUT, SPLIT, D, K, iters, hc_eps, norm_eps,
+                     S: tl.constexpr, NOUT: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
+                     BD: tl.constexpr, SINKHORN: tl.constexpr):
+    """Token t, d block b: gates (and Sinkhorn M) from PART, u[t, block] = Σ_s pre_s X[t, s]."""
+    t, b = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    rs = tl.arange(0, S)
+    ri = tl.arange(0, SP)                                        # splits, padded to SP
+    i_ok = ri < SPLIT
+    part = PART + t * SPLIT * NP + ri * NP                       # [SP] split rows
+    # one gather per logit group, summed over the splits by a fixed-shape tree (deterministic);
+    # the S x S comb block is read [j, k] at logit index 2S + S·j + k (hyper.hc_pre's view)
+    cjk = 2 * S + rs[:, None] * S + rs[None, :]
+    lp = tl.sum(tl.load(part[:, None] + rs[None, :], mask=i_ok[:, None], other=0.0), axis=0)
+    sq = tl.sum(tl.load(part + NOUT, mask=i_ok, other=0.0), axis=0)
+    r = 1.0 / tl.sqrt_rn(sq / K + norm_eps)                      # rsqrt(mean(x²) + eps)
+    pre = tl.sigmoid(lp * r * tl.load(SCALE) + tl.load(BASE + rs)) + hc_eps
+    if SINKHORN:
+        lq = tl.sum(tl.load(part[:, None] + S + rs[None, :], mask=i_ok[:, None], other=0.0), 0)
+        lc = tl.sum(tl.load(part[:, None, None] + cjk[None, :, :], mask=i_ok[:, None, None],
+                            other=0.0), axis=0)                  # [S(j), S(k)]
+        post = 2.0 * tl.sigmoid(lq * r * tl.load(SCALE + 1) + tl.load(BASE + S + rs))
+        c = lc * r * tl.load(SCALE + 2) + tl.load(BASE + cjk)           # C[j, k]
+        e = tl.exp(c - tl.max(c, axis=1)[:, None])
+        m = e / tl.sum(e, axis=1)[:, None] + hc_eps                      # row softmax (over k)
+        m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)                    # column normalise
+        for _ in range(iters - 1):
+            m = m / (tl.sum(m, axis=1)[:, None] + hc_eps)
+            m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)
+        first = (tl.zeros((S,), dtype=tl.int32) + b) == 0               # d block 0 writes them
+        tl.store(POST + t * S + rs, post, mask=first)
+        tl.store(MOUT + t * S * S + rs[:, None] * S + rs[None, :], m, mask=first[:, None])
+    rd = b * BD + tl.arange(0, BD)
+    d_ok = rd < D
+    x = tl.load(X + (t * S + rs[:, None]) * D + rd[None, :], mask=d_ok[None, :],
+                other=0.0).to(tl.float32)                                # [S, BD]
+    u = tl.sum(pre[:, None] * x, axis=0)
+    tl.store(U + t * D + rd, u.to(U.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _post_kernel(F, X, POST, MIX, OUT, D, S: tl.constexpr, BD: tl.constexpr):
+    """out[t, k, block] = post[t, k]·f[t, block] + Σ_j M[t, j, k]·X[t, j, block], FP32 math."""
+    t, b = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    rs = tl.arange(0, S)
+    rd = b * BD + tl.arange(0, BD)
+    d_ok = rd < D
+    x = tl.load(X + (t * S + rs[:, None]) * D + rd[None, :], mask=d_ok[None, :],
+                other=0.0).to(tl.float32)                                # [S(j), BD]
+    f = tl.load(F + t * D + rd, mask=d_ok, other=0.0).to(tl.float32)    # [BD]
+    m = tl.load(MIX + t * S * S + rs[:, None] * S + rs[None, :])         # [S(j), S(k)]
+    post = tl.load(POST + t * S + rs)                                    # [S(k)]
+    mixed = tl.sum(m[:, :, None] * x[:, None, :], axis=0)               # [S(k), BD]
+    out = post[:, None] * f[None, :] + mixed
+    tl.store(OUT + (t * S + rs[:, None]) * D + rd[None, :], out.to(OUT.dtype.element_ty),
+             mask=d_ok[None, :])
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4                                                   # interpreter: small grids
+
+
+def mix_split(T: int, K: int, sms: int) -> int:
+    """K splits of the partial kernel: >= ~2 programs per SM in all, at most one per BK step."""
+    steps = triton.cdiv(K, _BK)
+    split = max(1, min(steps, MAX_SPLIT, triton.cdiv(2 * sms, max(T, 1))))
+    return triton.cdiv(steps, triton.cdiv(steps, split))       # no empty split
+
+
+def _check(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+           n_out: int, n_scale: int, name: str) -> None:
+    if X.dim() != 3 or X.dtype != torch.bfloat16 or X.shape[1] & (X.shape[1] - 1):
+        raise ValueError(f"{name}: X must be bf16 [T, S, d] with S a power of 2, "
+                         f"got {X.dtype}{list(X.shape)}")
+    T, S, d = X.shape
+    if fn.dtype != torch.float32 or tuple(fn.shape) != (n_out, S * d):
+        raise ValueError(f"{name}: fn must be fp32 [{n_out}, {S * d}], got {fn.dtype}{list(fn.shape)}")
+    if base.dtype != torch.float32 or base.numel() != n_out or scale.dtype != torch.float32 \
+            or scale.numel() < n_scale:
+        raise ValueError(f"{name}: base fp32 [{n_out}] and scale fp32 [{n_scale}] expected, got "
+                         f"{base.dtype}{list(base.shape)} / {scale.dtype}{list(scale.shape)}")
+    if not (X.device == fn.device == scale.device == base.device):
+        raise ValueError(f"{name}: X, fn, scale, base on different devices")
+
+
+def _partials(X: torch.Tensor, fn: torch.Tensor, NP: int, split: int | None) -> torch.Tensor:
+    """PART [T, SPLIT, NP] FP32: per split the n_out dots (0..n_out-1) and Σx² (slot n_out)."""
+    T = X.shape[0]
+    n_out, K = fn.shape
+    x = X.reshape(T, K)
+    if split is None and T >= MIX_TORCH_T:                     # prefill: one FP32 matmul
+        xf = x.float()
+        part = torch.zeros(T, 1, NP, dtype=torch.float32, device=X.device)
+        part[:, 0, :n_out] = xf @ fn.T
+        part[:, 0, n_out] = xf.square().sum(-1)
+        return part
+    if split is None:
+        split = mix_split(T, K, _num_sms(X.device))
+    if not 1 <= split <= MAX_SPLIT:
+        raise ValueError(f"mhc: split must be in 1..{MAX_SPLIT}, got {split}")
+    k_split = triton.cdiv(triton.cdiv(K, _BK), split) * _BK
+    split = triton.cdiv(K, k_split)
+    part = torch.empty(T, split, NP, dtype=torch.float32, device=X.device)
+    _mix_partial_kernel[(T, split)](x, fn, part, K, k_split, split, NOUT=n_out, NP=NP, BK=_BK,
+                                    num_warps=4)
+    return part
+
+
+def _collapse(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, split):
+    T, S, d = X.shape
+    n_out = fn.shape[0]
+    NP = triton.next_power_of_2(n_out + 1)
+    u = torch.empty(T, d, dtype=X.dtype, device=X.device)
+    post = torch.empty(T, S, dtype=torch.float32, device=X.device)
+    M = torch.empty(T, S, S, dtype=torch.float32, device=X.device)
+    if T == 0:
+        return u, post, M
+    part = _partials(X, fn.contiguous(), NP, split)
+    BD = min(_BD, triton.next_power_of_2(d))
+    _collapse_kernel[(T, triton.cdiv(d, BD))](
+        part, X, scale.contiguous(), base.contiguous(), u, post, M, part.shape[1], d, S * d,
+        iters, float(hc_eps), float(norm_eps), S=S, NOUT=n_out, NP=NP,
+        SP=triton.next_power_of_2(part.shape[1]), BD=BD, SINKHORN=sinkhorn, num_warps=4)
+    return u, post, M
+
+
+def hc_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+           iters: int, hc_eps: float, norm_eps: float, split: int | None = None):
+    """X [T, S, d] bf16 -> (u [T, d] bf16, post [T, S] fp32, M [T, S, S] fp32), as hyper.hc_pre.
+    split (tests) forces the K-split kernel with that many splits, at any T."""
+    S = X.shape[1] if X.dim() == 3 else 0
+    _check(X, fn, scale, base, (2 + S) * S, 3, "hc_pre")
+    if iters < 1:
+        raise ValueError(f"hc_pre: iters must be >= 1, got {iters}")
+    return _collapse(X.contiguous(), fn, scale, base, int(iters), hc_eps, norm_eps, True, split)
+
+
+def hc_head(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+            hc_eps: float, norm_eps: float, split: int | None = None) -> torch.Tensor:
+    """X [T, S, d] bf16 -> h [T, d] bf16, as hyper.hc_head (logits kernel with n_out = S)."""
+    S = X.shape[1] if X.dim() == 3 else 0
+    _check(X, fn, scale, base, S, 1, "hc_head")
+    return _collapse(X.contiguous(), fn, scale, base, 1, hc_eps, norm_eps, False, split)[0]
+
+
+def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """f [T, d], X [T, S, d] bf16, post [T, S], M [T, S, S] fp32 -> [T, S, d] bf16 (hyper.hc_post)."""
+    if X.dim() != 3 or X.dtype != torch.bfloat16 or X.shape[1] & (X.shape[1] - 1):
+        raise ValueError(f"hc_post: X must be bf16 [T, S, d] with S a power of 2, "
+                         f"got {X.dtype}{list(X.shape)}")
+    T, S, d = X.shape
+    if tuple(f.shape) != (T, d) or tuple(post.shape) != (T, S) or tuple(M.shape) != (T, S, S) \
+            or post.dtype != torch.float32 or M.dtype != torch.float32:
+        raise ValueError(f"hc_post: need f [{T}, {d}], post fp32 [{T}, {S}], M fp32 "
+                         f"[{T}, {S}, {S}], got {list(f.shape)}, {post.dtype}{list(post.shape)}, "
+                         f"{M.dtype}{list(M.shape)}")
+    out = torch.empty(T, S, d, dtype=X.dtype, device=X.device)
+    if T == 0:
+        return out
+    BD = min(_BD, triton.next_power_of_2(d))
+    _post_kernel[(T, triton.cdiv(d, BD))](f.contiguous(), X.contiguous(), post.contiguous(),
+                                          M.contiguous(), out, d, S=S, BD=BD, num_warps=4)
+    return out

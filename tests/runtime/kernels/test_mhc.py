@@ -1,0 +1,218 @@
+"""mHC kernels (runtime.kernels.mhc) against the torch reference (runtime.model.hyper), and the
+FP32-output linear (kernels.gemm.linear(out_dtype=float32), Linear.forward_f32, ParallelHead).
+
+CPU: the Triton interpreter (TRITON_INTERPRET=1 while the module is imported). All mHC math is
+FP32, so post and M must agree to 2e-5 relative (max abs error over max abs value; only the
+summation order of the 16384-long dots and rsqrt/exp rounding differ). u and the hc_post output
+are bf16: they are compared with the reference's FP32 value before its bf16 cast and must lie
+within one bf16 ulp of it (the interpreter's fp32->bf16 cast truncates, a GPU rounds to nearest:
+either is within one ulp), plus 1e-6 x Σ|terms| for the FP32 noise of the value itself (the
+gates carry ~1e-6 relative noise; where streams cancel, that is more than the ulp of u). A wrong stream, gate, index or Sinkhorn pass gives O(1) errors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import one_thread
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
+
+from backfit.runtime import layers
+from backfit.runtime.layers import Linear, ParallelHead
+from backfit.runtime.model import hyper
+
+S, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
+FP32_NOISE = 1e-6       # x Σ|terms|: FP32 noise of a bf16 output's value (measured <= 1.3e-7)
+
+
+@pytest.fixture(scope="module")
+def mhc():
+    import backfit.runtime.kernels.gemm as gemm
+    import backfit.runtime.kernels.mhc as mod
+    if gemm.interpreted() != INTERPRET:                 # triton imported before the env was set
+        importlib.reload(gemm)
+        mod = importlib.reload(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def gemm(mhc):
+    import backfit.runtime.kernels.gemm as gemm
+    return gemm
+
+
+def params(n_out: int, d: int, n_scale: int, gen: torch.Generator):
+    """Realistic scales: fn ~ N(0, 0.02), base and scale ~ N(0, 1); FP32 as in the checkpoint."""
+    fn = (torch.randn(n_out, S * d, generator=gen) * 0.02).to(DEV)
+    return fn, torch.randn(n_scale, generator=gen).to(DEV), torch.randn(n_out, generator=gen).to(DEV)
+
+
+def streams(T: int, d: int, gen: torch.Generator) -> torch.Tensor:
+    """X [T, S, d] bf16 with a per-stream magnitude spread (residual streams differ in scale)."""
+    x = torch.randn(T, S, d, generator=gen) * torch.rand(T, S, 1, generator=gen).add(0.2) * 3
+    return x.bfloat16().to(DEV)
+
+
+def rel_max(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def ulps(out: torch.Tensor, want_fp32: torch.Tensor, mag: torch.Tensor) -> float:
+    """Worst |out - want| - FP32_NOISE·mag in units of the bf16 spacing at |want| (out bf16,
+    want FP32, mag = Σ|terms| of want)."""
+    w = want_fp32.double().cpu()
+    spacing = torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(1e-30))) - 7)
+    err = (out.double().cpu() - w).abs() - FP32_NOISE * mag.double().cpu()
+    return (err / spacing).max().item()
+
+
+def ref_u_fp32(X, pre_fn):
+    return torch.einsum("ts,tsd->td", pre_fn, X.float())
+
+
+def ref_pre_gates(X, fn, scale, base):
+    m = hyper._mix_logits(X, fn, NORM_EPS)
+    return torch.sigmoid(m[:, :S] * scale[0] + base[:S]) + HC_EPS
+
+
+CASES = [(1, 64, None), (3, 256, None), (17, 64, None), (130, 64, None), (130, 64, 3),
+         (1, 4096, None), (3, 256, 1)]
+
+
+@pytest.mark.parametrize("T,d,split", CASES)
+def test_hc_pre_matches_torch_reference(mhc, T, d, split):
+    gen = torch.Generator().manual_seed(T * 1000 + d)
+    fn, scale, base = params((2 + S) * S, d, 3, gen)
+    X = streams(T, d, gen)
+    with one_thread():
+        u_ref, post_ref, M_ref = hyper.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
+        pre = ref_pre_gates(X, fn, scale, base)
+        u32, mag = ref_u_fp32(X, pre), ref_u_fp32(X.abs(), pre.abs())
+    u, post, M = mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS, split=split)
+    assert u.shape == (T, d) and u.dtype == torch.bfloat16
+    assert post.shape == (T, S) and M.shape == (T, S, S) and M.dtype == torch.float32
+    assert rel_max(post, post_ref) < 2e-5, (T, d, rel_max(post, post_ref))
+    assert rel_max(M, M_ref) < 2e-5, (T, d, rel_max(M, M_ref))
+    assert ulps(u, u32, mag) <= 1, (T, d, ulps(u, u32, mag))
+    # M is (close to) doubly stochastic after 20 passes: a real property, not only a copy
+    assert (M.sum(-2) - 1).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("T,d,split", [(1, 64, None), (17, 256, None), (130, 64, None),
+                                       (1, 4096, None)])
+def test_hc_head_matches_torch_reference(mhc, T, d, split):
+    gen = torch.Generator().manual_seed(T * 7 + d)
+    fn, scale, base = params(S, d, 1, gen)
+    X = streams(T, d, gen)
+    with one_thread():
+        m = hyper._mix_logits(X, fn, NORM_EPS)
+        pre = torch.sigmoid(m * scale[0] + base) + HC_EPS
+        want, mag = ref_u_fp32(X, pre), ref_u_fp32(X.abs(), pre.abs())
+        assert torch.equal(hyper.hc_head(X, fn, scale, base, HC_EPS, NORM_EPS), want.bfloat16())
+    h = mhc.hc_head(X, fn, scale, base, HC_EPS, NORM_EPS, split=split)
+    assert h.shape == (T, d) and h.dtype == torch.bfloat16
+    assert ulps(h, want, mag) <= 1, (T, d, ulps(h, want, mag))
+
+
+@pytest.mark.parametrize("T,d", [(1, 64), (3, 256), (17, 64), (130, 64), (1, 4096)])
+def test_hc_post_matches_torch_reference(mhc, T, d):
+    gen = torch.Generator().manual_seed(T + d)
+    X = streams(T, d, gen)
+    f = torch.randn(T, d, generator=gen).bfloat16().to(DEV)
+    post = (2 * torch.rand(T, S, generator=gen)).to(DEV)
+    M = torch.softmax(torch.randn(T, S, S, generator=gen), -1).to(DEV)
+    with one_thread():
+        mixed = torch.einsum("tjk,tjd->tkd", M, X.float())
+        want = post[:, :, None] * f.float()[:, None, :] + mixed
+        mag = post[:, :, None] * f.float().abs()[:, None, :] + torch.einsum(
+            "tjk,tjd->tkd", M, X.float().abs())
+        assert torch.equal(hyper.hc_post(f, X, post, M), want.bfloat16())
+    out = mhc.hc_post(f, X, post, M)
+    assert out.shape == (T, S, d) and out.dtype == torch.bfloat16
+    assert ulps(out, want, mag) <= 1, (T, d, ulps(out, want, mag))
+
+
+def test_deterministic_and_bad_input(mhc):
+    gen = torch.Generator().manual_seed(11)
+    fn, scale, base = params((2 + S) * S, 256, 3, gen)
+    X = streams(3, 256, gen)
+    a = mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
+    b = mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for call, msg in ((lambda: mhc.hc_pre(X.float(), fn, scale, base, 20, 1e-6, 1e-6), "bf16"),
+                      (lambda: mhc.hc_pre(X, fn[:4], scale, base, 20, 1e-6, 1e-6), "fn must"),
+                      (lambda: mhc.hc_pre(X, fn, scale[:1], base, 20, 1e-6, 1e-6), "scale"),
+                      (lambda: mhc.hc_pre(X, fn, scale, base, 0, 1e-6, 1e-6), "iters"),
+                      (lambda: mhc.hc_post(X[:, 0], X, a[1][:, :2], a[2]), "post fp32")):
+        with pytest.raises(ValueError, match=msg):
+            call()
+
+
+def test_hyper_dispatches_only_for_cuda_bf16_with_triton(monkeypatch):
+    calls = []
+    fake = type("K", (), {"hc_post": staticmethod(lambda *a: calls.append(a) or "kernel")})
+    monkeypatch.setattr(hyper, "get_kernel_backend", lambda: "triton")
+    X = torch.zeros(1, S, 8, dtype=torch.bfloat16)
+    assert hyper._fused(X) is None                                     # CPU tensor: torch code
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert hyper._fused(X.float()) is None                             # FP32 streams: torch code
+    import backfit.runtime.kernels as pkg
+    monkeypatch.setattr(pkg, "mhc", fake, raising=False)
+    assert hyper.hc_post(X[:, 0], X, torch.zeros(1, S), torch.zeros(1, S, S)) == "kernel"
+    monkeypatch.setattr(hyper, "get_kernel_backend", lambda: "torch")
+    assert hyper._fused(X) is None and len(calls) == 1
+
+
+# ---- FP32-output linear ----------------------------------------------------------------------
+
+def test_linear_fp32_output_matches_fp32_reference(gemm):
+    from backfit.quant import quantize_int8_groups
+    gen = torch.Generator().manual_seed(12)
+    for m, n, k, split in ((1, 64, 256, None), (5, 96, 128, 2), (130, 32, 256, None)):
+        x = torch.randn(m, k, generator=gen).bfloat16().to(DEV)
+        w = torch.randn(n, k, generator=gen).bfloat16().to(DEV)
+        y = gemm.linear(x, w, None, "bf16", split_k=split, out_dtype=torch.float32)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        want = F.linear(x.float(), w.float())
+        assert rel_max(y, want) < 1e-5, (m, n, k, rel_max(y, want))      # FP32 summation noise
+        q, s = quantize_int8_groups(w.float().cpu())
+        q, s = q.to(DEV), s.to(DEV)
+        yq = gemm.linear(x, q, s, "int8_g128", split_k=split, out_dtype=torch.float32)
+        wq = F.linear(x.float(), (q.float().view(n, -1, 128) * s[:, :, None]).view(n, k))
+        assert rel_max(yq, wq) < 1e-5, (m, n, k, rel_max(yq, wq))        # a16 even at m >= 128
+    with pytest.raises(ValueError, match="out_dtype"):
+        gemm.linear(x, w, None, "bf16", out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="FP32 weight"):
+        gemm.linear(x, w.float(), None, "copy", out_dtype=torch.float32)
+
+
+def test_forward_f32_torch_path_and_kernel_dispatch(gemm, monkeypatch, tp1_process):
+    gen = torch.Generator().manual_seed(13)
+    lin = Linear(128, 48)
+    lin.load("copy", torch.randn(48, 128, generator=gen).bfloat16().to(DEV))
+    x = torch.randn(3, 2, 128, generator=gen).bfloat16().to(DEV)
+    old = F.linear(x.float(), lin.dequantized(torch.float32))       # the router's old expression
+    assert torch.equal(lin.forward_f32(x), old)                     # torch backend: same bits
+    assert torch.equal(lin.forward_f32(x.float()), old)
+    monkeypatch.setattr(layers, "get_kernel_backend", lambda: "triton")
+    monkeypatch.setattr(layers, "_on_gpu", lambda t: True)          # interpreter stands for CUDA
+    y = lin.forward_f32(x)
+    assert y.dtype == torch.float32 and y.shape == (3, 2, 48)
+    assert torch.equal(y, gemm.linear(x, lin.weight, None, "copy", out_dtype=torch.float32))
+    assert rel_max(y, old) < 1e-5
+    assert torch.equal(lin.forward_f32(x.float()), old)             # FP32 x: reference path
+    head = ParallelHead(128, 48).to(DEV)
+    head.weight.copy_(lin.weight)
+    h = x[0]
+    yh = head(h)
+    assert yh.dtype == torch.float32 and rel_max(yh, F.linear(h.float(), lin.weight.float())) < 1e-5
+    monkeypatch.setattr(layers, "get_kernel_backend", lambda: "torch")
+    assert torch.equal(head(h), F.linear(h.float(), lin.weight.float()))

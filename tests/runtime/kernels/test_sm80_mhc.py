@@ -1,0 +1,68 @@
+"""The mHC kernels and the FP32-output a16 linear compile for sm_80 on this CPU machine within
+99 KB of shared memory, with no FP8/FP4 (as test_sm80.py does for the other kernels, whose
+_compile helper this reuses). mHC is FP32 math on CUDA cores: no mma at all. The FP32-output
+linear keeps the BF16 mma.sync (exact products, FP32 accumulate) and stores FP32. Real dims:
+S 4, d 4096 (K = 16384), n_out 24 (hc_pre) and 4 (hc_head). Compiled in a subprocess without
+TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_sm80 import A100_SMS, SHARED_LIMIT, _compile, _split, compile_in_subprocess  # noqa: E402
+
+BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+
+def compile_all() -> list[dict]:
+    from backfit.runtime.kernels import gemm, mhc
+
+    out = []
+    warps = dict(num_warps=4, num_stages=1)
+    for n_out in (24, 4):
+        out.append(_compile(mhc._mix_partial_kernel, dict(X="*bf16", FN="*fp32", PART="*fp32",
+                            K="i32", K_SPLIT="i32", SPLIT="i32"),
+                            dict(NOUT=n_out, NP=32 if n_out == 24 else 8, BK=mhc._BK), warps,
+                            ("K", "K_SPLIT")))
+    ctypes = dict(PART="*fp32", X="*bf16", SCALE="*fp32", BASE="*fp32", U="*bf16", POST="*fp32",
+                  MOUT="*fp32", SPLIT="i32", D="i32", K="i32", iters="i32", hc_eps="fp32",
+                  norm_eps="fp32")
+    # SP: decode at T = 1 (the K splits of mix_split), prefill (one torch-matmul split)
+    for sinkhorn, n_out, sp in ((True, 24, mhc.mix_split(1, 16384, A100_SMS)), (True, 24, 1),
+                                (False, 4, mhc.mix_split(1, 16384, A100_SMS))):
+        out.append(_compile(mhc._collapse_kernel, ctypes,
+                            dict(S=4, NOUT=n_out, NP=32 if sinkhorn else 8, SP=sp, BD=mhc._BD,
+                                 SINKHORN=sinkhorn), warps, ("D", "K")))
+    out.append(_compile(mhc._post_kernel, dict(F="*bf16", X="*bf16", POST="*fp32", MIX="*fp32",
+                        OUT="*bf16", D="i32"), dict(S=4, BD=mhc._BD), warps, ("D",)))
+    a16 = dict(X="*bf16", W="*i8", S="*fp32", Y="*fp32", WS="*fp32", LOCK="*i32", M="i32",
+               N="i32", K="i32", stride_xm="i32", K_SPLIT="i32")
+    # head (bf16 weight, vocab shard x 4096) at decode; router / compressor sizes, int8 at prefill
+    for m, n, quant in ((1, 16160, False), (8, 256, False), (1, 1024, True), (1024, 1024, True)):
+        cfg, opts = _split(gemm.a16_config(m, n, 4096, quant, A100_SMS))
+        types = a16 if quant else dict(a16, W="*bf16", S="*bf16")
+        out.append(_compile(gemm._a16_kernel, types, dict(cfg, QUANT=quant, F32=False), opts,
+                            ("N", "K", "stride_xm", "K_SPLIT")))
+    return out
+
+
+def test_mhc_and_fp32_output_linear_compile_for_sm80_within_shared_memory():
+    results = compile_in_subprocess(__file__)
+    assert len(results) == 10
+    for r in results:
+        name = f"{r['kernel']} {r['config']}"
+        assert r["cubin"] > 0, name
+        assert r["shared"] <= SHARED_LIMIT, f"{name}: {r['shared']} B shared on sm_80"
+        assert not r["fp8"], f"{name}: FP8/FP4 in the PTX"
+        if r["kernel"] == "_a16_kernel":
+            assert r["mma"] == [BF16_MMA], name                    # BF16 MMA, FP32 accumulate
+        else:
+            assert r["mma"] == [], name                            # mHC: FP32 on CUDA cores
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_all(), default=str))
