@@ -2,11 +2,12 @@
 
   kernels.gemm   quantized linear: int8_g128 (W8A16 decode, W8A8 prefill) and bf16/copy weights
   kernels.moe    fused MoE for stacked int8_mx32 experts (gate+up+SwiGLU, down with routing weight)
+  kernels.mhc    mHC hc_pre / hc_post / hc_head (FP32 logits + Sinkhorn, 2 / 1 / 2 launches)
   kernels.ref    plain-torch references with the runtime's torch-path math (tests, fallback)
 
-The switch is read by runtime.layers.Linear and runtime.model.moe.MoE. It defaults to "torch"
-and is set once per process, so the torch path stays bit-for-bit what it was unless a caller
-opts in. Importing this package does not import triton (gemm/moe do, on first use).
+The switch is read by runtime.layers (Linear, ParallelHead), runtime.model.moe.MoE and
+runtime.model.hyper (mHC). It defaults to "torch" and is set once per process, so the torch path
+stays bit-for-bit what it was unless a caller opts in. Importing this package does not import triton (gemm/moe/mhc do, on first use).
 """
 
 from __future__ import annotations
