@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support import one_thread
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -156,6 +157,59 @@ def test_deterministic_and_bad_input(mhc):
             call()
 
 
+class _AtenOps(TorchDispatchMode):
+    """Records the aten ops run outside the Triton launches (those inside are the interpreter's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.inside = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.inside:
+            self.ops.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_launches_per_call(mhc, monkeypatch):
+    """hc_pre 2, hc_post 1, hc_head 2 launches on the decode path, and no other device op (only
+    allocations and views), against 139 / 6 / 14 compute ops for the torch reference."""
+    launches, mode = [], _AtenOps()
+    for name in ("_mix_partial_kernel", "_collapse_kernel", "_post_kernel"):
+        kernel = getattr(mhc, name)
+
+        class Counted:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                def launch(*args, **kw):
+                    launches.append(name)
+                    mode.inside += 1
+                    try:
+                        return kernel[grid](*args, **kw)
+                    finally:
+                        mode.inside -= 1
+                return launch
+        monkeypatch.setattr(mhc, name, Counted())
+    gen = torch.Generator().manual_seed(14)
+    fn, scale, base = params((2 + S) * S, 64, 3, gen)
+    hfn, hscale, hbase = params(S, 64, 1, gen)
+    X = streams(2, 64, gen)
+    f, post, M = X[:, 0].contiguous(), torch.rand(2, S, generator=gen), torch.rand(2, S, S)
+    free = {"empty", "view", "select", "slice", "_reshape_alias", "as_strided"}
+    for call, want in ((lambda: mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS),
+                        ["_mix_partial_kernel", "_collapse_kernel"]),
+                       (lambda: mhc.hc_post(f, X, post, M), ["_post_kernel"]),
+                       (lambda: mhc.hc_head(X, hfn, hscale, hbase, HC_EPS, NORM_EPS),
+                        ["_mix_partial_kernel", "_collapse_kernel"])):
+        launches.clear()
+        mode.ops.clear()
+        with mode:
+            call()
+        assert launches == want and set(mode.ops) <= free, (launches, mode.ops)
+    with _AtenOps() as ref:
+        hyper.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
+    assert len([o for o in ref.ops if o not in free | {"t", "expand", "unsqueeze", "alias",
+                                                       "transpose", "_unsafe_view"}]) > 100
+
+
 def test_hyper_dispatches_only_for_cuda_bf16_with_triton(monkeypatch):
     calls = []
     fake = type("K", (), {"hc_post": staticmethod(lambda *a: calls.append(a) or "kernel")})
@@ -216,3 +270,36 @@ def test_forward_f32_torch_path_and_kernel_dispatch(gemm, monkeypatch, tp1_proce
     assert yh.dtype == torch.float32 and rel_max(yh, F.linear(h.float(), lin.weight.float())) < 1e-5
     monkeypatch.setattr(layers, "get_kernel_backend", lambda: "torch")
     assert torch.equal(head(h), F.linear(h.float(), lin.weight.float()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_real_shapes_deterministic_and_graph_capturable(mhc):
+    """d 4096 at decode and prefill sizes against the torch reference; hc_pre + hc_post with no
+    host sync (sync debug mode "error") captured in a CUDA graph and replayed to the same bits."""
+    gen = torch.Generator().manual_seed(15)
+    fn, scale, base = params((2 + S) * S, 4096, 3, gen)
+    for T in (1, 8, 63, 200):
+        X = streams(T, 4096, gen)
+        u_ref, post_ref, M_ref = hyper.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
+        u, post, M = mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
+        assert rel_max(post, post_ref) < 2e-5 and rel_max(M, M_ref) < 2e-5, T
+        assert rel_max(u, u_ref) < 1e-2, T
+        again = mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
+        assert all(torch.equal(a, b) for a, b in zip((u, post, M), again)), T
+    X = streams(4, 4096, gen)
+    f = torch.randn(4, 4096, generator=gen).bfloat16().cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step = lambda: mhc.hc_post(f, X, *mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS,  # noqa
+                                                        NORM_EPS)[1:])
+        eager = step()
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            out = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
