@@ -1,6 +1,6 @@
 """Runtime torch path for 4-bit experts (mx4_e2m1): Linear.load checks, the dequantized weight
 equals the int8_mx32 one bit for bit, a converted mx4 model gives the int8_mx32 conversion's
-logits, and the Triton MoE refuses mx4 in one line."""
+logits, and the Triton MoE stacks mx4 experts for its 4-bit kernels."""
 
 import pytest
 import torch
@@ -86,8 +86,19 @@ def _run(model, tokens) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def test_triton_moe_refuses_mx4(mx4_and_int8):
-    m = _model(mx4_and_int8[0], torch.bfloat16)
-    with pytest.raises(ValueError, match=r"^the Triton MoE has no mx4 path yet: use --kernels "
-                                         r"torch \(or convert with --experts int8\)$"):
-        m.layers[0].ffn.prepare_kernels()
+def test_triton_moe_stacks_mx4_experts(mx4_and_int8):
+    """prepare_kernels takes mx4 experts: packed codes [E, I, K/2] and exponents [E, I, K/32]
+    stacked as uint8, the experts' tensors become views, their weights unchanged (the kernels
+    themselves: tests/runtime/kernels/test_moe_mx4.py)."""
+    ffn = _model(mx4_and_int8[0], torch.bfloat16).layers[0].ffn
+    before = [ex.w2.dequantized(torch.float32) for ex in ffn.experts]
+    assert ffn.prepare_kernels()
+    w1, s1, _, _, w2, s2 = ffn.stacked
+    E, lin = len(ffn.experts), ffn.experts[0].w1
+    assert w1.dtype == s1.dtype == torch.uint8
+    assert w1.shape == (E, lin.out_features, lin.in_features // 2)
+    assert s1.shape == (E, lin.out_features, lin.in_features // 32)
+    assert w2.shape[2] * 2 == s2.shape[2] * 32 == lin.out_features
+    assert all(ex.w2.weight.data_ptr() == w2[e].data_ptr() for e, ex in enumerate(ffn.experts))
+    assert all(torch.equal(ex.w2.dequantized(torch.float32), b)
+               for ex, b in zip(ffn.experts, before))

@@ -1,4 +1,5 @@
-"""Fused MoE for stacked int8_mx32 experts (docs/FORMAT.md), in Triton, SM80-safe.
+"""Fused MoE for stacked int8_mx32 experts (docs/FORMAT.md), in Triton, SM80-safe; mx4_e2m1
+stacks (uint8 codes) are dispatched to kernels.moe_mx4 by the same fused_moe.
 
 Experts of a layer as stacked tensors: w1/w3 (gate/up) [E, I, K] int8 with exponent bytes
 [E, I, K/32], w2 (down) [E, D, I] int8 with [E, D, I/32]; value = q · 2^(e - 128). Per (token t,
@@ -172,7 +173,11 @@ def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Ten
               s2: torch.Tensor, limit: float, path: str | None = None,
               config: dict | None = None) -> torch.Tensor:
     """x [T, K] bf16, idx [T, k], w [T, k] -> routed-expert sum FP32 [T, D]; path "decode"/"sorted"
-    and config (tile overrides) replace the automatic choice (tests, benchmarks)."""
+    and config (tile overrides) replace the automatic choice (tests, benchmarks). uint8 w1 [E, I,
+    K/2] = mx4_e2m1 stacks: the same call runs kernels.moe_mx4."""
+    if w1.dtype == torch.uint8:
+        from backfit.runtime.kernels.moe_mx4 import fused_moe_mx4
+        return fused_moe_mx4(x, idx, w, w1, s1, w3, s3, w2, s2, limit, path, config)
     if x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"fused_moe: x must be bf16 [T, K], got {x.dtype}{list(x.shape)}")
     E, I, K = w1.shape
@@ -229,14 +234,16 @@ def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Ten
 
 
 def stack_experts(experts) -> tuple[torch.Tensor, ...]:
-    """Routed Expert modules (int8_mx32) -> stacked (w1, s1, w3, s3, w2, s2) [E, ...]; each
-    expert's weight and scale become views into the stacks (no second copy stays alive)."""
+    """Routed Expert modules, all int8_mx32 or all mx4_e2m1 -> stacked (w1, s1, w3, s3, w2, s2)
+    [E, ...] (mx4: codes [E, N, K/2], exponents [E, N, K/32]); each expert's weight and scale
+    become views into the stacks (one copy while stacking, no second copy stays alive)."""
+    schemes = {str(getattr(ex, lin).scheme) for ex in experts for lin in ("w1", "w3", "w2")}
+    if len(schemes) != 1 or not schemes <= {"int8_mx32", "mx4_e2m1"}:
+        raise ValueError(f"stack_experts: every expert linear must be int8_mx32, or every one "
+                         f"mx4_e2m1, got {sorted(schemes)}")
     out = []
     for lin in ("w1", "w3", "w2"):
         mods = [getattr(ex, lin) for ex in experts]
-        if any(m.scheme != "int8_mx32" for m in mods):
-            raise ValueError(f"stack_experts: every {lin} must be int8_mx32, got "
-                             f"{sorted({str(m.scheme) for m in mods})}")
         wq = torch.stack([m.weight for m in mods])
         sc = torch.stack([m.scale for m in mods])
         for i, m in enumerate(mods):

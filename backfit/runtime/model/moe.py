@@ -83,17 +83,13 @@ class MoE(nn.Module):
         self.stacked: tuple[torch.Tensor, ...] | None = None     # kernel layout; () = unsupported
 
     def prepare_kernels(self) -> bool:
-        """Post-load step: stack the routed experts as [E, N, K] codes and [E, N, K/32] exponents
-        for runtime.kernels.moe (each expert's tensors become views: no extra memory). False if
-        the experts are not all int8_mx32 (the torch loop is used then). 4-bit experts
-        (mx4_e2m1) are refused with one line: --kernels triton must not quietly mean the slow
-        per-expert torch loop, and the fused kernel has no 4-bit decode yet."""
-        if any(m.scheme == "mx4_e2m1" for ex in self.experts for m in (ex.w1, ex.w3, ex.w2)):
-            raise ValueError("the Triton MoE has no mx4 path yet: use --kernels torch "
-                             "(or convert with --experts int8)")
+        """Post-load step: stack the routed experts for runtime.kernels.moe, int8_mx32 as
+        [E, N, K] codes or mx4_e2m1 as [E, N, K/2] packed codes, each with [E, N, K/32]
+        exponents (each expert's tensors become views: no extra memory once stacked). False if
+        the experts are not all int8_mx32 or all mx4_e2m1 (the torch loop is used then)."""
         if self.stacked is None:
-            if any(ex.w1.scheme != "int8_mx32" or ex.w3.scheme != "int8_mx32"
-                   or ex.w2.scheme != "int8_mx32" for ex in self.experts):
+            schemes = {m.scheme for ex in self.experts for m in (ex.w1, ex.w3, ex.w2)}
+            if schemes not in ({"int8_mx32"}, {"mx4_e2m1"}):
                 self.stacked = ()
                 return False
             from backfit.runtime.kernels.moe import stack_experts

@@ -1,0 +1,246 @@
+"""Fused MoE for stacked mx4_e2m1 experts (docs/FORMAT.md), in Triton, SM80-safe.
+
+The same two launches, paths, roundings and launcher API as kernels.moe (int8_mx32; its docstring
+states the math), for 4-bit experts: w1/w3 [E, I, K/2] uint8 packed e2m1 codes (low nibble =
+element 2j, high nibble = 2j+1, as quant.unpack_e2m1 / dequant_mx4) with UE8M0 exponent bytes
+[E, I, K/32], w2 [E, D, I/2] with [E, D, I/32]; value = e2m1 · 2^(e - 127).
+
+Decoding in registers, no table in memory and no FP4 instruction (SM80 has none):
+  e2m1   m = c & 7: FP32 bits (m + 252) << 22 for m >= 2 (1, 1.5, 2, 3, 4, 6), 252·m << 22 for
+         m < 2 (0, 0.5), sign (c & 8) << 28: every code exactly (the 16-entry LUT as arithmetic).
+  scale  FP32 bits e << 23 = 2^(e-127) for e >= 1, 1 << 22 = 2^-127 for e = 0 (subnormal).
+Every weight e2m1 · 2^(e-127) is exact in BF16 (one mantissa bit) for e <= 252.
+A K tile of BK inputs is BK/2 bytes: the activations are split into even / odd columns
+(reshape + split of one contiguous load), so no nibble interleave is needed:
+  decode  x_even·lo + x_odd·hi per byte in FP32, summed per 32-group, times 2^(e-127) per group
+          (a power of two: the same FP32 result as scaling each weight first).
+  sorted  lo and hi tiles dequantized to BF16 [BN, BK/2] each, two BF16 tl.dot per K tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from backfit.formats import MX_GROUP
+from backfit.runtime.kernels.gemm import dot_bf16, interpreted
+from backfit.runtime.kernels.moe import DECODE_PAIRS, _fit_bk, _sorted_config, _swiglu, align
+
+__all__ = ["fused_moe_mx4", "mx4_linear_pairs"]
+
+
+@triton.jit
+def _e2m1(c):
+    """e2m1 codes int32 0..15 (any shape) -> their FP32 values, exact (bits built in registers)."""
+    m = c & 7
+    mag = tl.where(m > 1, (m + 252) << 22, (m * 252) << 22)
+    return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pow2(e):
+    """UE8M0 bytes uint8 (any shape) -> FP32 2^(e-127), exact (e = 255 gives inf, as ldexp)."""
+    e = e.to(tl.int32)
+    return tl.where(e > 0, e << 23, 1 << 22).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv_tile(W, S, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, BN: tl.constexpr,
+               BK: tl.constexpr):
+    """Σ_k w[n, k0+k]·a[k] over one K tile -> FP32 [BN]; a_lo/a_hi [BK/2] even/odd inputs."""
+    b = tl.load(W + w_off + k0 // 2 + rb[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+    t = _e2m1(b & 15) * a_lo[None, :] + _e2m1(b >> 4) * a_hi[None, :]      # [BN, BK/2]
+    t = tl.sum(tl.reshape(t, (BN, BK // 32, 16)), axis=2)                   # [BN, BK/32] groups
+    s = tl.load(S + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
+    return tl.sum(t * _pow2(s), axis=1)
+
+
+@triton.jit
+def _mx4_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
+                     GATED: tl.constexpr, LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Pair p, rows [pid_n·BN, +BN) of expert idx[p]: GATED -> h [P, N], else out [P, N] (bf16).
+    GATED reads x[p // TOPK], else A[p]."""
+    p, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(IDX + p).to(tl.int64)
+    arow = p // TOPK if GATED else p
+    rn = pid_n * BN + tl.arange(0, BN)
+    rb = tl.arange(0, BK // 2)                              # bytes of a tile: inputs 2j, 2j+1
+    rg = tl.arange(0, BK // 32)
+    n_ok = rn < N
+    KB, KG = K // 2, K // 32
+    w_off = e * N * KB + rn[:, None] * KB                   # [BN, 1] int64
+    s_off = e * N * KG + rn[:, None] * KG
+    acc1 = tl.zeros((BN,), dtype=tl.float32)
+    acc3 = tl.zeros((BN,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(A + arow * K + k0 + tl.arange(0, BK)).to(tl.float32)     # [BK]
+        a_lo, a_hi = tl.split(tl.reshape(a, (BK // 2, 2)))                   # [BK/2] each
+        acc1 += _gemv_tile(W1, S1, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, BN, BK)
+        if GATED:
+            acc3 += _gemv_tile(W3, S3, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, BN, BK)
+    if GATED:
+        out = _swiglu(acc1, acc3, tl.load(RW + p), LIMIT)
+    else:
+        out = acc1
+    tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
+
+
+@triton.jit
+def _dequant_half(c, s, BN: tl.constexpr, BK: tl.constexpr):
+    """One nibble's codes int32 [BN, BK/2], scales FP32 [BN, BK/32] -> BF16 weights [BN, BK/2]."""
+    w = tl.reshape(_e2m1(c), (BN, BK // 32, 16)) * s[:, :, None]
+    return tl.reshape(w, (BN, BK // 2)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot_tile(W, S, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, acc, F32: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr):
+    """acc [BM, BN] + a_lo·W_evenᵀ + a_hi·W_oddᵀ over one K tile (BF16 MMA, FP32 acc)."""
+    b = tl.load(W + w_off + k0 // 2 + rb[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+    s = _pow2(tl.load(S + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0))
+    acc = dot_bf16(a_lo, tl.trans(_dequant_half(b & 15, s, BN, BK)), acc, F32)
+    return dot_bf16(a_hi, tl.trans(_dequant_half(b >> 4, s, BN, BK)), acc, F32)
+
+
+@triton.jit
+def _mx4_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, P, E,
+                       GATED: tl.constexpr, BY_SLOT: tl.constexpr, LIMIT: tl.constexpr,
+                       F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Block b (BM slots of one expert) x rows [pid_n·BN, +BN). A rows by slot (BY_SLOT: the
+    down projection reads h) or by pair // k (x). GATED -> h [slots, N] at the slot; else
+    out [P, N] at the pair."""
+    b, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(BLOCK_E + b)
+    if e >= E:
+        return                                               # past the real block count
+    e = e.to(tl.int64)
+    slots = b * BM + tl.arange(0, BM)
+    pair = tl.load(SORTED + slots)
+    valid = pair < P                                         # padding slots hold P
+    arow = slots if BY_SLOT else pair // TOPK
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    rb = tl.arange(0, BK // 2)
+    rg = tl.arange(0, BK // 32)
+    n_ok = rn < N
+    KB, KG = K // 2, K // 32
+    w_off = e * N * KB + rn[:, None] * KB
+    s_off = e * N * KG + rn[:, None] * KG
+    acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+    acc3 = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(A + arow[:, None].to(tl.int64) * K + k0 + rk[None, :], mask=valid[:, None],
+                    other=0.0)                                                # [BM, BK] bf16
+        a_lo, a_hi = tl.split(tl.reshape(a, (BM, BK // 2, 2)))               # even / odd inputs
+        acc1 = _dot_tile(W1, S1, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, acc1, F32, BN, BK)
+        if GATED:
+            acc3 = _dot_tile(W3, S3, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, acc3, F32,
+                             BN, BK)
+    mask = valid[:, None] & n_ok[None, :]
+    if GATED:
+        wr = tl.load(RW + pair, mask=valid, other=0.0)
+        h = _swiglu(acc1, acc3, wr[:, None], LIMIT)
+        tl.store(OUT + slots[:, None].to(tl.int64) * N + rn[None, :], h.to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(OUT + pair[:, None].to(tl.int64) * N + rn[None, :], acc1.to(tl.bfloat16),
+                 mask=mask)
+
+
+# BK counts inputs (BK/2 bytes per row and tile); the decode tile reads as many bytes per
+# iteration as the int8 kernel's. Sorted tiles: the int8 shapes (A dominates shared memory).
+def _decode_config(K: int) -> dict:
+    return dict(BN=16, BK=_fit_bk(K, 1024), num_warps=4, num_stages=2)
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != shape or t.dtype != torch.uint8 or not t.is_contiguous():
+        raise ValueError(f"fused_moe: {name} must be contiguous torch.uint8{list(shape)} (mx4), "
+                         f"got {t.dtype}{list(t.shape)}")
+
+
+def fused_moe_mx4(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Tensor,
+                  s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor,
+                  s2: torch.Tensor, limit: float, path: str | None = None,
+                  config: dict | None = None) -> torch.Tensor:
+    """kernels.moe.fused_moe for mx4_e2m1 stacks (it dispatches here on uint8 w1): x [T, K] bf16,
+    idx/w [T, k] -> routed-expert sum FP32 [T, D]."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise ValueError(f"fused_moe: x must be bf16 [T, K], got {x.dtype}{list(x.shape)}")
+    E, I, KB = w1.shape
+    K, D = 2 * KB, w2.shape[1]
+    for name, t, shape in (("w1", w1, (E, I, KB)), ("w3", w3, (E, I, KB)),
+                           ("s1", s1, (E, I, K // MX_GROUP)), ("s3", s3, (E, I, K // MX_GROUP)),
+                           ("w2", w2, (E, D, I // 2)), ("s2", s2, (E, D, I // MX_GROUP))):
+        _check(name, t, shape)
+    if x.shape[1] != K or K % 64 or I % 64:
+        raise ValueError(f"fused_moe: x has {x.shape[1]} inputs, experts {K}; K and I must be "
+                         f"multiples of 64")
+    if idx.shape != w.shape or idx.dim() != 2 or idx.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe: idx {list(idx.shape)} / w {list(w.shape)} "
+                         f"for {x.shape[0]} tokens")
+    T, k = idx.shape
+    P = T * k
+    x = x.contiguous()
+    rw = w.reshape(-1).float().contiguous()                                  # [P]
+    out = torch.empty(P, D, dtype=torch.bfloat16, device=x.device)
+    if P == 0:
+        return out.view(T, k, D).float().sum(1)
+    lim = float(limit)
+    if path is None:
+        path = "decode" if P <= DECODE_PAIRS else "sorted"
+    if path == "decode":
+        ids = idx.reshape(-1).to(torch.int32).contiguous()
+        h = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
+        c1 = {**_decode_config(K), **(config or {})}
+        c2 = {**_decode_config(I), **(config or {})}
+        c1["BK"], c2["BK"] = _fit_bk(K, c1["BK"]), _fit_bk(I, c2["BK"])
+        _mx4_gemv_kernel[(P, triton.cdiv(I, c1["BN"]))](x, ids, rw, w1, s1, w3, s3, h, I, K, k,
+                                                         GATED=True, LIMIT=lim, **c1)
+        _mx4_gemv_kernel[(P, triton.cdiv(D, c2["BN"]))](h, ids, rw, w2, s2, w2, s2, out, D, I, k,
+                                                         GATED=False, LIMIT=lim, **c2)
+    elif path == "sorted":
+        cfg = {**_sorted_config(P), **(config or {})}
+        sorted_ids, block_e = align(idx, E, cfg["BM"])
+        nb = block_e.numel()
+        h = torch.empty(nb * cfg["BM"], I, dtype=torch.bfloat16, device=x.device)
+        f32 = interpreted()
+        _mx4_sorted_kernel[(nb, triton.cdiv(I, cfg["BN"]))](
+            x, sorted_ids, block_e, rw, w1, s1, w3, s3, h, I, K, k, P, E, GATED=True,
+            BY_SLOT=False, LIMIT=lim, F32=f32, **dict(cfg, BK=_fit_bk(K, cfg["BK"])))
+        _mx4_sorted_kernel[(nb, triton.cdiv(D, cfg["BN"]))](
+            h, sorted_ids, block_e, rw, w2, s2, w2, s2, out, D, I, k, P, E, GATED=False,
+            BY_SLOT=True, LIMIT=lim, F32=f32, **dict(cfg, BK=_fit_bk(I, cfg["BK"])))
+    else:
+        raise ValueError(f"fused_moe: unknown path {path!r}")
+    return out.view(T, k, D).float().sum(1)                                 # FP32 sum over top-k
+
+
+def mx4_linear_pairs(a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, s: torch.Tensor,
+                     path: str = "decode", config: dict | None = None) -> torch.Tensor:
+    """One projection through the MoE kernels: a [P, K] bf16, row p times expert ids[p]'s
+    weight -> bf16 [P, N] (tests: with one-hot rows it returns the decoded weights)."""
+    E, N, KB = w.shape
+    P, K = a.shape
+    _check("w", w, (E, N, KB))
+    _check("s", s, (E, N, K // MX_GROUP))
+    if K != 2 * KB or K % 64 or ids.shape != (P,):
+        raise ValueError(f"mx4_linear_pairs: a {list(a.shape)}, ids {list(ids.shape)}, "
+                         f"w {list(w.shape)}")
+    a, out = a.contiguous(), torch.empty(P, N, dtype=torch.bfloat16, device=a.device)
+    one = torch.ones(P, dtype=torch.float32, device=a.device)
+    if path == "decode":
+        c = {**_decode_config(K), **(config or {})}
+        c["BK"] = _fit_bk(K, c["BK"])
+        _mx4_gemv_kernel[(P, triton.cdiv(N, c["BN"]))](a, ids.to(torch.int32).contiguous(), one,
+                                                        w, s, w, s, out, N, K, 1,
+                                                        GATED=False, LIMIT=0.0, **c)
+    elif path == "sorted":
+        cfg = {**_sorted_config(P), **(config or {})}
+        sorted_ids, block_e = align(ids[:, None], E, cfg["BM"])
+        _mx4_sorted_kernel[(block_e.numel(), triton.cdiv(N, cfg["BN"]))](
+            a, sorted_ids, block_e, one, w, s, w, s, out, N, K, 1, P, E, GATED=False,
+            BY_SLOT=False, LIMIT=0.0, F32=interpreted(), **dict(cfg, BK=_fit_bk(K, cfg["BK"])))
+    else:
+        raise ValueError(f"mx4_linear_pairs: unknown path {path!r}")
+    return out

@@ -1,0 +1,216 @@
+"""4-bit fused MoE (runtime.kernels.moe_mx4, reached through kernels.moe.fused_moe) against the
+torch path's MoE math on dequant_mx4 weights; the in-kernel e2m1 x 2^(e-127) decoding bit for
+bit (one-hot inputs read the weights back); the MoE module's kernel path with mx4 experts.
+CPU: Triton interpreter (see test_gemm.py on tolerances)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
+TOL = 2e-2 if INTERPRET else 5e-3        # interpreter: truncating fp32->bf16 casts (4 per path)
+
+from support import one_thread  # noqa: E402
+
+from backfit.quant import dequant_mx4, quantize_int8_groups  # noqa: E402
+from backfit.runtime.kernels import ref  # noqa: E402
+from backfit.runtime.model import moe as moe_model  # noqa: E402
+
+LIMIT = 10.0
+
+
+@pytest.fixture(scope="module")
+def kmx4():
+    import backfit.runtime.kernels.gemm as gemm
+    import backfit.runtime.kernels.moe as kmoe
+    import backfit.runtime.kernels.moe_mx4 as kmx4
+    if gemm.interpreted() != INTERPRET:
+        importlib.reload(gemm)
+        importlib.reload(kmoe)
+        kmx4 = importlib.reload(kmx4)
+    return kmx4
+
+
+def mx4_weight(e: int, n: int, k: int, gen: torch.Generator, lo: int = 119, hi: int = 127):
+    """Random packed e2m1 bytes [e, n, k/2] and UE8M0 bytes (bias 127) [e, n, k/32]."""
+    w = torch.randint(0, 256, (e, n, k // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    s = torch.randint(lo, hi, (e, n, k // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+    return w.to(DEV), s.to(DEV)
+
+
+def experts(E: int, D: int, I: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    w1, s1 = mx4_weight(E, I, D, gen)
+    w3, s3 = mx4_weight(E, I, D, gen, 122, 130)         # larger up: some |u| > L gets clamped
+    w2, s2 = mx4_weight(E, D, I, gen)
+    return (w1, s1, w3, s3, w2, s2), gen
+
+
+def moe_ref(x, idx, w, w1, s1, w3, s3, w2, s2, limit):
+    """Routed part of MoE.forward's torch path (Expert.forward on Linear.dequantized weights)."""
+    def lin(a, q, s):
+        return F.linear(a, dequant_mx4(q, s).to(a.dtype))
+    y = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(idx).tolist():
+        rows, slot = torch.nonzero(idx == e, as_tuple=True)
+        xe = x[rows]
+        h = ref.swiglu_ref(lin(xe, w1[e], s1[e]).float(), lin(xe, w3[e], s3[e]).float(), limit)
+        h = h * w[rows, slot][:, None]                                # weight before w2
+        y.index_add_(0, rows, lin(h.to(x.dtype), w2[e], s2[e]).float())
+    return y
+
+
+def routing(T: int, k: int, E: int, gen: torch.Generator):
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(DEV)
+    return idx, torch.rand(T, k, generator=gen).to(DEV)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("path", ["decode", "sorted"])
+def test_decoding_is_exact_for_every_code_and_exponent(kmx4, path):
+    """Every packed byte (so every code as low and as high nibble) under each of 8 exponents,
+    including the subnormal results (e = 0, 1; checked on the GPU only: the interpreter's bf16
+    cast truncates subnormals) and the largest finite (e = 252): one-hot rows read W[ids[p]][:, p] back, which must
+    equal dequant_mx4's value exactly."""
+    N, K = 16, 256                                    # 16 rows x 8 groups = 128 (hi, e) pairs
+    exps = torch.tensor([0, 1, 2, 100, 127, 128, 159, 252], dtype=torch.uint8)
+    q = torch.arange(N * K // 32)                     # group number
+    grp = (q % 16)[:, None] * 16 + torch.arange(16)   # [128, 16] bytes: hi nibble q%16, lo 0..15
+    w = torch.stack((grp.reshape(N, K // 2).to(torch.uint8),
+                     grp.flip(0).reshape(N, K // 2).to(torch.uint8))).to(DEV)  # 2 experts
+    s = torch.stack((exps[q // 16].reshape(N, K // 32), exps.flip(0)[q // 16].reshape(N, K // 32)))
+    s = s.to(DEV)
+    ids = (torch.arange(K) % 2).to(DEV)
+    eye = torch.eye(K, dtype=torch.bfloat16, device=DEV)
+    with one_thread():
+        got = kmx4.mx4_linear_pairs(eye, ids, w, s, path=path).float()            # [K, N]
+        want = torch.stack([dequant_mx4(w[e], s[e]) for e in (0, 1)])            # [2, N, K]
+    want = want[ids, :, torch.arange(K, device=DEV)]                             # [K, N]
+    assert want.to(torch.bfloat16).float().equal(want)                           # exact in bf16
+    assert (want.abs() == 6 * 2.0 ** 125).any() and (want.abs() == 2.0 ** -128).any()
+    sub = (want != 0) & (want.abs() < 2.0 ** -126)                               # subnormal
+    if INTERPRET:              # its fp32 -> bf16 cast truncates subnormals: GPU-only check
+        got = torch.where(sub, want, got)
+    assert sub.any() and (~sub & (want != 0)).any()
+    assert torch.equal(got, want), (got != want).nonzero()[:5].tolist()
+
+
+@pytest.mark.parametrize("path,sizes", [("decode", (1, 2, 3)), ("sorted", (1, 5, 23, 130))])
+def test_fused_moe_mx4_matches_reference(kmx4, path, sizes):
+    import backfit.runtime.kernels.moe as kmoe
+    E, D, I, k = 8, 128, 64, 6                            # TP-local: I = 2048 / 32
+    st, gen = experts(E, D, I, seed=len(sizes))
+    with one_thread():
+        for T in sizes:
+            x = (torch.randn(T, D, generator=gen) * 2).bfloat16().to(DEV)
+            idx, w = routing(T, k, E, gen)
+            want = moe_ref(x, idx, w, *st, LIMIT)
+            y = kmoe.fused_moe(x, idx, w, *st, LIMIT, path=path)     # dispatches on uint8 w1
+            assert y.shape == (T, D) and y.dtype == torch.float32
+            assert rel(y, want) < TOL, (path, T)
+
+
+def test_ragged_tiles_and_clamps(kmx4):
+    """N not a multiple of BN (D = 192 in 128-row tiles), K tiles of 64, padded expert blocks,
+    experts without tokens, and inputs where g > L and |u| > L (a missing clamp fails)."""
+    E, D, I, k = 4, 192, 64, 2
+    st, gen = experts(E, D, I, seed=9)
+    x = (torch.randn(9, D, generator=gen) * 8).bfloat16().to(DEV)
+    idx, w = routing(9, k, E, gen)
+    with one_thread():
+        g = F.linear(x, dequant_mx4(st[0][0], st[1][0]).bfloat16()).float()
+        u = F.linear(x, dequant_mx4(st[2][0], st[3][0]).bfloat16()).float()
+        assert (g > LIMIT).any() and (u.abs() > LIMIT).any()
+        want = moe_ref(x, idx, w, *st, LIMIT)
+        assert rel(moe_ref(x, idx, w, *st, 1e9), want) > 0.1
+        for path, cfg in (("decode", dict(BN=128, BK=64)), ("sorted", dict(BN=128, BK=64)),
+                          ("decode", None), ("sorted", None)):
+            y = kmx4.fused_moe_mx4(x, idx, w, *st, LIMIT, path=path, config=cfg)
+            assert rel(y, want) < TOL, (path, cfg)
+
+
+def test_bad_input_one_line_errors(kmx4):
+    st, gen = experts(2, 64, 64, seed=3)
+    x = torch.randn(1, 64).bfloat16().to(DEV)
+    idx, w = routing(1, 2, 2, gen)
+    with pytest.raises(ValueError, match="bf16"):
+        kmx4.fused_moe_mx4(x.float(), idx, w, *st, LIMIT)
+    with pytest.raises(ValueError, match=r"w3 must be contiguous torch.uint8\[2, 64, 32\]"):
+        kmx4.fused_moe_mx4(x, idx, w, st[0], st[1], st[2][:, :32], *st[3:], LIMIT)
+    with pytest.raises(ValueError, match=r"s2 must be"):
+        kmx4.fused_moe_mx4(x, idx, w, *st[:5], st[5].view(torch.int8), LIMIT)
+    with pytest.raises(ValueError, match="x has 128 inputs, experts 64"):
+        kmx4.fused_moe_mx4(torch.zeros(1, 128).bfloat16().to(DEV), idx, w, *st, LIMIT)
+    with pytest.raises(ValueError, match="path"):
+        kmx4.fused_moe_mx4(x, idx, w, *st, LIMIT, path="fast")
+
+
+def test_moe_module_takes_the_kernel_path_with_mx4_experts(kmx4, tp1_process, monkeypatch):
+    E, D, I = 8, 128, 128
+    cfg = SimpleNamespace(hidden_size=D, moe_intermediate_size=I, swiglu_limit=LIMIT,
+                          n_shared_experts=1, n_routed_experts=E, num_experts_per_tok=3,
+                          routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", vocab_size=50)
+    m = moe_model.MoE(cfg, hashed=False)
+    st, gen = experts(E, D, I, seed=5)
+    for e, ex in enumerate(m.experts):
+        for j, lin in enumerate((ex.w1, ex.w3, ex.w2)):
+            lin.load("mx4_e2m1", st[2 * j][e].clone(), st[2 * j + 1][e].clone())
+    m.gate.load("copy", torch.randn(E, D, generator=gen).bfloat16().to(DEV))
+    m.gate.bias = torch.randn(E, generator=gen).to(DEV)
+    sh = m.shared_experts
+    for lin, (n, k) in ((sh.w1, (I, D)), (sh.w3, (I, D)), (sh.w2, (D, I))):
+        q, s = quantize_int8_groups(torch.randn(n, k, generator=gen) / 8)
+        lin.load("int8_g128", q.to(DEV), s.to(DEV))
+    x = (torch.randn(7, D, generator=gen) * 2).bfloat16().to(DEV)
+    tokens = torch.arange(7, device=DEV)
+    with one_thread():
+        torch_y = m(x, tokens)
+        assert m.stacked is None                                  # switch off: nothing stacked
+        assert m.prepare_kernels()
+        w1 = m.stacked[0]
+        assert w1.dtype == torch.uint8 and w1.shape == (E, I, D // 2)
+        assert m.stacked[1].shape == (E, I, D // 32) and m.stacked[4].shape == (E, D, I // 2)
+        ptr = w1.untyped_storage().data_ptr()
+        assert all(ex.w1.weight.untyped_storage().data_ptr() == ptr for ex in m.experts)  # views
+        assert torch.equal(m(x, tokens), torch_y)                 # stacking keeps the torch bits
+        monkeypatch.setattr(moe_model, "get_kernel_backend", lambda: "triton")
+        calls, real = [], kmx4.fused_moe_mx4
+        monkeypatch.setattr(kmx4, "fused_moe_mx4", lambda *a, **kw: calls.append(1) or
+                            real(*a, **kw))
+        y = m(x, tokens)
+    assert calls == [1]                                           # the 4-bit kernel ran
+    assert y.dtype == x.dtype and rel(y, torch_y) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_real_shapes_and_no_host_sync(kmx4):
+    import backfit.runtime.kernels.moe as kmoe
+    E, D, I, k = 256, 4096, 512, 6                           # TP4-local experts
+    st, gen = experts(E, D, I, seed=11)
+    for T in (1, 8, 64, 300):
+        x = torch.randn(T, D, generator=gen).bfloat16().cuda()
+        idx, w = routing(T, k, E, gen)
+        want = moe_ref(x, idx, w, *st, LIMIT)
+        kmoe.fused_moe(x, idx, w, *st, LIMIT)                # compile outside the sync check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y = kmoe.fused_moe(x, idx, w, *st, LIMIT)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert rel(y, want) < 5e-3, T

@@ -1,0 +1,69 @@
+"""The 4-bit MoE kernels (runtime.kernels.moe_mx4) compile for sm_80 on this CPU machine within
+99 KB of shared memory (test_sm80.py's _compile): the sorted kernel's dots are BF16 mma.sync
+only, the decode GEMV uses no mma, and the PTX has no FP8/FP4 type (the e2m1 codes are decoded
+with integer ops) and no flush-to-zero FP32 multiply (the e = 0, 1 weights are subnormal).
+Shipped configs at V4-Flash TP4 shapes (K 4096, I 512). Compiled in a subprocess without
+TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_sm80 import SHARED_LIMIT, _compile, _split, compile_in_subprocess  # noqa: E402
+
+BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+
+def compile_all() -> list[dict]:
+    import triton
+
+    from backfit.runtime.kernels import moe, moe_mx4
+
+    types = dict(A="*bf16", IDX="*i32", RW="*fp32", W1="*u8", S1="*u8", W3="*u8", S3="*u8",
+                 OUT="*bf16", N="i32", K="i32", TOPK="i32", SORTED="*i32", BLOCK_E="*i32",
+                 P="i32", E="i32")
+    out = []
+
+    def compile_one(*a):
+        ptx = []
+        real = triton.compile
+        triton.compile = lambda *b, **kw: ptx.append(real(*b, **kw)) or ptx[-1]
+        try:
+            r = _compile(*a)
+        finally:
+            triton.compile = real
+        return dict(r, ftz_mul=bool(re.search(r"(mul|fma|cvt)[\w.]*\.ftz", ptx[0].asm["ptx"])))
+    for gated, k in ((True, 4096), (False, 512)):
+        cfg, opts = _split(moe_mx4._decode_config(k))
+        out.append(compile_one(moe_mx4._mx4_gemv_kernel, types, dict(cfg, GATED=gated, LIMIT=10.0),
+                            opts, ("N", "K")))
+        for p in (384, 6144, 8192 * 6):
+            cfg, opts = _split(moe._sorted_config(p))
+            out.append(compile_one(moe_mx4._mx4_sorted_kernel, types,
+                                dict(cfg, GATED=gated, BY_SLOT=not gated, LIMIT=10.0, F32=False),
+                                opts, ("N", "K")))
+    return out
+
+
+def test_mx4_moe_kernels_compile_for_sm80_within_shared_memory():
+    results = compile_in_subprocess(__file__)
+    assert len(results) == 8
+    for r in results:
+        name = f"{r['kernel']} {r['config']}"
+        assert r["cubin"] > 0, name
+        assert r["shared"] <= SHARED_LIMIT, f"{name}: {r['shared']} B shared on sm_80"
+        assert not r["fp8"], f"{name}: FP8/FP4 in the PTX"
+        assert not r["ftz_mul"], f"{name}: flush-to-zero FP32 multiply in the PTX"
+        if r["kernel"] == "_mx4_sorted_kernel":
+            assert r["mma"] == [BF16_MMA], name
+        else:
+            assert r["mma"] == [], name                              # GEMV: CUDA cores
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_all(), default=str))
