@@ -84,8 +84,11 @@ def ref_pre_gates(X, fn, scale, base):
     return torch.sigmoid(m[:, :S] * scale[0] + base[:S]) + HC_EPS
 
 
-CASES = [(1, 64, None), (3, 256, None), (17, 64, None), (130, 64, None), (130, 64, 3),
-         (1, 4096, None), (3, 256, 1)]
+# (T, d, forced K splits): auto splits, one split, 3 (padded to 4 in the gather), 128 (the T = 1
+# decode split on an H200/A100), d = 100 (K = 400: a ragged last K step and d block), T >= 64
+# (torch matmul logits) and the same T forced through the split kernel
+CASES = [(1, 64, None), (3, 256, None), (3, 256, 1), (17, 64, None), (17, 256, 3),
+         (3, 100, None), (130, 64, None), (130, 64, 3), (1, 4096, None), (1, 4096, 128)]
 
 
 @pytest.mark.parametrize("T,d,split", CASES)
