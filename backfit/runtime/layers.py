@@ -185,6 +185,9 @@ class RMSNorm(nn.Module):
         self.register_buffer("weight", torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if get_kernel_backend() == "triton" and x.is_cuda:           # one launch (kernels.rope_norm)
+            from backfit.runtime.kernels.rope_norm import rms_norm
+            return rms_norm(x, self.weight, self.eps)
         xf = x.float()
         y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight
         return y.to(x.dtype)
@@ -229,6 +232,9 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x [n, ..., D] with pos [n]; returns a new tensor with the last rope_dim dims rotated."""
+        if get_kernel_backend() == "triton" and x.is_cuda:           # bit-equal, one launch
+            from backfit.runtime.kernels.rope_norm import rope
+            return rope(x, pos, self.inv_freq, self.rope_dim, inverse)
         cos, sin = self.cos_sin(pos)
         if inverse:
             sin = -sin

@@ -67,8 +67,12 @@ class Attention(nn.Module):
         Hl, D = self.local_heads, self.cfg.head_dim
         qr = self.q_norm(self.wq_a(x))                                # [T, q_lora]; indexer input too
         q = self.wq_b(qr).view(T, Hl, D)
-        qf = q.float()                                                # per-head RMS, no weight
-        q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        if get_kernel_backend() == "triton" and q.is_cuda:          # per-head RMS, no weight
+            from backfit.runtime.kernels.rope_norm import rms_norm
+            q = rms_norm(q, None, self.eps)
+        else:
+            qf = q.float()
+            q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         q = self.rope(q, pos)                                         # [T, Hl, D]
         kv = self.rope(self.kv_norm(self.wkv(x)), pos)                # [T, D]
         comp = self.compressor.project(x, pos) if self.compressor is not None else None

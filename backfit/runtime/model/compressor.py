@@ -39,8 +39,7 @@ class Compressor(nn.Module):
 
     def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim] -> c, z [T, width] FP32 (z includes the absolute-position ape row)."""
-        xf = x.float()
-        return self.wkv(xf), self.wgate(xf) + self.ape[pos % self.ratio]
+        return self.wkv.forward_f32(x), self.wgate.forward_f32(x) + self.ape[pos % self.ratio]
 
     def update(self, cache, i: int, kind: str, c: torch.Tensor, z: torch.Tensor, start: int,
                dtype: torch.dtype, read: bool = True) -> torch.Tensor | None:

@@ -62,7 +62,7 @@ class Gate(Linear):
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim] -> (expert ids [T, k] int64, weights [T, k] FP32)."""
-        s = torch.sqrt(F.softplus(super().forward(x.float())))        # [T, E] FP32 router
+        s = torch.sqrt(F.softplus(self.forward_f32(x)))               # [T, E] FP32 router
         if self.hashed:
             idx = self.tid2eid[tokens].long()                         # fixed experts, no top-k
         else:

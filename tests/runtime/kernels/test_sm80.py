@@ -33,7 +33,8 @@ def _compile(fn, types: dict, constexprs: dict, opts: dict, div16: tuple = ()) -
     return dict(kernel=fn.__name__, config={k: v for k, v in constexprs.items()}, opts=opts,
                 shared=c.metadata.shared, cubin=len(c.asm["cubin"]),
                 mma=sorted(set(re.findall(r"mma\.sync\.aligned\.[\w.]+", ptx))),
-                fp8=bool(re.search(r"e4m3|e5m2|e2m1", ptx)))
+                fp8=bool(re.search(r"e4m3|e5m2|e2m1", ptx)),
+                fma_f32=bool(re.search(r"fma\.rn\.f32", ptx)))
 
 
 def compile_in_subprocess(script: str) -> list[dict]:

@@ -1,0 +1,102 @@
+"""RMSNorm and RoPE as one Triton launch each (the torch path spends ~6 and ~16 small kernels on
+them, ~10 calls per layer), SM80-safe, no host sync.
+
+  rms_norm(x, weight, eps)   y = x·rsqrt(mean(x²)+eps) [· weight], rows of the last dim, FP32
+                             math, out in x.dtype: runtime.layers.RMSNorm, and (weight None) the
+                             per-head query RMS of runtime.model.attention
+  rope(x, pos, inv_freq, r)  interleaved (GPT-J) rotation of the last r dims of every vector of
+                             x [n, ..., D] by pos[n]·f_i (inverse: by -pos[n]·f_i), the rest
+                             copied: runtime.layers.Rotary. Angles and cos/sin in FP64, rounded to
+                             FP32, then a·cos - b·sin and a·sin + b·cos with every product and sum
+                             rounded as torch does (FMA contraction off), so the result is the
+                             torch path's bit for bit.
+The sum of squares is a tree reduction (torch's order differs): RMSNorm agrees to FP32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rms_norm", "rope"]
+
+
+@triton.jit
+def _rms_kernel(X, W, Y, N, stride_x, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r of x [rows, N] (row stride stride_x) -> y [rows, N] contiguous."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    ok = c < N
+    x = tl.load(X + r * stride_x + c, mask=ok, other=0.0).to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    y = x * inv
+    if HAS_W:
+        y = y * tl.load(W + c, mask=ok, other=0.0)
+    tl.store(Y + r * N + c, y.to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_kernel(X, Y, POS, F, V, D, SIGN: tl.constexpr, R: tl.constexpr, BV: tl.constexpr,
+                 BD: tl.constexpr):
+    """Position n (program 0), vectors [vb·BV, +BV) of its V vectors of width D (program 1)."""
+    n, vb = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    vv = vb * BV + tl.arange(0, BV)
+    v_ok = vv < V
+    row = (n * V + vv.to(tl.int64)) * D                                  # [BV] vector starts
+    dd = tl.arange(0, BD)                                               # the unrotated head
+    keep = v_ok[:, None] & (dd[None, :] < D - R)
+    head = tl.load(X + row[:, None] + dd[None, :], mask=keep, other=0.0)
+    tl.store(Y + row[:, None] + dd[None, :], head, mask=keep)
+    i = tl.arange(0, R // 2)
+    ang = tl.load(POS + n).to(tl.float64) * tl.load(F + i)              # [R/2] FP64
+    cos = tl.cos(ang).to(tl.float32)
+    sin = tl.sin(ang).to(tl.float32) * SIGN
+    even = row[:, None] + (D - R) + 2 * i[None, :]                      # [BV, R/2]
+    a = tl.load(X + even, mask=v_ok[:, None], other=0.0).to(tl.float32)
+    b = tl.load(X + even + 1, mask=v_ok[:, None], other=0.0).to(tl.float32)
+    ra = a * cos[None, :] - b * sin[None, :]
+    rb = a * sin[None, :] + b * cos[None, :]
+    tl.store(Y + even, ra.to(Y.dtype.element_ty), mask=v_ok[:, None])
+    tl.store(Y + even + 1, rb.to(Y.dtype.element_ty), mask=v_ok[:, None])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x [..., N] (unit stride in the last dim), weight [N] FP32 or None -> [..., N] x.dtype."""
+    N = x.shape[-1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if weight is not None and (weight.shape != (N,) or weight.dtype != torch.float32):
+        raise ValueError(f"rms_norm: weight must be FP32 [{N}], got {weight.dtype}{list(weight.shape)}")
+    x2 = x.reshape(-1, N) if x.dim() != 2 else x
+    if x2.dim() != 2 or (x2.shape[0] > 1 and x2.stride(1) != 1):
+        x2 = x.contiguous().view(-1, N)
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        _rms_kernel[(x2.shape[0],)](x2, weight if weight is not None else x2, y, N,
+                                    x2.stride(0), eps, HAS_W=weight is not None,
+                                    BLOCK=triton.next_power_of_2(N),
+                                    num_warps=8 if N >= 2048 else 4)
+    return y.view(x.shape)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
+         inverse: bool = False) -> torch.Tensor:
+    """x [n, ..., D] with pos [n] int, inv_freq [rope_dim/2] FP64 -> a new tensor like x with the
+    last rope_dim dims of every D-vector rotated (runtime.layers.Rotary.forward)."""
+    n, D = x.shape[0], x.shape[-1]
+    if pos.shape != (n,) or rope_dim > D or rope_dim % 2 or rope_dim & (rope_dim - 1):
+        raise ValueError(f"rope: x [n, ..., D>=r], pos [n], power-of-two r; got {list(x.shape)}, "
+                         f"{list(pos.shape)}, r={rope_dim}")
+    if inv_freq.dtype != torch.float64 or inv_freq.shape != (rope_dim // 2,):
+        raise ValueError(f"rope: inv_freq must be FP64 [{rope_dim // 2}]")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    V = x.numel() // max(n * D, 1)
+    if n and V:
+        BV = min(16, triton.next_power_of_2(V))
+        _rope_kernel[(n, triton.cdiv(V, BV))](
+            x, y, pos.contiguous(), inv_freq.contiguous(), V, D, SIGN=-1.0 if inverse else 1.0,
+            R=rope_dim, BV=BV, BD=triton.next_power_of_2(max(D - rope_dim, 1)), num_warps=4,
+            enable_fp_fusion=False)
+    return y
