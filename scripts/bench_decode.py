@@ -2,6 +2,7 @@
 
     python3 scripts/bench_decode.py [--layers 4] [--tp-shard 1] [--out bench_decode.json]
                                     [--batches 1,8,32,64] [--long 32768] [--no-hf] [--tiny]
+                                    [--experts int8|mx4|both] [--graphs on|off|both]
 
 One process: (1) ceilings: copy bandwidth (read + write bytes of a 4 GiB copy), BF16 (8192^3
 matmul) and INT8 (8192^3 torch._int_mm) peaks; (2) a random converted model built on the GPU
@@ -19,11 +20,23 @@ sequence per layer the window (128 x 512), the CSA top-k entries + every indexer
 entries (BF16). Prefill floor = FLOPs of the int8_g128 linears / INT8 peak + every other FLOP
 (experts, wo_a, copied linears, head, attention QK/PV, indexer) / BF16 peak, or bytes / BW if
 larger. --tiny runs the same code at small dims on CPU (torch path only; a dry run).
+
+--experts both (default): after the int8_mx32 rows the routed experts are re-laid-out in place
+as mx4_e2m1 with the SAME values (code of q/2, exponent byte unchanged: 2^(e-128)·q =
+2^(e-127)·q/2; checked on one linear) and measured again; the roofline then counts the 4-bit
+expert bytes (codes K/2 + exponents K/32 per row). To keep the run near 7 minutes the mx4 pass
+has no torch-backend rows (that path is the per-expert LUT dequantization loop, a reference) and
+no torch profile; "mx4_vs_int8" holds the MoE output difference of one layer between the
+two schemes (same weights: float accumulation order only). --graphs both (default): each triton
+decode row is timed eagerly and replaying the runner's CUDA graphs (captured once per scheme;
+no graph rows where the runner has no enforce_eager field). Rows carry "experts" and "graphs"
+(True: replayed, False: eager).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -130,7 +143,7 @@ def fill_random(model, cfg: ModelConfig, dev) -> None:
                 buf.normal_(0, 1 if mname == "embed" else buf.shape[1] ** -0.5)
 
 
-def build_runner(raw: dict, dev: str, slots: int, blocks: int):
+def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int):
     """A ModelRunner around a random model and random pools (no converted directory)."""
     from backfit.runtime.cache.paged import PagedCache
     from backfit.runtime.model.transformer import Transformer
@@ -141,8 +154,11 @@ def build_runner(raw: dict, dev: str, slots: int, blocks: int):
         model = Transformer(cfg, torch.bfloat16, mtp=False)
     fill_random(model, cfg, dev)
     r = ModelRunner.__new__(ModelRunner)
-    r.rc = RunnerConfig("(random)", device=dev, max_num_seqs=slots, num_snapshot_slots=0)
+    eager = dict(enforce_eager=True) if "enforce_eager" in RunnerConfig.__dataclass_fields__ else {}
+    r.rc = RunnerConfig("(random)", device=dev, max_num_seqs=slots, num_snapshot_slots=0,
+                        max_model_len=max_len, **eager)
     r.timings, r.cfg, r.dtype, r.device = {}, cfg, torch.bfloat16, torch.device(dev)
+    r.kernels, r.graphs = "torch", None
     r.block_size, r.kv, r.model = default_block_size(cfg), "auto", model
     r.num_slots, r.num_blocks = slots, blocks
     r.cache = PagedCache(cfg, slots, blocks, r.block_size, torch.bfloat16, "auto", dev)
@@ -151,6 +167,59 @@ def build_runner(raw: dict, dev: str, slots: int, blocks: int):
         for p in lp.parts():
             p.c.normal_(), p.z.normal_(), p.entries.data.normal_()
     return r
+
+
+def use_backend(r, be: str) -> None:
+    """Switch the kernel backend in-process (the engine sets it once) and stack the experts."""
+    kpkg._backend = r.kernels = be
+    if be == "triton":
+        for lay in r.model.layers:
+            lay.ffn.prepare_kernels()
+
+
+def capture_graphs(r):
+    """The runner's decode CUDA graphs over the current weights and pools (None: the runner has
+    no graphs); left detached (r.graphs = None) so rows choose per step."""
+    if r.device.type != "cuda" or "enforce_eager" not in type(r.rc).__dataclass_fields__ \
+            or not hasattr(r, "capture_graphs"):
+        return None
+    r.rc = dataclasses.replace(r.rc, enforce_eager=False)
+    r.capture_graphs()
+    g, r.graphs = r.graphs, None
+    return g
+
+
+def to_mx4(r) -> dict:
+    """Routed experts int8_mx32 -> mx4_e2m1 in place, the same values: e2m1 code of q/2, packed
+    two per byte (low nibble = element 2j, FORMAT.md), exponent byte unchanged. Returns the
+    rel. difference of layer 0's MoE output (routed + shared) between the schemes at T = 1, 64, 512
+    (current backend; same weights: float accumulation order only) and the conversion time."""
+    t0, dev = time.perf_counter(), r.device
+    lut = torch.zeros(256, dtype=torch.uint8)
+    for code, q in enumerate(E2M1_X2):
+        if code != 8:                                    # -0 -> code 0 (equal values)
+            lut[q % 256] = code
+    lut = lut.to(dev)
+    ffn, g = r.model.layers[0].ffn, torch.Generator().manual_seed(7)
+    xs = [(torch.randn(T, r.cfg.hidden_size, generator=g).bfloat16().to(dev),
+           torch.randint(2, r.cfg.vocab_size, (T,), generator=g).to(dev)) for T in (1, 64, 512)]
+    with torch.no_grad():
+        before = [ffn(x, tok).float() for x, tok in xs]
+        ex0 = ffn.experts[0].w2.dequantized(torch.bfloat16)
+        for li, lay in enumerate(r.model.layers):
+            lay.ffn.stacked = None                       # the int8 stacks go with their views
+            for e, ex in enumerate(lay.ffn.experts):
+                for lin in ("w1", "w3", "w2"):
+                    m = getattr(ex, lin)
+                    c = lut[m.weight.view(torch.uint8).long()]                 # [N, K] codes
+                    m.load("mx4_e2m1", (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous(),
+                           m.scale.clone(), f"layers.{li}.ffn.experts.{e}.{lin}")
+        assert torch.equal(ffn.experts[0].w2.dequantized(torch.bfloat16), ex0), "to_mx4"
+        if r.kernels == "triton":
+            use_backend(r, "triton")
+        after = [ffn(x, tok).float() for x, tok in xs]
+    rel = [float((a - b).norm() / b.norm()) for a, b in zip(after, before)]
+    return dict(moe_rel_T1_64_512=rel, convert_s=time.perf_counter() - t0)
 
 
 def sync(dev) -> None:
@@ -241,7 +310,8 @@ def prefill_flops(r, T: int, tp: int) -> tuple[float, float]:
             f = 2.0 * T * mod.weight.numel()
             i8, other = (i8 + f, other) if mod.scheme == "int8_g128" else (i8, other + f)
     k, ex = cfg.num_experts_per_tok, r.model.layers[0].ffn.experts[0]
-    other += len(r.model.layers) * 2.0 * T * k * sum(m.weight.numel() for m in (ex.w1, ex.w2, ex.w3))
+    other += len(r.model.layers) * 2.0 * T * k * sum(m.out_features * m.in_features
+                                                      for m in (ex.w1, ex.w2, ex.w3))
     p = torch.arange(T, dtype=torch.float64)
     Hl, IHl = cfg.num_attention_heads // tp, cfg.index_n_heads // tp
     for l in range(len(r.model.layers)):
@@ -409,6 +479,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="small dims on CPU (dry run)")
+    ap.add_argument("--experts", choices=("int8", "mx4", "both"), default="both",
+                    help="routed-expert scheme(s): int8_mx32, mx4_e2m1 (same values), both")
+    ap.add_argument("--graphs", choices=("on", "off", "both"), default="both",
+                    help="triton decode rows eager, replaying CUDA graphs, or both")
     ap.add_argument("--out", default="bench_decode.json")
     a = ap.parse_args()
     dev = "cpu" if a.tiny else "cuda"
@@ -436,45 +510,68 @@ def main() -> None:
     B_max, bs = max(batches), default_block_size(ModelConfig.from_dict(raw))
     blocks = max(B_max * math.ceil((max(ctxs) + 8) / bs), math.ceil(max(prefills + [1]) / bs))
     t = time.perf_counter()
-    r = build_runner(raw, dev, B_max, blocks + 1)
+    r = build_runner(raw, dev, B_max, blocks + 1, max(ctxs + prefills) + 16)
     res["build_s"] = time.perf_counter() - t
     tp, L, cfg = a.tp_shard, a.layers, r.cfg
-    mb = model_bytes(r)
-    res["model_bytes"] = mb
-    rows, backends = [], ["torch"] + ([] if a.tiny else ["triton"])
-    for be in backends:
-        kpkg._backend = be                # the bench switches in-process (the engine sets once)
-        if be == "triton":
-            for lay in r.model.layers:
-                lay.ffn.prepare_kernels()
-        for ctx in ctxs:
-            for B in batches:
-                mk = lambda i, B=B, ctx=ctx: step_input(r, B, ctx + i % 4, seed=i)  # noqa: E731
-                COMM.update({k: 0 for k in COMM})
-                ex = routed_experts(r, mk(0))
-                comm = dict(COMM)
-                ms = time_forward(r, mk, 2, a.reps)
-                byt = (mb["linears"] + mb["buffers"] + mb["head"] + sum(ex) * mb["expert"]
-                       + B * cfg.hidden_size * 2 + B * kv_bytes(cfg, ctx, L))
-                floor = byt / (ceil["copy_TBps"] * 1e9)
-                rows.append(dict(kind="decode", kernels=be, batch=B, ctx=ctx, ms=ms,
-                                 tokens_s=B / ms * 1e3, bytes=byt, floor_ms=floor,
-                                 roofline=floor / ms, experts_per_layer=ex, comm=comm))
+    schemes = ["int8", "mx4"] if a.experts == "both" else [a.experts]
+    modes = {"on": [True], "off": [False], "both": [False, True]}[a.graphs]
+    rows = []
+    for scheme in schemes:
+        if scheme == "mx4":
+            use_backend(r, "torch" if a.tiny else "triton")
+            res["mx4_vs_int8"] = to_mx4(r)
+            print(json.dumps({"mx4_vs_int8": res["mx4_vs_int8"]}), flush=True)
+        mb = model_bytes(r)
+        res[f"model_bytes_{scheme}"] = mb
+        if a.tiny:
+            backends = ["torch"]
+        else:                                 # mx4: no torch rows (the reference loop)
+            backends = ["torch", "triton"] if scheme == "int8" else ["triton"]
+        for be in backends:
+            use_backend(r, be)
+            graphs = capture_graphs(r) if be == "triton" and True in modes else None
+            if be == "triton":
+                res[f"graphs_capture_s_{scheme}"] = graphs and graphs.capture_s  # None: none
+            for ctx in ctxs:
+                for B in batches:
+                    mk = lambda i, B=B, ctx=ctx: step_input(r, B, ctx + i % 4, seed=i)  # noqa: E731
+                    COMM.update({k: 0 for k in COMM})
+                    ex = routed_experts(r, mk(0))               # eager: the router runs
+                    comm = dict(COMM)
+                    byt = (mb["linears"] + mb["buffers"] + mb["head"] + sum(ex) * mb["expert"]
+                           + B * cfg.hidden_size * 2 + B * kv_bytes(cfg, ctx, L))
+                    floor = byt / (ceil["copy_TBps"] * 1e9)
+                    for g in (modes if be == "triton" else [False]):
+                        if g and graphs is None:
+                            continue                    # no graphs in this runner / device
+                        r.graphs = graphs if g else None
+                        ms = time_forward(r, mk, 2, a.reps)
+                        r.graphs = None
+                        rows.append(dict(kind="decode", kernels=be, experts=scheme,
+                                         graphs=g, batch=B,
+                                         ctx=ctx, ms=ms, tokens_s=B / ms * 1e3, bytes=byt,
+                                         floor_ms=floor, roofline=floor / ms,
+                                         experts_per_layer=ex, comm=comm))
+                        print(json.dumps(rows[-1]), flush=True)
+            for T in prefills:
+                mk = lambda i, T=T: step_input(r, 1, 0, n=T, seed=i)  # noqa: E731
+                ms = time_forward(r, mk, 1, max(2, a.reps // 2))
+                i8, oth = prefill_flops(r, T, tp)
+                cfloor = (i8 / ceil["int8_TOPs"] + oth / ceil["bf16_TFLOPs"]) / 1e9
+                floor = max(cfloor, (mb["linears"] + mb["head"] + L * cfg.n_routed_experts *
+                                     mb["expert"]) / (ceil["copy_TBps"] * 1e9))
+                rows.append(dict(kind="prefill", kernels=be, experts=scheme, graphs=False,
+                                 batch=1, ctx=T, ms=ms, tokens_s=T / ms * 1e3, flops_int8=i8,
+                                 flops_other=oth, floor_ms=floor, roofline=floor / ms,
+                                 bf16_peak_frac=(i8 + oth) / (ms * 1e-3) / 1e12
+                                 / ceil["bf16_TFLOPs"]))
                 print(json.dumps(rows[-1]), flush=True)
-        for T in prefills:
-            mk = lambda i, T=T: step_input(r, 1, 0, n=T, seed=i)  # noqa: E731
-            ms = time_forward(r, mk, 1, max(2, a.reps // 2))
-            i8, oth = prefill_flops(r, T, tp)
-            cfloor = (i8 / ceil["int8_TOPs"] + oth / ceil["bf16_TFLOPs"]) / 1e9
-            floor = max(cfloor, (mb["linears"] + mb["head"] + L * cfg.n_routed_experts *
-                                 mb["expert"]) / (ceil["copy_TBps"] * 1e9))
-            rows.append(dict(kind="prefill", kernels=be, batch=1, ctx=T, ms=ms,
-                             tokens_s=T / ms * 1e3, flops_int8=i8, flops_other=oth,
-                             floor_ms=floor, roofline=floor / ms,
-                             bf16_peak_frac=(i8 + oth) / (ms * 1e-3) / 1e12 / ceil["bf16_TFLOPs"]))
-            print(json.dumps(rows[-1]), flush=True)
-        res[f"profile_{be}"] = profile_step(r, step_input(r, 1, a.ctx))
-        print(json.dumps({be: res[f"profile_{be}"]}), flush=True)
+            key = f"profile_{be}" + ("" if scheme == "int8" else f"_{scheme}")
+            res[key] = profile_step(r, step_input(r, 1, a.ctx))           # eager
+            print(json.dumps({key: res[key]}), flush=True)
+            del graphs
+            if dev == "cuda":
+                torch.cuda.empty_cache()
     res["rows"] = rows
     del r
     if dev == "cuda":
@@ -493,18 +590,24 @@ def print_table(res: dict) -> None:
           f"{res['args']['layers']}  tp-shard {res['args']['tp_shard']}  ceilings: copy "
           f"{c.get('copy_TBps', 0):.2f} TB/s, bf16 {c.get('bf16_TFLOPs', 0):.0f} TFLOP/s, "
           f"int8 {c.get('int8_TOPs', 0):.0f} TOP/s")
-    print(f"{'kind':8} {'kernels':7} {'batch':>5} {'ctx':>6} {'ms':>9} {'tok/s':>9} "
-          f"{'floor ms':>9} {'roofline':>8}")
+    print(f"{'kind':8} {'kernels':7} {'experts':7} {'graphs':6} {'batch':>5} {'ctx':>6} "
+          f"{'ms':>9} {'tok/s':>9} {'floor ms':>9} {'roofline':>8}")
     for w in res["rows"]:
-        print(f"{w['kind']:8} {w['kernels']:7} {w['batch']:5d} {w['ctx']:6d} {w['ms']:9.2f} "
-              f"{w['tokens_s']:9.1f} {w['floor_ms']:9.3f} {100 * w['roofline']:7.1f}%")
-    for be in ("torch", "triton"):
-        p = res.get(f"profile_{be}")
+        g = "on" if w.get("graphs") else "off"
+        print(f"{w['kind']:8} {w['kernels']:7} {w.get('experts', 'int8'):7} {g:6} "
+              f"{w['batch']:5d} {w['ctx']:6d} {w['ms']:9.2f} {w['tokens_s']:9.1f} "
+              f"{w['floor_ms']:9.3f} {100 * w['roofline']:7.1f}%")
+    if "mx4_vs_int8" in res:
+        print("mx4 vs int8 MoE (layer 0, same weights), rel diff at T = 1, 64, 512:",
+              ", ".join(f"{x:.1e}" for x in res["mx4_vs_int8"]["moe_rel_T1_64_512"]))
+    for key in ("profile_torch", "profile_triton", "profile_torch_mx4", "profile_triton_mx4"):
+        p = res.get(key)
         if p:
             parts = ", ".join(f"{k} {v:.2f}/{p['part_gpu_ms'].get(k, 0):.2f}"
                               for k, v in sorted(p["part_host_ms"].items()))
-            print(f"profile b1 {be}: {p['launches_per_step']:.0f} launches/step, GPU busy "
-                  f"{p['busy_ms_per_step']:.2f} ms/step; host/GPU ms per part: {parts}")
+            print(f"{key.replace('profile_', 'profile b1 ')}: {p['launches_per_step']:.0f} "
+                  f"launches/step, GPU busy {p['busy_ms_per_step']:.2f} ms/step; host/GPU ms "
+                  f"per part: {parts}")
     if "hf" in res:
         print("transformers:", {k: (round(v, 2) if isinstance(v, float) else v)
                                 for k, v in res["hf"].items()})
