@@ -46,12 +46,17 @@ def main() -> None:
                    "(row, 128 inputs), error measured per tensor; bf16 = lossless, 2x bytes.")
 @click.option("--experts", type=click.Choice(["int8", "mx4", "bf16"]), default="int8",
               show_default=True,
-              help="MXFP4 routed experts, all bit-exact: int8 = INT8 with per-(row, 32) "
-                   "power-of-two scales, the Triton fused-MoE path today (the fast default on "
-                   "GPUs); mx4 = the packed 4-bit MXFP4 bytes kept as they are, half the expert "
-                   "bytes and memory (more KV cache, 1M-token contexts at TP4 on 80 GB), torch "
-                   "path only until its kernel lands (run with --kernels torch); bf16 = 2x the "
-                   "int8 bytes (verification / big machines).")
+              help="MXFP4 routed experts, all bit-exact (same weights in every scheme): "
+                   "int8 = INT8 with per-(row, 32) power-of-two scales; mx4 = the packed 4-bit "
+                   "MXFP4 bytes kept as they are, half the expert bytes. Both run the Triton "
+                   "fused MoE, which decodes the weights to BF16 in registers for BF16 MMA, so "
+                   "long prefill is compute-bound alike; a decode step streams the expert "
+                   "weights, so decode-heavy chat reads about half the bytes with mx4; and mx4 "
+                   "leaves ~9x the KV pool at TP4 on 80 GiB cards (docs/PERFORMANCE.md, "
+                   "Capacity: 1M-token contexts; int8 barely fits). Better default: mx4 for "
+                   "decode-heavy chat and long contexts; for long prefill the two are alike "
+                   "(mx4 GPU speed not measured yet: docs/KERNELS.md). bf16 = 2x the int8 "
+                   "bytes (verification / big machines).")
 @click.option("--force", is_flag=True, help="Replace DST if it exists (only once the new one is complete).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def convert(src: str, dst: str, tp: str, linears: str, experts: str, force: bool, quiet: bool) -> None:
