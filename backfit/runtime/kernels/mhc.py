@@ -132,7 +132,7 @@ def _check(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     if X.dim() != 3 or X.dtype != torch.bfloat16 or X.shape[1] & (X.shape[1] - 1):
         raise ValueError(f"{name}: X must be bf16 [T, S, d] with S a power of 2, "
                          f"got {X.dtype}{list(X.shape)}")
-    T, S, d = X.shape
+    _, S, d = X.shape
     if fn.dtype != torch.float32 or tuple(fn.shape) != (n_out, S * d):
         raise ValueError(f"{name}: fn must be fp32 [{n_out}, {S * d}], got {fn.dtype}{list(fn.shape)}")
     if base.dtype != torch.float32 or base.numel() != n_out or scale.dtype != torch.float32 \
@@ -150,7 +150,7 @@ def _partials(X: torch.Tensor, fn: torch.Tensor, NP: int, split: int | None) -> 
     x = X.reshape(T, K)
     if split is None and T >= MIX_TORCH_T:                     # prefill: one FP32 matmul
         xf = x.float()
-        part = torch.zeros(T, 1, NP, dtype=torch.float32, device=X.device)
+        part = torch.empty(T, 1, NP, dtype=torch.float32, device=X.device)   # pad never read
         part[:, 0, :n_out] = xf @ fn.T
         part[:, 0, n_out] = xf.square().sum(-1)
         return part
@@ -214,6 +214,8 @@ def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, M: torch.Tenso
         raise ValueError(f"hc_post: need f [{T}, {d}], post fp32 [{T}, {S}], M fp32 "
                          f"[{T}, {S}, {S}], got {list(f.shape)}, {post.dtype}{list(post.shape)}, "
                          f"{M.dtype}{list(M.shape)}")
+    if not (f.device == X.device == post.device == M.device):
+        raise ValueError("hc_post: f, X, post, M on different devices")
     out = torch.empty(T, S, d, dtype=X.dtype, device=X.device)
     if T == 0:
         return out

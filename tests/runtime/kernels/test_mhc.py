@@ -97,7 +97,7 @@ def test_hc_pre_matches_torch_reference(mhc, T, d, split):
     fn, scale, base = params((2 + S) * S, d, 3, gen)
     X = streams(T, d, gen)
     with one_thread():
-        u_ref, post_ref, M_ref = hyper.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
+        _, post_ref, M_ref = hyper.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
         pre = ref_pre_gates(X, fn, scale, base)
         u32, mag = ref_u_fp32(X, pre), ref_u_fp32(X.abs(), pre.abs())
     u, post, M = mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS, split=split)
@@ -155,7 +155,8 @@ def test_deterministic_and_bad_input(mhc):
                       (lambda: mhc.hc_pre(X, fn[:4], scale, base, 20, 1e-6, 1e-6), "fn must"),
                       (lambda: mhc.hc_pre(X, fn, scale[:1], base, 20, 1e-6, 1e-6), "scale"),
                       (lambda: mhc.hc_pre(X, fn, scale, base, 0, 1e-6, 1e-6), "iters"),
-                      (lambda: mhc.hc_post(X[:, 0], X, a[1][:, :2], a[2]), "post fp32")):
+                      (lambda: mhc.hc_post(X[:, 0], X, a[1][:, :2], a[2]), "post fp32"),
+                      (lambda: mhc.hc_post(X[:, 0], X, a[1].to("meta"), a[2]), "devices")):
         with pytest.raises(ValueError, match=msg):
             call()
 
@@ -195,7 +196,7 @@ def test_launches_per_call(mhc, monkeypatch):
     fn, scale, base = params((2 + S) * S, 64, 3, gen)
     hfn, hscale, hbase = params(S, 64, 1, gen)
     X = streams(2, 64, gen)
-    f, post, M = X[:, 0].contiguous(), torch.rand(2, S, generator=gen), torch.rand(2, S, S)
+    f, post, M = X[:, 0].contiguous(), torch.rand(2, S).to(DEV), torch.rand(2, S, S).to(DEV)
     free = {"empty", "view", "select", "slice", "_reshape_alias", "as_strided"}
     for call, want in ((lambda: mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS),
                         ["_mix_partial_kernel", "_collapse_kernel"]),
@@ -294,8 +295,8 @@ def test_gpu_real_shapes_deterministic_and_graph_capturable(mhc):
     f = torch.randn(4, 4096, generator=gen).bfloat16().cuda()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        step = lambda: mhc.hc_post(f, X, *mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS,  # noqa
-                                                        NORM_EPS)[1:])
+        def step():
+            return mhc.hc_post(f, X, *mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)[1:])
         eager = step()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
