@@ -23,7 +23,8 @@ from backfit.quant import (E4M3_LUT, E8M0_NAN, FP8_BLOCK, MX_GROUP, decode_e2m1,
                            dequant_mxfp4, first_nonfinite, mxfp4_to_int8,
                            quantize_int8_groups, rel_error, unpack_e2m1)
 
-__all__ = ["apply", "E8M0_ACCEPTED", "experts_exact", "mx4_exact", "mx4_decoder_exact"]
+__all__ = ["apply", "E8M0_ACCEPTED", "experts_exact", "mx4_exact", "mx4_decoder_exact",
+           "ExpertTable"]
 
 _E4M3_NAN = (0x7F, 0xFF)
 
@@ -123,6 +124,47 @@ def experts_exact(w: torch.Tensor, s: torch.Tensor, q: torch.Tensor, e: torch.Te
     return bool(np.array_equal(q.contiguous().view(torch.int16).numpy(), want))
 
 
+class ExpertTable:
+    """MXFP4 -> INT8 for whole tensors in one 16-bit gather: a packed byte pair (4 codes) -> four
+    int8 values 2*e2m1 as one uint32, so each gather step converts 4 codes (1.5x faster than the
+    byte -> int16 gather of quant.mxfp4_to_int8; the table is 256 KiB and stays in L2).
+
+    The table is made by quant.mxfp4_to_int8 (the scheme's definition) over all 65,536 byte
+    pairs, and `ok` says whether every entry equals the independent reference decoder
+    (_CHECK_PAIRS): a wrong table is caught whatever bytes a tensor happens to hold.
+    """
+
+    def __init__(self):
+        pairs = np.arange(65536, dtype="<u2").view(np.uint8).reshape(65536, 2)    # lo, hi byte
+        q, _ = mxfp4_to_int8(torch.from_numpy(pairs).view(torch.int8),
+                             torch.zeros(65536, 1, dtype=torch.uint8))             # [65536, 4]
+        self.table = q.contiguous().numpy().view(np.uint32).reshape(65536)
+        self.ok = bool(np.array_equal(q.numpy().view(np.int16), _CHECK_PAIRS.take(pairs)))
+
+    def convert(self, w: torch.Tensor, tp: int = 1, dim: int | None = None) -> torch.Tensor:
+        """Packed w [N, K/2] -> int8 [N, K], or [tp, N, K/tp] rank-major when dim == 1 (the
+        rank pieces of a dim-1 split straight from the gather: no transposing copy after it)."""
+        n, half = w.shape
+        b = w.contiguous().view(torch.uint8).numpy().view("<u2")                 # [N, K/4]
+        if dim == 1 and tp > 1:
+            b = b.reshape(n, tp, half // (2 * tp)).transpose(1, 0, 2)            # [tp, N, K/4tp]
+        out = np.empty(b.shape, np.uint32)
+        np.take(self.table, b, out=out)
+        return torch.from_numpy(out.view(np.int8))
+
+
+def _sampled_exact(w: torch.Tensor, q: torch.Tensor) -> bool:
+    """q (ExpertTable.convert of w) equals the reference decoding of w on every 64th row plus the
+    last one: checks that the verified table was applied to this tensor in the right layout
+    (nibble order, rank pieces) for 1/64 of the cost of a full second pass."""
+    n = w.shape[0]
+    rows = np.unique(np.r_[np.arange(0, n, 64), n - 1])
+    want = _CHECK_PAIRS.take(w.contiguous().view(torch.uint8).numpy()[rows])   # [R, K/2] int16
+    got = q.numpy().view(np.int16)                          # [N, K/2] or [tp, N, K/2tp]
+    got = got[rows] if got.ndim == 2 else got[:, rows].transpose(1, 0, 2).reshape(len(rows), -1)
+    return bool(np.array_equal(got, want))
+
+
 _MX4_DECODER_EXACT: bool | None = None
 
 
@@ -151,11 +193,13 @@ def mx4_exact(w: torch.Tensor, s: torch.Tensor, q: torch.Tensor, e: torch.Tensor
             and mx4_decoder_exact())
 
 
-def apply(action: Action, tensors: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+def apply(action: Action, tensors: list[torch.Tensor], tp: int = 1,
+          table: ExpertTable | None = None) -> tuple[dict, dict]:
     """Run `action` on its source tensors (as read by checkpoint.read_tensor).
 
-    Returns ({output name: full tensor}, stats); stats has rel_err / max_abs_err for lossy or
-    dequantizing schemes (measured against the exact dequantized source) and `exact`.
+    Returns ({output name: full tensor, or the list of its tp rank pieces}, stats); stats has
+    rel_err / max_abs_err for lossy or dequantizing schemes (measured against the exact
+    dequantized source) and `exact`. table: the INT8 expert table (made here if not given).
     """
     kind, outs = action.kind, action.outputs
     if kind == "copy":
@@ -181,20 +225,33 @@ def apply(action: Action, tensors: list[torch.Tensor]) -> tuple[dict[str, torch.
         return {outs[0].name: out}, {"rel_err": rel, "max_abs_err": mx, "exact": rel == 0.0}
     _check_scale(action, s)                                     # MXFP4: the bytes are the scale
     if kind in ("fp4_int8", "fp4_mx4"):
-        # Exact by construction, and `exact` still measured on the bytes handed to the writer
-        # by an independent decoder. int8: 2*e2m1 is an integer, the exponent byte unchanged;
-        # mx4: the source bytes as they are (int8 viewed as uint8: two e2m1 codes per byte, low
-        # nibble first; the UE8M0 byte, bias 127).
-        if kind == "fp4_int8":
-            (q, e), is_exact, dequant = mxfp4_to_int8(w, s), experts_exact, dequant_int8_mx
+        # Exact by construction, and `exact` still measured by an independent decoder. int8:
+        # 2*e2m1 is an integer, the exponent byte unchanged; the table is checked against the
+        # reference on all 65,536 entries, the exponent bytes in full, the codes handed to the
+        # writer on sampled rows (_sampled_exact). mx4: the source bytes as they are (two e2m1
+        # codes per byte, low nibble first; the UE8M0 byte, bias 127), compared in full.
+        e = s.view(torch.uint8)
+        if kind == "fp4_int8" and w.shape[1] % 2:           # odd packed rows: byte gather
+            q = qout = mxfp4_to_int8(w, s)[0]
+            ok, full, dequant = experts_exact(w, s, q, e), (lambda: q), dequant_int8_mx
+        elif kind == "fp4_int8":
+            table = table or ExpertTable()
+            dim = outs[0].shard_dim
+            split = dim == 1 and tp > 1 and w.shape[1] % (2 * tp) == 0
+            q = table.convert(w, tp, dim if split else None)     # [N, K] or [tp, N, K/tp]
+            ok = table.ok and q.shape[-1] * (tp if split else 1) == 2 * w.shape[1] \
+                and _sampled_exact(w, q)
+            full = (lambda: torch.cat(list(q), 1)) if split else (lambda: q)
+            dequant = dequant_int8_mx
+            qout = list(q) if split else q
         else:
-            (q, e), is_exact, dequant = (w.view(torch.uint8), s.view(torch.uint8)), mx4_exact, \
-                dequant_mx4
+            q = qout = w.view(torch.uint8)
+            ok, full, dequant = mx4_exact(w, s, q, e), (lambda: q), dequant_mx4
         stats = {"rel_err": 0.0, "max_abs_err": 0.0, "exact": True}
-        if not is_exact(w, s, q, e):
-            rel, mx = rel_error(dequant(q, e), dequant_mxfp4(w, s))         # failure path only
+        if not ok:
+            rel, mx = rel_error(dequant(full(), e), dequant_mxfp4(w, s))    # failure path only
             stats = {"rel_err": rel, "max_abs_err": mx, "exact": False}
-        return {outs[0].name: q, outs[1].name: e}, stats
+        return {outs[0].name: qout, outs[1].name: e}, stats
     if kind == "fp4_bf16":
         ref = dequant_mxfp4(w, s)
         out = ref.to(torch.bfloat16)
