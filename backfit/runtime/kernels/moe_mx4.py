@@ -6,15 +6,17 @@ element 2j, high nibble = 2j+1, as quant.unpack_e2m1 / dequant_mx4) with UE8M0 e
 [E, I, K/32], w2 [E, D, I/2] with [E, D, I/32]; value = e2m1 · 2^(e - 127).
 
 Decoding in registers, no table in memory and no FP4 instruction (SM80 has none):
-  e2m1   m = c & 7: FP32 bits (m + 252) << 22 for m >= 2 (1, 1.5, 2, 3, 4, 6), 252·m << 22 for
-         m < 2 (0, 0.5), sign (c & 8) << 28: every code exactly (the 16-entry LUT as arithmetic).
+  e2m1   nibble n: FP32 bits (n·(2^22 + 2^28)) & 0x81C00000 (one multiply, one mask) are
+         e2m1(n)·2^-126 exactly (E = 0 codes as FP32 subnormals): the 16-entry LUT as arithmetic.
   scale  FP32 bits e << 23 = 2^(e-127) for e >= 1, 1 << 22 = 2^-127 for e = 0 (subnormal).
 Every weight e2m1 · 2^(e-127) is exact in BF16 (one mantissa bit) for e <= 252.
 A K tile of BK inputs is BK/2 bytes: the activations are split into even / odd columns
 (reshape + split of one contiguous load), so no nibble interleave is needed:
-  decode  x_even·lo + x_odd·hi per byte in FP32, summed per 32-group, times 2^(e-127) per group
-          (a power of two: the same FP32 result as scaling each weight first).
-  sorted  lo and hi tiles dequantized to BF16 [BN, BK/2] each, two BF16 tl.dot per K tile.
+  decode  (x_even·2^63)·lo + (x_odd·2^63)·hi per byte in FP32, summed per 32-group, times 2^63
+          and 2^(e-127) per group: powers of two only, so the same FP32 result as scaling each
+          weight first (for |x| < 2^65 and |w·x| >= 2^-63).
+  sorted  lo and hi values times 2^126 and 2^(e-127) to BF16 tiles [BN, BK/2], two BF16 tl.dot
+          per K tile.
 """
 
 from __future__ import annotations
@@ -31,27 +33,42 @@ __all__ = ["fused_moe_mx4", "mx4_linear_pairs"]
 
 
 @triton.jit
-def _e2m1(c):
-    """e2m1 codes int32 0..15 (any shape) -> their FP32 values, exact (bits built in registers)."""
-    m = c & 7
-    mag = tl.where(m > 1, (m + 252) << 22, (m * 252) << 22)
-    return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _pow2(e):
     """UE8M0 bytes uint8 (any shape) -> FP32 2^(e-127), exact (e = 255 gives inf, as ldexp)."""
     e = e.to(tl.int32)
     return tl.where(e > 0, e << 23, 1 << 22).to(tl.float32, bitcast=True)
 
 
+# A nibble n lands in the FP32 exponent LSBs / top mantissa bit / sign with one multiply and one
+# mask: (n·(2^22 + 2^28)) & 0x81C00000 = e2m1(n)·2^-126 exactly (E = 0 codes become FP32
+# subnormals of the same scale; no FTZ anywhere, test_sm80_moe_mx4 checks the PTX).
+_SIGN_EXP_MAN = tl.constexpr(-0x7E400000)     # 0x81C00000 as int32: bits 31, 24, 23, 22
+_TWO63 = tl.constexpr(9223372036854775808.0)  # 2^63
+_TWO126 = tl.constexpr(2.0 ** 126)
+
+
+@triton.jit
+def _e2m1_lo(b):
+    """Packed bytes int32 [...] -> FP32 e2m1 value of the low nibble (element 2j) · 2^-126."""
+    return (((b & 15) * 0x10400000) & _SIGN_EXP_MAN).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_hi(b):
+    """Packed bytes int32 [...] -> FP32 e2m1 value of the high nibble (element 2j+1) · 2^-126."""
+    return (((b & 0xF0) * 0x01040000) & _SIGN_EXP_MAN).to(tl.float32, bitcast=True)
+
+
+# GEMV: the activations carry 2^63 and each 32-group sum gets 2^63 back before 2^(e-127), so
+# products and sums are the plain ones times a power of two: the same FP32 results for
+# |x| < 2^65 and |w·x| >= 2^-63.
 @triton.jit
 def _gemv_tile(W, S, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, BN: tl.constexpr,
                BK: tl.constexpr):
-    """Σ_k w[n, k0+k]·a[k] over one K tile -> FP32 [BN]; a_lo/a_hi [BK/2] even/odd inputs."""
+    """Σ_k w[n, k0+k]·x[k] over one K tile -> FP32 [BN]; a_lo/a_hi [BK/2] = even/odd x · 2^63."""
     b = tl.load(W + w_off + k0 // 2 + rb[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
-    t = _e2m1(b & 15) * a_lo[None, :] + _e2m1(b >> 4) * a_hi[None, :]      # [BN, BK/2]
-    t = tl.sum(tl.reshape(t, (BN, BK // 32, 16)), axis=2)                   # [BN, BK/32] groups
+    t = _e2m1_lo(b) * a_lo[None, :] + _e2m1_hi(b) * a_hi[None, :]         # [BN, BK/2] ·2^-63
+    t = tl.sum(tl.reshape(t, (BN, BK // 32, 16)), axis=2) * _TWO63          # [BN, BK/32] groups
     s = tl.load(S + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
     return tl.sum(t * _pow2(s), axis=1)
 
@@ -74,7 +91,7 @@ def _mx4_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
     acc1 = tl.zeros((BN,), dtype=tl.float32)
     acc3 = tl.zeros((BN,), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        a = tl.load(A + arow * K + k0 + tl.arange(0, BK)).to(tl.float32)     # [BK]
+        a = tl.load(A + arow * K + k0 + tl.arange(0, BK)).to(tl.float32) * _TWO63  # [BK]
         a_lo, a_hi = tl.split(tl.reshape(a, (BK // 2, 2)))                   # [BK/2] each
         acc1 += _gemv_tile(W1, S1, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, BN, BK)
         if GATED:
@@ -87,9 +104,9 @@ def _mx4_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
 
 
 @triton.jit
-def _dequant_half(c, s, BN: tl.constexpr, BK: tl.constexpr):
-    """One nibble's codes int32 [BN, BK/2], scales FP32 [BN, BK/32] -> BF16 weights [BN, BK/2]."""
-    w = tl.reshape(_e2m1(c), (BN, BK // 32, 16)) * s[:, :, None]
+def _dequant_half(v, s, BN: tl.constexpr, BK: tl.constexpr):
+    """One nibble's values·2^-126 FP32 [BN, BK/2], scales FP32 [BN, BK/32] -> BF16 weights."""
+    w = tl.reshape(v * _TWO126, (BN, BK // 32, 16)) * s[:, :, None]        # exact, no overflow
     return tl.reshape(w, (BN, BK // 2)).to(tl.bfloat16)
 
 
@@ -99,8 +116,8 @@ def _dot_tile(W, S, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, acc, F32: tl.con
     """acc [BM, BN] + a_lo·W_evenᵀ + a_hi·W_oddᵀ over one K tile (BF16 MMA, FP32 acc)."""
     b = tl.load(W + w_off + k0 // 2 + rb[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
     s = _pow2(tl.load(S + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0))
-    acc = dot_bf16(a_lo, tl.trans(_dequant_half(b & 15, s, BN, BK)), acc, F32)
-    return dot_bf16(a_hi, tl.trans(_dequant_half(b >> 4, s, BN, BK)), acc, F32)
+    acc = dot_bf16(a_lo, tl.trans(_dequant_half(_e2m1_lo(b), s, BN, BK)), acc, F32)
+    return dot_bf16(a_hi, tl.trans(_dequant_half(_e2m1_hi(b), s, BN, BK)), acc, F32)
 
 
 @triton.jit
