@@ -43,6 +43,12 @@ def check_block_size(cfg: ModelConfig, block_size: int) -> None:
                          f"(the compression ratios {sorted(set(ratios))})")
 
 
+def _kernels(x: torch.Tensor) -> bool:
+    """The decode stores run as one Triton launch (kernels.cache_ops) on the triton backend."""
+    from backfit.runtime.kernels import get_kernel_backend
+    return get_kernel_backend() == "triton" and x.is_cuda
+
+
 class _Store:
     """[N, rows, width] vectors in the storage dtype (+ [N, rows] FP32 scales for int8)."""
 
@@ -138,19 +144,34 @@ class _PagedLayer:
         r = (pos[:, None] - torch.arange(n - 1, -1, -1, device=pos.device)) % p.rows_n
         return p.c[s[:, None], r], p.z[s[:, None], r]
 
-    def write_entries_tokens(self, kind: str, j: torch.Tensor, E: torch.Tensor,
-                             done: torch.Tensor) -> None:
-        """Entry j[b] := E[b] [D] where done[b]; rows not done write the scratch block instead."""
+    def write_entries_tokens(self, kind: str, pos: torch.Tensor, E: torch.Tensor) -> None:
+        """Entry j = pos[b] // m := E[b] [D] where that block completes ((pos+1) % m == 0); the
+        other rows write the scratch block instead."""
         p, tables = self._part(kind), self.block_table()
+        if _kernels(E):
+            from backfit.runtime.kernels.cache_ops import store_decode
+            store_decode(E, pos, p.entries.data, p.entries.scale, tables=tables, ratio=p.ratio,
+                         scratch=self.bound.cache.scratch_block)
+            return
+        j, done = pos // p.ratio, (pos + 1) % p.ratio == 0
         col = torch.where(done, j // p.per_block, 0).clamp_max(tables.shape[1] - 1)
         blk = tables.gather(1, col[:, None].long())[:, 0].long()
         blk = torch.where(done, blk, self.bound.cache.scratch_block)
         p.entries.put((blk, j % p.per_block), E)
 
+    def rows_pool(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compressor rings c, z [S, R, width] FP32 themselves (kernels.cache_ops)."""
+        p = self._part(kind)
+        return p.c, p.z
+
     def write_window_tokens(self, pos: torch.Tensor, kv: torch.Tensor) -> None:
         """Decode: sequence i's one token pos[i], kv[i] into its ring (= write_window per i)."""
-        R = self.pool.ring.data.shape[1]
-        self.pool.ring.put((self.slot_ids().long(), pos % R), kv)
+        ring = self.pool.ring
+        if _kernels(kv):
+            from backfit.runtime.kernels.cache_ops import store_decode
+            store_decode(kv, pos, ring.data, ring.scale, slots=self.slot_ids())
+            return
+        ring.put((self.slot_ids().long(), pos % ring.data.shape[1]), kv)
 
     def window(self, i: int, start: int):
         ring = self.pool.ring

@@ -19,6 +19,7 @@ from torch import nn
 
 from backfit.config import ModelConfig
 from backfit.runtime.distributed import all_reduce, get_tp_info
+from backfit.runtime.kernels import get_kernel_backend
 from backfit.runtime.layers import ColumnParallelLinear, Linear, RMSNorm, Rotary
 
 __all__ = ["Compressor", "Indexer"]
@@ -88,9 +89,18 @@ class Compressor(nn.Module):
 
         Every row pools the m (CSA: 2m) rows ending at its position, as if it completed a block;
         entry j = pos // m is written only where (pos+1) % m == 0, the others go to the cache's
-        scratch block. Same operations in the same order as `update`, so the same entries.
+        scratch block. Same operations in the same order as `update`, so the same entries. On
+        the triton backend the rows and the pooling are one kernel (kernels.cache_ops: Triton's
+        exp, so FP32 rounding away from the torch path) and the entry store another.
         """
         m, D = self.ratio, self.head_dim
+        j = pos // m
+        if get_kernel_backend() == "triton" and c.is_cuda:          # 1 launch for rows + pooling
+            from backfit.runtime.kernels.cache_ops import compress_decode
+            E = compress_decode(c, z, pos, cache.slot_ids(), *cache.rows_pool(kind), m,
+                                self.overlap, D)
+            cache.write_entries_tokens(kind, pos, self.rope(self.norm(E.to(dtype)), j * m))
+            return
         cache.write_rows_tokens(kind, pos, c, z)
         sc, sz = cache.rows_tokens(kind, pos, 2 * m if self.overlap else m)   # [B, n, width]
         if self.overlap:                   # block j-1's first halves, then block j's second
@@ -100,9 +110,8 @@ class Compressor(nn.Module):
             sc = sc.masked_fill(virtual[..., None], 0.0)                       # block -1: weight 0
             sz = sz.masked_fill(virtual[..., None], float("-inf"))
         E = (torch.softmax(sz, dim=1) * sc).sum(dim=1)                          # [B, D]
-        j = pos // m
         E = self.rope(self.norm(E.to(dtype)), j * m)
-        cache.write_entries_tokens(kind, j, E, (pos + 1) % m == 0)
+        cache.write_entries_tokens(kind, pos, E)
 
 
 class Indexer(nn.Module):

@@ -1,6 +1,7 @@
-"""The RMSNorm and RoPE kernels compile for sm_80 on this CPU machine (test_sm80.py's helper):
-no shared-memory blow-up, no MMA (CUDA-core math), no FP8/FP4, and FMA contraction really off
-in RoPE (no fma.rn.f32 in its PTX: the torch path rounds every product). Real widths."""
+"""The small decode kernels (kernels.rope_norm: RMSNorm, RoPE; kernels.cache_ops: compressor
+pooling, cache stores) compile for sm_80 on this CPU machine (test_sm80.py's helper): shared
+memory within 99 KB, no MMA (CUDA-core math), no FP8/FP4, and FMA contraction really off in
+RoPE (no fma.rn.f32 in its PTX: the torch path rounds every product). Real widths."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from test_sm80 import SHARED_LIMIT, _compile, compile_in_subprocess  # noqa: E40
 def compile_all() -> list[dict]:
     import triton
 
-    from backfit.runtime.kernels import rope_norm
+    from backfit.runtime.kernels import cache_ops, rope_norm
 
     out = []
     for n, w in ((4096, True), (1024, True), (512, False)):
@@ -27,12 +28,23 @@ def compile_all() -> list[dict]:
                      V="i32", D="i32"), dict(SIGN=1.0, R=64, BV=v, BD=triton.next_power_of_2(d - 64)),
                      dict(num_warps=4, num_stages=1, enable_fp_fusion=False), ("D",))
         out.append(r)
+    for m, overlap, d, bd in ((4, True, 512, 128), (128, False, 512, 32), (4, True, 128, 128)):
+        n = 2 * m if overlap else m
+        out.append(_compile(cache_ops._compress_kernel, dict(
+            C="*fp32", Z="*fp32", sc_b="i32", POS="*i64", SLOTS="*i32", RC="*fp32", RZ="*fp32",
+            E="*fp32", R="i32", D="i32", WIDTH="i32"), dict(M=m, OVERLAP=overlap, N=n,
+            NP=triton.next_power_of_2(n), BD=bd), dict(num_warps=4, num_stages=1), ("D",)))
+    for mode, int8 in ((0, False), (0, True), (1, True), (1, False)):
+        out.append(_compile(cache_ops._store_kernel, dict(
+            X="*bf16", sx_b="i32", POS="*i64", SLOTS="*i32", TABLES="*i32", stride_tb="i32",
+            DATA="*i8" if int8 else "*bf16", SCALE="*fp32", R="i32", scratch="i32", D="i32"),
+            dict(MODE=mode, M=4, PB=32, INT8=int8, BD=512), dict(num_warps=4, num_stages=1)))
     return out
 
 
-def test_rope_norm_kernels_compile_for_sm80():
+def test_small_kernels_compile_for_sm80():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 6
+    assert len(results) == 13
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name

@@ -1,0 +1,109 @@
+"""Decode cache kernels (runtime.kernels.cache_ops) against the torch path of PagedCache and
+Compressor.decode_update, on twin pools (CPU: the Triton interpreter).
+
+compress_decode: the ring rows it writes are exact, the pooled entries agree with the torch
+pooling to FP32 rounding (Triton's exp), for CSA (ratio 4, 2D-wide rows, virtual block -1) and
+HCA (ratio 8 and the real 128), positions before, at and after block ends, strided row inputs.
+store_decode: bit-exact against _Store.put for the ring and the entry stores, BF16 and INT8
+(the same absmax/127 and round-half-even arithmetic), scratch-block redirection included.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
+
+from backfit.runtime.batch import ForwardBatch  # noqa: E402
+from backfit.runtime.cache.paged import PagedCache  # noqa: E402
+
+
+def kmod():
+    import triton
+
+    import backfit.runtime.kernels.cache_ops as m
+    if isinstance(m._store_kernel, triton.runtime.jit.JITFunction) == INTERPRET:
+        m = importlib.reload(m)
+    return m
+
+
+def _torch_pool(rc, rz, slots, pos, m, overlap, D):
+    """The torch decode_update pooling over ring rows (after this token's rows are written)."""
+    n = 2 * m if overlap else m
+    R = rc.shape[1]
+    r = (pos[:, None] - torch.arange(n - 1, -1, -1, device=pos.device)) % R
+    sc, sz = rc[slots.long()[:, None], r], rz[slots.long()[:, None], r]
+    if overlap:
+        sc = torch.cat((sc[:, :m, :D], sc[:, m:, D:]), 1)
+        sz = torch.cat((sz[:, :m, :D], sz[:, m:, D:]), 1)
+        virt = (pos < m)[:, None] & (torch.arange(2 * m, device=pos.device) < m)[None]
+        sc, sz = sc.masked_fill(virt[..., None], 0.0), sz.masked_fill(virt[..., None], float("-inf"))
+    return (torch.softmax(sz, 1) * sc).sum(1)
+
+
+@pytest.mark.parametrize("m, overlap, D", [(4, True, 64), (4, True, 512), (8, False, 64),
+                                           (128, False, 512)])
+def test_compress_decode(m, overlap, D):
+    k = kmod()
+    g = torch.Generator().manual_seed(m + D)
+    width = (2 if overlap else 1) * D
+    S, R = 5, (2 * m if overlap else m) + 8
+    rc = torch.randn(S, R, width, generator=g).to(DEV)
+    rz = torch.randn(S, R, width, generator=g).to(DEV)
+    pos = torch.tensor([0, m - 1, m, 2 * m - 1, 3 * m + 1, 40 * m + m - 1], device=DEV)
+    slots = torch.tensor([4, 0, 2, 1, 3, 0][:len(pos)], dtype=torch.int32, device=DEV)
+    pos, slots = pos[:4], slots[:4]                         # distinct slots (one writer each)
+    both = torch.randn(len(pos), 2, width, generator=g).to(DEV)
+    c, z = both[:, 0], both[:, 1]                           # strided rows, one row stride
+    want_c, want_z = rc.clone(), rz.clone()
+    want_c[slots.long(), pos % R], want_z[slots.long(), pos % R] = c, z
+    want = _torch_pool(want_c, want_z, slots, pos, m, overlap, D)
+    E = k.compress_decode(c, z, pos, slots, rc, rz, m, overlap, D)
+    assert torch.equal(rc, want_c) and torch.equal(rz, want_z)
+    torch.testing.assert_close(E, want, rtol=2e-6, atol=2e-6)
+    with pytest.raises(ValueError, match="compress_decode"):
+        k.compress_decode(c[:, :D], z[:, :D], pos, slots, rc, rz, m, overlap, D) if overlap \
+            else k.compress_decode(c.double(), z.double(), pos, slots, rc, rz, m, overlap, D)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_store_decode_equals_store_put(model_f32, kv_dtype):
+    k = kmod()
+    cfg = model_f32.cfg
+    li = next(i for i in range(cfg.num_hidden_layers) if cfg.ratio(i) == 4)
+    B, blocks = 16, 30
+    free = list(range(blocks))
+    random.Random(2).shuffle(free)
+    tables = [[free.pop() for _ in range(4)] for _ in range(3)]
+    pos = [3, 7, 40]                              # entry 0 done, entry 1 done, 40: not (scratch)
+    batch = ForwardBatch.build([(i, [1], p) for i, p in enumerate(pos)], slots=[2, 0, 1],
+                               block_tables=tables)
+    ref, new = (PagedCache(cfg, 4, blocks, B, torch.bfloat16, kv_dtype, device=DEV)
+                for _ in range(2))
+    lr, ln = ref.bind(batch).layer(li), new.bind(batch).layer(li)
+    g = torch.Generator().manual_seed(5)
+    pos_t = torch.tensor(pos, device=DEV)
+    kv = (torch.randn(3, cfg.head_dim, generator=g) * 3).to(torch.bfloat16).to(DEV)
+    lr.write_window_tokens(pos_t, kv)                       # torch path (CPU tensors)
+    ring = new.layers[li].ring
+    k.store_decode(kv, pos_t, ring.data, ring.scale, slots=ln.slot_ids())
+    assert torch.equal(ring.data, ref.layers[li].ring.data)
+    if kv_dtype == "int8":
+        assert torch.equal(ring.scale, ref.layers[li].ring.scale)
+    E = (torch.randn(3, cfg.head_dim, generator=g)).to(torch.bfloat16).to(DEV)
+    lr.write_entries_tokens("comp", pos_t, E)
+    ent = new.layers[li].comp.entries
+    k.store_decode(E, pos_t, ent.data, ent.scale, tables=ln.block_table(), ratio=4,
+                   scratch=new.scratch_block)
+    assert torch.equal(ent.data, ref.layers[li].comp.entries.data)
+    assert ent.data[tables[1][0]].any() and ent.data[new.scratch_block].any()   # done / scratch
+    if kv_dtype == "int8":
+        assert torch.equal(ent.scale, ref.layers[li].comp.entries.scale)
