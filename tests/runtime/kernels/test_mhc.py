@@ -229,6 +229,25 @@ def test_hyper_dispatches_only_for_cuda_bf16_with_triton(monkeypatch):
     assert hyper._fused(X) is None and len(calls) == 1
 
 
+@pytest.mark.skipif(not INTERPRET, reason="CPU model through the interpreted kernels")
+def test_tiny_model_forward_through_the_mhc_kernels(mhc, bf16_tp1, build_model, monkeypatch):
+    """The real call sites (every layer's hc_pre/hc_post, hc_head) on the tiny bf16 model: logits
+    against the torch path. Measured 1.5e-2 under the interpreter, whose truncating bf16 casts bias
+    every stream update (with round-to-nearest stores: 1.9e-3, the torch bf16 path's own error
+    against FP32 being 4.2e-3); a wrong index or gate gives O(1)."""
+    from backfit.runtime.batch import ForwardBatch
+    model = build_model(bf16_tp1, torch.bfloat16)
+    tokens = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = model(ForwardBatch.single(tokens))
+        calls = []
+        monkeypatch.setattr(hyper, "_fused", lambda X: calls.append(1) or mhc)
+        got = model(ForwardBatch.single(tokens))
+    assert len(calls) == 4 * model.cfg.num_hidden_layers + 1       # 2 x (pre, post) + head
+    err = ((got.double() - want.double()).abs().amax(-1) / want.double().abs().amax(-1)).max()
+    assert err < 3e-2 and torch.equal(got.argmax(-1), want.argmax(-1)), err.item()
+
+
 # ---- FP32-output linear ----------------------------------------------------------------------
 
 def test_linear_fp32_output_matches_fp32_reference(gemm):
