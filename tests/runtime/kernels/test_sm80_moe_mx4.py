@@ -39,7 +39,9 @@ def compile_all() -> list[dict]:
             triton.compile = real
         return dict(r, ftz_mul=bool(re.search(r"(mul|fma|cvt)[\w.]*\.ftz", ptx[0].asm["ptx"])))
     for gated, k in ((True, 4096), (False, 512)):
-        cfg, opts = _split(moe_mx4._decode_config(k))
+        cfg = dict(moe_mx4._decode_config(k))
+        assert cfg.pop("variant", "base") == "base"                  # the one mx4 GEMV kernel
+        cfg, opts = _split(cfg)
         out.append(compile_one(moe_mx4._mx4_gemv_kernel, types, dict(cfg, GATED=gated, LIMIT=10.0),
                             opts, ("N", "K")))
         for p in (384, 6144, 8192 * 6):
