@@ -2,7 +2,8 @@
 signatures and results, FP32 math on CUDA cores, SM80-safe, no host syncs (CUDA-graph safe).
 
 X [T, S, d] bf16 streams (S = hc_mult = 4), fn [n_out, S*d] FP32, n_out = (2+S)·S (pre, post,
-comb) or S (head). Launches per call: hc_pre 2, hc_head 2, hc_post 1 (torch: ~140, ~6, ~10).
+comb) or S (head). Launches per call at T < MIX_TORCH_T: hc_pre 2, hc_head 2, hc_post 1 (torch
+~140, ~6, ~14).
   _mix_partial_kernel  program (token t, K split i): over flattened K range i of x = X[t]
                        the n_out dots fn·x and Σx², FP32, to PART[t, i, :NP] (dots at 0..n_out-1,
                        Σx² at n_out). Split so that >= ~2 programs per SM stream fn at T = 1

@@ -8,8 +8,8 @@ passes), so each destination ends as a convex combination of sources. All math i
 The parameters (hc_{attn,ffn}_{fn,base,scale}, hc_head_*) are buffers of the owning block, so
 they keep their checkpoint names; `add_hc_buffers` registers them.
 With the "triton" kernel backend and CUDA bf16 streams, hc_pre / hc_post / hc_head run the fused
-kernels of runtime.kernels.mhc (same signatures and results, 2 / 1 / 2 launches); otherwise the
-torch code below, which is the reference.
+kernels of runtime.kernels.mhc (same signatures and results; 2 / 1 / 2 launches at decode);
+otherwise the torch code below, which is the reference.
 """
 
 from __future__ import annotations
