@@ -59,47 +59,50 @@ def _e2m1_hi(b):
     return (((b & 0xF0) * 0x01040000) & _SIGN_EXP_MAN).to(tl.float32, bitcast=True)
 
 
-# GEMV: the activations carry 2^63 and each 32-group sum gets 2^63 back before 2^(e-127), so
+# GEMV: the activations carry 2^63 and each 32-group sum gets 2^63 back with 2^(e-127), so
 # products and sums are the plain ones times a power of two: the same FP32 results for
 # |x| < 2^65 and |w·x| >= 2^-63.
 @triton.jit
-def _gemv_tile(W, S, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, BN: tl.constexpr,
-               BK: tl.constexpr):
-    """Σ_k w[n, k0+k]·x[k] over one K tile -> FP32 [BN]; a_lo/a_hi [BK/2] = even/odd x · 2^63."""
-    b = tl.load(W + w_off + k0 // 2 + rb[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
-    t = _e2m1_lo(b) * a_lo[None, :] + _e2m1_hi(b) * a_hi[None, :]         # [BN, BK/2] ·2^-63
-    t = tl.sum(tl.reshape(t, (BN, BK // 32, 16)), axis=2) * _TWO63          # [BN, BK/32] groups
-    s = tl.load(S + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
-    return tl.sum(t * _pow2(s), axis=1)
+def _gemv_groups(W, S, w_off, s_off, k0, n_ok, a_lo, a_hi):
+    """Per-32-group sums of w·x over one K tile -> FP32 [BN, G]: w_off [BN, G, 16] byte offsets,
+    s_off [BN, G], a_lo/a_hi [G, 16] = even/odd inputs · 2^63."""
+    b = tl.load(W + w_off + k0 // 2, mask=n_ok[:, None, None], other=0).to(tl.int32)
+    t = tl.sum(_e2m1_lo(b) * a_lo[None] + _e2m1_hi(b) * a_hi[None], axis=2)      # ·2^-63
+    s = tl.load(S + s_off + k0 // 32, mask=n_ok[:, None], other=0)
+    return t * _TWO63 * _pow2(s)
 
 
 @triton.jit
 def _mx4_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
                      GATED: tl.constexpr, LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Pair p, rows [pid_n·BN, +BN) of expert idx[p]: GATED -> h [P, N], else out [P, N] (bf16).
-    GATED reads x[p // TOPK], else A[p]."""
+    GATED reads x[p // TOPK], else A[p]. Tiles [BN, BK/32, 16] bytes (one 16-byte vector per
+    row and group), group sums accumulated [BN, BK/32] across K, one cross-group sum at the end."""
+    G: tl.constexpr = BK // 32
     p, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(IDX + p).to(tl.int64)
     arow = p // TOPK if GATED else p
     rn = pid_n * BN + tl.arange(0, BN)
-    rb = tl.arange(0, BK // 2)                              # bytes of a tile: inputs 2j, 2j+1
-    rg = tl.arange(0, BK // 32)
+    rg = tl.arange(0, G)
+    rj = tl.arange(0, 16)                                   # byte j of a group: inputs 2j, 2j+1
     n_ok = rn < N
-    KB, KG = K // 2, K // 32
-    w_off = e * N * KB + rn[:, None] * KB                   # [BN, 1] int64
-    s_off = e * N * KG + rn[:, None] * KG
-    acc1 = tl.zeros((BN,), dtype=tl.float32)
-    acc3 = tl.zeros((BN,), dtype=tl.float32)
+    KB, KG = (K // 64) * 32, (K // 64) * 2                  # = K/2, K/32 (K % 64 == 0), aligned
+    w_off = (e * N * KB + rn[:, None, None] * KB + rg[None, :, None] * 16
+             + rj[None, None, :])                           # [BN, G, 16] int64
+    s_off = e * N * KG + rn[:, None] * KG + rg[None, :]     # [BN, G]
+    a_off = arow * K + rg[:, None] * 32 + 2 * rj[None, :]   # [G, 16] even inputs
+    acc1 = tl.zeros((BN, G), dtype=tl.float32)
+    acc3 = tl.zeros((BN, G), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        a = tl.load(A + arow * K + k0 + tl.arange(0, BK)).to(tl.float32) * _TWO63  # [BK]
-        a_lo, a_hi = tl.split(tl.reshape(a, (BK // 2, 2)))                   # [BK/2] each
-        acc1 += _gemv_tile(W1, S1, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, BN, BK)
+        a_lo = tl.load(A + a_off + k0).to(tl.float32) * _TWO63
+        a_hi = tl.load(A + a_off + k0 + 1).to(tl.float32) * _TWO63
+        acc1 += _gemv_groups(W1, S1, w_off, s_off, k0, n_ok, a_lo, a_hi)
         if GATED:
-            acc3 += _gemv_tile(W3, S3, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, BN, BK)
+            acc3 += _gemv_groups(W3, S3, w_off, s_off, k0, n_ok, a_lo, a_hi)
     if GATED:
-        out = _swiglu(acc1, acc3, tl.load(RW + p), LIMIT)
+        out = _swiglu(tl.sum(acc1, axis=1), tl.sum(acc3, axis=1), tl.load(RW + p), LIMIT)
     else:
-        out = acc1
+        out = tl.sum(acc1, axis=1)
     tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
 
 
@@ -141,7 +144,7 @@ def _mx4_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
     rb = tl.arange(0, BK // 2)
     rg = tl.arange(0, BK // 32)
     n_ok = rn < N
-    KB, KG = K // 2, K // 32
+    KB, KG = (K // 64) * 32, (K // 64) * 2                  # = K/2, K/32 (K % 64 == 0), aligned
     w_off = e * N * KB + rn[:, None] * KB
     s_off = e * N * KG + rn[:, None] * KG
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
