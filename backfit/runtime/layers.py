@@ -172,7 +172,8 @@ class ParallelHead(nn.Module):
                 and self.weight.dtype == torch.bfloat16:
             # a16 kernel on the BF16 weight, FP32 accumulate and output: no 1 GB FP32 upcast
             from backfit.runtime.kernels.gemm import linear
-            return all_gather(linear(h, self.weight, None, "bf16", out_dtype=torch.float32), dim=-1)
+            logits = linear(h, self.weight, None, "bf16", out_dtype=torch.float32)
+            return all_gather(logits, dim=-1)
         return all_gather(F.linear(h.float(), self.weight.float()), dim=-1)
 
 

@@ -11,11 +11,12 @@ comb) or S (head). Launches per call at T < MIX_TORCH_T: hc_pre 2, hc_head 2, hc
                        matmul x @ fn.T fills PART[t, 0] instead (one split), simpler and faster
                        than re-streaming fn per token.
   _collapse_kernel     program (t, d block): sums the splits (one [splits, .] gather, a fixed
-                       reduction tree: run-to-run deterministic, no atomics), m = dots · rsqrt(Σx²/K + eps), the sigmoid gates and (SINKHORN)
-                       the row softmax + eps, column normalise and iters-1 x (row, column) passes
-                       on the S x S matrix in registers, in hyper.hc_pre's order; writes
-                       u[t, block] = Σ_s pre_s X_s (bf16); the d-block-0 program writes post, M.
-                       Every d block recomputes the tiny S x S part (no second launch).
+                       reduction tree: run-to-run deterministic, no atomics), m = dots ·
+                       rsqrt(Σx²/K + eps), the sigmoid gates and (SINKHORN) the row softmax
+                       + eps, column normalise and iters-1 x (row, column) passes on the S x S
+                       matrix in registers, in hyper.hc_pre's order; writes u[t, block] =
+                       Σ_s pre_s X_s (bf16); the d-block-0 program writes post and M. Every d
+                       block recomputes the tiny S x S part (no second launch).
   _post_kernel         out[t, k, block] = post[t,k]·f[t, block] + Σ_j M[t,j,k]·X[t,j, block].
 """
 
@@ -135,7 +136,8 @@ def _check(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
                          f"got {X.dtype}{list(X.shape)}")
     _, S, d = X.shape
     if fn.dtype != torch.float32 or tuple(fn.shape) != (n_out, S * d):
-        raise ValueError(f"{name}: fn must be fp32 [{n_out}, {S * d}], got {fn.dtype}{list(fn.shape)}")
+        raise ValueError(f"{name}: fn must be fp32 [{n_out}, {S * d}], "
+                         f"got {fn.dtype}{list(fn.shape)}")
     if base.dtype != torch.float32 or base.numel() != n_out or scale.dtype != torch.float32 \
             or scale.numel() < n_scale:
         raise ValueError(f"{name}: base fp32 [{n_out}] and scale fp32 [{n_scale}] expected, got "
@@ -205,7 +207,8 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 
 def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
-    """f [T, d], X [T, S, d] bf16, post [T, S], M [T, S, S] fp32 -> [T, S, d] bf16 (hyper.hc_post)."""
+    """f [T, d], X [T, S, d] bf16, post [T, S], M [T, S, S] fp32 -> [T, S, d] bf16, as
+    hyper.hc_post."""
     if X.dim() != 3 or X.dtype != torch.bfloat16 or X.shape[1] & (X.shape[1] - 1):
         raise ValueError(f"hc_post: X must be bf16 [T, S, d] with S a power of 2, "
                          f"got {X.dtype}{list(X.shape)}")

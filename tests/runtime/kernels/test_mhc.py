@@ -7,7 +7,8 @@ summation order of the 16384-long dots and rsqrt/exp rounding differ). u and the
 are bf16: they are compared with the reference's FP32 value before its bf16 cast and must lie
 within one bf16 ulp of it (the interpreter's fp32->bf16 cast truncates, a GPU rounds to nearest:
 either is within one ulp), plus 1e-6 x Σ|terms| for the FP32 noise of the value itself (the
-gates carry ~1e-6 relative noise; where streams cancel, that is more than the ulp of u). A wrong stream, gate, index or Sinkhorn pass gives O(1) errors.
+gates carry ~1e-6 relative noise; where streams cancel, that is more than the ulp of u).
+A wrong stream, gate, index or Sinkhorn pass gives O(1) errors.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def gemm(mhc):
 def params(n_out: int, d: int, n_scale: int, gen: torch.Generator):
     """Realistic scales: fn ~ N(0, 0.02), base and scale ~ N(0, 1); FP32 as in the checkpoint."""
     fn = (torch.randn(n_out, S * d, generator=gen) * 0.02).to(DEV)
-    return fn, torch.randn(n_scale, generator=gen).to(DEV), torch.randn(n_out, generator=gen).to(DEV)
+    scale, base = torch.randn(n_scale, generator=gen), torch.randn(n_out, generator=gen)
+    return fn, scale.to(DEV), base.to(DEV)
 
 
 def streams(T: int, d: int, gen: torch.Generator) -> torch.Tensor:
