@@ -1,17 +1,20 @@
 """Converter throughput and peak memory on a multi-GB synthetic checkpoint (a benchmark, not a test).
 
     python scripts/bench_convert.py [--workdir DIR] [--dst-dir DIR] [--experts 256] [--hidden 1024]
-                                    [--tp 4] [--keep]
+                                    [--tp 4] [--scheme int8|mx4] [--repeat N] [--keep]
 
 Writes a checkpoint in the original format (valid random bytes; dims chosen so it is a few GB),
 then measures, with the page cache dropped for those files before each step (posix_fadvise):
   1. raw read speed of the same files (16 MiB reads, nothing else),
   2. raw durable write speed where DST goes (1 GiB in 16 MiB writes, then fsync),
   3. `backfit convert` in a subprocess: wall time, GB/s of source bytes, CPU seconds, peak RSS.
-The converter writes ~2x the bytes it reads (MXFP4 -> INT8), so its ceiling is min(read, write/2);
+--repeat N does 1 and 3 N times (each with its own load average) and prints the best ratio
+convert / raw read of one round. The converter writes ~2x the bytes it reads with --scheme int8
+(MXFP4 -> INT8) and ~1x with mx4 (the bytes kept), so its ceiling is min(read, write/2);
 --dst-dir /dev/shm takes the output disk out of the measurement. The load average is printed
 because the machine may be shared. Peak RSS must not grow with checkpoint size: run with two
-sizes (--experts 64 / 256) to see it.
+sizes (--experts 64 / 256) to see it. PYTHONPATH picks the converter measured (an older
+commit's tree, for a before/after).
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--scheme", choices=["int8", "mx4"], default="int8",
+                    help="the converter's --experts scheme")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of raw read + convert")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint between runs")
     a = ap.parse_args()
     from backfit.synthetic import write_checkpoint
@@ -79,26 +85,36 @@ def main() -> None:
                          o_lora_rank=256, q_lora_rank=512)
         print(f"generated {src} in {time.perf_counter() - t:.0f} s")
     size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-    drop_cache(src)
-    nbytes, secs = raw_read(src)
-    print(f"raw read : {nbytes / 1e9:.2f} GB in {secs:.1f} s = {nbytes / 1e9 / secs:.2f} GB/s")
     dst.parent.mkdir(parents=True, exist_ok=True)
     print(f"raw write: {raw_write(dst.parent):.2f} GB/s durable (fsync) in {dst.parent}")
-    shutil.rmtree(dst, ignore_errors=True)
-    shutil.rmtree(dst.with_name(dst.name + ".partial"), ignore_errors=True)
-    drop_cache(src)
-    load = os.getloadavg()[0]
-    t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "backfit.cli", "convert", str(src), str(dst),
-                    "--tp", str(a.tp), "--quiet"], check=True, stdout=subprocess.DEVNULL)
-    secs = time.perf_counter() - t
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = sum(f.stat().st_size for f in dst.rglob("*.safetensors"))
-    print(f"convert  : {size / 1e9:.2f} GB in {secs:.1f} s = {size / 1e9 / secs:.2f} GB/s source "
-          f"({out / 1e9:.2f} GB written), CPU {ru.ru_utime + ru.ru_stime:.1f} s, peak RSS "
-          f"{ru.ru_maxrss / 1024:.0f} MiB, tp={a.tp}, cores={os.cpu_count()}, load average "
-          f"{load:.1f} -> {os.getloadavg()[0]:.1f}")
-    shutil.rmtree(dst)
+    ratios = []
+    for _ in range(a.repeat):
+        drop_cache(src)
+        nbytes, secs = raw_read(src)
+        read = nbytes / 1e9 / secs
+        print(f"raw read : {nbytes / 1e9:.2f} GB in {secs:.1f} s = {read:.2f} GB/s")
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.rmtree(dst.with_name(dst.name + ".partial"), ignore_errors=True)
+        drop_cache(src)
+        load = os.getloadavg()[0]
+        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "backfit.cli", "convert", str(src), str(dst),
+                        "--tp", str(a.tp), "--experts", a.scheme, "--quiet"], check=True,
+                       stdout=subprocess.DEVNULL)
+        secs = time.perf_counter() - t
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime
+        out = sum(f.stat().st_size for f in dst.rglob("*.safetensors"))
+        ratios.append(size / 1e9 / secs / read)
+        print(f"convert  : {size / 1e9:.2f} GB in {secs:.1f} s = {size / 1e9 / secs:.2f} GB/s source "
+              f"= {ratios[-1]:.0%} of raw read ({out / 1e9:.2f} GB written), CPU {cpu:.1f} s, "
+              f"peak RSS {ru.ru_maxrss / 1024:.0f} MiB, tp={a.tp}, experts={a.scheme}, "
+              f"cores={os.cpu_count()}, load average {load:.1f} -> {os.getloadavg()[0]:.1f}")
+        shutil.rmtree(dst)
+    if a.repeat > 1:
+        print(f"best of {a.repeat}: {max(ratios):.0%} of raw read (all: "
+              + ", ".join(f"{r:.0%}" for r in ratios) + ")")
     if not a.keep:
         shutil.rmtree(src)
 
