@@ -27,7 +27,8 @@ import triton.language as tl
 from backfit.formats import MX_GROUP
 from backfit.runtime.kernels.gemm import dot_bf16, interpreted
 
-__all__ = ["DECODE_PAIRS", "align", "fused_moe", "stack_experts"]
+__all__ = ["DECODE_PAIRS", "DECODE_TABLE", "DECODE_VARIANTS", "align", "fused_moe",
+           "stack_experts"]
 
 DECODE_PAIRS = 64        # up to this many (token, expert) pairs: per-pair GEMV path
 MX_BIAS = 128            # int8_mx32 exponent bias (2·e2m1 absorbs one factor 2)
@@ -79,6 +80,111 @@ def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
         out = _swiglu(acc1, acc3, tl.load(RW + p), LIMIT)
     else:
         out = acc1
+    tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
+
+
+# Decode GEMV variants (config key "variant"; docs/KERNELS.md; bench_kernels.py --moe-decode-sweep)
+#   base      _moe_gemv_kernel: [BN, BK] tiles dequantized through a [BN, BK/32, 32] reshape.
+#   group     _moe_gemv_group_kernel MODE 0: tiles loaded as [BN, BK/32, 32] (no reshape), group
+#             sums Σ_j q·x (exact products) times 2^(e-128) once per group, [BN, BK/32] partials
+#             across K, one cross-group sum at the end.
+#   magic     MODE 1: group without I2F (16/clk/SM): bits(1.5·2^23) + q is the float 1.5·2^23 + q,
+#             minus 1.5·2^23 exact; 2^(e-128) built from bits instead of ex2 (exact, subnormals too).
+#   fma       MODE 2: magic's codes, each weight dequantized by one exact FMA, (1.5·2^23 + q)·2^e
+#             − 1.5·2^23·2^e (exact products and difference; finite for e <= 231, |w| <= 12·2^103),
+#             FMA-accumulated per element.
+#   prefetch  magic + the next K tile's loads issued before this tile's math (double-buffered in
+#             registers; a CUDA-core GEMV gets no cp.async pipelining).
+# FP32 accumulation in all; the same bf16 roundings (only the summation order moves).
+_MAGIC_I = tl.constexpr(0x4B400000)            # bits of 1.5·2^23
+_MAGIC_F = tl.constexpr(12582912.0)            # 1.5·2^23
+
+
+@triton.jit
+def _pow2_mx(s):
+    """Exponent bytes (any shape) -> FP32 2^(s-128) from bits, exact (subnormal for s <= 1)."""
+    e = s.to(tl.int32)
+    return tl.where(e > 1, (e - 1) << 23, 1 << (tl.minimum(e, 1) + 21)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _acc_tile(acc, q, s, a, MODE: tl.constexpr):
+    """acc + one tile: q int8/int32 codes [BN, G, 32], s exponent bytes [BN, G], a FP32 [1, G, 32];
+    acc [BN, G] group sums (MODE 0, 1) or [BN, G, 32] per-element FMAs (MODE 2)."""
+    if MODE == 0:
+        acc += tl.sum(q.to(tl.float32) * a, axis=2) * tl.exp2(s.to(tl.float32) - 128.0)
+    else:
+        qf = (q.to(tl.int32) + _MAGIC_I).to(tl.float32, bitcast=True)          # 1.5·2^23 + q
+        if MODE == 1:
+            acc += tl.sum((qf - _MAGIC_F) * a, axis=2) * _pow2_mx(s)
+        else:
+            sc = _pow2_mx(s)[:, :, None]
+            acc += (qf * sc - _MAGIC_F * sc) * a
+    return acc
+
+
+@triton.jit
+def _acc_rows(acc, MODE: tl.constexpr):
+    """_acc_tile's accumulator -> FP32 [BN] row sums."""
+    if MODE == 2:
+        acc = tl.sum(acc, axis=2)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _moe_gemv_group_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
+                           LIMIT: tl.constexpr, MODE: tl.constexpr, PREFETCH: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr):
+    """_moe_gemv_kernel's contract, tiles [BN, BK/32, 32] (variants group / magic / fma /
+    prefetch). Prefetched codes are carried as int32 (an int8 loop-carried tile costs byte
+    repacking instructions)."""
+    G: tl.constexpr = BK // 32
+    p, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(IDX + p).to(tl.int64)
+    arow = p // TOPK if GATED else p
+    rn = pid_n * BN + tl.arange(0, BN)
+    rg = tl.arange(0, G)
+    rj = tl.arange(0, 32)
+    n_ok = rn < N
+    m3, m2 = n_ok[:, None, None], n_ok[:, None]
+    KG = K // 32
+    w_off = e * N * K + rn[:, None, None] * K + rg[None, :, None] * 32 + rj[None, None, :]
+    s_off = e * N * KG + rn[:, None] * KG + rg[None, :]                        # [BN, G]
+    a_off = arow * K + rg[:, None] * 32 + rj[None, :]                          # [G, 32]
+    if MODE == 2:
+        acc1 = tl.zeros((BN, G, 32), dtype=tl.float32)
+    else:
+        acc1 = tl.zeros((BN, G), dtype=tl.float32)
+    acc3 = tl.zeros_like(acc1)
+    if PREFETCH:                                  # tile k0 = 0 (BK divides K)
+        q1 = tl.load(W1 + w_off, mask=m3, other=0).to(tl.int32)
+        s1 = tl.load(S1 + s_off, mask=m2, other=0)
+        q3, s3 = q1, s1
+        if GATED:
+            q3 = tl.load(W3 + w_off, mask=m3, other=0).to(tl.int32)
+            s3 = tl.load(S3 + s_off, mask=m2, other=0)
+    for k0 in range(0, K, BK):
+        a = tl.load(A + a_off + k0).to(tl.float32)[None, :, :]                 # [1, G, 32]
+        nk = tl.minimum(k0 + BK, K - BK) if PREFETCH else k0   # last prefetch: itself (L1)
+        q1n = tl.load(W1 + w_off + nk, mask=m3, other=0)
+        s1n = tl.load(S1 + s_off + nk // 32, mask=m2, other=0)
+        q3n, s3n = q1n, s1n
+        if GATED:
+            q3n = tl.load(W3 + w_off + nk, mask=m3, other=0)
+            s3n = tl.load(S3 + s_off + nk // 32, mask=m2, other=0)
+        if PREFETCH:
+            q1n, q3n = q1n.to(tl.int32), q3n.to(tl.int32)
+            acc1 = _acc_tile(acc1, q1, s1, a, MODE)
+            if GATED:
+                acc3 = _acc_tile(acc3, q3, s3, a, MODE)
+            q1, s1, q3, s3 = q1n, s1n, q3n, s3n
+        else:
+            acc1 = _acc_tile(acc1, q1n, s1n, a, MODE)
+            if GATED:
+                acc3 = _acc_tile(acc3, q3n, s3n, a, MODE)
+    out = _acc_rows(acc1, MODE)
+    if GATED:
+        out = _swiglu(out, _acc_rows(acc3, MODE), tl.load(RW + p), LIMIT)
     tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
 
 
@@ -154,10 +260,32 @@ def _fit_bk(K: int, bk: int) -> int:
     return bk
 
 
-# tile configs: best of an H200 sweep at V4-Flash shapes (scripts/bench_kernels.py --sweep)
-def _decode_config(K: int) -> dict:
-    bk = 512 if K % 512 == 0 else 128 if K % 128 == 0 else 64
-    return dict(BN=16, BK=bk, num_warps=4, num_stages=2)
+# tile configs: best of an H200 sweep at V4-Flash shapes (scripts/bench_kernels.py --sweep).
+# Decode: (max pairs P, config) rows, the first with P <= max pairs applies; the lead pastes the
+# table printed by `bench_kernels.py --moe-decode-sweep` here (variant: base / group / magic).
+DECODE_TABLE = ((DECODE_PAIRS, dict(variant="base", BN=16, BK=512, num_warps=4, num_stages=2)),)
+DECODE_VARIANTS = ("base", "group", "magic", "fma", "prefetch")
+
+
+def _decode_config(K: int, P: int = 1, table=None) -> dict:
+    """Decode GEMV config for K inputs and P pairs (BK fitted to K; table rows as DECODE_TABLE)."""
+    rows = table or DECODE_TABLE
+    cfg = next((c for n, c in rows if P <= n), rows[-1][1])
+    return dict(cfg, BK=_fit_bk(K, cfg["BK"]))
+
+
+def _launch_decode(kernels: dict, grid_p: int, N: int, K: int, cfg: dict, args: tuple,
+                   **consts) -> None:
+    """One decode GEMV launch; cfg["variant"] picks the kernel of `kernels` (base or a group
+    kernel, the latter told MAGIC), BK fitted to K (the kernels have no K mask)."""
+    cfg = dict(cfg)
+    variant = cfg.pop("variant", "base")
+    if variant not in kernels:
+        raise ValueError(f"fused_moe: unknown decode variant {variant!r}, "
+                         f"expected one of {sorted(kernels)}")
+    kern, extra = kernels[variant]
+    cfg["BK"] = _fit_bk(K, cfg["BK"])
+    kern[(grid_p, triton.cdiv(N, cfg["BN"]))](*args, **consts, **extra, **cfg)
 
 
 def _sorted_config(P: int) -> dict:
@@ -166,6 +294,13 @@ def _sorted_config(P: int) -> dict:
     if P <= 16384:
         return dict(BM=32, BN=128, BK=64, num_warps=4, num_stages=3)
     return dict(BM=128, BN=64, BK=64, num_warps=4, num_stages=3)
+
+
+_GEMV = dict(base=(_moe_gemv_kernel, {}),
+             group=(_moe_gemv_group_kernel, dict(MODE=0, PREFETCH=False)),
+             magic=(_moe_gemv_group_kernel, dict(MODE=1, PREFETCH=False)),
+             fma=(_moe_gemv_group_kernel, dict(MODE=2, PREFETCH=False)),
+             prefetch=(_moe_gemv_group_kernel, dict(MODE=1, PREFETCH=True)))
 
 
 def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Tensor,
@@ -209,13 +344,12 @@ def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Ten
     if path == "decode":
         ids = idx.reshape(-1).to(torch.int32).contiguous()
         h = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
-        c1 = {**_decode_config(K), **(config or {})}
-        c2 = {**_decode_config(I), **(config or {})}
-        c1["BK"], c2["BK"] = _fit_bk(K, c1["BK"]), _fit_bk(I, c2["BK"])
-        _moe_gemv_kernel[(P, triton.cdiv(I, c1["BN"]))](x, ids, rw, w1, s1, w3, s3, h, I, K, k,
-                                                         GATED=True, LIMIT=lim, **c1)
-        _moe_gemv_kernel[(P, triton.cdiv(D, c2["BN"]))](h, ids, rw, w2, s2, w2, s2, out, D, I, k,
-                                                         GATED=False, LIMIT=lim, **c2)
+        c1 = {**_decode_config(K, P), **(config or {})}
+        c2 = {**_decode_config(I, P), **(config or {})}
+        _launch_decode(_GEMV, P, I, K, c1, (x, ids, rw, w1, s1, w3, s3, h, I, K, k),
+                       GATED=True, LIMIT=lim)
+        _launch_decode(_GEMV, P, D, I, c2, (h, ids, rw, w2, s2, w2, s2, out, D, I, k),
+                       GATED=False, LIMIT=lim)
     elif path == "sorted":
         cfg = {**_sorted_config(P), **(config or {})}
         sorted_ids, block_e = align(idx, E, cfg["BM"])

@@ -16,6 +16,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
 TOL = 2e-2 if INTERPRET else 5e-3        # interpreter: truncating fp32->bf16 casts (4 per path)
 
+from support import one_thread  # noqa: E402
+
 from backfit.quant import quantize_int8_groups
 from backfit.runtime.kernels import ref
 from backfit.runtime.model import moe as moe_model
@@ -71,6 +73,57 @@ def test_fused_moe_matches_reference(kmoe, path, sizes):
         y = kmoe.fused_moe(x, idx, w, *st, LIMIT, path=path)
         assert y.shape == (T, D) and y.dtype == torch.float32
         assert rel(y, want) < TOL, (path, T)
+
+
+@pytest.mark.parametrize("variant", ["base", "group", "magic", "fma", "prefetch"])
+def test_decode_variants_match_reference(kmoe, variant):
+    """Every decode GEMV variant (config "variant") at two tiles: a partial N block (D = 192 in
+    BN = 128 rows), BK fitted below the request (K = 192 -> 64, I = 64), 2 and 4 warps."""
+    assert variant in kmoe.DECODE_VARIANTS
+    E, D, I, k = 8, 192, 64, 4
+    st, gen = experts(E, D, I, seed=21)
+    with one_thread():
+        for T, cfg in ((1, dict(BN=32, BK=64)), (2, dict(BN=128, BK=256, num_warps=2))):
+            x = (torch.randn(T, D, generator=gen) * 4).bfloat16().to(DEV)
+            idx, w = routing(T, k, E, gen)
+            want = ref.moe_routed_ref(x, idx, w, *st, LIMIT)
+            y = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="decode",
+                               config=dict(cfg, variant=variant))
+            assert rel(y, want) < TOL, (variant, T, cfg)
+
+
+@pytest.mark.parametrize("variant", ["base", "group", "magic", "fma", "prefetch"])
+def test_decode_variants_read_every_code_and_exponent_exactly(kmoe, variant):
+    """One-hot rows through the down-projection launch read W[ids[p]][:, p] back: every int8
+    code (the 16 2·e2m1 values) under 8 exponents up to 231 (fma's range: (1.5·2^23 + q)·2^(e-128)
+    must stay finite), bit for bit against kernels.ref's dequant. Exponents 0, 1 (subnormal
+    2^-128, 2^-127) only for the bit-built 2^(e-128) variants on the GPU: base/group use ex2
+    (ftz), and the interpreter's bf16 cast truncates subnormals."""
+    N, K = 16, 256
+    vals = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
+    exps = torch.tensor([0, 1, 2, 64, 118, 128, 140, 231], dtype=torch.uint8)   # fma: <= 231
+    n, c = torch.arange(N)[:, None], torch.arange(K)[None, :]
+    q = torch.stack((vals[(n + c) % 16], vals[(n + 3 * c) % 16])).to(DEV)       # [2, N, K]
+    g = torch.arange(K // 32)[None, :]
+    s = torch.stack((exps[(n + g) % 8], exps[(2 * n + g + 1) % 8])).to(DEV)     # [2, N, K/32]
+    ids = (torch.arange(K) % 2).to(torch.int32).to(DEV)
+    eye = torch.eye(K, dtype=torch.bfloat16, device=DEV)
+    out = torch.empty(K, N, dtype=torch.bfloat16, device=DEV)
+    one = torch.ones(K, dtype=torch.float32, device=DEV)
+    with one_thread():
+        kmoe._launch_decode(kmoe._GEMV, K, N, K, dict(variant=variant, BN=16, BK=128,
+                            num_warps=4, num_stages=2), (eye, ids, one, q, s, q, s, out, N, K, 1),
+                            GATED=False, LIMIT=0.0)
+        want = torch.stack([ref.dequant_ref(q[e], s[e], "int8_mx32", torch.float32)
+                            for e in (0, 1)])                                   # [2, N, K]
+    want = want[ids.long(), :, torch.arange(K, device=DEV)]                     # [K, N]
+    assert want.to(torch.bfloat16).float().equal(want)                          # exact in bf16
+    got = out.float()
+    sub = (want != 0) & (want.abs() < 2.0 ** -126)
+    assert sub.any() and (want.abs() == 12 * 2.0 ** 103).any()
+    if INTERPRET or variant in ("base", "group"):                              # see above
+        got = torch.where(sub, want, got)
+    assert torch.equal(got, want), (got != want).nonzero()[:5].tolist()
 
 
 def test_swiglu_clamps_bite_and_match(kmoe):

@@ -51,6 +51,7 @@ def _split(cfg: dict) -> tuple[dict, dict]:
     cfg = dict(cfg)
     opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
     cfg.pop("K_SPLIT", None)
+    cfg.pop("variant", None)
     return cfg, opts
 
 
@@ -76,10 +77,17 @@ def compile_all() -> list[dict]:
     mtypes = dict(A="*bf16", IDX="*i32", RW="*fp32", W1="*i8", S1="*u8", W3="*i8", S3="*u8",
                   OUT="*bf16", N="i32", K="i32", TOPK="i32", SORTED="*i32", BLOCK_E="*i32",
                   P="i32", E="i32")
+    # decode GEMV: the shipped config, and each variant at the default tile and at the sweep
+    # grid's most weights per thread (scripts/bench_kernels.py --moe-decode-sweep)
+    decode = [moe._decode_config(4096)] + [
+        dict(variant=v, BN=bn, BK=bk, num_warps=wp, num_stages=ns) for v in moe.DECODE_VARIANTS
+        for bn, bk, wp, ns in ((16, 512, 4, 2), (32, 512, 4, 2))]
     for gated in (True, False):
-        cfg, opts = _split(moe._decode_config(4096))
-        out.append(_compile(moe._moe_gemv_kernel, mtypes, dict(cfg, GATED=gated, LIMIT=10.0), opts,
-                            ("N", "K")))
+        for dc in decode:
+            kern, extra = moe._GEMV[dc["variant"]]
+            cfg, opts = _split(dc)
+            out.append(_compile(kern, mtypes, dict(cfg, **extra, GATED=gated, LIMIT=10.0), opts,
+                                ("N", "K")))
         for p in (384, 6144, 8192 * 6):
             cfg, opts = _split(moe._sorted_config(p))
             out.append(_compile(moe._moe_sorted_kernel, mtypes,
@@ -89,7 +97,7 @@ def compile_all() -> list[dict]:
 
 def test_every_kernel_config_compiles_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 18
+    assert len(results) == 16 + 2 * (1 + 2 * 5)            # 5 decode variants x 2 tiles
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
