@@ -27,9 +27,11 @@ import triton.language as tl
 
 from backfit.formats import MX_GROUP
 from backfit.runtime.kernels.gemm import dot_bf16, interpreted
-from backfit.runtime.kernels.moe import DECODE_PAIRS, _fit_bk, _sorted_config, _swiglu, align
+from backfit.runtime.kernels.moe import DECODE_PAIRS, _fit_bk, _launch_decode, _sorted_config, \
+    _swiglu, align
+from backfit.runtime.kernels.moe import _decode_config as _moe_decode_config
 
-__all__ = ["fused_moe_mx4", "mx4_linear_pairs"]
+__all__ = ["DECODE_TABLE", "DECODE_VARIANTS", "fused_moe_mx4", "mx4_linear_pairs"]
 
 
 @triton.jit
@@ -169,8 +171,17 @@ def _mx4_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
 
 # BK counts inputs (BK/2 bytes per row and tile); the decode tile reads as many bytes per
 # iteration as the int8 kernel's. Sorted tiles: the int8 shapes (A dominates shared memory).
-def _decode_config(K: int) -> dict:
-    return dict(BN=16, BK=_fit_bk(K, 1024), num_warps=4, num_stages=2)
+# Decode: DECODE_TABLE rows (max pairs, config) as kernels.moe's (the table printed by
+# `bench_kernels.py --moe-decode-sweep` for mx4_e2m1 is pasted here); one variant, "base".
+DECODE_TABLE = ((DECODE_PAIRS, dict(variant="base", BN=16, BK=1024, num_warps=4, num_stages=2)),)
+DECODE_VARIANTS = ("base",)
+
+
+def _decode_config(K: int, P: int = 1) -> dict:
+    return _moe_decode_config(K, P, DECODE_TABLE)
+
+
+_GEMV4 = dict(base=(_mx4_gemv_kernel, {}))          # its tiles are already grouped
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple) -> None:
@@ -212,13 +223,12 @@ def fused_moe_mx4(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch
     if path == "decode":
         ids = idx.reshape(-1).to(torch.int32).contiguous()
         h = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
-        c1 = {**_decode_config(K), **(config or {})}
-        c2 = {**_decode_config(I), **(config or {})}
-        c1["BK"], c2["BK"] = _fit_bk(K, c1["BK"]), _fit_bk(I, c2["BK"])
-        _mx4_gemv_kernel[(P, triton.cdiv(I, c1["BN"]))](x, ids, rw, w1, s1, w3, s3, h, I, K, k,
-                                                         GATED=True, LIMIT=lim, **c1)
-        _mx4_gemv_kernel[(P, triton.cdiv(D, c2["BN"]))](h, ids, rw, w2, s2, w2, s2, out, D, I, k,
-                                                         GATED=False, LIMIT=lim, **c2)
+        c1 = {**_decode_config(K, P), **(config or {})}
+        c2 = {**_decode_config(I, P), **(config or {})}
+        _launch_decode(_GEMV4, P, I, K, c1, (x, ids, rw, w1, s1, w3, s3, h, I, K, k),
+                       GATED=True, LIMIT=lim)
+        _launch_decode(_GEMV4, P, D, I, c2, (h, ids, rw, w2, s2, w2, s2, out, D, I, k),
+                       GATED=False, LIMIT=lim)
     elif path == "sorted":
         cfg = {**_sorted_config(P), **(config or {})}
         sorted_ids, block_e = align(idx, E, cfg["BM"])
@@ -250,11 +260,9 @@ def mx4_linear_pairs(a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, s: tor
     a, out = a.contiguous(), torch.empty(P, N, dtype=torch.bfloat16, device=a.device)
     one = torch.ones(P, dtype=torch.float32, device=a.device)
     if path == "decode":
-        c = {**_decode_config(K), **(config or {})}
-        c["BK"] = _fit_bk(K, c["BK"])
-        _mx4_gemv_kernel[(P, triton.cdiv(N, c["BN"]))](a, ids.to(torch.int32).contiguous(), one,
-                                                        w, s, w, s, out, N, K, 1,
-                                                        GATED=False, LIMIT=0.0, **c)
+        c = {**_decode_config(K, P), **(config or {})}
+        _launch_decode(_GEMV4, P, N, K, c, (a, ids.to(torch.int32).contiguous(), one, w, s, w, s,
+                                            out, N, K, 1), GATED=False, LIMIT=0.0)
     elif path == "sorted":
         cfg = {**_sorted_config(P), **(config or {})}
         sorted_ids, block_e = align(ids[:, None], E, cfg["BM"])
