@@ -15,7 +15,6 @@ import json
 import math
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -223,55 +222,28 @@ def convert_shard(src_file: Path, actions: list[Action], tp: int, partial: Path,
         for r in range(tp):
             writers.append(ShardWriter(tmp[r], specs[r], {"format": "pt"}))
         order = sorted(actions, key=lambda a: min(e.offset for e in a.sources))   # file order
-
-        def convert_one(a: Action, got: dict, need: int) -> dict:
+        for a in order:
+            if stop is not None and stop.is_set():
+                raise Cancelled(fname)
+            need = working_set(a)
+            if budget is not None:
+                budget.acquire(need, stop)
             try:
+                srcs = sorted(a.sources, key=lambda e: e.offset)
+                got = {e.name: reader.read(e) for e in srcs}
                 outs, st = apply(a, [got[e.name] for e in a.sources], tp, table)
                 for o in a.outputs:                        # a list: already the rank pieces
                     v = outs[o.name]
                     pieces = v if isinstance(v, list) else _split(v, o.shard_dim, tp)
                     for w, piece in zip(writers, pieces):
                         w.write(o.name, piece)
-                return st
+                del got, outs, pieces
             finally:
                 if budget is not None:
                     budget.release(need)
-
-        def finish(a: Action, fut) -> None:
-            st = fut.result()
             if st:
                 stats[a.sources[0].name] = st
             on_progress(a.nbytes_in)
-
-        # Two-stage pipeline: this thread reads (and hashes) action i+1 while the helper thread
-        # converts and writes action i, so one shard keeps two cores busy (the pool's last shard
-        # does not run alone on one). At most two actions are held; the budget counts both.
-        pending = None
-        with ThreadPoolExecutor(1, thread_name_prefix="convert-write") as helper:
-            try:
-                for a in order:
-                    if stop is not None and stop.is_set():
-                        raise Cancelled(fname)
-                    need = working_set(a)
-                    if budget is not None:
-                        budget.acquire(need, stop)
-                    try:
-                        got = {e.name: reader.read(e) for e in sorted(a.sources, key=lambda e: e.offset)}
-                    except BaseException:
-                        if budget is not None:
-                            budget.release(need)
-                        raise
-                    fut = helper.submit(convert_one, a, got, need)
-                    del got
-                    if pending is not None:
-                        finish(*pending)
-                    pending = (a, fut)
-                if pending is not None:
-                    finish(*pending)
-            except BaseException:
-                if pending is not None:                    # let the last write end before the
-                    wait([pending[1]])                     # descriptors are closed below
-                raise
         for w in writers:
             w.close()
         writers = []
