@@ -1,6 +1,6 @@
 """Quantized-linear and fused-MoE kernels at DeepSeek-V4-Flash shapes against the measured roofline.
 
-    python scripts/bench_kernels.py [--out results.json] [--quick]
+    python scripts/bench_kernels.py [--out results.json] [--quick | --sweep | --moe-decode-sweep]
 
 One process measures, in order: device copy bandwidth (read + write bytes of a 4 GiB copy), the
 BF16 matmul peak (8192^3 torch.matmul) and the INT8 peak (8192^3 torch._int_mm), then
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backfit.quant import quantize_int8_groups  # noqa: E402
-from backfit.runtime.kernels import gemm, moe, ref  # noqa: E402
+from backfit.runtime.kernels import gemm, moe, moe_mx4, ref  # noqa: E402
 
 DEV = "cuda"
 E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)      # int8_mx32 codes by nibble
@@ -241,16 +241,140 @@ def sweep(ceil: dict) -> list:
     return res
 
 
+# --moe-decode-sweep grid: (BN, BK, warps, stages) per variant, most promising first, <= 128
+# weights per thread for the [BN, BK/32] partial-sum variants, <= 32 for fma (its FP32
+# accumulator has one register per weight of the tile), the shipped base tile first.
+_TILES = dict(
+    base=((16, 512, 4, 2), (32, 512, 4, 2), (16, 256, 4, 3)),
+    magic=((16, 512, 4, 2), (8, 512, 4, 2), (32, 256, 4, 2), (32, 512, 8, 2), (64, 256, 8, 2),
+           (16, 1024, 8, 2), (16, 256, 4, 3), (32, 512, 4, 2)),
+    fma=((8, 512, 4, 2), (16, 256, 4, 2), (16, 512, 8, 2), (32, 256, 8, 2), (8, 256, 4, 2)),
+    prefetch=((8, 512, 4, 2), (16, 256, 4, 2), (16, 512, 8, 2), (32, 256, 8, 2), (8, 1024, 8, 2),
+              (16, 512, 4, 2)),
+    group=((16, 512, 4, 2), (8, 512, 4, 2), (32, 512, 8, 2), (16, 1024, 8, 2)))
+_MX4_TILES = dict(                                 # BK counts inputs (BK/2 bytes a row)
+    base=((16, 1024, 4, 2), (8, 1024, 4, 2), (32, 512, 4, 2), (32, 1024, 8, 2), (64, 512, 8, 2),
+          (16, 2048, 8, 2), (16, 512, 4, 3), (32, 1024, 4, 2), (8, 2048, 4, 2), (64, 256, 4, 2)),
+    prefetch=((16, 1024, 4, 2), (8, 1024, 4, 2), (16, 512, 4, 2), (32, 512, 8, 2),
+              (16, 1024, 8, 2)))
+
+
+def decode_grid(scheme: str) -> list[dict]:
+    """int8_mx32: 26 configs over moe.DECODE_VARIANTS; mx4_e2m1: 15 over moe_mx4's."""
+    if scheme == "mx4_e2m1":
+        assert set(_MX4_TILES) == set(moe_mx4.DECODE_VARIANTS), moe_mx4.DECODE_VARIANTS
+        tiles = [(v, t) for v in _MX4_TILES for t in _MX4_TILES[v]]
+    else:
+        assert set(_TILES) == set(moe.DECODE_VARIANTS), moe.DECODE_VARIANTS
+        tiles = [("base", _TILES["base"][0])] + [(v, t) for v in _TILES for t in _TILES[v]
+                                                 if (v, t) != ("base", _TILES["base"][0])]
+        tiles.sort(key=lambda vt: (vt[0] == "base" and vt[1] != _TILES["base"][0],
+                                   vt[0] == "group"))      # shipped, magic, fma, prefetch, ...
+    return [dict(variant=v, BN=b, BK=k, num_warps=w, num_stages=n) for v, (b, k, w, n) in tiles]
+
+
+def mx4_stack(E: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random mx4_e2m1 experts: packed codes [E, n, k/2] uint8 and exponents [E, n, k/32]."""
+    return (torch.randint(0, 256, (E, n, k // 2), device=DEV, dtype=torch.uint8),
+            torch.randint(119, 127, (E, n, k // 32), device=DEV, dtype=torch.uint8))
+
+
+def moe_ref_mx4(x, idx, w, w1, s1, w3, s3, w2, s2, limit: float) -> torch.Tensor:
+    """kernels.ref.moe_routed_ref's math on dequant_mx4 weights (the torch path for mx4)."""
+    from backfit.quant import dequant_mx4
+
+    def lin(a, q, sc):                             # Linear.forward on dequantized weights
+        return torch.nn.functional.linear(a, dequant_mx4(q, sc).to(a.dtype))
+    y = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(idx).tolist():
+        rows, slot = torch.nonzero(idx == e, as_tuple=True)
+        h = ref.swiglu_ref(lin(x[rows], w1[e], s1[e]), lin(x[rows], w3[e], s3[e]), limit)
+        h = h * w[rows, slot][:, None]
+        y.index_add_(0, rows, lin(h.to(x.dtype), w2[e], s2[e]).float())
+    return y
+
+
+def moe_decode_sweep(ceil: dict, budget_s: float, t0: float, Ms=(1, 2, 4, 8), E: int = 256,
+                     D: int = 4096, I: int = 2048, k: int = 6, rot: int = 4) -> dict:
+    """Every decode variant x tile at M tokens, both schemes: graph-timed µs per call over `rot`
+    routings (other experts each call: weights stream from HBM), GB/s of the distinct experts'
+    bytes, % of the copy bandwidth, rel err vs the torch path; best per (scheme, M)."""
+    rows, best = [], {}
+    for scheme in ("int8_mx32", "mx4_e2m1"):
+        st = sum(((mx4_stack if scheme == "mx4_e2m1" else mx_stack)(E, n, kk)
+                  for n, kk in ((I, D), (I, D), (D, I))), ())          # w1, s1, w3, s3, w2, s2
+        per_expert = 3 * I * D * ((0.5 if scheme == "mx4_e2m1" else 1) + 1 / 32)
+        refn = moe_ref_mx4 if scheme == "mx4_e2m1" else ref.moe_routed_ref
+        cases = {}
+        for M in Ms:
+            xs = [torch.randn(M, D, device=DEV).bfloat16() for _ in range(rot)]
+            idxs = [torch.rand(M, E, device=DEV).argsort(1)[:, :k] for _ in range(rot)]
+            ws = [torch.rand(M, k, device=DEV) for _ in range(rot)]
+            n_exp = sum(torch.unique(i).numel() for i in idxs) / rot
+            byts = n_exp * per_expert + M * D * 2 * 2 + M * k * I * 4      # x, y, h (w, r)
+            cases[M] = (xs, idxs, ws, byts, refn(xs[0], idxs[0], ws[0], *st, 10.0))
+        stop = t0 + budget_s * (0.62 if scheme == "int8_mx32" else 1.0)    # mx4 gets its share
+        for cfg in decode_grid(scheme):
+            if time.time() > stop:
+                print(f"  budget {budget_s:.0f} s spent: {scheme} {cfg} skipped", flush=True)
+                continue
+            for M, (xs, idxs, ws, byts, want) in cases.items():
+                try:
+                    err = rel(moe.fused_moe(xs[0], idxs[0], ws[0], *st, 10.0, path="decode",
+                                            config=cfg), want)
+                    t = graph_us([lambda a=a, i=i, w=w: moe.fused_moe(
+                        a, i, w, *st, 10.0, path="decode", config=cfg)
+                        for a, i, w in zip(xs, idxs, ws)])
+                except Exception as e:                                 # e.g. out of resources
+                    print(f"  {scheme} {cfg} M={M}: {type(e).__name__}: {str(e)[:80]}")
+                    continue
+                gbs = byts / t / 1e3
+                rows.append(dict(scheme=scheme, config=cfg, M=M, us=t, GBps=gbs,
+                                 frac_copy=gbs / 1e3 / ceil["copy_TBps"], rel_err=err))
+                tile = "BN{BN:<3d} BK{BK:<5d} w{num_warps} s{num_stages}".format(**cfg)
+                print(f"{scheme:9s} {cfg['variant']:8s} {tile} M={M} {t:8.1f} us "
+                      f"{gbs:6.0f} GB/s {rows[-1]['frac_copy']:6.1%}  err {err:.1e}", flush=True)
+                if err < 1e-2 and t < best.get((scheme, M), (None, math.inf))[1]:
+                    best[(scheme, M)] = (cfg, t)
+        del st, cases
+    print("\n# best per (scheme, M): DECODE_TABLE for kernels/moe.py (int8) / moe_mx4.py (mx4)")
+    for scheme in ("int8_mx32", "mx4_e2m1"):
+        tab = []                                   # (max pairs, config), equal neighbours merged
+        for M in (M for M in Ms if (scheme, M) in best):
+            if tab and tab[-1][1] == best[(scheme, M)][0]:
+                tab.pop()
+            tab.append((str(M * k), best[(scheme, M)][0]))
+        print(f"# {scheme}: " + ", ".join(f"M={M} {best[(scheme, M)][1]:.1f} us" for M in Ms
+                                          if (scheme, M) in best))
+        if tab:
+            tab[-1] = ("DECODE_PAIRS", tab[-1][1])
+        print("DECODE_TABLE = (" + ",\n                ".join(
+            f"({n}, dict({', '.join(f'{a}={b!r}' for a, b in c.items())}))" for n, c in tab)
+            + ",)" if tab else "# (no config within rel err 1e-2)")
+    return dict(rows=rows, best=[dict(scheme=sc, M=M, config=c, us=t)
+                                 for (sc, M), (c, t) in best.items()])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_kernels.json")
     ap.add_argument("--quick", action="store_true", help="decode shapes only")
     ap.add_argument("--sweep", action="store_true", help="time tile configs instead")
+    ap.add_argument("--moe-decode-sweep", action="store_true",
+                    help="MoE decode GEMV variants x tiles, M = 1-8, int8_mx32 and mx4_e2m1")
+    ap.add_argument("--budget-s", type=float, default=230.0,
+                    help="--moe-decode-sweep: skip the configs left after this many seconds")
     args = ap.parse_args()
     t0 = time.time()
     ceil = ceilings()
     print(f"device {torch.cuda.get_device_name()}  copy {ceil['copy_TBps']:.2f} TB/s  "
           f"bf16 {ceil['bf16_TFLOPs']:.0f} TFLOP/s  int8 {ceil['int8_TOPs']:.0f} TOP/s", flush=True)
+    if args.moe_decode_sweep:
+        res = dict(device=torch.cuda.get_device_name(), triton=__import__("triton").__version__,
+                   ceilings=ceil, **moe_decode_sweep(ceil, args.budget_s, t0))
+        Path(args.out).write_text(json.dumps(dict(res, seconds=time.time() - t0), indent=1))
+        print(f"done in {time.time() - t0:.0f} s -> {args.out}")
+        return
     if args.sweep:
         Path(args.out).write_text(json.dumps(dict(ceilings=ceil, sweep=sweep(ceil)), indent=1))
         return

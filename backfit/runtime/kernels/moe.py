@@ -89,7 +89,7 @@ def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
 #             sums Σ_j q·x (exact products) times 2^(e-128) once per group, [BN, BK/32] partials
 #             across K, one cross-group sum at the end.
 #   magic     MODE 1: group without I2F (16/clk/SM): bits(1.5·2^23) + q is the float 1.5·2^23 + q,
-#             minus 1.5·2^23 exact; 2^(e-128) built from bits instead of ex2 (exact, subnormals too).
+#             minus 1.5·2^23 exact; 2^(e-128) built from bits, not ex2 (exact, subnormals too).
 #   fma       MODE 2: magic's codes, each weight dequantized by one exact FMA, (1.5·2^23 + q)·2^e
 #             − 1.5·2^23·2^e (exact products and difference; finite for e <= 231, |w| <= 12·2^103),
 #             FMA-accumulated per element.

@@ -109,6 +109,59 @@ def _mx4_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
 
 
 @triton.jit
+def _mx4_groups(b, s, a_lo, a_hi):
+    """_gemv_groups on loaded bytes b int32 [BN, G, 16] and exponents s [BN, G] -> FP32 [BN, G]."""
+    t = tl.sum(_e2m1_lo(b) * a_lo[None] + _e2m1_hi(b) * a_hi[None], axis=2)      # ·2^-63
+    return t * _TWO63 * _pow2(s)
+
+
+@triton.jit
+def _mx4_gemv_prefetch_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
+                              LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """_mx4_gemv_kernel (variant "prefetch", as kernels.moe's): the next K tile's bytes and
+    exponents are loaded (as int32) before this tile's math; the last tile reloads itself."""
+    G: tl.constexpr = BK // 32
+    p, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(IDX + p).to(tl.int64)
+    arow = p // TOPK if GATED else p
+    rn = pid_n * BN + tl.arange(0, BN)
+    rg = tl.arange(0, G)
+    rj = tl.arange(0, 16)
+    n_ok = rn < N
+    m3, m2 = n_ok[:, None, None], n_ok[:, None]
+    KB, KG = (K // 64) * 32, (K // 64) * 2
+    w_off = e * N * KB + rn[:, None, None] * KB + rg[None, :, None] * 16 + rj[None, None, :]
+    s_off = e * N * KG + rn[:, None] * KG + rg[None, :]
+    a_off = arow * K + rg[:, None] * 32 + 2 * rj[None, :]
+    acc1 = tl.zeros((BN, G), dtype=tl.float32)
+    acc3 = tl.zeros((BN, G), dtype=tl.float32)
+    b1 = tl.load(W1 + w_off, mask=m3, other=0).to(tl.int32)
+    s1 = tl.load(S1 + s_off, mask=m2, other=0)
+    b3, s3 = b1, s1
+    if GATED:
+        b3 = tl.load(W3 + w_off, mask=m3, other=0).to(tl.int32)
+        s3 = tl.load(S3 + s_off, mask=m2, other=0)
+    for k0 in range(0, K, BK):
+        a_lo = tl.load(A + a_off + k0).to(tl.float32) * _TWO63
+        a_hi = tl.load(A + a_off + k0 + 1).to(tl.float32) * _TWO63
+        nk = tl.minimum(k0 + BK, K - BK)                    # next tile (inputs)
+        b1n = tl.load(W1 + w_off + nk // 2, mask=m3, other=0).to(tl.int32)
+        s1n = tl.load(S1 + s_off + nk // 32, mask=m2, other=0)
+        b3n, s3n = b1n, s1n
+        if GATED:
+            b3n = tl.load(W3 + w_off + nk // 2, mask=m3, other=0).to(tl.int32)
+            s3n = tl.load(S3 + s_off + nk // 32, mask=m2, other=0)
+        acc1 += _mx4_groups(b1, s1, a_lo, a_hi)
+        if GATED:
+            acc3 += _mx4_groups(b3, s3, a_lo, a_hi)
+        b1, s1, b3, s3 = b1n, s1n, b3n, s3n
+    out = tl.sum(acc1, axis=1)
+    if GATED:
+        out = _swiglu(out, tl.sum(acc3, axis=1), tl.load(RW + p), LIMIT)
+    tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
+
+
+@triton.jit
 def _dequant_half(v, s, BN: tl.constexpr, BK: tl.constexpr):
     """One nibble's values·2^-126 FP32 [BN, BK/2], scales FP32 [BN, BK/32] -> BF16 weights."""
     w = tl.reshape(v * _TWO126, (BN, BK // 32, 16)) * s[:, :, None]        # exact, no overflow
@@ -172,16 +225,17 @@ def _mx4_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
 # BK counts inputs (BK/2 bytes per row and tile); the decode tile reads as many bytes per
 # iteration as the int8 kernel's. Sorted tiles: the int8 shapes (A dominates shared memory).
 # Decode: DECODE_TABLE rows (max pairs, config) as kernels.moe's (the table printed by
-# `bench_kernels.py --moe-decode-sweep` for mx4_e2m1 is pasted here); one variant, "base".
+# `bench_kernels.py --moe-decode-sweep` for mx4_e2m1 is pasted here); variants "base"
+# (_mx4_gemv_kernel: its tiles are already [BN, BK/32, 16] groups) and "prefetch".
 DECODE_TABLE = ((DECODE_PAIRS, dict(variant="base", BN=16, BK=1024, num_warps=4, num_stages=2)),)
-DECODE_VARIANTS = ("base",)
+DECODE_VARIANTS = ("base", "prefetch")
 
 
 def _decode_config(K: int, P: int = 1) -> dict:
     return _moe_decode_config(K, P, DECODE_TABLE)
 
 
-_GEMV4 = dict(base=(_mx4_gemv_kernel, {}))          # its tiles are already grouped
+_GEMV4 = dict(base=(_mx4_gemv_kernel, {}), prefetch=(_mx4_gemv_prefetch_kernel, {}))
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple) -> None:

@@ -143,6 +143,38 @@ def test_ragged_tiles_and_clamps(kmx4):
             assert rel(y, want) < TOL, (path, cfg)
 
 
+@pytest.mark.parametrize("variant", ["base", "prefetch"])
+def test_decode_variants_exact_and_match(kmx4, variant):
+    """Each decode GEMV variant (config "variant"): every byte x 8 exponents read back bit for
+    bit by one-hot rows (as above; subnormals on the GPU only), and the fused MoE against the
+    torch math with a partial N block (D = 192 in BN = 128), BK fitted (K = 192 -> 64)."""
+    assert variant in kmx4.DECODE_VARIANTS
+    N, K = 16, 256
+    exps = torch.tensor([0, 1, 2, 100, 127, 128, 159, 252], dtype=torch.uint8)
+    q = torch.arange(N * K // 32)
+    grp = (q % 16)[:, None] * 16 + torch.arange(16)
+    w = torch.stack((grp.reshape(N, K // 2), grp.flip(0).reshape(N, K // 2))).to(torch.uint8)
+    s = torch.stack((exps[q // 16].reshape(N, K // 32), exps.flip(0)[q // 16].reshape(N, K // 32)))
+    w, s, ids = w.to(DEV), s.to(DEV), (torch.arange(K) % 2).to(DEV)
+    cfg = dict(variant=variant, BN=16, BK=128, num_warps=4, num_stages=2)
+    E, D, I, k = 4, 192, 64, 3
+    st, gen = experts(E, D, I, seed=31)
+    x = (torch.randn(2, D, generator=gen) * 4).bfloat16().to(DEV)
+    idx, rw = routing(2, k, E, gen)
+    with one_thread():
+        eye = torch.eye(K, dtype=torch.bfloat16, device=DEV)
+        got = kmx4.mx4_linear_pairs(eye, ids, w, s, path="decode", config=cfg).float()
+        want = torch.stack([dequant_mx4(w[e], s[e]) for e in (0, 1)])[ids, :, torch.arange(K)]
+        y = kmx4.fused_moe_mx4(x, idx, rw, *st, LIMIT, path="decode",
+                               config=dict(cfg, BN=128, BK=256))
+        y_want = moe_ref(x, idx, rw, *st, LIMIT)
+    sub = (want != 0) & (want.abs() < 2.0 ** -126)
+    if INTERPRET:
+        got = torch.where(sub, want, got)
+    assert sub.any() and torch.equal(got, want), (got != want).nonzero()[:5].tolist()
+    assert rel(y, y_want) < TOL
+
+
 def test_bad_input_one_line_errors(kmx4):
     st, gen = experts(2, 64, 64, seed=3)
     x = torch.randn(1, 64).bfloat16().to(DEV)

@@ -49,12 +49,24 @@ def compile_all() -> list[dict]:
             out.append(compile_one(moe_mx4._mx4_sorted_kernel, types,
                                 dict(cfg, GATED=gated, BY_SLOT=not gated, LIMIT=10.0, F32=False),
                                 opts, ("N", "K")))
+    # decode variants (config "variant"): prefetch at the shipped tile, both variants at the
+    # --moe-decode-sweep grid's most inputs per thread (BN 32 x BK 1024, 4 warps)
+    for gated, k, var, tile in ((True, 4096, "prefetch", None), (False, 512, "prefetch", None),
+                                (True, 4096, "base", (32, 1024, 4, 2)),
+                                (True, 4096, "prefetch", (32, 1024, 4, 2))):
+        dc = dict(moe_mx4._decode_config(k), variant=var)
+        if tile:
+            dc.update(BN=tile[0], BK=tile[1], num_warps=tile[2], num_stages=tile[3])
+        kern, extra = moe_mx4._GEMV4[var]
+        cfg, opts = _split(dc)
+        out.append(compile_one(kern, types, dict(cfg, **extra, GATED=gated, LIMIT=10.0), opts,
+                               ("N", "K")))
     return out
 
 
 def test_mx4_moe_kernels_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 8
+    assert len(results) == 8 + 4                            # + decode variants
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
