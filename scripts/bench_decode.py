@@ -173,8 +173,7 @@ def use_backend(r, be: str) -> None:
     """Switch the kernel backend in-process (the engine sets it once) and stack the experts."""
     kpkg._backend = r.kernels = be
     if be == "triton":
-        for lay in r.model.layers:
-            lay.ffn.prepare_kernels()
+        r.model.prepare_kernels()
 
 
 def capture_graphs(r):

@@ -20,8 +20,8 @@ from backfit.quant import dequant_int8_groups, dequant_int8_mx, dequant_mx4
 from backfit.runtime.distributed import all_gather, all_reduce, get_tp_info
 from backfit.runtime.kernels import get_kernel_backend
 
-__all__ = ["LINEAR_SCHEMES", "Linear", "ColumnParallelLinear", "RowParallelLinear",
-           "VocabParallelEmbedding", "ParallelHead", "RMSNorm", "Rotary", "yarn_inv_freq"]
+__all__ = ["LINEAR_SCHEMES", "Linear", "FusedProjection", "ColumnParallelLinear",
+           "RowParallelLinear", "VocabParallelEmbedding", "ParallelHead", "RMSNorm", "Rotary", "yarn_inv_freq"]
 
 # scheme -> (weight dtype, scale dtype, scale group along K); "copy" is a BF16/F32 weight kept as is
 LINEAR_SCHEMES = {
@@ -115,6 +115,48 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}"
+
+
+class FusedProjection:
+    """Linears that read one input, as ONE kernel launch (a post-load step of the triton path).
+
+    `fuse` concatenates their weights (and scales) by rows and makes every member's weight a row
+    view of the result, so nothing is added to memory and the members still work alone; None when
+    their schemes or dtypes differ or the scheme has no kernel. A call returns the members'
+    outputs, views of one [.., ΣN] result; with out_dtype FP32 each equals `forward_f32`'s.
+    """
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, scheme: str,
+                 sizes: list[int]):
+        self.weight, self.scale, self.scheme, self.sizes = weight, scale, scheme, sizes
+
+    @classmethod
+    def fuse(cls, linears: list[Linear]) -> "FusedProjection | None":
+        first = linears[0]
+        if len(linears) < 2 or first.scheme not in _KERNEL_SCHEMES or any(
+                m.scheme != first.scheme or m.in_features != first.in_features
+                or m.weight.dtype != first.weight.dtype for m in linears) \
+                or first.weight.dtype == torch.float32:
+            return None
+        weight = torch.cat([m.weight for m in linears])
+        scale = torch.cat([m.scale for m in linears]) if first.scale is not None else None
+        sizes, lo = [], 0
+        for m in linears:                                  # members become views: no copy kept
+            n = m.weight.shape[0]
+            m.weight = weight[lo:lo + n]
+            if scale is not None:
+                m.scale = scale[lo:lo + n]
+            sizes.append(n)
+            lo += n
+        return cls(weight, scale, first.scheme, sizes)
+
+    def joint(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x [.., K] -> the members' outputs side by side [.., ΣN] (one launch)."""
+        from backfit.runtime.kernels.gemm import linear
+        return linear(x, self.weight, self.scale, self.scheme, out_dtype=out_dtype)
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16):
+        return self.joint(x, out_dtype).split(self.sizes, dim=-1)
 
 
 class ColumnParallelLinear(Linear):

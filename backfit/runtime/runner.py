@@ -117,8 +117,7 @@ class ModelRunner:
         self.model = Transformer(self.cfg, self.dtype, mtp=False)
         load_model(self.model, rc.model, self.device)
         if self.kernels == "triton":                    # stacked experts before pool sizing
-            for layer in self.model.layers:
-                layer.ffn.prepare_kernels()
+            self.model.prepare_kernels()
         self.timings["weights_s"] = time.perf_counter() - t
         t = time.perf_counter()
         self.num_slots, self.num_blocks = self.size_pools()

@@ -71,8 +71,7 @@ def _runtime_pass(converted: str, seqs: list[list[int]], dtype: str, device: str
     model = Transformer(cfg, getattr(torch, dtype), mtp=False)
     load_model(model, converted, device)
     if paged and paged.get("kernels") == "triton":
-        for layer in model.layers:
-            layer.ffn.prepare_kernels()
+        model.prepare_kernels()
     captured: list[list[torch.Tensor]] = [[] for _ in model.layers]
     for i, layer in enumerate(model.layers):
         layer.register_forward_hook(lambda m, a, out, i=i: captured[i].append(out.float().cpu()))

@@ -22,8 +22,8 @@ from backfit.config import ModelConfig
 from backfit.runtime.batch import ForwardBatch, SeqSlice
 from backfit.runtime.distributed import all_reduce, get_tp_info
 from backfit.runtime.kernels import get_kernel_backend
-from backfit.runtime.layers import (ColumnParallelLinear, Linear, RMSNorm, RowParallelLinear,
-                                    Rotary)
+from backfit.runtime.layers import (ColumnParallelLinear, FusedProjection, Linear, RMSNorm,
+                                    RowParallelLinear, Rotary)
 from backfit.runtime.model.compressor import Compressor, Indexer
 
 __all__ = ["Attention", "layer_rotary"]
@@ -60,12 +60,51 @@ class Attention(nn.Module):
         self.compressor = (Compressor(d, D, ratio, ratio == 4, cfg.rms_norm_eps, self.rope)
                            if ratio else None)
         self.indexer = Indexer(cfg, self.rope) if ratio == 4 else None
+        self.fused_a = self.fused_f32 = None          # FusedProjection (prepare_kernels)
+
+    def prepare_kernels(self) -> None:
+        """Post-load step of the triton path: the projections of x as two launches, wq_a|wkv
+        (act dtype) and the compressors' wkv|wgate with the indexer's weights_proj (FP32 out)."""
+        if self.fused_a is not None:
+            return
+        self.fused_a = FusedProjection.fuse([self.wq_a, self.wkv])
+        f32 = []
+        if self.compressor is not None:
+            f32 += [self.compressor.wkv, self.compressor.wgate]
+        if self.indexer is not None:
+            f32 += [self.indexer.compressor.wkv, self.indexer.compressor.wgate,
+                    self.indexer.weights_proj]
+        self.fused_f32 = FusedProjection.fuse(f32) if f32 else None
+
+    def _project(self, x: torch.Tensor, pos: torch.Tensor):
+        """x [T, d] -> wq_a x, wkv x (act dtype), compressor (c, z), indexer compressor (c, z)
+        and weights_proj x (bf16-rounded, FP32), the last three None where the layer has none."""
+        fused = get_kernel_backend() == "triton" and x.is_cuda
+        if fused and self.fused_a is not None:
+            qa, kvx = self.fused_a(x)
+        else:
+            qa, kvx = self.wq_a(x), self.wkv(x)
+        comp = icomp = wraw = None
+        if fused and self.fused_f32 is not None:
+            out = self.fused_f32(x, torch.float32)
+            comp = self.compressor.with_ape(out[0], out[1], pos)
+            if self.indexer is not None:
+                icomp = self.indexer.compressor.with_ape(out[2], out[3], pos)
+                wraw = out[4].to(x.dtype)                             # as weights_proj(x) rounds
+        else:
+            if self.compressor is not None:
+                comp = self.compressor.project(x, pos)
+            if self.indexer is not None:
+                icomp = self.indexer.compressor.project(x, pos)
+                wraw = self.indexer.weights_proj(x)
+        return qa, kvx, comp, icomp, wraw
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         """x [T, d] (normed attention input) -> [T, d]; cache: this layer's, bound to the batch."""
         T, pos = x.shape[0], batch.positions
         Hl, D = self.local_heads, self.cfg.head_dim
-        qr = self.q_norm(self.wq_a(x))                                # [T, q_lora]; indexer input too
+        qa, kvx, comp, icomp, wraw = self._project(x, pos)
+        qr = self.q_norm(qa)                                          # [T, q_lora]; indexer input too
         q = self.wq_b(qr).view(T, Hl, D)
         if get_kernel_backend() == "triton" and q.is_cuda:          # per-head RMS, no weight
             from backfit.runtime.kernels.rope_norm import rms_norm
@@ -74,11 +113,9 @@ class Attention(nn.Module):
             qf = q.float()
             q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         q = self.rope(q, pos)                                         # [T, Hl, D]
-        kv = self.rope(self.kv_norm(self.wkv(x)), pos)                # [T, D]
-        comp = self.compressor.project(x, pos) if self.compressor is not None else None
+        kv = self.rope(self.kv_norm(kvx), pos)                        # [T, D]
         if self.indexer is not None:
-            qI, wI = self.indexer.queries(qr, x, pos)
-            icomp = self.indexer.compressor.project(x, pos)
+            qI, wI = self.indexer.queries(qr, wraw, pos)
         if get_kernel_backend() == "triton" and hasattr(cache, "block_table"):  # paged pools
             o = self._kernels(q, kv, pos, batch, cache, comp,
                               (qI, wI, icomp) if self.indexer is not None else None)

@@ -40,7 +40,11 @@ class Compressor(nn.Module):
 
     def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim] -> c, z [T, width] FP32 (z includes the absolute-position ape row)."""
-        return self.wkv.forward_f32(x), self.wgate.forward_f32(x) + self.ape[pos % self.ratio]
+        return self.with_ape(self.wkv.forward_f32(x), self.wgate.forward_f32(x), pos)
+
+    def with_ape(self, c: torch.Tensor, z: torch.Tensor, pos: torch.Tensor):
+        """(c, z) of the projections -> (c, z + ape[pos mod m])."""
+        return c, z + self.ape[pos % self.ratio]
 
     def update(self, cache, i: int, kind: str, c: torch.Tensor, z: torch.Tensor, start: int,
                dtype: torch.dtype, read: bool = True) -> torch.Tensor | None:
@@ -132,12 +136,12 @@ class Indexer(nn.Module):
         # 128^-0.5 (q·k scale) · 64^-0.5 (average over the GLOBAL head count)
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
 
-    def queries(self, qr: torch.Tensor, x: torch.Tensor, pos: torch.Tensor):
-        """qr [T, q_lora], x [T, dim] -> qI [T, Hl, 128] FP32 (rotated), w [T, Hl] FP32."""
+    def queries(self, qr: torch.Tensor, w: torch.Tensor, pos: torch.Tensor):
+        """qr [T, q_lora], w = weights_proj(x) [T, Hl] -> qI [T, Hl, 128] FP32 (rotated),
+        head weights [T, Hl] FP32."""
         qI = self.wq_b(qr).view(qr.shape[0], self.local_heads, self.head_dim)
         qI = self.rope(qI, pos).float()
-        w = self.weights_proj(x).float() * self.weight_scale
-        return qI, w
+        return qI, w.float() * self.weight_scale
 
     def select(self, qI: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor):
         """qI [n, Hl, 128], w [n, Hl], keys [E, 128], valid [n, E] -> (sel [n, k], ok [n, k]).

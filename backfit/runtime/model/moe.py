@@ -8,7 +8,9 @@ and one shared expert, SwiGLU with clamp. dsv4-model.md 5.5.
 Experts and the shared expert are split by intermediate dim (docs/FORMAT.md): every rank holds
 1/tp of every expert, computes partial down-projections, and one all-reduce sums them.
 With the "triton" kernel backend (runtime.kernels) the routed experts run as one fused launch
-per projection over stacked weights (prepare_kernels) and nothing syncs with the host.
+per projection over stacked weights (prepare_kernels), the router's top-k and the shared
+expert's SwiGLU are one launch each (kernels.pointwise), the shared gate|up one GEMV, and nothing
+syncs with the host.
 """
 
 from __future__ import annotations
@@ -34,9 +36,14 @@ class Expert(nn.Module):
         self.w1 = ColumnParallelLinear(dim, inter)
         self.w3 = ColumnParallelLinear(dim, inter)
         self.w2 = RowParallelLinear(inter, dim, reduce=False)
+        self.w13 = None                               # FusedProjection w1|w3 (shared expert)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """x [n, dim] -> [n, dim] partial (this rank's intermediate slice); weight [n] or None."""
+        if weight is None and self.w13 is not None and x.is_cuda \
+                and get_kernel_backend() == "triton":            # the shared expert
+            from backfit.runtime.kernels.pointwise import swiglu
+            return self.w2(swiglu(self.w13.joint(x), self.limit))  # gate|up in one launch
         g, u = self.w1(x).float(), self.w3(x).float()
         u = u.clamp(-self.limit, self.limit)          # clamp on up: both sides
         g = g.clamp(max=self.limit)                   # clamp on gate: upper only
@@ -62,7 +69,13 @@ class Gate(Linear):
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim] -> (expert ids [T, k] int64, weights [T, k] FP32)."""
-        s = torch.sqrt(F.softplus(self.forward_f32(x)))               # [T, E] FP32 router
+        logits = self.forward_f32(x)                                  # [T, E] FP32
+        if get_kernel_backend() == "triton" and x.is_cuda:           # one launch after the GEMV
+            from backfit.runtime.kernels.pointwise import route
+            return route(logits, self.topk, self.route_scale,
+                         bias=None if self.hashed else self.bias,
+                         tid2eid=self.tid2eid if self.hashed else None, tokens=tokens)
+        s = torch.sqrt(F.softplus(logits))                            # [T, E] FP32 router
         if self.hashed:
             idx = self.tid2eid[tokens].long()                         # fixed experts, no top-k
         else:
@@ -88,6 +101,9 @@ class MoE(nn.Module):
         exponents (each expert's tensors become views: no extra memory once stacked). False if
         the experts are not all int8_mx32 or all mx4_e2m1 (the torch loop is used then)."""
         if self.stacked is None:
+            from backfit.runtime.layers import FusedProjection
+            sh = self.shared_experts                       # gate|up of the shared expert: one GEMV
+            sh.w13 = FusedProjection.fuse([sh.w1, sh.w3])
             schemes = {m.scheme for ex in self.experts for m in (ex.w1, ex.w3, ex.w2)}
             if schemes not in ({"int8_mx32"}, {"mx4_e2m1"}):
                 self.stacked = ()

@@ -73,6 +73,13 @@ class Transformer(nn.Module):
         elif cfg.num_mtp_stages:
             self.skipped_prefixes = ("mtp.",)
 
+    def prepare_kernels(self) -> None:
+        """Post-load step of the triton path (after load_model): every layer's fused projections
+        and stacked experts (Attention / MoE.prepare_kernels); the weights become views."""
+        for layer in self.layers:
+            layer.attn.prepare_kernels()
+            layer.ffn.prepare_kernels()
+
     def new_state(self, device: str | torch.device | None = None) -> DecodeState:
         device = device if device is not None else self.embed.weight.device
         return DecodeState(self.cfg, self.dtype, device, mtp_layers=len(self.mtp))

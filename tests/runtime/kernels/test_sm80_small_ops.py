@@ -1,5 +1,5 @@
 """The small decode kernels (kernels.rope_norm: RMSNorm, RoPE; kernels.cache_ops: compressor
-pooling, cache stores) compile for sm_80 on this CPU machine (test_sm80.py's helper): shared
+pooling, cache stores; kernels.pointwise: SwiGLU, router top-k) compile for sm_80 on this CPU machine (test_sm80.py's helper): shared
 memory within 99 KB, no MMA (CUDA-core math), no FP8/FP4, and FMA contraction really off in
 RoPE (no fma.rn.f32 in its PTX: the torch path rounds every product). Real widths."""
 
@@ -16,7 +16,7 @@ from test_sm80 import SHARED_LIMIT, _compile, compile_in_subprocess  # noqa: E40
 def compile_all() -> list[dict]:
     import triton
 
-    from backfit.runtime.kernels import cache_ops, rope_norm
+    from backfit.runtime.kernels import cache_ops, pointwise, rope_norm
 
     out = []
     for n, w in ((4096, True), (1024, True), (512, False)):
@@ -39,12 +39,20 @@ def compile_all() -> list[dict]:
             X="*bf16", sx_b="i32", POS="*i64", SLOTS="*i32", TABLES="*i32", stride_tb="i32",
             DATA="*i8" if int8 else "*bf16", SCALE="*fp32", R="i32", scratch="i32", D="i32"),
             dict(MODE=mode, M=4, PB=32, INT8=int8, BD=512), dict(num_warps=4, num_stages=1)))
+    out.append(_compile(pointwise._swiglu_kernel, dict(GU="*bf16", H="*bf16", I="i32",
+                        stride_gu="i32"), dict(LIMIT=10.0, BI=1024), dict(num_warps=4, num_stages=1),
+                        ("I", "stride_gu")))
+    for hashed in (False, True):
+        out.append(_compile(pointwise._route_kernel, dict(
+            LOGITS="*fp32", BIAS="*fp32", TID2EID="*i64", TOKENS="*i64", IDX="*i64", W="*fp32",
+            E="i32", scale="fp32"), dict(K=6, HASH=hashed, BE=256, KP=8),
+            dict(num_warps=4, num_stages=1)))
     return out
 
 
 def test_small_kernels_compile_for_sm80():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 13
+    assert len(results) == 16
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name

@@ -1,0 +1,101 @@
+"""Small per-token kernels of the MoE block, one launch each instead of ~7 torch ops, SM80-safe,
+no host sync (runtime/model/moe.py on the triton backend):
+
+  swiglu(gu, limit)   gu [T, 2I] act dtype = the fused gate|up projection ->
+                      h = silu(min(g, L)) · clamp(u, ±L) [T, I] in gu.dtype (FP32 math; the
+                      shared expert: no routing weight)
+  route(logits, ...)  the router after its FP32 projection: s = sqrt(softplus(logits)), experts
+                      = top-k of s + bias (or tid2eid[token] on hash layers), weights
+                      s[expert] / Σ s[expert] · routed_scaling_factor -> ids [T, k] int64,
+                      weights [T, k] FP32; best first, ties to the lower expert id.
+Triton's exp/log differ from torch's in the last bits: FP32 rounding, and a top-k order that
+can differ from torch's only between scores equal to FP32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["swiglu", "route"]
+
+
+@triton.jit
+def _swiglu_kernel(GU, H, I, stride_gu, LIMIT: tl.constexpr, BI: tl.constexpr):
+    t, ib = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    c = ib * BI + tl.arange(0, BI)
+    ok = c < I
+    g = tl.load(GU + t * stride_gu + c, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(GU + t * stride_gu + I + c, mask=ok, other=0.0).to(tl.float32)
+    g = tl.minimum(g, LIMIT)                                     # gate: upper clamp only
+    u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)                 # up: both sides
+    tl.store(H + t * I + c, (g * tl.sigmoid(g) * u).to(H.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _route_kernel(LOGITS, BIAS, TID2EID, TOKENS, IDX, W, E, scale,
+                  K: tl.constexpr, HASH: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
+    """Token t: E router logits -> K expert ids (best first) and normalised weights."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BE)
+    ok = e < E
+    x = tl.load(LOGITS + t * E + e, mask=ok, other=0.0)
+    y = tl.exp(-tl.abs(x))                                       # softplus = max(x,0)+log1p(y)
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))   # Goldberg: accurate for tiny y
+    sp = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)       # torch's threshold 20
+    s = tl.sqrt(sp)                                              # [BE] sqrt(softplus)
+    j = tl.arange(0, KP)
+    ids = tl.zeros((KP,), tl.int64)
+    if HASH:
+        tok = tl.load(TOKENS + t)
+        ids = tl.load(TID2EID + tok * K + j, mask=j < K, other=0).to(tl.int64)
+    else:
+        sb = tl.where(ok, s + tl.load(BIAS + e, mask=ok, other=0.0), float("-inf"))
+        for i in tl.static_range(K):                             # K rounds of argmax
+            best = tl.max(sb, axis=0)
+            pick = tl.min(tl.where(sb == best, e, BE), axis=0)   # lowest id among ties
+            ids = tl.where(j == i, pick.to(tl.int64), ids)
+            sb = tl.where(e == pick, float("-inf"), sb)
+    w = tl.sum(tl.where(e[None, :] == ids[:, None], s[None, :], 0.0), axis=1)   # s[ids], [KP]
+    w = tl.where(j < K, w, 0.0)
+    w = w / tl.sum(w, axis=0) * scale
+    tl.store(IDX + t * K + j, ids, mask=j < K)
+    tl.store(W + t * K + j, w, mask=j < K)
+
+
+def swiglu(gu: torch.Tensor, limit: float) -> torch.Tensor:
+    """gu [T, 2I] (gate then up, unit stride in the last dim) -> h [T, I] in gu.dtype."""
+    T, I2 = gu.shape
+    if I2 % 2 or gu.stride(1) != 1:
+        raise ValueError(f"swiglu: gu [T, 2I] with unit stride, got {list(gu.shape)} {gu.stride()}")
+    I = I2 // 2
+    h = torch.empty(T, I, dtype=gu.dtype, device=gu.device)
+    if T:
+        BI = min(1024, triton.next_power_of_2(I))
+        _swiglu_kernel[(T, triton.cdiv(I, BI))](gu, h, I, gu.stride(0), LIMIT=float(limit), BI=BI,
+                                                num_warps=4)
+    return h
+
+
+def route(logits: torch.Tensor, k: int, scale: float, bias: torch.Tensor | None = None,
+          tid2eid: torch.Tensor | None = None, tokens: torch.Tensor | None = None):
+    """logits [T, E] FP32 (x·Gᵀ) -> (ids [T, k] int64, weights [T, k] FP32): bias [E] (scored
+    routing) or tid2eid [vocab, k] with tokens [T] (hash routing)."""
+    T, E = logits.shape
+    if logits.dtype != torch.float32 or (bias is None) == (tid2eid is None) \
+            or (tid2eid is not None and (tokens is None or tid2eid.shape[1] != k)):
+        raise ValueError("route: FP32 logits [T, E] and either bias [E] or tid2eid [vocab, k] "
+                         "with tokens [T]")
+    logits = logits.contiguous()
+    ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+    if T:
+        hashed = tid2eid is not None
+        _route_kernel[(T,)](logits, bias if not hashed else logits,
+                            tid2eid.contiguous() if hashed else ids,
+                            tokens.contiguous() if hashed else ids, ids, w, E, float(scale),
+                            K=k, HASH=hashed, BE=triton.next_power_of_2(E),
+                            KP=triton.next_power_of_2(k), num_warps=4)
+    return ids, w

@@ -1,0 +1,82 @@
+"""swiglu and route (runtime.kernels.pointwise) against the torch math of runtime/model/moe.py.
+
+CPU: the Triton interpreter. swiglu: within one BF16 ulp of the torch expression (FP32 math,
+Triton's sigmoid), FP32 to 1e-6. route: the same experts in the same order (scores drawn so that
+no two of a token's top-k are within FP32 noise), weights to 1e-6; hash layers read tid2eid;
+the shapes of Flash (256 experts, top 6) and a small ragged one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
+
+
+def kmod():
+    import triton
+
+    import backfit.runtime.kernels.pointwise as m
+    if isinstance(m._route_kernel, triton.runtime.jit.JITFunction) == INTERPRET:
+        m = importlib.reload(m)
+    return m
+
+
+def _swiglu_ref(gu, limit):
+    I = gu.shape[1] // 2
+    g, u = gu[:, :I].float().clamp(max=limit), gu[:, I:].float().clamp(-limit, limit)
+    return (F.silu(g) * u).to(gu.dtype)
+
+
+@pytest.mark.parametrize("T, I", [(1, 2048), (5, 100), (3, 512)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu(T, I, dtype):
+    k = kmod()
+    g = torch.Generator().manual_seed(T * I)
+    gu = (torch.randn(T, 2 * I, generator=g) * 6).to(dtype).to(DEV)     # clamps at 10 are hit
+    got, want = k.swiglu(gu, 10.0), _swiglu_ref(gu, 10.0)
+    assert got.dtype == dtype and got.shape == (T, I)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        diff = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs().max()
+        assert int(diff) <= 1
+    with pytest.raises(ValueError, match="swiglu"):
+        k.swiglu(gu[:, :3], 10.0)
+
+
+def _route_ref(logits, k, scale, bias=None, tid2eid=None, tokens=None):
+    s = torch.sqrt(F.softplus(logits))
+    idx = tid2eid[tokens].long() if tid2eid is not None else (s + bias).topk(k, dim=-1).indices
+    w = s.gather(1, idx)
+    return idx, w / w.sum(-1, keepdim=True) * scale
+
+
+@pytest.mark.parametrize("T, E, k", [(1, 256, 6), (7, 256, 6), (4, 20, 3)])
+def test_route_scored_and_hashed(T, E, k):
+    m = kmod()
+    g = torch.Generator().manual_seed(T * E)
+    # distinct scores: a random permutation spread over [-25, 25] (softplus's both branches)
+    logits = torch.stack([torch.randperm(E, generator=g).float() for _ in range(T)])
+    logits = (logits / E * 50 - 25 + torch.rand(T, E, generator=g) * 1e-3).to(DEV)
+    bias = (torch.randn(E, generator=g) * 0.01).to(DEV)
+    ids, w = m.route(logits, k, 2.5, bias=bias)
+    rid, rw = _route_ref(logits, k, 2.5, bias=bias)
+    assert ids.dtype == torch.int64 and torch.equal(ids, rid)
+    torch.testing.assert_close(w, rw, rtol=1e-6, atol=1e-6)
+    tid2eid = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(50)]).to(DEV)
+    tokens = torch.randint(0, 50, (T,), generator=g).to(DEV)
+    ids, w = m.route(logits, k, 1.5, tid2eid=tid2eid, tokens=tokens)
+    rid, rw = _route_ref(logits, k, 1.5, tid2eid=tid2eid, tokens=tokens)
+    assert torch.equal(ids, rid)
+    torch.testing.assert_close(w, rw, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="route"):
+        m.route(logits, k, 1.0)
