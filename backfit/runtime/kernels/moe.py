@@ -104,7 +104,8 @@ _MAGIC_F = tl.constexpr(12582912.0)            # 1.5·2^23
 def _pow2_mx(s):
     """Exponent bytes (any shape) -> FP32 2^(s-128) from bits, exact (subnormal for s <= 1)."""
     e = s.to(tl.int32)
-    return tl.where(e > 1, (e - 1) << 23, 1 << (tl.minimum(e, 1) + 21)).to(tl.float32, bitcast=True)
+    bits = tl.where(e > 1, (e - 1) << 23, (e + 1) << 21)       # e = 0, 1: 2^-128, 2^-127 (subnormal)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

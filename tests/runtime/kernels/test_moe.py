@@ -179,6 +179,16 @@ def test_bad_input_one_line_errors(kmoe):
         kmoe.fused_moe(x, idx, w, *st, LIMIT, path="fast")
 
 
+def test_unknown_decode_variant_is_a_one_line_error(kmoe):
+    st, gen = experts(2, 64, 64, seed=4)
+    x = torch.randn(1, 64).bfloat16().to(DEV)
+    idx, w = routing(1, 2, 2, gen)
+    with pytest.raises(ValueError, match=r"unknown decode variant 'fast', expected one of \["):
+        kmoe.fused_moe(x, idx, w, *st, LIMIT, path="decode", config={"variant": "fast"})
+    assert kmoe._decode_config(4096, 6)["variant"] in kmoe.DECODE_VARIANTS        # shipped table
+    assert kmoe._decode_config(192, 6)["BK"] == 64                                 # fitted to K
+
+
 def _moe_module(E: int, D: int, I: int, tp1_process):
     cfg = SimpleNamespace(hidden_size=D, moe_intermediate_size=I, swiglu_limit=LIMIT,
                           n_shared_experts=1, n_routed_experts=E, num_experts_per_tok=3,
