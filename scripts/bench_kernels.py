@@ -259,6 +259,9 @@ _MX4_TILES = dict(                                 # BK counts inputs (BK/2 byte
               (16, 1024, 8, 2)))
 
 
+ERR_OK = 1e-2                 # rel err vs the torch path above which a config is not a candidate
+
+
 def decode_grid(scheme: str) -> list[dict]:
     """int8_mx32: 26 configs over moe.DECODE_VARIANTS; mx4_e2m1: 15 over moe_mx4's."""
     if scheme == "mx4_e2m1":
@@ -294,6 +297,20 @@ def moe_ref_mx4(x, idx, w, w1, s1, w3, s3, w2, s2, limit: float) -> torch.Tensor
     return y
 
 
+def decode_launches(scheme: str, st: tuple, x, idx, w, cfg: dict) -> tuple:
+    """fused_moe's two decode launches alone (gate/up -> h, down reading a fixed random h)."""
+    kern = moe_mx4._GEMV4 if scheme == "mx4_e2m1" else moe._GEMV
+    w1, s1, w3, s3, w2, s2 = st
+    (P, k), I, D, K = (idx.numel(), idx.shape[1]), w1.shape[1], w2.shape[1], x.shape[1]
+    ids, rw = idx.reshape(-1).int(), w.reshape(-1).float()
+    h, h_in = torch.empty(P, I, device=DEV).bfloat16(), torch.randn(P, I, device=DEV).bfloat16()
+    out = torch.empty(P, D, dtype=torch.bfloat16, device=DEV)
+    return (lambda: moe._launch_decode(kern, P, I, K, cfg, (x, ids, rw, w1, s1, w3, s3, h, I, K, k),
+                                       GATED=True, LIMIT=10.0),
+            lambda: moe._launch_decode(kern, P, D, I, cfg, (h_in, ids, rw, w2, s2, w2, s2, out, D,
+                                                            I, k), GATED=False, LIMIT=10.0))
+
+
 def moe_decode_sweep(ceil: dict, budget_s: float, t0: float, Ms=(1, 2, 4, 8), E: int = 256,
                      D: int = 4096, I: int = 2048, k: int = 6, rot: int = 4) -> dict:
     """Every decode variant x tile at M tokens, both schemes: graph-timed µs per call over `rot`
@@ -325,34 +342,46 @@ def moe_decode_sweep(ceil: dict, budget_s: float, t0: float, Ms=(1, 2, 4, 8), E:
                     t = graph_us([lambda a=a, i=i, w=w: moe.fused_moe(
                         a, i, w, *st, 10.0, path="decode", config=cfg)
                         for a, i, w in zip(xs, idxs, ws)])
+                    one = [decode_launches(scheme, st, *c, cfg) for c in zip(xs, idxs, ws)]
+                    t_up, t_dn = graph_us([u for u, _ in one]), graph_us([d for _, d in one])
                 except Exception as e:                                 # e.g. out of resources
                     print(f"  {scheme} {cfg} M={M}: {type(e).__name__}: {str(e)[:80]}")
                     continue
                 gbs = byts / t / 1e3
-                rows.append(dict(scheme=scheme, config=cfg, M=M, us=t, GBps=gbs,
-                                 frac_copy=gbs / 1e3 / ceil["copy_TBps"], rel_err=err))
+                rows.append(dict(scheme=scheme, config=cfg, M=M, us=t, GBps=gbs, up_us=t_up,
+                                 down_us=t_dn, frac_copy=gbs / 1e3 / ceil["copy_TBps"],
+                                 rel_err=err))
                 tile = "BN{BN:<3d} BK{BK:<5d} w{num_warps} s{num_stages}".format(**cfg)
                 print(f"{scheme:9s} {cfg['variant']:8s} {tile} M={M} {t:8.1f} us "
-                      f"{gbs:6.0f} GB/s {rows[-1]['frac_copy']:6.1%}  err {err:.1e}", flush=True)
-                if err < 1e-2 and t < best.get((scheme, M), (None, math.inf))[1]:
-                    best[(scheme, M)] = (cfg, t)
+                      f"{gbs:6.0f} GB/s {rows[-1]['frac_copy']:6.1%}  err {err:.1e}  "
+                      f"(gate/up {t_up:.1f} + down {t_dn:.1f} us alone)", flush=True)
+                for key, tt in (((scheme, M), t), ((scheme, M, "up"), t_up),
+                                ((scheme, M, "down"), t_dn)):
+                    if err < ERR_OK and tt < best.get(key, (None, math.inf))[1]:
+                        best[key] = (cfg, tt)
         del st, cases
-    print("\n# best per (scheme, M): DECODE_TABLE for kernels/moe.py (int8) / moe_mx4.py (mx4)")
-    for scheme in ("int8_mx32", "mx4_e2m1"):
+    print("\n# best per (scheme, M): DECODE_TABLE for kernels/moe.py (int8) / moe_mx4.py (mx4);"
+          " the split one (a down tile of its own) where its sum beats the fused time")
+    for scheme, split in [(sc, sp) for sc in ("int8_mx32", "mx4_e2m1") for sp in (False, True)]:
         tab = []                                   # (max pairs, config), equal neighbours merged
         for M in (M for M in Ms if (scheme, M) in best):
-            if tab and tab[-1][1] == best[(scheme, M)][0]:
+            cfg = best[(scheme, M)][0]
+            if split:                              # own best tiles for gate/up and for down
+                cfg = dict(best[(scheme, M, "up")][0], down=best[(scheme, M, "down")][0])
+            if tab and tab[-1][1] == cfg:
                 tab.pop()
-            tab.append((str(M * k), best[(scheme, M)][0]))
-        print(f"# {scheme}: " + ", ".join(f"M={M} {best[(scheme, M)][1]:.1f} us" for M in Ms
-                                          if (scheme, M) in best))
+            tab.append((str(M * k), cfg))
+        print(f"# {scheme} " + ("split (gate/up + down alone, sum): " if split else "fused: ")
+              + ", ".join(f"M={M} {best[(scheme, M)][1]:.1f} us" if not split else
+                          f"M={M} {best[(scheme, M, 'up')][1] + best[(scheme, M, 'down')][1]:.1f}"
+                          " us" for M in Ms if (scheme, M) in best))
         if tab:
             tab[-1] = ("DECODE_PAIRS", tab[-1][1])
         print("DECODE_TABLE = (" + ",\n                ".join(
             f"({n}, dict({', '.join(f'{a}={b!r}' for a, b in c.items())}))" for n, c in tab)
-            + ",)" if tab else "# (no config within rel err 1e-2)")
-    return dict(rows=rows, best=[dict(scheme=sc, M=M, config=c, us=t)
-                                 for (sc, M), (c, t) in best.items()])
+            + ",)" if tab else f"# (no config within rel err {ERR_OK})")
+    return dict(rows=rows, best=[dict(key=list(key), config=c, us=t)
+                                 for key, (c, t) in best.items()])
 
 
 def main() -> None:

@@ -262,17 +262,29 @@ def _fit_bk(K: int, bk: int) -> int:
 
 
 # tile configs: best of an H200 sweep at V4-Flash shapes (scripts/bench_kernels.py --sweep).
-# Decode: (max pairs P, config) rows, the first with P <= max pairs applies; the lead pastes the
-# table printed by `bench_kernels.py --moe-decode-sweep` here (variant: base / group / magic).
+# Decode: (max pairs P, config) rows, the first with P <= max pairs applies (a "down" dict in a
+# config: the down projection's own tile/variant); the lead pastes the table printed by
+# `bench_kernels.py --moe-decode-sweep` here (variants: DECODE_VARIANTS, see above).
 DECODE_TABLE = ((DECODE_PAIRS, dict(variant="base", BN=16, BK=512, num_warps=4, num_stages=2)),)
 DECODE_VARIANTS = ("base", "group", "magic", "fma", "prefetch")
 
 
-def _decode_config(K: int, P: int = 1, table=None) -> dict:
-    """Decode GEMV config for K inputs and P pairs (BK fitted to K; table rows as DECODE_TABLE)."""
+def _decode_config(K: int, P: int = 1, table=None, down: bool = False) -> dict:
+    """Decode GEMV config for K inputs and P pairs, BK fitted to K (table rows as DECODE_TABLE;
+    a row's "down" dict overrides it for the down projection: `down`)."""
     rows = table or DECODE_TABLE
-    cfg = next((c for n, c in rows if P <= n), rows[-1][1])
+    cfg = dict(next((c for n, c in rows if P <= n), rows[-1][1]))
+    sub = cfg.pop("down", {})
+    cfg.update(sub if down else {})
     return dict(cfg, BK=_fit_bk(K, cfg["BK"]))
+
+
+def _decode_pair(K: int, I: int, P: int, config: dict | None, table=None) -> tuple[dict, dict]:
+    """(gate/up, down) decode configs: table row, then `config` (its "down" dict: down only)."""
+    over = dict(config or {})
+    over_down = over.pop("down", {})
+    return ({**_decode_config(K, P, table), **over},
+            {**_decode_config(I, P, table, down=True), **over, **over_down})
 
 
 def _launch_decode(kernels: dict, grid_p: int, N: int, K: int, cfg: dict, args: tuple,
@@ -345,8 +357,7 @@ def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Ten
     if path == "decode":
         ids = idx.reshape(-1).to(torch.int32).contiguous()
         h = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
-        c1 = {**_decode_config(K, P), **(config or {})}
-        c2 = {**_decode_config(I, P), **(config or {})}
+        c1, c2 = _decode_pair(K, I, P, config)
         _launch_decode(_GEMV, P, I, K, c1, (x, ids, rw, w1, s1, w3, s3, h, I, K, k),
                        GATED=True, LIMIT=lim)
         _launch_decode(_GEMV, P, D, I, c2, (h, ids, rw, w2, s2, w2, s2, out, D, I, k),

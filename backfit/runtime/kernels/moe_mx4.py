@@ -27,8 +27,8 @@ import triton.language as tl
 
 from backfit.formats import MX_GROUP
 from backfit.runtime.kernels.gemm import dot_bf16, interpreted
-from backfit.runtime.kernels.moe import DECODE_PAIRS, _fit_bk, _launch_decode, _sorted_config, \
-    _swiglu, align
+from backfit.runtime.kernels.moe import DECODE_PAIRS, _decode_pair, _fit_bk, _launch_decode, \
+    _sorted_config, _swiglu, align
 from backfit.runtime.kernels.moe import _decode_config as _moe_decode_config
 
 __all__ = ["DECODE_TABLE", "DECODE_VARIANTS", "fused_moe_mx4", "mx4_linear_pairs"]
@@ -277,8 +277,7 @@ def fused_moe_mx4(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch
     if path == "decode":
         ids = idx.reshape(-1).to(torch.int32).contiguous()
         h = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
-        c1 = {**_decode_config(K, P), **(config or {})}
-        c2 = {**_decode_config(I, P), **(config or {})}
+        c1, c2 = _decode_pair(K, I, P, config, DECODE_TABLE)
         _launch_decode(_GEMV4, P, I, K, c1, (x, ids, rw, w1, s1, w3, s3, h, I, K, k),
                        GATED=True, LIMIT=lim)
         _launch_decode(_GEMV4, P, D, I, c2, (h, ids, rw, w2, s2, w2, s2, out, D, I, k),

@@ -189,6 +189,27 @@ def test_unknown_decode_variant_is_a_one_line_error(kmoe):
     assert kmoe._decode_config(192, 6)["BK"] == 64                                 # fitted to K
 
 
+def test_down_projection_takes_its_own_decode_config(kmoe, monkeypatch):
+    """config["down"] (and a table row's "down") applies to the down launch only."""
+    E, D, I, k = 4, 128, 64, 2
+    st, gen = experts(E, D, I, seed=6)
+    x = (torch.randn(2, D, generator=gen) * 4).bfloat16().to(DEV)
+    idx, w = routing(2, k, E, gen)
+    seen, real = [], kmoe._launch_decode
+    monkeypatch.setattr(kmoe, "_launch_decode", lambda kern, P, N, K, cfg, *a, **kw:
+                        seen.append((N, cfg)) or real(kern, P, N, K, cfg, *a, **kw))
+    cfg = dict(variant="magic", BN=16, BK=64, down=dict(variant="prefetch", BN=32, BK=128))
+    with one_thread():
+        y = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="decode", config=cfg)
+    assert rel(y, ref.moe_routed_ref(x, idx, w, *st, LIMIT)) < TOL
+    assert [(n, c["variant"], c["BN"], c["BK"]) for n, c in seen] == [
+        (I, "magic", 16, 64), (D, "prefetch", 32, 128)]
+    table = ((kmoe.DECODE_PAIRS, dict(cfg, down=dict(BN=64))),)
+    assert kmoe._decode_config(4096, 6, table)["BN"] == 16
+    assert kmoe._decode_config(4096, 6, table, down=True)["BN"] == 64
+    assert "down" not in kmoe._decode_pair(4096, 2048, 6, None, table)[1]
+
+
 def _moe_module(E: int, D: int, I: int, tp1_process):
     cfg = SimpleNamespace(hidden_size=D, moe_intermediate_size=I, swiglu_limit=LIMIT,
                           n_shared_experts=1, n_routed_experts=E, num_experts_per_tok=3,
