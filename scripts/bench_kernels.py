@@ -269,10 +269,9 @@ def decode_grid(scheme: str) -> list[dict]:
         tiles = [(v, t) for v in _MX4_TILES for t in _MX4_TILES[v]]
     else:
         assert set(_TILES) == set(moe.DECODE_VARIANTS), moe.DECODE_VARIANTS
-        tiles = [("base", _TILES["base"][0])] + [(v, t) for v in _TILES for t in _TILES[v]
-                                                 if (v, t) != ("base", _TILES["base"][0])]
-        tiles.sort(key=lambda vt: (vt[0] == "base" and vt[1] != _TILES["base"][0],
-                                   vt[0] == "group"))      # shipped, magic, fma, prefetch, ...
+        order = ("magic", "fma", "prefetch", "group")       # after the shipped tile, base last
+        tiles = [("base", _TILES["base"][0])] + [(v, t) for v in order for t in _TILES[v]] + [
+            ("base", t) for t in _TILES["base"][1:]]
     return [dict(variant=v, BN=b, BK=k, num_warps=w, num_stages=n) for v, (b, k, w, n) in tiles]
 
 
