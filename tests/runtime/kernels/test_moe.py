@@ -261,3 +261,25 @@ def test_gpu_real_shapes_and_no_host_sync(kmoe):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert rel(y, want) < 5e-3, T
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", ["group", "magic", "fma", "prefetch"])
+def test_gpu_decode_variants_real_shapes_and_no_host_sync(kmoe, variant):
+    E, D, I, k = 256, 4096, 512, 6                           # TP4-local experts
+    st, gen = experts(E, D, I, seed=12)
+    cfg = dict(variant=variant, BN=16, BK=256 if variant == "fma" else 512, num_warps=4,
+               num_stages=2)
+    for T in (1, 8):
+        x = torch.randn(T, D, generator=gen).bfloat16().cuda()
+        idx, w = routing(T, k, E, gen)
+        want = ref.moe_routed_ref(x, idx, w, *st, LIMIT)
+        kmoe.fused_moe(x, idx, w, *st, LIMIT, path="decode", config=cfg)      # compile first
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="decode", config=cfg)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert rel(y, want) < 5e-3, (variant, T)

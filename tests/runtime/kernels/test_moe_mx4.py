@@ -246,3 +246,23 @@ def test_gpu_real_shapes_and_no_host_sync(kmx4):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert rel(y, want) < 5e-3, T
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_prefetch_variant_real_shapes_and_no_host_sync(kmx4):
+    E, D, I, k = 256, 4096, 512, 6                           # TP4-local experts
+    st, gen = experts(E, D, I, seed=13)
+    cfg = dict(variant="prefetch", BN=16, BK=1024, num_warps=4, num_stages=2)
+    for T in (1, 8):
+        x = torch.randn(T, D, generator=gen).bfloat16().cuda()
+        idx, w = routing(T, k, E, gen)
+        want = moe_ref(x, idx, w, *st, LIMIT)
+        kmx4.fused_moe_mx4(x, idx, w, *st, LIMIT, path="decode", config=cfg)  # compile first
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y = kmx4.fused_moe_mx4(x, idx, w, *st, LIMIT, path="decode", config=cfg)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert rel(y, want) < 5e-3, T
