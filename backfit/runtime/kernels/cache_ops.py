@@ -26,7 +26,7 @@ __all__ = ["compress_decode", "store_decode"]
 
 
 @triton.jit
-def _compress_kernel(C, Z, sc_b, POS, SLOTS, RC, RZ, E, R, D, WIDTH,
+def _compress_kernel(C, Z, sc_b, sz_b, POS, SLOTS, RC, RZ, E, R, D, WIDTH,
                      M: tl.constexpr, OVERLAP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
                      BD: tl.constexpr):
     """Program (b, channel block): ring rows of this token, then E[b, block] over N slots
@@ -39,12 +39,12 @@ def _compress_kernel(C, Z, sc_b, POS, SLOTS, RC, RZ, E, R, D, WIDTH,
     ring = slot * R * WIDTH                                           # this slot's ring rows
     own = ring + (p % R) * WIDTH
     c0 = tl.load(C + b * sc_b + dd, mask=d_ok, other=0.0)            # this token, first D
-    z0 = tl.load(Z + b * sc_b + dd, mask=d_ok, other=0.0)
+    z0 = tl.load(Z + b * sz_b + dd, mask=d_ok, other=0.0)
     tl.store(RC + own + dd, c0, mask=d_ok)
     tl.store(RZ + own + dd, z0, mask=d_ok)
     if OVERLAP:                                                       # rows are 2D wide
         c1 = tl.load(C + b * sc_b + D + dd, mask=d_ok, other=0.0)
-        z1 = tl.load(Z + b * sc_b + D + dd, mask=d_ok, other=0.0)
+        z1 = tl.load(Z + b * sz_b + D + dd, mask=d_ok, other=0.0)
         tl.store(RC + own + D + dd, c1, mask=d_ok)
         tl.store(RZ + own + D + dd, z1, mask=d_ok)
     else:
@@ -108,13 +108,14 @@ def _store_kernel(X, sx_b, POS, SLOTS, TABLES, stride_tb, DATA, SCALE, R, scratc
 def compress_decode(c: torch.Tensor, z: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                     ring_c: torch.Tensor, ring_z: torch.Tensor, ratio: int, overlap: bool,
                     D: int) -> torch.Tensor:
-    """c, z [B, width] FP32 (rows may be strided), pos [B], slots [B] int32, rings [S, R, width]
+    """c, z [B, width] FP32 (each with its own row stride), pos [B], slots [B] int32, rings [S, R, width]
     FP32 -> E [B, D] FP32 (see the module docstring); the rings get this token's rows."""
     B, width = c.shape
-    if z.shape != c.shape or c.dtype != torch.float32 or z.stride() != c.stride() \
-            or c.stride(1) != 1 or width != (2 if overlap else 1) * D:
-        raise ValueError(f"compress_decode: c, z [B, {(2 if overlap else 1) * D}] FP32 with one "
-                         f"row stride; got {list(c.shape)} {c.dtype} strides {c.stride()}/{z.stride()}")
+    if z.shape != c.shape or c.dtype != torch.float32 or z.dtype != torch.float32 \
+            or c.stride(1) != 1 or z.stride(1) != 1 or width != (2 if overlap else 1) * D:
+        raise ValueError(f"compress_decode: c, z [B, {(2 if overlap else 1) * D}] FP32, unit "
+                         f"stride in a row; got {list(c.shape)} {c.dtype} strides "
+                         f"{c.stride()}/{z.stride()}")
     if ring_c.shape != ring_z.shape or ring_c.shape[2] != width or not ring_c.is_contiguous() \
             or not ring_z.is_contiguous():
         raise ValueError(f"compress_decode: rings [S, R, {width}] contiguous, got {list(ring_c.shape)}")
@@ -124,7 +125,7 @@ def compress_decode(c: torch.Tensor, z: torch.Tensor, pos: torch.Tensor, slots: 
         NP = triton.next_power_of_2(n)
         BD = min(128, triton.next_power_of_2(D), max(16, 4096 // NP))   # NP x BD x 2 in registers
         _compress_kernel[(B, triton.cdiv(D, BD))](
-            c, z, c.stride(0), pos.contiguous(), slots.contiguous(), ring_c, ring_z, E,
+            c, z, c.stride(0), z.stride(0), pos.contiguous(), slots.contiguous(), ring_c, ring_z, E,
             ring_c.shape[1], D, width, M=ratio, OVERLAP=overlap,
             N=n, NP=NP, BD=BD, num_warps=4)
     return E

@@ -265,7 +265,13 @@ def _fit_bk(K: int, bk: int) -> int:
 # Decode: (max pairs P, config) rows, the first with P <= max pairs applies (a "down" dict in a
 # config: the down projection's own tile/variant); the lead pastes the table printed by
 # `bench_kernels.py --moe-decode-sweep` here (variants: DECODE_VARIANTS, see above).
-DECODE_TABLE = ((DECODE_PAIRS, dict(variant="base", BN=16, BK=512, num_warps=4, num_stages=2)),)
+# best per pair count of `bench_kernels.py --moe-decode-sweep` on the H200 (2026-12-01, commit
+# 16bc670; docs/KERNELS.md): M=1 60.6 us (was 83.6 with base BN16 BK512 for both projections)
+DECODE_TABLE = ((6, dict(variant="magic", BN=16, BK=256, num_warps=4, num_stages=3,
+                         down=dict(variant="base", BN=16, BK=512, num_warps=4, num_stages=2))),
+                (DECODE_PAIRS, dict(variant="magic", BN=8, BK=512, num_warps=4, num_stages=2,
+                                    down=dict(variant="base", BN=16, BK=512, num_warps=4,
+                                              num_stages=2))))
 DECODE_VARIANTS = ("base", "group", "magic", "fma", "prefetch")
 
 

@@ -227,7 +227,12 @@ def _mx4_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
 # Decode: DECODE_TABLE rows (max pairs, config) as kernels.moe's (the table printed by
 # `bench_kernels.py --moe-decode-sweep` for mx4_e2m1 is pasted here); variants "base"
 # (_mx4_gemv_kernel: its tiles are already [BN, BK/32, 16] groups) and "prefetch".
-DECODE_TABLE = ((DECODE_PAIRS, dict(variant="base", BN=16, BK=1024, num_warps=4, num_stages=2)),)
+# best of the H200 sweep (2026-12-01, commit 16bc670): M=1 69.8 us (gate/up and down apart)
+DECODE_TABLE = ((6, dict(variant="base", BN=8, BK=1024, num_warps=4, num_stages=2,
+                         down=dict(variant="base", BN=16, BK=512, num_warps=4, num_stages=3))),
+                (DECODE_PAIRS, dict(variant="base", BN=16, BK=512, num_warps=4, num_stages=3,
+                                    down=dict(variant="base", BN=16, BK=512, num_warps=4,
+                                              num_stages=3))))
 DECODE_VARIANTS = ("base", "prefetch")
 
 

@@ -61,8 +61,8 @@ def test_compress_decode(m, overlap, D):
     pos = torch.tensor([0, m - 1, m, 2 * m - 1, 3 * m + 1, 40 * m + m - 1], device=DEV)
     slots = torch.tensor([4, 0, 2, 1, 3, 0][:len(pos)], dtype=torch.int32, device=DEV)
     pos, slots = pos[:4], slots[:4]                         # distinct slots (one writer each)
-    both = torch.randn(len(pos), 2, width, generator=g).to(DEV)
-    c, z = both[:, 0], both[:, 1]                           # strided rows, one row stride
+    both = torch.randn(len(pos), 3, width, generator=g).to(DEV)
+    c, z = both[:, 0], both[:, 1, :].contiguous()           # strided c rows, contiguous z
     want_c, want_z = rc.clone(), rz.clone()
     want_c[slots.long(), pos % R], want_z[slots.long(), pos % R] = c, z
     want = _torch_pool(want_c, want_z, slots, pos, m, overlap, D)

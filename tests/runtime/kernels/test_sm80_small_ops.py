@@ -31,7 +31,7 @@ def compile_all() -> list[dict]:
     for m, overlap, d, bd in ((4, True, 512, 128), (128, False, 512, 32), (4, True, 128, 128)):
         n = 2 * m if overlap else m
         out.append(_compile(cache_ops._compress_kernel, dict(
-            C="*fp32", Z="*fp32", sc_b="i32", POS="*i64", SLOTS="*i32", RC="*fp32", RZ="*fp32",
+            C="*fp32", Z="*fp32", sc_b="i32", sz_b="i32", POS="*i64", SLOTS="*i32", RC="*fp32", RZ="*fp32",
             E="*fp32", R="i32", D="i32", WIDTH="i32"), dict(M=m, OVERLAP=overlap, N=n,
             NP=triton.next_power_of_2(n), BD=bd), dict(num_warps=4, num_stages=1), ("D",)))
     for mode, int8 in ((0, False), (0, True), (1, True), (1, False)):
