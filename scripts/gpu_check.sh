@@ -11,7 +11,8 @@
 #   smoke  tiny checkpoint -> convert -> `backfit generate --device cuda --kernels torch`,
 #          `--kernels triton --enforce-eager` and `--kernels triton` (CUDA graphs); the greedy
 #          texts must be equal; then `backfit serve --device cuda` answers one chat completion
-#   verify `backfit verify --device cuda --kernels triton` on the tiny checkpoint: prefill chunks
+#   verify `backfit verify --device cuda --kernels triton --activations bfloat16` (the kernels'
+#          dtype, judged against the reference's own BF16 noise) on the tiny checkpoint: prefill chunks
 #          of 256, decode (chunks of 1), int8 KV, and --long-context $LONG (default 65536)
 #   bench  scripts/bench_decode.py $BENCH_ARGS (default: 4 real Flash layers, TP1)
 #   sweep  scripts/bench_kernels.py --moe-decode-sweep (fused-MoE decode variants and tiles)
@@ -81,7 +82,7 @@ for s in "${steps[@]}"; do
         run_step verify "${VERIFY_S:-420}" bash -c "
             $PY scripts/make_tiny_checkpoint.py $d/orig --small-vocab >/dev/null || exit 1
             $PY -m backfit.cli convert $d/orig $d/conv --tp 1 --quiet || exit 1
-            V='$PY -m backfit.cli verify $d/orig $d/conv --device cuda --kernels triton'
+            V='$PY -m backfit.cli verify $d/orig $d/conv --device cuda --kernels triton --activations bfloat16'
             st=0
             for a in '' '--chunk 1 --max-positions 256' '--kv-cache-dtype int8' \
                      '--long-context ${LONG:-65536} --chunk 2048'; do

@@ -151,7 +151,8 @@ class FusedProjection:
         return cls(weight, scale, first.scheme, sizes)
 
     def joint(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """x [.., K] -> the members' outputs side by side [.., ΣN] (one launch)."""
+        """x [.., K] bf16 (the kernel's activations) -> the members' outputs side by side
+        [.., ΣN] (one launch)."""
         from backfit.runtime.kernels.gemm import linear
         return linear(x, self.weight, self.scale, self.scheme, out_dtype=out_dtype)
 

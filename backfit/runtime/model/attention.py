@@ -79,7 +79,7 @@ class Attention(nn.Module):
     def _project(self, x: torch.Tensor, pos: torch.Tensor):
         """x [T, d] -> wq_a x, wkv x (act dtype), compressor (c, z), indexer compressor (c, z)
         and weights_proj x (bf16-rounded, FP32), the last three None where the layer has none."""
-        fused = get_kernel_backend() == "triton" and x.is_cuda
+        fused = get_kernel_backend() == "triton" and x.is_cuda and x.dtype == torch.bfloat16
         if fused and self.fused_a is not None:
             qa, kvx = self.fused_a(x)
         else:

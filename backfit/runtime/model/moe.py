@@ -40,7 +40,7 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """x [n, dim] -> [n, dim] partial (this rank's intermediate slice); weight [n] or None."""
-        if weight is None and self.w13 is not None and x.is_cuda \
+        if weight is None and self.w13 is not None and x.is_cuda and x.dtype == torch.bfloat16 \
                 and get_kernel_backend() == "triton":            # the shared expert
             from backfit.runtime.kernels.pointwise import swiglu
             return self.w2(swiglu(self.w13.joint(x), self.limit))  # gate|up in one launch
