@@ -53,7 +53,7 @@ from backfit.config import ModelConfig  # noqa: E402
 from backfit.runtime import kernels as kpkg  # noqa: E402
 from backfit.runtime.distributed import set_tp_info  # noqa: E402
 from backfit.runtime.layers import Linear, RMSNorm  # noqa: E402
-from backfit.runtime.model.moe import Gate, MoE  # noqa: E402
+from backfit.runtime.model.moe import Gate  # noqa: E402
 from backfit.synthetic import tiny_config_dict  # noqa: E402
 
 FLASH = dict(hidden_size=4096, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,

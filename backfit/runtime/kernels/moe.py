@@ -344,6 +344,17 @@ def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Ten
         if tuple(t.shape) != shape or t.dtype != dt or not t.is_contiguous():
             raise ValueError(f"fused_moe: {name} must be contiguous {dt}{list(shape)}, "
                              f"got {t.dtype}{list(t.shape)}")
+    return run_moe(x, idx, w, (w1, s1, w3, s3, w2, s2), (E, I, K, D), limit, path, config,
+                   _GEMV, DECODE_TABLE, _moe_sorted_kernel, ({}, {}))
+
+
+def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_kernel,
+            sorted_kw) -> torch.Tensor:
+    """The launch sequence both expert schemes share (their launchers check the stacks first):
+    stacks (w1, s1, w3, s3, w2, s2), dims (E, I, K, D); gemv / table: the decode variants and
+    DECODE_TABLE of the scheme, sorted_kernel with its extra constexprs for (gate/up, down)."""
+    E, I, K, D = dims
+    w1, s1, w3, s3, w2, s2 = stacks
     if x.shape[1] != K or K % 64 or I % 64:
         raise ValueError(f"fused_moe: x has {x.shape[1]} inputs, experts {K}; K and I must be "
                          f"multiples of 64")
@@ -363,10 +374,10 @@ def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Ten
     if path == "decode":
         ids = idx.reshape(-1).to(torch.int32).contiguous()
         h = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
-        c1, c2 = _decode_pair(K, I, P, config)
-        _launch_decode(_GEMV, P, I, K, c1, (x, ids, rw, w1, s1, w3, s3, h, I, K, k),
+        c1, c2 = _decode_pair(K, I, P, config, table)
+        _launch_decode(gemv, P, I, K, c1, (x, ids, rw, w1, s1, w3, s3, h, I, K, k),
                        GATED=True, LIMIT=lim)
-        _launch_decode(_GEMV, P, D, I, c2, (h, ids, rw, w2, s2, w2, s2, out, D, I, k),
+        _launch_decode(gemv, P, D, I, c2, (h, ids, rw, w2, s2, w2, s2, out, D, I, k),
                        GATED=False, LIMIT=lim)
     elif path == "sorted":
         cfg = {**_sorted_config(P), **(config or {})}
@@ -374,12 +385,12 @@ def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Ten
         nb = block_e.numel()
         h = torch.empty(nb * cfg["BM"], I, dtype=torch.bfloat16, device=x.device)
         f32 = interpreted()
-        _moe_sorted_kernel[(nb, triton.cdiv(I, cfg["BN"]))](
-            x, sorted_ids, block_e, rw, w1, s1, w3, s3, h, I, K, k, P, E,
-            GATED=True, LIMIT=lim, F32=f32, **dict(cfg, BK=_fit_bk(K, cfg["BK"])))
-        _moe_sorted_kernel[(nb, triton.cdiv(D, cfg["BN"]))](
-            h, sorted_ids, block_e, rw, w2, s2, w2, s2, out, D, I, k, P, E,
-            GATED=False, LIMIT=lim, F32=f32, **dict(cfg, BK=_fit_bk(I, cfg["BK"])))
+        sorted_kernel[(nb, triton.cdiv(I, cfg["BN"]))](
+            x, sorted_ids, block_e, rw, w1, s1, w3, s3, h, I, K, k, P, E, GATED=True,
+            LIMIT=lim, F32=f32, **sorted_kw[0], **dict(cfg, BK=_fit_bk(K, cfg["BK"])))
+        sorted_kernel[(nb, triton.cdiv(D, cfg["BN"]))](
+            h, sorted_ids, block_e, rw, w2, s2, w2, s2, out, D, I, k, P, E, GATED=False,
+            LIMIT=lim, F32=f32, **sorted_kw[1], **dict(cfg, BK=_fit_bk(I, cfg["BK"])))
     else:
         raise ValueError(f"fused_moe: unknown path {path!r}")
     return out.view(T, k, D).float().sum(1)                                 # FP32 sum over top-k

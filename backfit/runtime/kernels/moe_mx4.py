@@ -27,8 +27,8 @@ import triton.language as tl
 
 from backfit.formats import MX_GROUP
 from backfit.runtime.kernels.gemm import dot_bf16, interpreted
-from backfit.runtime.kernels.moe import DECODE_PAIRS, _decode_pair, _fit_bk, _launch_decode, \
-    _sorted_config, _swiglu, align
+from backfit.runtime.kernels.moe import DECODE_PAIRS, _fit_bk, _launch_decode, _sorted_config, \
+    _swiglu, align, run_moe
 from backfit.runtime.kernels.moe import _decode_config as _moe_decode_config
 
 __all__ = ["DECODE_TABLE", "DECODE_VARIANTS", "fused_moe_mx4", "mx4_linear_pairs"]
@@ -263,45 +263,9 @@ def fused_moe_mx4(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch
                            ("s1", s1, (E, I, K // MX_GROUP)), ("s3", s3, (E, I, K // MX_GROUP)),
                            ("w2", w2, (E, D, I // 2)), ("s2", s2, (E, D, I // MX_GROUP))):
         _check(name, t, shape)
-    if x.shape[1] != K or K % 64 or I % 64:
-        raise ValueError(f"fused_moe: x has {x.shape[1]} inputs, experts {K}; K and I must be "
-                         f"multiples of 64")
-    if idx.shape != w.shape or idx.dim() != 2 or idx.shape[0] != x.shape[0]:
-        raise ValueError(f"fused_moe: idx {list(idx.shape)} / w {list(w.shape)} "
-                         f"for {x.shape[0]} tokens")
-    T, k = idx.shape
-    P = T * k
-    x = x.contiguous()
-    rw = w.reshape(-1).float().contiguous()                                  # [P]
-    out = torch.empty(P, D, dtype=torch.bfloat16, device=x.device)
-    if P == 0:
-        return out.view(T, k, D).float().sum(1)
-    lim = float(limit)
-    if path is None:
-        path = "decode" if P <= DECODE_PAIRS else "sorted"
-    if path == "decode":
-        ids = idx.reshape(-1).to(torch.int32).contiguous()
-        h = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
-        c1, c2 = _decode_pair(K, I, P, config, DECODE_TABLE)
-        _launch_decode(_GEMV4, P, I, K, c1, (x, ids, rw, w1, s1, w3, s3, h, I, K, k),
-                       GATED=True, LIMIT=lim)
-        _launch_decode(_GEMV4, P, D, I, c2, (h, ids, rw, w2, s2, w2, s2, out, D, I, k),
-                       GATED=False, LIMIT=lim)
-    elif path == "sorted":
-        cfg = {**_sorted_config(P), **(config or {})}
-        sorted_ids, block_e = align(idx, E, cfg["BM"])
-        nb = block_e.numel()
-        h = torch.empty(nb * cfg["BM"], I, dtype=torch.bfloat16, device=x.device)
-        f32 = interpreted()
-        _mx4_sorted_kernel[(nb, triton.cdiv(I, cfg["BN"]))](
-            x, sorted_ids, block_e, rw, w1, s1, w3, s3, h, I, K, k, P, E, GATED=True,
-            BY_SLOT=False, LIMIT=lim, F32=f32, **dict(cfg, BK=_fit_bk(K, cfg["BK"])))
-        _mx4_sorted_kernel[(nb, triton.cdiv(D, cfg["BN"]))](
-            h, sorted_ids, block_e, rw, w2, s2, w2, s2, out, D, I, k, P, E, GATED=False,
-            BY_SLOT=True, LIMIT=lim, F32=f32, **dict(cfg, BK=_fit_bk(I, cfg["BK"])))
-    else:
-        raise ValueError(f"fused_moe: unknown path {path!r}")
-    return out.view(T, k, D).float().sum(1)                                 # FP32 sum over top-k
+    return run_moe(x, idx, w, (w1, s1, w3, s3, w2, s2), (E, I, K, D), limit, path, config,
+                   _GEMV4, DECODE_TABLE, _mx4_sorted_kernel,
+                   (dict(BY_SLOT=False), dict(BY_SLOT=True)))
 
 
 def mx4_linear_pairs(a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, s: torch.Tensor,
