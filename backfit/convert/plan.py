@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from backfit.checkpoint import CheckpointError, TensorEntry
+from backfit.checkpoint import TensorEntry
 from backfit.config import ModelConfig
 from backfit.formats import INT8_GROUP, MX_GROUP, shard_dim_for
 from backfit.inventory import expected_tensors
