@@ -18,8 +18,10 @@ with --enforce-eager. Capture warms each size up once on a side stream (Triton c
 
 from __future__ import annotations
 
+import itertools
 import time
 
+import numpy as np
 import torch
 
 from backfit.runtime.batch import ForwardBatch
@@ -30,21 +32,28 @@ __all__ = ["pad_decode_inputs", "DecodeGraphs"]
 
 def pad_decode_inputs(seqs, B: int, nblk: int, scratch_slot: int, scratch_block: int):
     """seqs: [(token, position, slot, block table)] (n <= B) -> host tensors of the padded batch:
-    tokens [B] int64, positions [B] int64, slots [B] int32, tables [B, nblk] int32."""
+    tokens [B] int64, positions [B] int64, slots [B] int32, tables [B, nblk] int32. Vectorized
+    (numpy): ~30 us at batch 64 where a row-by-row fill took ~500 (docs/ENGINE.md)."""
     n = len(seqs)
     if n > B:
         raise ValueError(f"{n} sequences do not fit a graph of batch {B}")
-    tokens = torch.zeros(B, dtype=torch.int64)
-    pos = torch.zeros(B, dtype=torch.int64)
-    slots = torch.full((B,), scratch_slot, dtype=torch.int32)
-    tables = torch.full((B, nblk), scratch_block, dtype=torch.int32)
-    for i, (tok, p, slot, table) in enumerate(seqs):
-        if len(table) > nblk:
-            raise ValueError(f"block table of {len(table)} blocks, graphs hold {nblk}")
-        tokens[i], pos[i], slots[i] = tok, p, slot
-        if table:
-            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
-    return tokens, pos, slots, tables
+    lens = np.fromiter((len(s[3]) for s in seqs), dtype=np.int64, count=n)
+    if n and int(lens.max()) > nblk:
+        raise ValueError(f"block table of {int(lens.max())} blocks, graphs hold {nblk}")
+    head = np.zeros((3, B), dtype=np.int64)                         # token, position, slot
+    head[2] = scratch_slot
+    if n:
+        head[:, :n] = np.array([s[:3] for s in seqs], dtype=np.int64).T
+    tables = np.full((B, nblk), scratch_block, dtype=np.int32)
+    total = int(lens.sum())
+    if total:
+        flat = np.fromiter(itertools.chain.from_iterable(s[3] for s in seqs), dtype=np.int32,
+                           count=total)
+        rows = np.repeat(np.arange(n), lens)
+        cols = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+        tables[rows, cols] = flat
+    return (torch.from_numpy(head[0]), torch.from_numpy(head[1]),
+            torch.from_numpy(head[2].astype(np.int32)), torch.from_numpy(tables))
 
 
 class DecodeGraphs:

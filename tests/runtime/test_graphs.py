@@ -31,6 +31,9 @@ def test_pad_decode_inputs():
     assert tok.tolist() == [7, 8, 0, 0] and pos.tolist() == [40, 3, 0, 0]
     assert slots.tolist() == [3, 0, 6, 6] and slots.dtype == torch.int32
     assert tables.tolist() == [[5, 2, 9, 11, 11], [4, 11, 11, 11, 11], [11] * 5, [11] * 5]
+    assert tok.dtype == pos.dtype == torch.int64 and tables.dtype == torch.int32
+    empty = pad_decode_inputs([(1, 2, 3, ())], 2, 3, 6, 11)         # a table with no blocks yet
+    assert empty[3].tolist() == [[11] * 3] * 2 and empty[2].tolist() == [3, 6]
     with pytest.raises(ValueError, match="do not fit a graph of batch 1"):
         pad_decode_inputs(seqs, 1, 5, 6, 11)
     with pytest.raises(ValueError, match="block table of 3 blocks, graphs hold 2"):
