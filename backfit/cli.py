@@ -49,14 +49,15 @@ def main() -> None:
               help="MXFP4 routed experts, all bit-exact (same weights in every scheme): "
                    "int8 = INT8 with per-(row, 32) power-of-two scales; mx4 = the packed 4-bit "
                    "MXFP4 bytes kept as they are, half the expert bytes. Both run the Triton "
-                   "fused MoE, which decodes the weights to BF16 in registers for BF16 MMA, so "
-                   "long prefill is compute-bound alike; a decode step streams the expert "
-                   "weights, so decode-heavy chat reads about half the bytes with mx4; and mx4 "
-                   "leaves ~9x the KV pool at TP4 on 80 GiB cards (docs/PERFORMANCE.md, "
-                   "Capacity: 1M-token contexts; int8 barely fits). Better default: mx4 for "
-                   "decode-heavy chat and long contexts; for long prefill the two are alike "
-                   "(mx4 GPU speed not measured yet: docs/KERNELS.md). bf16 = 2x the int8 "
-                   "bytes (verification / big machines).")
+                   "fused MoE, which decodes the weights to BF16 in registers for BF16 MMA. "
+                   "Measured on an H200 (docs/PERFORMANCE.md): 8K prefill alike; decode at "
+                   "batch 8-64 3-10 % more tokens/s with mx4 (half the expert bytes); a single "
+                   "stream 4 % slower with mx4 (its 4-bit decode is instruction-bound); and mx4 "
+                   "leaves ~9x the KV pool at TP4 on 80 GiB cards (Capacity: 1M-token "
+                   "contexts; with int8 no KV fits at --gpu-memory-utilization 0.90). Better "
+                   "choice: mx4 for serving (concurrent chat, long contexts, 80 GiB cards); "
+                   "int8 for the lowest single-stream latency on cards with room. bf16 = 2x "
+                   "the int8 bytes (verification / big machines).")
 @click.option("--force", is_flag=True, help="Replace DST if it exists (only once the new one is complete).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def convert(src: str, dst: str, tp: str, linears: str, experts: str, force: bool, quiet: bool) -> None:
