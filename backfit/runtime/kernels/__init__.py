@@ -1,13 +1,22 @@
 """Triton kernels for the GPU fast path, and the process-wide switch that selects them.
 
-  kernels.gemm   quantized linear: int8_g128 (W8A16 decode, W8A8 prefill) and bf16/copy weights
-  kernels.moe    fused MoE for stacked int8_mx32 experts (gate+up+SwiGLU, down with routing weight)
-  kernels.mhc    mHC hc_pre / hc_post / hc_head (FP32 logits + Sinkhorn, 2 / 1 / 2 launches)
-  kernels.ref    plain-torch references with the runtime's torch-path math (tests, fallback)
+  kernels.gemm       quantized linear: int8_g128 (W8A16 decode, W8A8 prefill), bf16/copy weights,
+                     BF16 or FP32 output (head, router, compressors)
+  kernels.moe        fused MoE for stacked int8_mx32 experts (gate+up+SwiGLU, down with routing
+                     weight; decode GEMV variants and the sorted tensor-core path)
+  kernels.moe_mx4    the same for 4-bit mx4_e2m1 experts (e2m1 decoded in registers)
+  kernels.attention  sparse attention over the paged pools (decode and chunked prefill)
+  kernels.indexer    lightning-indexer scores and top-k over the paged indexer keys
+  kernels.mhc        mHC hc_pre / hc_post / hc_head (FP32 logits + Sinkhorn, 2 / 1 / 2 launches)
+  kernels.rope_norm  RMSNorm and RoPE, one launch each (RoPE bit-equal to the torch path)
+  kernels.cache_ops  the compressors' decode update and the ring / entry stores of a decode step
+  kernels.pointwise  the router's top-k and the shared expert's SwiGLU
+  kernels.ref        plain-torch references with the runtime's torch-path math (tests, fallback)
 
-The switch is read by runtime.layers (Linear, ParallelHead), runtime.model.moe.MoE and
-runtime.model.hyper (mHC). It defaults to "torch" and is set once per process, so the torch path
-stays bit-for-bit what it was unless a caller opts in. Importing this package does not import triton (gemm/moe/mhc do, on first use).
+The switch is read by runtime.layers, runtime.cache.paged and runtime.model.* (attention,
+compressor, moe, hyper). It defaults to "torch" and is set once per process, so the torch path
+stays bit-for-bit what it was unless a caller opts in. Importing this package does not import
+triton (the kernel modules do, on first use).
 """
 
 from __future__ import annotations
