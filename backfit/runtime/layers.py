@@ -18,7 +18,7 @@ from torch import nn
 from backfit.formats import INT8_GROUP, MX_GROUP
 from backfit.quant import dequant_int8_groups, dequant_int8_mx, dequant_mx4
 from backfit.runtime.distributed import all_gather, all_reduce, get_tp_info
-from backfit.runtime.kernels import get_kernel_backend
+from backfit.runtime.kernels import get_kernel_backend, kernel_path
 
 __all__ = ["LINEAR_SCHEMES", "Linear", "FusedProjection", "ColumnParallelLinear",
            "RowParallelLinear", "VocabParallelEmbedding", "ParallelHead", "RMSNorm", "Rotary", "yarn_inv_freq"]
@@ -36,7 +36,7 @@ _KERNEL_SCHEMES = ("int8_g128", "bf16", "copy")      # Linear schemes runtime.ke
 
 def _on_gpu(x: torch.Tensor) -> bool:
     """Whether the FP32-output kernels may take x (CUDA only: on CPU the reference is used)."""
-    return x.is_cuda
+    return kernel_path(x)
 
 
 class Linear(nn.Module):
@@ -229,7 +229,7 @@ class RMSNorm(nn.Module):
         self.register_buffer("weight", torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if get_kernel_backend() == "triton" and x.is_cuda:           # one launch (kernels.rope_norm)
+        if kernel_path(x):                                             # one launch (kernels.rope_norm)
             from backfit.runtime.kernels.rope_norm import rms_norm
             return rms_norm(x, self.weight, self.eps)
         xf = x.float()
@@ -276,7 +276,7 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x [n, ..., D] with pos [n]; returns a new tensor with the last rope_dim dims rotated."""
-        if get_kernel_backend() == "triton" and x.is_cuda:           # bit-equal, one launch
+        if kernel_path(x):                                             # bit-equal, one launch
             from backfit.runtime.kernels.rope_norm import rope
             return rope(x, pos, self.inv_freq, self.rope_dim, inverse)
         cos, sin = self.cos_sin(pos)

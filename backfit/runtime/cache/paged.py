@@ -45,8 +45,8 @@ def check_block_size(cfg: ModelConfig, block_size: int) -> None:
 
 def _kernels(x: torch.Tensor) -> bool:
     """The decode stores run as one Triton launch (kernels.cache_ops) on the triton backend."""
-    from backfit.runtime.kernels import get_kernel_backend
-    return get_kernel_backend() == "triton" and x.is_cuda
+    from backfit.runtime.kernels import kernel_path
+    return kernel_path(x)
 
 
 class _Store:

@@ -21,10 +21,11 @@ triton (the kernel modules do, on first use).
 
 from __future__ import annotations
 
-__all__ = ["KERNEL_BACKENDS", "set_kernel_backend", "get_kernel_backend"]
+__all__ = ["KERNEL_BACKENDS", "set_kernel_backend", "get_kernel_backend", "kernel_path"]
 
 KERNEL_BACKENDS = ("torch", "triton")
 _backend: str | None = None
+_ANY_DEVICE = False      # tests: let CPU tensors take the kernel path (under TRITON_INTERPRET)
 
 
 def set_kernel_backend(name: str) -> None:
@@ -40,3 +41,9 @@ def set_kernel_backend(name: str) -> None:
 def get_kernel_backend() -> str:
     """The selected backend; "torch" when nothing was set (never raises)."""
     return _backend or "torch"
+
+
+def kernel_path(x) -> bool:
+    """Whether `x` takes the Triton kernels: the triton backend is on and x is a CUDA tensor
+    (or any tensor while _ANY_DEVICE is set: the interpreter's end-to-end test)."""
+    return _backend == "triton" and (x.is_cuda or _ANY_DEVICE)

@@ -21,7 +21,7 @@ from torch import nn
 from backfit.config import ModelConfig
 from backfit.runtime.batch import ForwardBatch, SeqSlice
 from backfit.runtime.distributed import all_reduce, get_tp_info
-from backfit.runtime.kernels import get_kernel_backend
+from backfit.runtime.kernels import get_kernel_backend, kernel_path
 from backfit.runtime.layers import (ColumnParallelLinear, FusedProjection, Linear, RMSNorm,
                                     RowParallelLinear, Rotary)
 from backfit.runtime.model.compressor import Compressor, Indexer
@@ -79,7 +79,7 @@ class Attention(nn.Module):
     def _project(self, x: torch.Tensor, pos: torch.Tensor):
         """x [T, d] -> wq_a x, wkv x (act dtype), compressor (c, z), indexer compressor (c, z)
         and weights_proj x (bf16-rounded, FP32), the last three None where the layer has none."""
-        fused = get_kernel_backend() == "triton" and x.is_cuda and x.dtype == torch.bfloat16
+        fused = kernel_path(x) and x.dtype == torch.bfloat16
         if fused and self.fused_a is not None:
             qa, kvx = self.fused_a(x)
         else:
@@ -106,7 +106,7 @@ class Attention(nn.Module):
         qa, kvx, comp, icomp, wraw = self._project(x, pos)
         qr = self.q_norm(qa)                                          # [T, q_lora]; indexer input too
         q = self.wq_b(qr).view(T, Hl, D)
-        if get_kernel_backend() == "triton" and q.is_cuda:          # per-head RMS, no weight
+        if kernel_path(q):                                             # per-head RMS, no weight
             from backfit.runtime.kernels.rope_norm import rms_norm
             q = rms_norm(q, None, self.eps)
         else:

@@ -19,7 +19,7 @@ from torch import nn
 
 from backfit.config import ModelConfig
 from backfit.runtime.distributed import all_reduce, get_tp_info
-from backfit.runtime.kernels import get_kernel_backend
+from backfit.runtime.kernels import kernel_path
 from backfit.runtime.layers import ColumnParallelLinear, Linear, RMSNorm, Rotary
 
 __all__ = ["Compressor", "Indexer"]
@@ -99,7 +99,7 @@ class Compressor(nn.Module):
         """
         m, D = self.ratio, self.head_dim
         j = pos // m
-        if get_kernel_backend() == "triton" and c.is_cuda:          # 1 launch for rows + pooling
+        if kernel_path(c):          # 1 launch for rows + pooling
             from backfit.runtime.kernels.cache_ops import compress_decode
             E = compress_decode(c, z, pos, cache.slot_ids(), *cache.rows_pool(kind), m,
                                 self.overlap, D)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backfit.runtime.kernels import get_kernel_backend
+from backfit.runtime.kernels import kernel_path
 
 __all__ = ["add_hc_buffers", "hc_pre", "hc_post", "hc_head"]
 
@@ -32,7 +32,7 @@ def add_hc_buffers(module: nn.Module, prefix: str, n_out: int, streams: int, dim
 
 def _fused(X: torch.Tensor):
     """runtime.kernels.mhc when the triton backend is on and X is a CUDA bf16 tensor, else None."""
-    if get_kernel_backend() == "triton" and X.is_cuda and X.dtype == torch.bfloat16:
+    if kernel_path(X) and X.dtype == torch.bfloat16:
         from backfit.runtime.kernels import mhc                     # imports triton on first use
         return mhc
     return None

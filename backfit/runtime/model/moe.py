@@ -21,7 +21,7 @@ from torch import nn
 
 from backfit.config import ModelConfig
 from backfit.runtime.distributed import all_reduce
-from backfit.runtime.kernels import get_kernel_backend
+from backfit.runtime.kernels import get_kernel_backend, kernel_path
 from backfit.runtime.layers import ColumnParallelLinear, Linear, RowParallelLinear
 
 __all__ = ["Expert", "Gate", "MoE"]
@@ -40,8 +40,8 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """x [n, dim] -> [n, dim] partial (this rank's intermediate slice); weight [n] or None."""
-        if weight is None and self.w13 is not None and x.is_cuda and x.dtype == torch.bfloat16 \
-                and get_kernel_backend() == "triton":            # the shared expert
+        if weight is None and self.w13 is not None and x.dtype == torch.bfloat16 \
+                and kernel_path(x):            # the shared expert
             from backfit.runtime.kernels.pointwise import swiglu
             return self.w2(swiglu(self.w13.joint(x), self.limit))  # gate|up in one launch
         g, u = self.w1(x).float(), self.w3(x).float()
@@ -70,7 +70,7 @@ class Gate(Linear):
     def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim] -> (expert ids [T, k] int64, weights [T, k] FP32)."""
         logits = self.forward_f32(x)                                  # [T, E] FP32
-        if get_kernel_backend() == "triton" and x.is_cuda:           # one launch after the GEMV
+        if kernel_path(x):                                             # one launch after the GEMV
             from backfit.runtime.kernels.pointwise import route
             return route(logits, self.topk, self.route_scale,
                          bias=None if self.hashed else self.bias,
