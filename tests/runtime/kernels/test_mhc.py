@@ -219,15 +219,15 @@ def test_launches_per_call(mhc, monkeypatch):
 def test_hyper_dispatches_only_for_cuda_bf16_with_triton(monkeypatch):
     calls = []
     fake = type("K", (), {"hc_post": staticmethod(lambda *a: calls.append(a) or "kernel")})
-    monkeypatch.setattr(hyper, "get_kernel_backend", lambda: "triton")
+    import backfit.runtime.kernels as pkg
+    monkeypatch.setattr(pkg, "_backend", "triton")                    # read by kernel_path()
     X = torch.zeros(1, S, 8, dtype=torch.bfloat16)
     assert hyper._fused(X) is None                                     # CPU tensor: torch code
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     assert hyper._fused(X.float()) is None                             # FP32 streams: torch code
-    import backfit.runtime.kernels as pkg
     monkeypatch.setattr(pkg, "mhc", fake, raising=False)
     assert hyper.hc_post(X[:, 0], X, torch.zeros(1, S), torch.zeros(1, S, S)) == "kernel"
-    monkeypatch.setattr(hyper, "get_kernel_backend", lambda: "torch")
+    monkeypatch.setattr(pkg, "_backend", "torch")
     assert hyper._fused(X) is None and len(calls) == 1
 
 
