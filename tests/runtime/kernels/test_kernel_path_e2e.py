@@ -4,7 +4,7 @@ pools with every Triton kernel (under the interpreter) against the same model on
 What it catches that the per-kernel sweeps cannot: the wiring — fused projections and their
 strided views, the batched compressor decode update and the cache-store kernels, mHC, RoPE and
 norm dispatch, the router and SwiGLU kernels, the fused MoE — over a prefill chunk and decode
-steps that cross CSA and HCA block ends. `kernels._ANY_DEVICE` lets CPU tensors take the kernel
+steps that cross CSA and HCA block ends (a 13- and a 6-token prompt, 4 decode steps each). `kernels._ANY_DEVICE` lets CPU tensors take the kernel
 path (the runtime otherwise requires CUDA for it). The interpreter truncates FP32 -> BF16 casts,
 so the two paths differ by BF16 rounding: held to the same argmax and a small relative error.
 """
@@ -27,11 +27,12 @@ from backfit.runtime.cache.paged import PagedCache  # noqa: E402
 from backfit.runtime.loader import load_model  # noqa: E402
 from backfit.runtime.model.transformer import Transformer  # noqa: E402
 
-# ~15 min under the interpreter on the 2-core box (14 min 36 s, 2026-12-01: passed), too long for
-# `make test`: run it after changing how the runtime calls the kernels, with
+# ~6 min under the interpreter on the 2-core box (6 min 16 s, 2026-12-01: passed; 14 min 36 s with
+# 10 decode steps), too long for `make test`: run it after changing how the runtime calls the
+# kernels, with
 #   BACKFIT_E2E=1 .venv/bin/python -m pytest -q tests/runtime/kernels/test_kernel_path_e2e.py
 pytestmark = pytest.mark.skipif(not INTERPRET or os.environ.get("BACKFIT_E2E") != "1",
-                                reason="opt-in (BACKFIT_E2E=1): ~15 min in the CPU interpreter")
+                                reason="opt-in (BACKFIT_E2E=1): ~6 min in the CPU interpreter")
 
 BLOCK = 16
 
@@ -53,7 +54,7 @@ def _run(model, backend: str, monkeypatch) -> list[torch.Tensor]:
     cache = PagedCache(model.cfg, 2, 8, BLOCK, model.dtype)
     tables = [(5, 2, 7), (0, 6, 3)]                            # shuffled blocks
     out = []
-    for seqs in _steps(10):                                    # crosses 4- and 8-token blocks
+    for seqs in _steps(4):              # positions 13-16 and 6-9: CSA and HCA blocks complete
         b = ForwardBatch.build(seqs, slots=[1, 0], block_tables=tables)
         out.append(model(b, cache, last_only=True).float())
     return out
