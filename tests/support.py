@@ -37,3 +37,16 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(n)
+
+
+def kernel_module(name: str, probe: str, interpret: bool):
+    """backfit.runtime.kernels.<name>, imported (or re-imported) so that its Triton kernels run
+    interpreted iff `interpret`: TRITON_INTERPRET is read when a module's kernels are decorated.
+    probe: one @triton.jit function of the module, to see how it was decorated."""
+    import importlib
+
+    import triton
+    m = importlib.import_module(f"backfit.runtime.kernels.{name}")
+    if isinstance(getattr(m, probe), triton.runtime.jit.JITFunction) == interpret:
+        m = importlib.reload(m)
+    return m

@@ -10,7 +10,6 @@ store_decode: bit-exact against _Store.put for the ring and the entry stores, BF
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
 
@@ -22,17 +21,14 @@ if not torch.cuda.is_available():
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
 
+from support import kernel_module  # noqa: E402
+
 from backfit.runtime.batch import ForwardBatch  # noqa: E402
 from backfit.runtime.cache.paged import PagedCache  # noqa: E402
 
 
 def kmod():
-    import triton
-
-    import backfit.runtime.kernels.cache_ops as m
-    if isinstance(m._store_kernel, triton.runtime.jit.JITFunction) == INTERPRET:
-        m = importlib.reload(m)
-    return m
+    return kernel_module("cache_ops", "_store_kernel", INTERPRET)
 
 
 def _torch_pool(rc, rz, slots, pos, m, overlap, D):

@@ -8,7 +8,6 @@ the shapes of Flash (256 experts, top 6) and a small ragged one.
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -20,14 +19,11 @@ if not torch.cuda.is_available():
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
 
+from support import kernel_module  # noqa: E402
+
 
 def kmod():
-    import triton
-
-    import backfit.runtime.kernels.pointwise as m
-    if isinstance(m._route_kernel, triton.runtime.jit.JITFunction) == INTERPRET:
-        m = importlib.reload(m)
-    return m
+    return kernel_module("pointwise", "_route_kernel", INTERPRET)
 
 
 def _swiglu_ref(gu, limit):

@@ -9,7 +9,6 @@ head 512 with rope 64, indexer 128 with rope 64) and small ragged ones.
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -20,14 +19,13 @@ if not torch.cuda.is_available():
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
 
+from support import kernel_module  # noqa: E402
+
 from backfit.runtime.layers import RMSNorm, Rotary  # noqa: E402
 
 
 def kmod():
-    import backfit.runtime.kernels.rope_norm as m
-    if isinstance(m._rms_kernel, __import__("triton").runtime.jit.JITFunction) == INTERPRET:
-        m = importlib.reload(m)
-    return m
+    return kernel_module("rope_norm", "_rms_kernel", INTERPRET)
 
 
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
