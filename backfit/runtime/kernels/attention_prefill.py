@@ -1,0 +1,286 @@
+"""Query-blocked chunked-prefill sparse attention (dsv4-model.md 5.4.4, 5.4.8), in Triton.
+
+The same op as attention.sparse_attention with seq/start (chunked prefill, mixed batches): query t
+of sequence seq[t], whose chunk starts at position start[t] (row t - (pos[t] - start[t]) of q/kv),
+sees ring positions max(0, p-W+1) .. start-1, the chunk's own kv rows up to itself (in flight),
+then its HCA entries j < (p+1)//ratio or its CSA selection sel[t] (-1 = unused). MQA: K = V.
+
+One program per (block of BQ consecutive queries of one chunk, block of BH heads): its M = BQ·BH
+rows (query qi = r // BH, head r % BH) are one matmul operand, so every key tile is loaded once
+per block of queries and heads instead of once per (query, 16 heads):
+  window  the block's key positions lo(p0) .. p_last, a band mask per row (p-W < kp <= p)
+  HCA     entries j < (p_last+1)//ratio, masked per row to j < (p+1)//ratio
+  CSA     per-query selections: BQ = 1, all heads of the query share each gathered entry
+Numerics as attention._decode_kernel: FP32 scores (q·k)·D^-0.5 (BF16 mma of BF16 values: exact
+products), p·V with p split into two BF16 halves, online softmax with the sink only in the
+denominator, int8 pools dequantized as _Store.get (q·scale in FP32, rounded to the act dtype).
+The blocks (first row of each) are built on the device from pos - start (no host sync); the grid
+is an upper bound from shapes, spare programs store nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["sparse_attention_prefill", "prefill_config", "prefill_blocks", "PREFILL_CONFIGS"]
+
+MODES = {"window": 0, "hca": 1, "csa": 2}
+# default tiles per mode (the H200 sweep, scripts/bench_attention_prefill.py, picks the winners)
+PREFILL_CONFIGS = {
+    "window": dict(BQ=4, BH=16, BN=32, num_warps=8, num_stages=2),
+    "hca": dict(BQ=4, BH=16, BN=32, num_warps=8, num_stages=2),
+    "csa": dict(BQ=1, BH=64, BN=32, num_warps=8, num_stages=2),
+}
+
+
+@triton.jit
+def _keys(x, INT8: tl.constexpr, s, F32: tl.constexpr, DT: tl.constexpr):
+    """Loaded vectors [BN, DP] -> the dot dtype: int8 dequantized with s [BN] (= _Store.get)."""
+    if INT8:
+        x = (x.to(tl.float32) * s[:, None]).to(DT)
+    if F32:                                    # interpreter: BF16 dots are wrong there
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _step(q, k, ok, m_i, l_i, acc, scale, F32: tl.constexpr, EXACT: tl.constexpr):
+    """Online softmax over keys k [BN, DP] (K = V), ok [M, BN]; m starts at -1e30, never -inf."""
+    if F32:
+        s = tl.dot(q, tl.trans(k))
+    elif EXACT:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))                                     # BF16 mma, FP32 out
+    s = tl.where(ok, s * scale, float("-inf"))                         # [M, BN]
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    if F32:
+        acc = tl.dot(p, k, acc)
+    elif EXACT:
+        acc = tl.dot(p, k, acc, input_precision="ieee")
+    else:                                                              # p = hi + lo, ~16 bits
+        hi = p.to(k.dtype)
+        lo = (p - hi.to(tl.float32)).to(k.dtype)
+        acc = tl.dot(hi, k, acc)
+        acc = tl.dot(lo, k, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SEQ, START,
+                    BLOCKS, O, T, H, R, stride_tb, n_sel, scale,
+                    W: tl.constexpr, RATIO: tl.constexpr, PB: tl.constexpr, MODE: tl.constexpr,
+                    INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
+                    BH: tl.constexpr, BN: tl.constexpr, F32: tl.constexpr, EXACT: tl.constexpr,
+                    DT: tl.constexpr):
+    """Program (block i, head block hb): rows r = (query t0 + r // BH, head hb·BH + r % BH)."""
+    M: tl.constexpr = BQ * BH
+    if MODE == 2:
+        tl.static_assert(BQ == 1, "csa: one query per block (per-query selections)")
+    i, hb = tl.program_id(0), tl.program_id(1)
+    t0 = tl.load(BLOCKS + i)                                           # -1: spare program
+    live = t0 >= 0
+    qq = tl.arange(0, BQ)                                              # rows of one chunk
+    inq = (t0 + qq < T) & (t0 + qq * 0 >= 0)
+    t0 = tl.maximum(t0, 0)
+    sq0 = tl.load(SEQ + t0)
+    st = tl.load(START + t0)                                           # the chunk's start
+    p0 = tl.where(live, tl.load(POS + t0), -1)                        # spare: empty loops
+    tq = t0 + qq
+    inq = inq & (tl.load(SEQ + tq, mask=inq, other=-1) == sq0)
+    inq = inq & (tl.load(START + tq, mask=inq, other=-1) == st)
+    p_last = p0 + tl.sum(inq.to(tl.int32), axis=0) - 1                 # p0 - 1 if not live
+    r = tl.arange(0, M)
+    qi = r // BH
+    hh = hb * BH + r % BH
+    row_ok = (qi < p_last - p0 + 1) & (hh < H)                        # [M]
+    p_r = p0 + qi                                                      # positions of the rows
+    dd = tl.arange(0, DP)
+    d_ok = dd < D
+    trow = (t0 + qi).to(tl.int64) * H + hh                             # row of q/o [T·H]
+    q = tl.load(Q + trow[:, None] * D + dd[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0)                                             # [M, DP]
+    if F32:
+        q = q.to(tl.float32)
+    m_i = tl.full((M,), -1e30, tl.float32)
+    l_i = tl.zeros((M,), tl.float32)
+    acc = tl.zeros((M, DP), tl.float32)
+    rn = tl.arange(0, BN)
+    sqi = sq0.to(tl.int64)
+    slot = tl.load(SLOTS + sqi).to(tl.int64)
+    lo = tl.maximum(p0 - W + 1, 0)                                     # oldest key of the block
+    for k0 in range(lo, p_last + 1, BN):                               # window part
+        kp = k0 + rn                                                   # key positions [BN]
+        k_ok = kp <= p_last
+        fly = kp >= st                                                 # chunk rows in flight
+        ring_row = slot * R + (kp % R)
+        kv_row = t0.to(tl.int64) + (kp - p0)                           # >= the chunk's row 0
+        if INT8:
+            x = tl.load(RING + ring_row[:, None] * D + dd[None, :],
+                        mask=(k_ok & ~fly)[:, None] & d_ok[None, :], other=0)
+            sc = tl.load(RSC + ring_row, mask=k_ok & ~fly, other=0.0)
+            kin = tl.load(KV + kv_row[:, None] * D + dd[None, :],
+                          mask=(k_ok & fly)[:, None] & d_ok[None, :], other=0.0)
+            k = tl.where(fly[:, None], _keys(kin, False, sc, F32, DT),
+                         _keys(x, True, sc, F32, DT))
+        else:                                                          # one load, two sources
+            ptr = tl.where(fly[:, None], KV + kv_row[:, None] * D + dd[None, :],
+                           RING + ring_row[:, None] * D + dd[None, :])
+            k = _keys(tl.load(ptr, mask=k_ok[:, None] & d_ok[None, :], other=0.0), False, 0,
+                      F32, DT)
+        ok = (kp[None, :] <= p_r[:, None]) & (kp[None, :] > p_r[:, None] - W) & k_ok[None, :]
+        m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT)
+    if MODE == 1:                                                      # HCA: all valid entries
+        n_r = (p_r + 1) // RATIO                                       # [M] entries per row
+        for c0 in range(0, (p_last + 1) // RATIO, BN):
+            c = c0 + rn
+            c_ok = c < (p_last + 1) // RATIO
+            blk = tl.load(TABLES + sqi * stride_tb + c // PB, mask=c_ok, other=0).to(tl.int64)
+            e = blk * PB + c % PB
+            x = tl.load(ENT + e[:, None] * D + dd[None, :], mask=c_ok[:, None] & d_ok[None, :],
+                        other=0)
+            sc = 0.0
+            if INT8:
+                sc = tl.load(ESC + e, mask=c_ok, other=0.0)
+            k = _keys(x, INT8, sc, F32, DT)
+            ok = (c[None, :] < n_r[:, None]) & c_ok[None, :]
+            m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT)
+    if MODE == 2:                                                      # CSA: t0's selection
+        for c0 in range(0, n_sel, BN):
+            c = c0 + rn
+            j = tl.load(SEL + t0.to(tl.int64) * n_sel + c, mask=c < n_sel, other=-1)
+            c_ok = j >= 0
+            if tl.sum(c_ok.to(tl.int32), axis=0) > 0:                  # skip all-unused tiles
+                j = tl.where(c_ok, j, 0)
+                blk = tl.load(TABLES + sqi * stride_tb + j // PB, mask=c_ok, other=0).to(tl.int64)
+                e = blk * PB + j % PB
+                x = tl.load(ENT + e[:, None] * D + dd[None, :],
+                            mask=c_ok[:, None] & d_ok[None, :], other=0)
+                sc = 0.0
+                if INT8:
+                    sc = tl.load(ESC + e, mask=c_ok, other=0.0)
+                k = _keys(x, INT8, sc, F32, DT)
+                ok = (r[:, None] >= 0) & c_ok[None, :]
+                m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT)
+    sink = tl.load(SINK + hh, mask=hh < H, other=0.0)
+    Mx = tl.maximum(m_i, sink)
+    a = tl.exp(m_i - Mx)
+    o = acc * a[:, None] / (l_i * a + tl.exp(sink - Mx))[:, None]
+    tl.store(O + trow[:, None] * D + dd[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _interpreted() -> bool:
+    return not isinstance(_prefill_kernel, triton.runtime.jit.JITFunction)
+
+
+def prefill_config(mode: str, H: int, config: dict | None = None) -> dict:
+    """The tiles for `mode` (PREFILL_CONFIGS, overridden by config), BH capped at H's power of 2
+    (BQ grows to keep M = BQ·BH >= 16 rows for the mma, except csa: one query per block)."""
+    cfg = dict(PREFILL_CONFIGS[mode], **(config or {}))
+    cfg["BH"] = min(cfg["BH"], triton.next_power_of_2(H))
+    if mode == "csa":
+        cfg["BQ"], cfg["BH"] = 1, max(cfg["BH"], 16)
+    while cfg["BQ"] * cfg["BH"] < 16:
+        cfg["BQ"] *= 2
+    for k in ("BQ", "BH", "BN"):
+        if cfg[k] < 1 or cfg[k] & (cfg[k] - 1) or (k == "BN" and cfg[k] < 16):
+            raise ValueError(f"sparse_attention_prefill: {k}={cfg[k]}: a power of 2 (BN >= 16)")
+    return cfg
+
+
+def prefill_blocks(pos: torch.Tensor, start: torch.Tensor, BQ: int, n_max: int) -> torch.Tensor:
+    """First row of each block of <= BQ consecutive queries of one chunk: a block starts at every
+    row whose offset in its chunk, pos - start, is a multiple of BQ. -> int32 [n_max], -1 past
+    the last block (on the device: cumsum and scatter, no host sync)."""
+    first = (pos - start) % BQ == 0
+    bid = torch.cumsum(first, 0) - 1
+    idx = torch.where(first & (bid < n_max), bid, n_max)
+    rows = torch.arange(pos.shape[0], dtype=torch.int32, device=pos.device)
+    out = torch.full((n_max + 1,), -1, dtype=torch.int32, device=pos.device)
+    return out.scatter_(0, idx, rows)[:n_max]
+
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor,
+                             sink: torch.Tensor, ring: torch.Tensor,
+                             ring_scale: torch.Tensor | None, slots: torch.Tensor, window: int,
+                             mode: str = "window", entries: torch.Tensor | None = None,
+                             entry_scale: torch.Tensor | None = None,
+                             tables: torch.Tensor | None = None, ratio: int = 0,
+                             sel: torch.Tensor | None = None, seq: torch.Tensor | None = None,
+                             start: torch.Tensor | None = None, split: int | None = None,
+                             config: dict | None = None) -> torch.Tensor:
+    """attention.sparse_attention's arguments and result: q [T, H, D], kv [T, D] the chunks'
+    own rows, pos/seq/start [T] (seq=None: one token per sequence), slots [NS], tables
+    [NS, nblk], sel [T, k] -> o [T, H, D] FP32. split is accepted and ignored (no split-KV:
+    prefill has queries enough); config overrides PREFILL_CONFIGS[mode]."""
+    if q.dim() != 3 or kv.shape != (q.shape[0], q.shape[2]) or pos.shape != (q.shape[0],):
+        raise ValueError(f"sparse_attention_prefill: q [T, H, D], kv [T, D], pos [T]; got "
+                         f"{list(q.shape)}, {list(kv.shape)}, {list(pos.shape)}")
+    T, H, D = q.shape
+    NS = T if seq is None else slots.shape[0]
+    if (seq is None) != (start is None) or (seq is not None and (seq.shape != (T,)
+                                                                 or start.shape != (T,))):
+        raise ValueError(f"sparse_attention_prefill: seq and start [T={T}] go together")
+    if mode not in MODES:
+        raise ValueError(f"sparse_attention_prefill: mode {mode!r}, expected one of "
+                         f"{tuple(MODES)}")
+    if ring.dim() != 3 or ring.shape[2] != D or ring.shape[1] < window:
+        raise ValueError(f"sparse_attention_prefill: ring [S, R>=W, {D}], got "
+                         f"{list(ring.shape)}")
+    int8 = ring.dtype == torch.int8
+    if int8 != (ring_scale is not None) or sink.shape != (H,) or slots.shape != (NS,):
+        raise ValueError("sparse_attention_prefill: int8 ring needs ring_scale (and only "
+                         f"then); sink [H={H}], slots [{NS}]")
+    if q.dtype not in _TL or kv.dtype != q.dtype or (not int8 and ring.dtype != q.dtype):
+        raise ValueError(f"sparse_attention_prefill: q/kv/ring dtypes "
+                         f"{q.dtype}/{kv.dtype}/{ring.dtype}")
+    dev = q.device
+    PB, n_sel = 1, 0
+    if mode != "window":
+        if entries is None or tables is None or entries.shape[2] != D or tables.dim() != 2 \
+                or tables.shape[0] != NS or ratio <= 0 or (entries.dtype == torch.int8) != int8 \
+                or (entry_scale is not None) != int8:
+            raise ValueError("sparse_attention_prefill: hca/csa need entries [NB, PB, D] of the "
+                             "ring's storage (int8: with entry_scale), tables [NS, nblk], "
+                             "ratio > 0")
+        PB = entries.shape[1]
+        if mode == "csa":
+            if sel is None or sel.dim() != 2 or sel.shape[0] != T:
+                raise ValueError("sparse_attention_prefill: csa needs sel [T, k]")
+            sel = sel.to(device=dev, dtype=torch.int32).contiguous()
+            n_sel = sel.shape[1]
+        tables = tables.to(device=dev, dtype=torch.int32).contiguous()
+    o = torch.empty(T, H, D, dtype=torch.float32, device=dev)
+    if T == 0:
+        return o
+    cfg = prefill_config(mode, H, config)
+    pos = pos.to(dev, torch.int32).contiguous()
+    if seq is None:                                    # decode rows: each its own chunk
+        seq = torch.arange(T, dtype=torch.int32, device=dev)
+        start = pos
+    seq, start = seq.to(dev, torch.int32).contiguous(), start.to(dev, torch.int32).contiguous()
+    n_blk = min(T, triton.cdiv(T, cfg["BQ"]) + NS)     # each chunk adds <= one partial block
+    blocks = prefill_blocks(pos, start, cfg["BQ"], n_blk)
+    slots = slots.to(dev, torch.int32).contiguous()
+    dummy = ring_scale if int8 else sink
+    _prefill_kernel[(n_blk, triton.cdiv(H, cfg["BH"]))](
+        q.contiguous(), kv.contiguous(), ring, dummy, slots, pos,
+        entries if entries is not None else ring,
+        entry_scale if int8 and entries is not None else dummy,
+        tables if tables is not None else slots, sel if sel is not None else slots,
+        sink.float().contiguous(), seq, start, blocks, o, T, H, ring.shape[1],
+        tables.shape[1] if tables is not None else 0, n_sel, D ** -0.5,
+        W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D,
+        DP=triton.next_power_of_2(D), BQ=cfg["BQ"], BH=cfg["BH"], BN=cfg["BN"],
+        F32=_interpreted(), EXACT=q.dtype == torch.float32, DT=_TL[q.dtype],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return o
