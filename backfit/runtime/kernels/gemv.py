@@ -1,0 +1,163 @@
+"""Small-M linear y = x @ W^T (M <= GEMV_MAX_M decode rows) on CUDA cores, in Triton, SM80-safe.
+
+The a16 path of kernels.gemm pads M to a BM = 16 MMA tile and splits K over programs with an FP32
+workspace and an atomic counter; at batch 1 its launches sit on a ~6-7 µs floor (issue 9). Here:
+
+  one program = BN weight rows x the whole K, all M rows; no split-K, no workspace, no atomics.
+  A K step loads a [BN, G, 128] weight tile (G = BK/128; 16 B+ per thread and load), turns it
+  into FP32 once, and for each of the M rows (unrolled, MP = M padded to a power of two) adds
+  Σ_k w·x per 128-group; int8_g128 multiplies each group sum by its (row, 128) scale:
+      y[m, n] = Σ_g s[n, g] · Σ_{k in g} q[n, k] · x[m, k]       (FP32, as the a16 kernel)
+  Products of a BF16 x with an int8 q or a BF16 w are exact in FP32, so only the FP32 summation
+  order differs from kernels.ref; it is fixed per config (deterministic run to run).
+  Each weight byte is read once from DRAM; x (M·K·2 B) is re-read from L2 by every program.
+
+Variants (config keys, GEMV_TABLE / bench_gemv.py): BN rows, BK (multiple of 128), num_warps,
+MAGIC (int8 codes -> FP32 as bits(1.5·2^23) + q - 1.5·2^23, exact, no I2F; int8 only).
+The grid is cdiv(N, BN) programs from shapes only: no host sync, CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from backfit.formats import INT8_GROUP
+
+__all__ = ["GEMV_MAX_M", "GEMV_TABLE", "GEMV_CANDIDATES", "gemv", "gemv_config", "gemv_interpreted"]
+
+GEMV_MAX_M = 8                 # rows handled in one program (M <= 8: decode at small batch)
+_MAGIC_I = tl.constexpr(0x4B400000)            # bits of 1.5·2^23
+_MAGIC_F = tl.constexpr(12582912.0)            # 1.5·2^23
+
+# Winners of scripts/bench_gemv.py on the H200, by (kind, N range, K range, M range) -> config;
+# first match wins, no match -> gemv_config's default. kind "int8" (int8_g128) or "bf16".
+# Bounds are inclusive. Filled in from the GPU sweep (empty: every shape takes the default).
+GEMV_TABLE: list[tuple[str, tuple[int, int], tuple[int, int], tuple[int, int], dict]] = []
+
+# What bench_gemv.py sweeps and test_sm80_gemv.py compiles, by kind: (BN, BK, num_warps, MAGIC).
+# BN·BK weights per K step held as FP32 in registers: <= 8K per 128 threads (64 per thread).
+GEMV_CANDIDATES = {
+    "int8": [(1, 4096, 4, False), (2, 4096, 4, False), (2, 4096, 4, True), (4, 2048, 4, True),
+             (4, 1024, 4, False), (8, 1024, 8, True)],
+    "bf16": [(1, 4096, 4, False), (1, 2048, 4, False), (2, 2048, 4, False), (1, 4096, 8, False),
+             (4, 1024, 4, False)],
+}
+
+
+@triton.jit
+def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
+                 QUANT: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
+                 MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Rows [pid·BN, +BN) of y [M, N] = x [M, K] @ W [N, K]^T over all K, all M (<= MP) rows."""
+    G: tl.constexpr = BK // 128
+    pid = tl.program_id(0)
+    rn = pid * BN + tl.arange(0, BN)
+    n_ok = rn < N
+    rn_c = tl.minimum(rn, N - 1).to(tl.int64)    # rows past N re-read row N-1: unmasked loads
+    rg = tl.arange(0, G)
+    kofs = rg[:, None] * 128 + tl.arange(0, 128)[None, :]                    # [G, 128]
+    w_ptr = W + rn_c[:, None, None] * K + kofs[None, :, :]                   # [BN, G, 128]
+    rm = tl.arange(0, MP)
+    acc = tl.zeros((MP, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if EVEN_K:
+            q = tl.load(w_ptr + k0)
+        else:
+            k_ok = (k0 + kofs) < K                                           # [G, 128]
+            q = tl.load(w_ptr + k0, mask=k_ok[None, :, :], other=0)
+        if MAGIC:                        # 1.5·2^23 + q (|q| <= 127) is exact; minus it: q exact
+            wf = (q.to(tl.int32) + _MAGIC_I).to(tl.float32, bitcast=True) - _MAGIC_F
+        else:
+            wf = q.to(tl.float32)                                            # [BN, G, 128]
+        if QUANT:                        # K % 128 == 0: groups past K masked, scale 0
+            g_ok = (k0 // 128 + rg) < K // 128
+            s = tl.load(S + rn_c[:, None] * (K // 128) + k0 // 128 + rg[None, :],
+                        mask=g_ok[None, :], other=0.0)                       # [BN, G] fp32
+        for m in tl.static_range(MP):
+            x_ptr = X + tl.minimum(m, M - 1) * stride_xm + k0 + kofs   # rows past M: row M-1
+            if EVEN_K:
+                xm = tl.load(x_ptr)                                          # [G, 128] bf16
+            else:
+                xm = tl.load(x_ptr, mask=k_ok, other=0.0)
+            part = tl.sum(wf * xm.to(tl.float32)[None, :, :], axis=2)        # [BN, G] group sums
+            if QUANT:
+                part = part * s
+            part = tl.sum(part, axis=1)                                      # [BN]
+            acc = tl.where(rm[:, None] == m, acc + part[None, :], acc)       # row m of [MP, BN]
+    mask = (rm < M)[:, None] & n_ok[None, :]
+    tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+
+
+def gemv_interpreted() -> bool:
+    """True when Triton runs this module's kernel in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return not isinstance(_gemv_kernel, triton.runtime.jit.JITFunction)
+
+
+def gemv_config(M: int, N: int, K: int, quant: bool) -> dict:
+    """Launch config for an [M, K] x [N, K]^T GEMV: the first GEMV_TABLE match, else the default
+    (one K step up to 4096 int8 / 2048 bf16 elements, ~8K weights per program, 4 warps)."""
+    kind = "int8" if quant else "bf16"
+    for k, (n0, n1), (k0, k1), (m0, m1), cfg in GEMV_TABLE:
+        if k == kind and n0 <= N <= n1 and k0 <= K <= k1 and m0 <= M <= m1:
+            return dict(cfg)
+    bk = min(triton.next_power_of_2(max(K, 128)), 4096 if quant else 2048)
+    return dict(BN=max(1, 8192 // bk), BK=bk, MAGIC=False, num_warps=4, num_stages=1)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scheme: str,
+         config: dict | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [..., K] bf16 (M = prod(...) <= GEMV_MAX_M rows) @ weight [N, K]^T -> [..., N] out_dtype,
+    for scheme int8_g128 | bf16 | copy (bf16 weight); the semantics of gemm.linear's a16 path.
+    config: overrides of gemv_config (BN, BK, MAGIC, num_warps, num_stages); BK is capped at K
+    rounded up to a power of two."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"gemv: activations must be bfloat16, got {x.dtype}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"gemv: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"gemv: weight must be [N, K], got {list(weight.shape)}")
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"gemv: x has {x.shape[-1]} inputs, weight {list(weight.shape)}")
+    if x.device != weight.device:
+        raise ValueError(f"gemv: x on {x.device}, weight on {weight.device}")
+    quant = scheme == "int8_g128"
+    if quant:
+        if weight.dtype != torch.int8 or scale is None or scale.dtype != torch.float32 \
+                or K % INT8_GROUP or tuple(scale.shape) != (N, K // INT8_GROUP):
+            raise ValueError(f"gemv: int8_g128 needs int8 [N, K] (K % 128 == 0), fp32 [N, K/128] "
+                             f"scales, got {weight.dtype}{list(weight.shape)} / "
+                             f"{None if scale is None else (scale.dtype, list(scale.shape))}")
+        scale = scale.contiguous()
+    elif scheme in ("bf16", "copy"):
+        if weight.dtype != torch.bfloat16 or scale is not None:
+            raise ValueError(f"gemv: {scheme} needs a bf16 weight and no scale, got "
+                             f"{weight.dtype}, scale {None if scale is None else scale.dtype}")
+    else:
+        raise ValueError(f"gemv: scheme {scheme!r} not supported")
+    weight = weight.contiguous()
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    if M > GEMV_MAX_M:
+        raise ValueError(f"gemv: at most {GEMV_MAX_M} rows, got {M} (use gemm.linear)")
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y.reshape(*lead, N)
+    cfg = {**gemv_config(M, N, K, quant), **(config or {})}
+    bk = cfg["BK"]
+    if bk < 128 or bk & (bk - 1):
+        raise ValueError(f"gemv: BK must be a power of two >= 128, got {bk}")
+    bk = min(bk, max(128, triton.next_power_of_2(K)))     # a tile past K would be all masks
+    if cfg.get("MAGIC") and not quant:
+        raise ValueError("gemv: MAGIC is the int8 conversion (int8_g128 weights only)")
+    grid = (triton.cdiv(N, cfg["BN"]),)
+    _gemv_kernel[grid](x2, weight, scale if quant else weight, y, M, N, K, x2.stride(0),
+                       QUANT=quant, MAGIC=bool(cfg.get("MAGIC", False)), EVEN_K=K % bk == 0,
+                       MP=triton.next_power_of_2(M), BN=cfg["BN"], BK=bk,
+                       num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1))
+    return y.reshape(*lead, N)

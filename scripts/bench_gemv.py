@@ -1,0 +1,154 @@
+"""Small-M GEMV (kernels.gemv) candidates against the a16 path of gemm.linear at the decode
+step's linear shapes (DeepSeek-V4-Flash, tp 1), on CUDA.
+
+    python scripts/bench_gemv.py [--out results.json] [--ms 1,2,4,8] [--quick]
+
+Copy bandwidth first (bench_kernels.ceilings, same process), then per shape, M and variant:
+µs per call (bench_kernels.graph_us: median over CUDA-graph replays of calls on rotating weight
+copies, >= ~400 MB of them, so small weights are not served from L2), % of copy bandwidth for
+the bytes moved (weights + scales + x + y), the issue-9 target 1.5 µs + bytes / (0.8 · copy BW),
+and the max error vs an FP64 reference of the dequantized weight, max|y - ref| / max|ref|.
+Ends with the winners as GEMV_TABLE entries (kernels/gemv.py) and the JSON rows in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import ceilings, graph_us  # noqa: E402
+
+from backfit.runtime.kernels import gemm, gemv  # noqa: E402
+
+DEV = "cuda"
+# name, N, K, kind (int8: int8_g128 -> bf16 out; bf16: bf16 weight -> fp32 out)
+SHAPES = [
+    ("wq_a|wkv", 1536, 4096, "int8"),
+    ("wq_b", 32768, 1024, "int8"),
+    ("wo_b", 4096, 8192, "int8"),
+    ("shared w1|w3", 4096, 4096, "int8"),
+    ("shared w2", 4096, 2048, "int8"),
+    ("indexer wq_b", 8192, 1024, "int8"),
+    ("router", 256, 4096, "bf16"),
+    ("compressor CSA", 2624, 4096, "bf16"),     # wkv|wgate 2·1024 + indexer 2·256 + weights_proj 64
+    ("compressor HCA", 1024, 4096, "bf16"),     # wkv|wgate 2·512
+]
+
+
+def make_weights(N: int, K: int, kind: str, copies: int) -> list:
+    """Random weights: int8 codes in ±127 with row-group scales ~1e-2, or BF16 ~N(0, 1)."""
+    if kind == "int8":
+        return [(torch.randint(-127, 128, (N, K), dtype=torch.int8, device=DEV),
+                 torch.rand(N, K // 128, device=DEV).mul_(0.02).add_(1e-3)) for _ in range(copies)]
+    return [(torch.randn(N, K, device=DEV).bfloat16(), None) for _ in range(copies)]
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    """FP64 x @ dequant(W)^T (q·s per (row, 128) group, or the BF16 weight)."""
+    wd = w.double()
+    if s is not None:
+        wd = (wd.view(w.shape[0], -1, 128) * s.double()[:, :, None]).view(w.shape)
+    return x.double() @ wd.T
+
+
+def max_err(y: torch.Tensor, want: torch.Tensor) -> float:
+    return ((y.double() - want).abs().max() / want.abs().max()).item()
+
+
+def bench_shape(name: str, N: int, K: int, kind: str, Ms, cands, bw: float, rows: list) -> None:
+    scheme, out = ("int8_g128", torch.bfloat16) if kind == "int8" else ("bf16", torch.float32)
+    wbytes = N * K * (1 if kind == "int8" else 2) + (N * K // 128 * 4 if kind == "int8" else 0)
+    copies = max(2, min(64, math.ceil(400e6 / wbytes)))
+    ws = make_weights(N, K, kind, copies)
+    for M in Ms:
+        x = torch.randn(M, K, device=DEV).bfloat16()
+        want = reference(x, *ws[0])
+        byts = wbytes + M * K * 2 + M * N * out.itemsize
+        ideal = byts / bw / 1e6                                       # µs at copy bandwidth
+        target = 1.5 + ideal / 0.8
+        variants = [("a16", None)] + [(f"BN{bn}_BK{bk}_w{wp}{'_magic' if mg else ''}",
+                                       dict(BN=bn, BK=bk, num_warps=wp, MAGIC=mg))
+                                      for bn, bk, wp, mg in cands]
+        for vname, cfg in variants:
+            if cfg is None:
+                def call(w, s):
+                    return gemm.linear(x, w, s, scheme, path="a16", out_dtype=out)
+            else:
+                def call(w, s, cfg=cfg):
+                    return gemv.gemv(x, w, s, scheme, config=cfg, out_dtype=out)
+            err = max_err(call(*ws[0]), want)
+            det = torch.equal(call(*ws[0]), call(*ws[0]))
+            t = graph_us([lambda w=w, s=s, call=call: call(w, s) for w, s in ws])
+            rows.append(dict(name=name, N=N, K=K, kind=kind, M=M, variant=vname, config=cfg,
+                             us=t, ideal_us=ideal, target_us=target, frac_bw=ideal / t,
+                             max_err=err, deterministic=det))
+            print(f"{name:15s} N={N:6d} K={K:5d} M={M} {vname:22s} {t:7.2f} us  "
+                  f"{ideal / t:6.1%} of copy BW  target {target:6.2f}  "
+                  f"{'ok ' if t <= target else 'MISS'} err {err:.1e}{'' if det else ' NONDET'}",
+                  flush=True)
+    del ws
+
+
+def winners(rows: list) -> list:
+    """Best gemv variant per (shape, M) -> GEMV_TABLE entries, one per run of equal configs."""
+    best: dict = {}
+    for r in rows:
+        if r["config"] is None:
+            continue
+        key = (r["kind"], r["N"], r["K"], r["M"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    table = []
+    for (kind, N, K, M), r in sorted(best.items()):
+        cfg = dict(r["config"], num_stages=1)
+        last = table[-1] if table else None
+        if last and last[:3] == (kind, (N, N), (K, K)) and last[4] == cfg and last[3][1] == M - 1:
+            table[-1] = (kind, (N, N), (K, K), (last[3][0], M), cfg)
+        else:
+            table.append((kind, (N, N), (K, K), (M, M), cfg))
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=None, help="write the rows and winners as JSON")
+    ap.add_argument("--ms", default="1,2,4,8", help="rows M to time (<= 8)")
+    ap.add_argument("--quick", action="store_true", help="M = 1 only, first two candidates")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_gemv: needs CUDA")
+    t0 = time.time()
+    Ms = [1] if args.quick else [int(m) for m in args.ms.split(",")]
+    if any(not 1 <= m <= gemv.GEMV_MAX_M for m in Ms):
+        sys.exit(f"bench_gemv: --ms must lie in 1..{gemv.GEMV_MAX_M}")
+    bw = ceilings()["copy_TBps"] * 1e12                               # bytes / s
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})", flush=True)
+    rows: list = []
+    for name, N, K, kind in SHAPES:
+        cands = gemv.GEMV_CANDIDATES[kind][:2 if args.quick else None]
+        bench_shape(name, N, K, kind, Ms, cands, bw, rows)
+    table = winners(rows)
+    print("\nGEMV_TABLE = [")
+    for e in table:
+        a16 = next(r["us"] for r in rows if r["variant"] == "a16" and r["N"] == e[1][0]
+                   and r["K"] == e[2][0] and r["kind"] == e[0] and r["M"] == e[3][0])
+        best = min(r["us"] for r in rows if r["config"] is not None and r["N"] == e[1][0]
+                   and r["K"] == e[2][0] and r["kind"] == e[0] and r["M"] == e[3][0])
+        print(f"    {e!r},   # M={e[3][0]}: {best:.2f} us vs a16 {a16:.2f} us")
+    print("]")
+    print(f"total {time.time() - t0:.0f} s", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(dict(copy_TBps=bw / 1e12, rows=rows, table=table),
+                                       indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Small-M GEMV kernel (runtime.kernels.gemv) against a plain-torch FP32 reference.
+
+CPU: the Triton interpreter (TRITON_INTERPRET=1 while the module is imported). Reference: the
+weight dequantized in FP32 (q·s for int8_g128) and x @ W^T in FP64, so the bound covers only the
+kernel's FP32 summation and its output rounding: FP32 output 1e-5 relative (Frobenius), BF16
+output 2^-8 (one BF16 rounding, <= 2^-9 per element), 2^-7 under the interpreter (its fp32 -> bf16
+cast truncates: < 2^-7 per element). A wrong scale, row, group or K range gives errors of 1e-1..1. Sizes are tiny: the interpreter runs each
+program in Python.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
+
+from support import kernel_module, one_thread  # noqa: E402
+
+from backfit.quant import quantize_int8_groups  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** (-7 if INTERPRET else -8)}
+
+
+@pytest.fixture(scope="module")
+def gv():
+    return kernel_module("gemv", "_gemv_kernel", INTERPRET)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def weights(n: int, k: int, quant: bool, gen: torch.Generator):
+    """(weight, scale, FP32 dequantized weight) with per-row magnitude spread, as checkpoints."""
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen).add(0.1)
+    if quant:
+        q, s = quantize_int8_groups(w)
+        deq = (q.float().view(n, k // 128, 128) * s[:, :, None]).view(n, k)
+        return q.to(DEV), s.to(DEV), deq
+    wb = w.bfloat16()
+    return wb.to(DEV), None, wb.float()
+
+
+def reference(x: torch.Tensor, deq: torch.Tensor) -> torch.Tensor:
+    return x.cpu().double() @ deq.double().T
+
+
+# (n, k, config): N not a multiple of BN, K not a multiple of BK, several K steps, one step
+CASES = [
+    (20, 384, dict(BN=8, BK=256)),              # 3 programs (last one 4 rows), K 1.5 steps
+    (7, 640, dict(BN=2, BK=128, num_warps=2)),  # 5 K steps, odd N
+    (16, 256, None),                            # the default config (one K step)
+]
+
+
+@pytest.mark.parametrize("quant", [True, False], ids=["int8_g128", "bf16"])
+@pytest.mark.parametrize("n,k,cfg", CASES)
+def test_gemv_matches_fp32_reference(gv, quant, n, k, cfg):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w, s, deq = weights(n, k, quant, gen)
+    scheme = "int8_g128" if quant else "bf16"
+    with one_thread():
+        for m in (1, 2, 3, 5, 8):
+            x = torch.randn(m, k, generator=gen).bfloat16().to(DEV)
+            want = reference(x, deq)
+            for out in (torch.bfloat16, torch.float32):
+                y = gv.gemv(x, w, s, scheme, config=cfg, out_dtype=out)
+                assert y.shape == (m, n) and y.dtype == out
+                assert rel(y, want) < TOL[out], (m, n, k, cfg, out)
+
+
+def test_magic_conversion_and_bf16_tail(gv):
+    """MAGIC gives the same values as the I2F conversion (both exact, same summation order);
+    a bf16 K that is not a multiple of 128 is masked (copy scheme, leading dims kept)."""
+    gen = torch.Generator().manual_seed(7)
+    q, s, deq = weights(12, 512, True, gen)
+    q[0, :4] = torch.tensor([127, -127, -1, 0], dtype=torch.int8)         # code extremes
+    deq[0] = (q[0].cpu().float().view(4, 128) * s[0].cpu()[:, None]).view(512)
+    x = torch.randn(4, 512, generator=gen).bfloat16().to(DEV)
+    with one_thread():
+        a = gv.gemv(x, q, s, "int8_g128", config=dict(BN=4, BK=256, MAGIC=True),
+                    out_dtype=torch.float32)
+        b = gv.gemv(x, q, s, "int8_g128", config=dict(BN=4, BK=256, MAGIC=False),
+                    out_dtype=torch.float32)
+        assert torch.equal(a, b)
+        assert rel(a, reference(x, deq)) < TOL[torch.float32]
+        w, _, wdeq = weights(9, 200, False, gen)
+        x = torch.randn(1, 2, 200, generator=gen).bfloat16().to(DEV)
+        y = gv.gemv(x, w, None, "copy", out_dtype=torch.float32)
+        assert y.shape == (1, 2, 9)
+        assert rel(y.reshape(2, 9), reference(x.reshape(2, 200), wdeq)) < TOL[torch.float32]
+
+
+def test_deterministic_and_zero_rows(gv):
+    gen = torch.Generator().manual_seed(9)
+    q, s, _ = weights(24, 256, True, gen)
+    x = torch.randn(3, 256, generator=gen).bfloat16().to(DEV)
+    with one_thread():
+        a = gv.gemv(x, q, s, "int8_g128", out_dtype=torch.float32)
+        assert torch.equal(a, gv.gemv(x, q, s, "int8_g128", out_dtype=torch.float32))
+    assert gv.gemv(x[:0], q, s, "int8_g128").shape == (0, 24)
+
+
+def test_table_lookup_first_match(gv, monkeypatch):
+    monkeypatch.setattr(gv, "GEMV_TABLE", [
+        ("int8", (1, 2048), (1, 8192), (1, 2), dict(BN=2, BK=1024, MAGIC=True, num_warps=8)),
+        ("int8", (1, 2048), (1, 8192), (1, 8), dict(BN=4, BK=512, MAGIC=False, num_warps=4))])
+    assert gv.gemv_config(1, 1536, 4096, True)["BN"] == 2
+    assert gv.gemv_config(4, 1536, 4096, True)["BN"] == 4
+    got = gv.gemv_config(1, 4096, 4096, True)                       # N out of range: default
+    monkeypatch.setattr(gv, "GEMV_TABLE", [])
+    assert got == gv.gemv_config(1, 4096, 4096, True)
+
+
+def test_bad_input_one_line_errors(gv):
+    gen = torch.Generator().manual_seed(5)
+    q, s, _ = weights(16, 256, True, gen)
+    x = torch.randn(2, 256, generator=gen).bfloat16().to(DEV)
+    wb = torch.zeros(16, 256, dtype=torch.bfloat16, device=DEV)
+    big = torch.zeros(9, 256, dtype=torch.bfloat16, device=DEV)
+    for call, msg in ((lambda: gv.gemv(x.float(), q, s, "int8_g128"), "bfloat16"),
+                      (lambda: gv.gemv(x[:, :128], q, s, "int8_g128"), "inputs"),
+                      (lambda: gv.gemv(x, q, s[:, :1], "int8_g128"), "scales"),
+                      (lambda: gv.gemv(x, q, None, "int8_mx32"), "not supported"),
+                      (lambda: gv.gemv(x, wb, s, "bf16"), "no scale"),
+                      (lambda: gv.gemv(big, q, s, "int8_g128"), "at most 8 rows"),
+                      (lambda: gv.gemv(x, q, s, "int8_g128", out_dtype=torch.float16), "out_dtype"),
+                      (lambda: gv.gemv(x, q, s, "int8_g128", config=dict(BK=192)), "BK"),
+                      (lambda: gv.gemv(x, wb, None, "bf16", config=dict(MAGIC=True)), "MAGIC")):
+        with pytest.raises(ValueError, match=msg):
+            call()

@@ -1,0 +1,77 @@
+"""The small-M GEMV kernel (kernels.gemv) compiles for sm_80 on this CPU machine (test_sm80.py's
+helper) for every candidate of GEMV_CANDIDATES and the default configs, at M padded to 1 and 8
+rows, int8_g128 (BF16 out) and BF16 weights (FP32 out): shared memory within 99 KB (only the
+cross-warp reductions use it), no MMA (CUDA-core FMAs), no FP8/FP4, and MAGIC really converts
+without an int -> float cvt (I2F) in the PTX. Compiled in a subprocess without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_sm80 import SHARED_LIMIT, _compile, compile_in_subprocess  # noqa: E402
+
+MPS = (1, 8)
+
+
+def _configs() -> list[tuple[str, dict]]:
+    from backfit.runtime.kernels import gemv
+
+    out = []
+    for kind, cands in gemv.GEMV_CANDIDATES.items():
+        cfgs = [dict(BN=bn, BK=bk, num_warps=w, MAGIC=mg) for bn, bk, w, mg in cands]
+        cfgs.append(gemv.gemv_config(1, 4096, 4096, kind == "int8"))       # the default
+        out += [(kind, c) for c in cfgs]
+    return out
+
+
+def compile_all() -> list[dict]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from backfit.runtime.kernels import gemv
+
+    out = []
+    for kind, cfg in _configs():
+        quant = kind == "int8"
+        types = dict(X="*bf16", W="*i8" if quant else "*bf16", S="*fp32" if quant else "*bf16",
+                     Y="*bf16" if quant else "*fp32", M="i32", N="i32", K="i32", stride_xm="i32")
+        for mp in MPS:
+            const = dict(QUANT=quant, MAGIC=bool(cfg.get("MAGIC")), EVEN_K=True, MP=mp,
+                         BN=cfg["BN"], BK=cfg["BK"])
+            opts = dict(num_warps=cfg["num_warps"], num_stages=1)
+            r = _compile(gemv._gemv_kernel, types, const, opts, ("N", "K", "stride_xm"))
+            # the same source again (a cache hit) for the PTX: int -> float conversions
+            fn = gemv._gemv_kernel
+            sig = {a: types.get(a, "constexpr") for a in fn.arg_names}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                     if sig[a].startswith("*") or a in ("N", "K", "stride_xm")}
+            c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                               target=GPUTarget("cuda", 80, 32), options=opts)
+            r["i2f"] = len(re.findall(r"cvt\.rn\.f32\.s(?:8|16|32)", c.asm["ptx"]))
+            out.append(r)
+    return out
+
+
+def test_gemv_compiles_for_sm80():
+    results = compile_in_subprocess(__file__)
+    assert len(results) == len(_configs()) * len(MPS)
+    for r in results:
+        name = f"{r['kernel']} {r['config']} {r['opts']}"
+        assert r["cubin"] > 0, name
+        assert r["shared"] <= SHARED_LIMIT, f"{name}: {r['shared']} B shared"
+        assert not r["fp8"] and r["mma"] == [], name
+        if r["config"]["QUANT"]:
+            if r["config"]["MAGIC"]:
+                assert r["i2f"] == 0, f"{name}: MAGIC still converts with cvt"
+            else:
+                assert r["i2f"] > 0, f"{name}: no int8 -> fp32 cvt found (the check is blind)"
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_all()))
