@@ -142,13 +142,19 @@ def indexer(x: torch.Tensor, qr: torch.Tensor, P, cfg: ModelConfig, freqs: torch
     if nx.qat:
         q = indexer_fake_fp4(q)
     w = nx.lin_bf16(x, P["attn.indexer.weights_proj.weight"]) * (DI ** -0.5 * nI ** -0.5)  # [S, nI]
-    s = torch.einsum("shd,td->sht", q, K.to(q.dtype)).relu()             # [S, nI, T]
-    score = (s * w.unsqueeze(-1)).sum(dim=1).float()                     # [S, T]
     limit = (pos + 1) // ratio                                           # entries j < limit valid
-    valid = torch.arange(T, device=x.device)[None, :] < limit[:, None]
-    score = score.masked_fill(~valid, float("-inf"))
-    idx = torch.topk(score, min(cfg.index_topk, T), dim=-1).indices      # [S, k]
-    return torch.where(idx < limit[:, None], idx, torch.full_like(idx, -1))
+    Kq = K.to(q.dtype)
+    out = torch.empty(S, min(cfg.index_topk, T), dtype=torch.long, device=x.device)
+    # query blocks: [S, nI, T] at S = 65536 (verify --long-context) would be tens of GB
+    for p0 in range(0, S, QUERY_CHUNK):
+        p1 = min(S, p0 + QUERY_CHUNK)
+        s = torch.einsum("shd,td->sht", q[p0:p1], Kq).relu()             # [s, nI, T]
+        score = (s * w[p0:p1].unsqueeze(-1)).sum(dim=1).float()         # [s, T]
+        valid = torch.arange(T, device=x.device)[None, :] < limit[p0:p1, None]
+        score = score.masked_fill(~valid, float("-inf"))
+        idx = torch.topk(score, out.shape[1], dim=-1).indices            # [s, k]
+        out[p0:p1] = torch.where(idx < limit[p0:p1, None], idx, torch.full_like(idx, -1))
+    return out
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor | None,
