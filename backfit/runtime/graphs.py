@@ -6,8 +6,10 @@ the fused MoE and the batched compressor update (Compressor.decode_update) read 
 and block tables from the device. So the step (embedding -> blocks -> hc_head -> head, FP32
 logits [B, V]) is captured once per batch size B in `capture_sizes` and replayed with new inputs:
 
-  static inputs   tokens [Bmax] int64, positions [Bmax] int64, slots [Bmax] int32,
-                  block tables [Bmax, nblk] int32 (nblk = blocks of max_model_len)
+  static input    one int32 staging tensor [Bmax, 3 + nblk] on the device, row b = (token,
+                  position, slot, block table of nblk entries; nblk = blocks of max_model_len),
+                  filled by ONE copy from a pinned host twin per step; the graph starts by
+                  taking tokens/positions (int64) and slots/tables (int32) out of it
   padding         rows n..B-1 of a batch of n decode with token 0 at position 0 in the cache's
                   scratch slot, every table entry the scratch block: nothing real is touched
   memory          every graph draws on one shared pool, captured largest first
@@ -30,30 +32,30 @@ from backfit.runtime.cache.budget import capture_sizes
 __all__ = ["pad_decode_inputs", "DecodeGraphs"]
 
 
-def pad_decode_inputs(seqs, B: int, nblk: int, scratch_slot: int, scratch_block: int):
-    """seqs: [(token, position, slot, block table)] (n <= B) -> host tensors of the padded batch:
-    tokens [B] int64, positions [B] int64, slots [B] int32, tables [B, nblk] int32. Vectorized
-    (numpy): ~30 us at batch 64 where a row-by-row fill took ~500 (docs/ENGINE.md)."""
+def pad_decode_inputs(seqs, B: int, nblk: int, scratch_slot: int, scratch_block: int,
+                      out: np.ndarray | None = None) -> np.ndarray:
+    """seqs: [(token, position, slot, block table)] (n <= B) -> the padded batch as int32 rows
+    [B, 3 + nblk] = (token, position, slot, table...), written into `out` (a pinned staging view)
+    when given. Vectorized (numpy): ~30 us at batch 64 where a row-by-row fill took ~500."""
     n = len(seqs)
     if n > B:
         raise ValueError(f"{n} sequences do not fit a graph of batch {B}")
     lens = np.fromiter((len(s[3]) for s in seqs), dtype=np.int64, count=n)
     if n and int(lens.max()) > nblk:
         raise ValueError(f"block table of {int(lens.max())} blocks, graphs hold {nblk}")
-    head = np.zeros((3, B), dtype=np.int64)                         # token, position, slot
-    head[2] = scratch_slot
+    rows = np.empty((B, 3 + nblk), dtype=np.int32) if out is None else out
+    rows[:, :3] = (0, 0, scratch_slot)
+    rows[:, 3:] = scratch_block
     if n:
-        head[:, :n] = np.array([s[:3] for s in seqs], dtype=np.int64).T
-    tables = np.full((B, nblk), scratch_block, dtype=np.int32)
+        rows[:n, :3] = np.array([s[:3] for s in seqs], dtype=np.int32)
     total = int(lens.sum())
     if total:
         flat = np.fromiter(itertools.chain.from_iterable(s[3] for s in seqs), dtype=np.int32,
                            count=total)
-        rows = np.repeat(np.arange(n), lens)
-        cols = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
-        tables[rows, cols] = flat
-    return (torch.from_numpy(head[0]), torch.from_numpy(head[1]),
-            torch.from_numpy(head[2].astype(np.int32)), torch.from_numpy(tables))
+        r = np.repeat(np.arange(n), lens)
+        c = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+        rows[r, 3 + c] = flat
+    return rows
 
 
 class DecodeGraphs:
@@ -63,18 +65,20 @@ class DecodeGraphs:
         self.model, self.cache, self.nblk = model, cache, max_blocks
         self.sizes = capture_sizes(max_num_seqs)
         dev, Bm = cache.device, self.sizes[-1]
-        self.tokens = torch.zeros(Bm, dtype=torch.int64, device=dev)
-        self.pos = torch.zeros(Bm, dtype=torch.int64, device=dev)
-        self.slots = torch.full((Bm,), cache.scratch_slot, dtype=torch.int32, device=dev)
-        self.tables = torch.full((Bm, max_blocks), cache.scratch_block, dtype=torch.int32,
-                                 device=dev)
+        self.host = torch.empty((Bm, 3 + max_blocks), dtype=torch.int32, pin_memory=True)
+        self.rows = self.host.numpy()                      # the pinned buffer, seen by numpy
+        pad_decode_inputs([], Bm, max_blocks, cache.scratch_slot, cache.scratch_block, self.rows)
+        self.stage = self.host.to(dev)                     # the graphs' one static input
+        self.copied = torch.cuda.Event()                   # the last copy out of self.host
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_s, self.replays = 0.0, 0
 
     def _step(self, B: int) -> torch.Tensor:
-        """The decode forward on the first B rows of the static inputs -> logits [B, V] FP32."""
-        batch = ForwardBatch(self.tokens[:B], self.pos[:B], tuple(range(B)), (1,) * B, (0,) * B)
-        bound = self.cache.bind_device(self.slots[:B], self.tables[:B])
+        """The decode forward on the first B staging rows -> logits [B, V] FP32."""
+        st = self.stage[:B]
+        batch = ForwardBatch(st[:, 0].long(), st[:, 1].long(), tuple(range(B)), (1,) * B,
+                             (0,) * B)
+        bound = self.cache.bind_device(st[:, 2].contiguous(), st[:, 3:].contiguous())
         return self.model.logits(self.model.hidden(batch, bound))
 
     @torch.no_grad()
@@ -109,12 +113,11 @@ class DecodeGraphs:
         B = self.size_for(len(seqs))
         if B is None or any(len(s[3]) > self.nblk for s in seqs):
             return None
-        tokens, pos, slots, tables = pad_decode_inputs(seqs, B, self.nblk, self.cache.scratch_slot,
-                                                       self.cache.scratch_block)
-        self.tokens[:B].copy_(tokens, non_blocking=True)
-        self.pos[:B].copy_(pos, non_blocking=True)
-        self.slots[:B].copy_(slots, non_blocking=True)
-        self.tables[:B].copy_(tables, non_blocking=True)
+        self.copied.synchronize()                         # the previous copy has left self.host
+        pad_decode_inputs(seqs, B, self.nblk, self.cache.scratch_slot, self.cache.scratch_block,
+                          self.rows[:B])
+        self.stage[:B].copy_(self.host[:B], non_blocking=True)     # pinned: truly async
+        self.copied.record()
         g, out = self.graphs[B]
         g.replay()
         self.replays += 1

@@ -26,14 +26,18 @@ def test_graph_reserve_counts_every_size(model_f32):
 
 
 def test_pad_decode_inputs():
+    import numpy as np
     seqs = [(7, 40, 3, (5, 2, 9)), (8, 3, 0, (4,))]
-    tok, pos, slots, tables = pad_decode_inputs(seqs, 4, 5, scratch_slot=6, scratch_block=11)
-    assert tok.tolist() == [7, 8, 0, 0] and pos.tolist() == [40, 3, 0, 0]
-    assert slots.tolist() == [3, 0, 6, 6] and slots.dtype == torch.int32
-    assert tables.tolist() == [[5, 2, 9, 11, 11], [4, 11, 11, 11, 11], [11] * 5, [11] * 5]
-    assert tok.dtype == pos.dtype == torch.int64 and tables.dtype == torch.int32
-    empty = pad_decode_inputs([(1, 2, 3, ())], 2, 3, 6, 11)         # a table with no blocks yet
-    assert empty[3].tolist() == [[11] * 3] * 2 and empty[2].tolist() == [3, 6]
+    rows = pad_decode_inputs(seqs, 4, 5, scratch_slot=6, scratch_block=11)
+    assert rows.dtype == np.int32 and rows.shape == (4, 8)
+    assert rows[:, 0].tolist() == [7, 8, 0, 0] and rows[:, 1].tolist() == [40, 3, 0, 0]
+    assert rows[:, 2].tolist() == [3, 0, 6, 6]
+    assert rows[:, 3:].tolist() == [[5, 2, 9, 11, 11], [4, 11, 11, 11, 11], [11] * 5, [11] * 5]
+    out = np.full((2, 6), -5, dtype=np.int32)                   # a staging view: every cell set
+    empty = pad_decode_inputs([(1, 2, 3, ())], 2, 3, 6, 11, out=out)   # no blocks yet
+    assert empty is out and out.tolist() == [[1, 2, 3, 11, 11, 11], [0, 0, 6, 11, 11, 11]]
+    stale = np.full((4, 8), 99, dtype=np.int32)                 # last step's rows are overwritten
+    assert pad_decode_inputs(seqs, 4, 5, 6, 11, out=stale).tolist() == rows.tolist()
     with pytest.raises(ValueError, match="do not fit a graph of batch 1"):
         pad_decode_inputs(seqs, 1, 5, 6, 11)
     with pytest.raises(ValueError, match="block table of 3 blocks, graphs hold 2"):
