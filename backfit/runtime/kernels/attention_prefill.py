@@ -46,7 +46,8 @@ def _keys(x, INT8: tl.constexpr, s, F32: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _step(q, k, ok, m_i, l_i, acc, scale, F32: tl.constexpr, EXACT: tl.constexpr):
+def _step(q, k, ok, m_i, l_i, acc, scale, F32: tl.constexpr, EXACT: tl.constexpr,
+          DT: tl.constexpr):
     """Online softmax over keys k [BN, DP] (K = V), ok [M, BN]; m starts at -1e30, never -inf."""
     if F32:
         s = tl.dot(q, tl.trans(k))
@@ -60,15 +61,21 @@ def _step(q, k, ok, m_i, l_i, acc, scale, F32: tl.constexpr, EXACT: tl.constexpr
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
-    if F32:
-        acc = tl.dot(p, k, acc)
-    elif EXACT:
+    if EXACT:                                  # FP32 act dtype: no rounding anywhere
         acc = tl.dot(p, k, acc, input_precision="ieee")
-    else:                                                              # p = hi + lo, ~16 bits
-        hi = p.to(k.dtype)
-        lo = (p - hi.to(tl.float32)).to(k.dtype)
-        acc = tl.dot(hi, k, acc)
-        acc = tl.dot(lo, k, acc)
+    else:
+        hi = p.to(DT)                          # p = hi + lo (~16 bits), both exact in FP32
+        lo = (p - hi.to(tl.float32)).to(DT)
+        if F32:                                # interpreter: the same sum in FP32 dots
+            hi, lo = hi.to(tl.float32), lo.to(tl.float32)
+        M: tl.constexpr = p.shape[0]
+        BN: tl.constexpr = p.shape[1]
+        DP: tl.constexpr = k.shape[1]
+        # one dot over K = 2·BN, [.., hi_n, lo_n, ..] @ [.., k_n, k_n, ..]: two dots chained
+        # into acc get two wgmma layouts on sm_90 and a [M, DP] FP32 conversion between them
+        p2 = tl.reshape(tl.join(hi, lo), (M, 2 * BN))
+        v2 = tl.reshape(tl.permute(tl.join(k, k), (0, 2, 1)), (2 * BN, DP))
+        acc = tl.dot(p2, v2, acc)
     return m_new, l_i, acc
 
 
@@ -135,7 +142,7 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
             k = _keys(tl.load(ptr, mask=k_ok[:, None] & d_ok[None, :], other=0.0), False, 0,
                       F32, DT)
         ok = (kp[None, :] <= p_r[:, None]) & (kp[None, :] > p_r[:, None] - W) & k_ok[None, :]
-        m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT)
+        m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT, DT)
     if MODE == 1:                                                      # HCA: all valid entries
         n_r = (p_r + 1) // RATIO                                       # [M] entries per row
         for c0 in range(0, (p_last + 1) // RATIO, BN):
@@ -150,7 +157,7 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
                 sc = tl.load(ESC + e, mask=c_ok, other=0.0)
             k = _keys(x, INT8, sc, F32, DT)
             ok = (c[None, :] < n_r[:, None]) & c_ok[None, :]
-            m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT)
+            m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT, DT)
     if MODE == 2:                                                      # CSA: t0's selection
         for c0 in range(0, n_sel, BN):
             c = c0 + rn
@@ -167,7 +174,7 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
                     sc = tl.load(ESC + e, mask=c_ok, other=0.0)
                 k = _keys(x, INT8, sc, F32, DT)
                 ok = (r[:, None] >= 0) & c_ok[None, :]
-                m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT)
+                m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT, DT)
     sink = tl.load(SINK + hh, mask=hh < H, other=0.0)
     Mx = tl.maximum(m_i, sink)
     a = tl.exp(m_i - Mx)
