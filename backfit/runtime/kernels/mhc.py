@@ -18,6 +18,17 @@ comb) or S (head). Launches per call at T < MIX_TORCH_T: hc_pre 2, hc_head 2, hc
                        Σ_s pre_s X_s (bf16); the d-block-0 program writes post and M. Every d
                        block recomputes the tiny S x S part (no second launch).
   _post_kernel         out[t, k, block] = post[t,k]·f[t, block] + Σ_j M[t,j,k]·X[t,j, block].
+Tiled prefill path (PREFILL = "tiled", T >= MIX_TORCH_T; the default stays "torch" until the
+lead flips it), 2 launches, no FP32 copy of X:
+  _mix_tile_kernel     program (BT tokens, K split): X read once in bf16, the [BK, NP] fnᵀ tile
+                       from L2 for BT tokens, the dots and Σx² to PART as above. MMA3: fn as
+                       b1 + b2 + b3 (bf16 pieces, exact) through the bf16 mma (exact products,
+                       FP32 sums; the mma's own adds span one BK step, then FP32 adds); else
+                       FP32 FMA dots. Either changes the dots' summation order against cuBLAS:
+                       H200, T 8192, post / M 3.9e-6 / 3.7e-6 from the torch reference (today's
+                       path 1.8e-7 / 3.0e-7), u bit-identical on >= 99.9 %.
+  _collapse_tile_kernel  program (BTU tokens): gates and Sinkhorn once per token, then u
+                       streamed over d (X read a second time).
 """
 
 from __future__ import annotations
@@ -26,12 +37,16 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["hc_pre", "hc_post", "hc_head", "MIX_TORCH_T", "MAX_SPLIT", "mix_split"]
+from backfit.runtime.kernels.gemm import dot_bf16, interpreted
+
+__all__ = ["hc_pre", "hc_post", "hc_head", "MIX_TORCH_T", "MAX_SPLIT", "mix_split", "PREFILL",
+           "tile_config"]
 
 MIX_TORCH_T = 64        # tokens from which the logits use the torch FP32 matmul (not tuned yet)
 _BK = 128               # flattened-K step of the partial kernel: [NP, 128] FP32 fn tile
 _BD = 256               # d block of the collapse / post kernels
 MAX_SPLIT = 256         # K splits at most (the collapse kernel gathers them as one [SP, .] tile)
+PREFILL = "torch"       # T >= MIX_TORCH_T: "torch" (FP32 matmul logits) or "tiled" (two kernels)
 
 
 @triton.jit
@@ -116,6 +131,101 @@ def _post_kernel(F, X, POST, MIX, OUT, D, S: tl.constexpr, BD: tl.constexpr):
              mask=d_ok[None, :])
 
 
+@triton.jit
+def _mix_tile_kernel(X, FN, PART, T, K, K_SPLIT, SPLIT, NOUT: tl.constexpr, NP: tl.constexpr,
+                     BT: tl.constexpr, BK: tl.constexpr, MMA3: tl.constexpr,
+                     F32: tl.constexpr):
+    """Prefill partials, program (token block p, K split i): PART[t, i, :NOUT] = x[t, ks] · fn[:,
+    ks] and PART[t, i, NOUT] = Σ x[t, ks]² for the BT tokens of block p. X is read once (bf16);
+    the [BK, NP] fn tile comes from L2 and serves BT tokens. MMA3: fn = b1 + b2 + b3 (three
+    bf16 pieces, exact) through bf16 mma.sync, exact products, FP32 accumulate; else FP32 FMA
+    dots (input_precision "ieee", no tensor cores). F32: gemm.dot_bf16's interpreter switch."""
+    p, i = tl.program_id(0), tl.program_id(1)
+    rt = (p * BT + tl.arange(0, BT)).to(tl.int64)
+    t_ok = rt < T
+    rn = tl.arange(0, NP)
+    n_ok = rn < NOUT
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BT, NP), dtype=tl.float32)
+    sq = tl.zeros((BT, BK), dtype=tl.float32)
+    k_lo = i * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BK):
+        kk = k0 + rk
+        k_ok = kk < k_hi
+        x = tl.load(X + rt[:, None] * K + kk[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                    other=0.0)                                            # [BT, BK] bf16
+        w = tl.load(FN + rn[None, :] * K + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                    other=0.0)                                            # [BK, NP] fp32 = fnᵀ
+        xf = x.to(tl.float32)
+        if MMA3:
+            w1 = w.to(tl.bfloat16)
+            r1 = w - w1.to(tl.float32)                                    # exact in fp32
+            w2 = r1.to(tl.bfloat16)
+            w3 = (r1 - w2.to(tl.float32)).to(tl.bfloat16)                 # the last <= 8 bits
+            # the mma accumulates one BK step only (its adds truncate, not IEEE round to
+            # nearest); the sum over steps is an FP32 add in registers
+            step = dot_bf16(x, w3, tl.zeros((BT, NP), dtype=tl.float32), F32)
+            step = dot_bf16(x, w2, step, F32)                             # small pieces first
+            acc += dot_bf16(x, w1, step, F32)
+        else:
+            acc = tl.dot(xf, w, acc, input_precision="ieee")
+        sq += xf * xf
+    acc = tl.where(rn[None, :] == NOUT, tl.sum(sq, axis=1)[:, None], acc)  # slot NOUT: Σx²
+    tl.store(PART + (rt[:, None] * SPLIT + i) * NP + rn[None, :], acc, mask=t_ok[:, None])
+
+
+@triton.jit
+def _collapse_tile_kernel(PART, X, SCALE, BASE, U, POST, MOUT, T, SPLIT, D, K, iters, hc_eps,
+                          norm_eps, S: tl.constexpr, NOUT: tl.constexpr, NP: tl.constexpr,
+                          BT: tl.constexpr, BD: tl.constexpr, SINKHORN: tl.constexpr):
+    """Prefill collapse, program = BT tokens: the splits summed in split order, the gates and
+    (SINKHORN) M once per token, in _collapse_kernel's op order, then u[t] = Σ_s pre_s X[t, s]
+    streamed over d in BD blocks."""
+    p = tl.program_id(0)
+    rt = (p * BT + tl.arange(0, BT)).to(tl.int64)
+    t_ok = rt < T
+    rs = tl.arange(0, S)
+    cjk = 2 * S + rs[:, None] * S + rs[None, :]                 # comb logit of C[j, k]
+    row = PART + rt * SPLIT * NP                                 # [BT] first split rows
+    lp = tl.zeros((BT, S), dtype=tl.float32)
+    sq = tl.zeros((BT,), dtype=tl.float32)
+    lq = tl.zeros((BT, S), dtype=tl.float32)
+    lc = tl.zeros((BT, S, S), dtype=tl.float32)
+    for i in range(SPLIT):
+        r_i = row + i * NP
+        lp += tl.load(r_i[:, None] + rs[None, :], mask=t_ok[:, None], other=0.0)
+        sq += tl.load(r_i + NOUT, mask=t_ok, other=0.0)
+        if SINKHORN:
+            lq += tl.load(r_i[:, None] + S + rs[None, :], mask=t_ok[:, None], other=0.0)
+            lc += tl.load(r_i[:, None, None] + cjk[None, :, :], mask=t_ok[:, None, None],
+                          other=0.0)
+    r = 1.0 / tl.sqrt_rn(sq / K + norm_eps)                     # [BT] rsqrt(mean(x²) + eps)
+    pre = tl.sigmoid(lp * r[:, None] * tl.load(SCALE) + tl.load(BASE + rs)[None, :]) + hc_eps
+    if SINKHORN:
+        post = 2.0 * tl.sigmoid(lq * r[:, None] * tl.load(SCALE + 1)
+                                + tl.load(BASE + S + rs)[None, :])
+        c = lc * r[:, None, None] * tl.load(SCALE + 2) + tl.load(BASE + cjk)[None, :, :]
+        e = tl.exp(c - tl.max(c, axis=2)[:, :, None])
+        m = e / tl.sum(e, axis=2)[:, :, None] + hc_eps                   # row softmax (over k)
+        m = m / (tl.sum(m, axis=1)[:, None, :] + hc_eps)                 # column normalise
+        for _ in range(iters - 1):
+            m = m / (tl.sum(m, axis=2)[:, :, None] + hc_eps)
+            m = m / (tl.sum(m, axis=1)[:, None, :] + hc_eps)
+        tl.store(POST + rt[:, None] * S + rs[None, :], post, mask=t_ok[:, None])
+        tl.store(MOUT + rt[:, None, None] * (S * S) + rs[None, :, None] * S + rs[None, None, :],
+                 m, mask=t_ok[:, None, None])
+    xrow = X + (rt[:, None] * S + rs[None, :]) * D               # [BT, S] stream rows
+    for d0 in range(0, D, BD):
+        rd = d0 + tl.arange(0, BD)
+        d_ok = rd < D
+        x = tl.load(xrow[:, :, None] + rd[None, None, :], mask=t_ok[:, None, None]
+                    & d_ok[None, None, :], other=0.0).to(tl.float32)      # [BT, S, BD]
+        u = tl.sum(pre[:, :, None] * x, axis=1)
+        tl.store(U + rt[:, None] * D + rd[None, :], u.to(U.dtype.element_ty),
+                 mask=t_ok[:, None] & d_ok[None, :])
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -169,8 +279,55 @@ def _partials(X: torch.Tensor, fn: torch.Tensor, NP: int, split: int | None) -> 
     return part
 
 
-def _collapse(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, split):
+def tile_config(T: int, K: int, sms: int) -> dict:
+    """Launch config of the tiled prefill path: partials BT tokens x BK per step (bf16 mma x 3),
+    K split for ~4 programs per SM but >= 8 BK steps a split (the collapse sums the splits in
+    a loop); collapse BTU tokens a program, BD per step. H200 sweep (scripts/bench_mhc.py):
+    hc_pre T 8192 215 us at split 3, 198 us at 8; T 1024 35 us."""
+    BT, BK = 128, 64
+    split = max(1, min(triton.cdiv(K, BK) // 8, triton.cdiv(4 * sms, triton.cdiv(T, BT))))
+    return dict(BT=BT, BK=BK, split=split, warps=8, MMA3=True, BTU=2, BD=1024, warps_u=4)
+
+
+def _collapse_tiled(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, tile):
+    """Prefill: _mix_tile_kernel partials [T, split, NP] then _collapse_tile_kernel (2 launches)."""
     T, S, d = X.shape
+    n_out, K = fn.shape
+    NP = max(16, triton.next_power_of_2(n_out + 1))            # tl.dot needs N >= 16
+    cfg = tile_config(T, K, _num_sms(X.device))
+    if set(tile or {}) - set(cfg):
+        raise ValueError(f"mhc: unknown tile keys {sorted(set(tile) - set(cfg))}")
+    cfg.update(tile or {})
+    BT, BK, BTU = cfg["BT"], cfg["BK"], cfg["BTU"]
+    if BT < 16 or BK < 16 or BT & (BT - 1) or BK & (BK - 1) or BTU & (BTU - 1):
+        raise ValueError(f"mhc: BT, BK must be powers of 2 >= 16, BTU a power of 2, got {cfg}")
+    u = torch.empty(T, d, dtype=X.dtype, device=X.device)
+    post = torch.empty(T, S, dtype=torch.float32, device=X.device)
+    M = torch.empty(T, S, S, dtype=torch.float32, device=X.device)
+    if T == 0:
+        return u, post, M
+    steps = triton.cdiv(K, BK)
+    k_split = triton.cdiv(steps, max(1, min(cfg["split"], steps))) * BK
+    split = triton.cdiv(K, k_split)                            # no empty split
+    part = torch.empty(T, split, NP, dtype=torch.float32, device=X.device)
+    _mix_tile_kernel[(triton.cdiv(T, BT), split)](
+        X.view(T, K), fn.contiguous(), part, T, K, k_split, split, NOUT=n_out, NP=NP, BT=BT,
+        BK=BK, MMA3=bool(cfg["MMA3"]), F32=interpreted(), num_warps=cfg["warps"])
+    _collapse_tile_kernel[(triton.cdiv(T, BTU),)](
+        part, X, scale.contiguous(), base.contiguous(), u, post, M, T, split, d, K, iters,
+        float(hc_eps), float(norm_eps), S=S, NOUT=n_out, NP=NP, BT=BTU,
+        BD=min(cfg["BD"], triton.next_power_of_2(d)), SINKHORN=sinkhorn,
+        num_warps=cfg["warps_u"])
+    return u, post, M
+
+
+def _collapse(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, split, prefill, tile):
+    T, S, d = X.shape
+    prefill = PREFILL if prefill is None else prefill
+    if prefill not in ("torch", "tiled"):
+        raise ValueError(f"mhc: prefill must be 'torch' or 'tiled', got {prefill!r}")
+    if split is None and T >= MIX_TORCH_T and prefill == "tiled":
+        return _collapse_tiled(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, tile)
     n_out = fn.shape[0]
     NP = triton.next_power_of_2(n_out + 1)
     u = torch.empty(T, d, dtype=X.dtype, device=X.device)
@@ -188,22 +345,28 @@ def _collapse(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, split):
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-           iters: int, hc_eps: float, norm_eps: float, split: int | None = None):
+           iters: int, hc_eps: float, norm_eps: float, split: int | None = None,
+           prefill: str | None = None, tile: dict | None = None):
     """X [T, S, d] bf16 -> (u [T, d] bf16, post [T, S] fp32, M [T, S, S] fp32), as hyper.hc_pre.
-    split (tests) forces the K-split kernel with that many splits, at any T."""
+    split (tests) forces the K-split kernel with that many splits, at any T. prefill (default
+    PREFILL) picks the T >= MIX_TORCH_T path; tile overrides tile_config() keys of "tiled"."""
     S = X.shape[1] if X.dim() == 3 else 0
     _check(X, fn, scale, base, (2 + S) * S, 3, "hc_pre")
     if iters < 1:
         raise ValueError(f"hc_pre: iters must be >= 1, got {iters}")
-    return _collapse(X.contiguous(), fn, scale, base, int(iters), hc_eps, norm_eps, True, split)
+    return _collapse(X.contiguous(), fn, scale, base, int(iters), hc_eps, norm_eps, True, split,
+                     prefill, tile)
 
 
 def hc_head(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-            hc_eps: float, norm_eps: float, split: int | None = None) -> torch.Tensor:
-    """X [T, S, d] bf16 -> h [T, d] bf16, as hyper.hc_head (logits kernel with n_out = S)."""
+            hc_eps: float, norm_eps: float, split: int | None = None,
+            prefill: str | None = None, tile: dict | None = None) -> torch.Tensor:
+    """X [T, S, d] bf16 -> h [T, d] bf16, as hyper.hc_head (logits kernel with n_out = S);
+    split, prefill, tile as for hc_pre."""
     S = X.shape[1] if X.dim() == 3 else 0
     _check(X, fn, scale, base, S, 1, "hc_head")
-    return _collapse(X.contiguous(), fn, scale, base, 1, hc_eps, norm_eps, False, split)[0]
+    return _collapse(X.contiguous(), fn, scale, base, 1, hc_eps, norm_eps, False, split, prefill,
+                     tile)[0]
 
 
 def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor) -> torch.Tensor:

@@ -163,6 +163,72 @@ def test_deterministic_and_bad_input(mhc):
             call()
 
 
+# tiled prefill path (prefill="tiled", T >= MIX_TORCH_T): tile_config's own choice (BT 128,
+# bf16 mma x 3, 2 token blocks at T 200), a ragged everything case (T 130 over BT 16, d 100 over
+# BD 32, K 400 over BK 16 in 3 splits), and the FP32 FMA dots in one split
+TILED = [(200, 64, None), (130, 100, dict(BT=16, BK=16, split=3, BTU=4, BD=32)),
+         (65, 64, dict(MMA3=False, BT=32, BK=32, split=1, BTU=1, BD=64))]
+
+
+@pytest.mark.parametrize("T,d,tile", TILED)
+def test_tiled_prefill_matches_torch_reference(mhc, T, d, tile):
+    gen = torch.Generator().manual_seed(T * 31 + d)
+    fn, scale, base = params((2 + S) * S, d, 3, gen)
+    X = streams(T, d, gen)
+    with one_thread():
+        _, post_ref, M_ref = hyper.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
+        pre = ref_pre_gates(X, fn, scale, base)
+        u32, mag = ref_u_fp32(X, pre), ref_u_fp32(X.abs(), pre.abs())
+        m = hyper._mix_logits(X, fn[:S], NORM_EPS)
+        pre_h = torch.sigmoid(m * scale[0] + base[:S]) + HC_EPS
+        h32, hmag = ref_u_fp32(X, pre_h), ref_u_fp32(X.abs(), pre_h.abs())
+    u, post, M = mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS, prefill="tiled",
+                            tile=tile)
+    assert u.shape == (T, d) and post.shape == (T, S) and M.shape == (T, S, S)
+    assert rel_max(post, post_ref) < 2e-5, (T, d, rel_max(post, post_ref))
+    assert rel_max(M, M_ref) < 2e-5, (T, d, rel_max(M, M_ref))
+    assert ulps(u, u32, mag) <= 1, (T, d, ulps(u, u32, mag))
+    h = mhc.hc_head(X, fn[:S].contiguous(), scale[:1], base[:S].contiguous(), HC_EPS, NORM_EPS,
+                    prefill="tiled", tile=tile)
+    assert h.shape == (T, d) and ulps(h, h32, hmag) <= 1, (T, d, ulps(h, h32, hmag))
+
+
+def test_tiled_prefill_dispatch_and_bad_input(mhc, monkeypatch):
+    """PREFILL stays "torch" (the lead flips it); "tiled" serves T >= MIX_TORCH_T only (decode
+    T keeps the split kernel, same bits), in 2 launches and no other device op."""
+    assert mhc.PREFILL == "torch"
+    gen = torch.Generator().manual_seed(16)
+    fn, scale, base = params((2 + S) * S, 64, 3, gen)
+    small, big = streams(mhc.MIX_TORCH_T - 1, 64, gen), streams(mhc.MIX_TORCH_T, 64, gen)
+    run = lambda X, **kw: mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS, **kw)  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(run(small, prefill="tiled"), run(small)))
+    assert all(torch.equal(a, b) for a, b in zip(run(big), run(big, prefill="torch")))
+    launches, mode = [], _AtenOps()
+    for name in ("_mix_tile_kernel", "_collapse_tile_kernel"):
+        kernel = getattr(mhc, name)
+
+        class Counted:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                def launch(*args, **kw):
+                    launches.append(name)
+                    mode.inside += 1
+                    try:
+                        return kernel[grid](*args, **kw)
+                    finally:
+                        mode.inside -= 1
+                return launch
+        monkeypatch.setattr(mhc, name, Counted())
+    with mode:
+        tiled = run(big, prefill="tiled", tile=dict(BT=32, BK=64, split=2))
+    assert launches == ["_mix_tile_kernel", "_collapse_tile_kernel"], launches
+    assert set(mode.ops) <= {"empty", "view", "_reshape_alias"}, mode.ops
+    assert rel_max(tiled[2], run(big)[2]) < 2e-5
+    for kw, msg in ((dict(prefill="fast"), "prefill must"), (dict(prefill="tiled", tile=dict(
+            BTX=4)), "unknown tile keys"), (dict(prefill="tiled", tile=dict(BT=8)), "BT, BK")):
+        with pytest.raises(ValueError, match=msg):
+            run(big, **kw)
+
+
 class _AtenOps(TorchDispatchMode):
     """Records the aten ops run outside the Triton launches (those inside are the interpreter's)."""
 
@@ -328,3 +394,28 @@ def test_gpu_real_shapes_deterministic_and_graph_capturable(mhc):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_tiled_prefill_real_shapes(mhc):
+    """d 4096, T 200 / 1024 through prefill="tiled" (tile_config's own choice and the FP32 FMA
+    dots): post, M against the torch reference, u / h within the GPU test's bound, same bits on
+    a second call."""
+    gen = torch.Generator().manual_seed(17)
+    fn, scale, base = params((2 + S) * S, 4096, 3, gen)
+    for T in (200, 1024):
+        X = streams(T, 4096, gen)
+        u_ref, post_ref, M_ref = hyper.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
+        h_ref = hyper.hc_head(X, fn[:S], scale[:1], base[:S], HC_EPS, NORM_EPS)
+        for tile in (None, dict(MMA3=False)):
+            u, post, M = mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS,
+                                    prefill="tiled", tile=tile)
+            assert rel_max(post, post_ref) < 2e-5 and rel_max(M, M_ref) < 2e-5, (T, tile)
+            assert rel_max(u, u_ref) < 1e-2, (T, tile)
+            again = mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS, prefill="tiled",
+                               tile=tile)
+            assert all(torch.equal(a, b) for a, b in zip((u, post, M), again)), (T, tile)
+            h = mhc.hc_head(X, fn[:S].contiguous(), scale[:1], base[:S].contiguous(), HC_EPS,
+                            NORM_EPS, prefill="tiled", tile=tile)
+            assert rel_max(h, h_ref) < 1e-2, (T, tile)

@@ -1,9 +1,10 @@
 """The mHC kernels and the FP32-output a16 linear compile for sm_80 on this CPU machine within
 99 KB of shared memory, with no FP8/FP4 (as test_sm80.py does for the other kernels, whose
-_compile helper this reuses). mHC is FP32 math on CUDA cores: no mma at all. The FP32-output
-linear keeps the BF16 mma.sync (exact products, FP32 accumulate) and stores FP32. Real dims:
-S 4, d 4096 (K = 16384), n_out 24 (hc_pre) and 4 (hc_head). Compiled in a subprocess without
-TRITON_INTERPRET.
+_compile helper this reuses). mHC is FP32 math on CUDA cores: no mma, except the tiled prefill
+partials with MMA3 (fn as three exact bf16 pieces through the BF16 mma.sync, FP32 accumulate).
+The FP32-output linear keeps the BF16 mma.sync (exact products, FP32 accumulate) and stores
+FP32. Real dims: S 4, d 4096 (K = 16384), n_out 24 (hc_pre) and 4 (hc_head). Compiled in a
+subprocess without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -37,6 +38,19 @@ def compile_all() -> list[dict]:
         out.append(_compile(mhc._collapse_kernel, ctypes,
                             dict(S=4, NOUT=n_out, NP=32 if sinkhorn else 8, SP=sp, BD=mhc._BD,
                                  SINKHORN=sinkhorn), warps, ("D", "K")))
+    # tiled prefill path at tile_config's choice (T 8192), mma x 3 and FP32 FMA dots, both n_out
+    cfg = mhc.tile_config(8192, 16384, A100_SMS)
+    tile_opts = dict(num_warps=cfg["warps"], num_stages=3)             # the launcher's default
+    for n_out, mma3 in ((24, True), (4, True), (24, False)):
+        out.append(_compile(mhc._mix_tile_kernel, dict(X="*bf16", FN="*fp32", PART="*fp32",
+                            T="i32", K="i32", K_SPLIT="i32", SPLIT="i32"),
+                            dict(NOUT=n_out, NP=32 if n_out == 24 else 16, BT=cfg["BT"],
+                                 BK=cfg["BK"], MMA3=mma3, F32=False), tile_opts, ("K", "K_SPLIT")))
+    for sinkhorn in (True, False):
+        out.append(_compile(mhc._collapse_tile_kernel, dict(ctypes, T="i32"),
+                            dict(S=4, NOUT=24 if sinkhorn else 4, NP=32 if sinkhorn else 16,
+                                 BT=cfg["BTU"], BD=cfg["BD"], SINKHORN=sinkhorn),
+                            dict(num_warps=cfg["warps_u"], num_stages=3), ("D", "K")))
     out.append(_compile(mhc._post_kernel, dict(F="*bf16", X="*bf16", POST="*fp32", MIX="*fp32",
                         OUT="*bf16", D="i32"), dict(S=4, BD=mhc._BD), warps, ("D",)))
     a16 = dict(X="*bf16", W="*i8", S="*fp32", Y="*fp32", WS="*fp32", LOCK="*i32", M="i32",
@@ -52,14 +66,16 @@ def compile_all() -> list[dict]:
 
 def test_mhc_and_fp32_output_linear_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 10
+    assert len(results) == 15
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
         assert r["shared"] <= SHARED_LIMIT, f"{name}: {r['shared']} B shared on sm_80"
         assert not r["fp8"], f"{name}: FP8/FP4 in the PTX"
-        if r["kernel"] == "_a16_kernel":
+        if r["kernel"] == "_a16_kernel" or r["config"].get("MMA3"):
             assert r["mma"] == [BF16_MMA], name                    # BF16 MMA, FP32 accumulate
+        elif r["kernel"] == "_mix_tile_kernel":                    # FP32 "ieee" dots: FMA only
+            assert r["mma"] == [] and r["fma_f32"], name
         else:
             assert r["mma"] == [], name                            # mHC: FP32 on CUDA cores
 

@@ -1,0 +1,155 @@
+"""Time mHC's hc_pre / hc_head at prefill sizes on one GPU: today's path (torch FP32 matmul
+logits + _collapse_kernel, mhc.PREFILL = "torch") against the tiled path ("tiled":
+_mix_tile_kernel + _collapse_tile_kernel) in a few candidate configs.
+
+Real DeepSeek-V4-Flash dims: S 4, d 4096 (K 16384), n_out 24 (hc_pre) and 4 (hc_head);
+T = 128 (just past MIX_TORCH_T), 1024 and 8192. Each figure is the median of CUDA-graph replays
+of `rot` calls on disjoint X buffers (working set past the 50 MB L2), against the bytes a call
+must move: X read once (T·S·d·2) + u written (T·d·2), as a fraction of the copy bandwidth
+(read + write of a 2 GiB copy) measured in the same run (the tiled path reads X twice, so its
+own floor is ~0.55 of that). Errors against the torch reference (runtime.model.hyper, torch
+backend): post / M max abs error over max |reference|; u in test_mhc's ulps (<= 1 passes) and
+its excess over one bf16 spacing relative to Σ|terms| (the gates' FP32 noise). `same`: the
+fraction of u / post / M elements bit-identical to today's path.
+Usage: python scripts/bench_mhc.py [--out bench_mhc.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from backfit.runtime.kernels import mhc
+from backfit.runtime.model import hyper
+
+S, D, ITERS, HC_EPS, NORM_EPS = 4, 4096, 20, 1e-6, 1e-6
+L2_BYTES = 200 << 20
+FP32_NOISE = 1e-6                           # as tests/runtime/kernels/test_mhc.py
+# candidates of the tiled path: tile_config() overrides (None = tile_config's own guess)
+CANDIDATES = [None, dict(MMA3=False), dict(BT=64, BK=32, warps=4), dict(BK=128),
+              dict(split=4), dict(split=16), dict(BT=64, split=16), dict(BTU=1, BD=4096),
+              dict(BTU=4, BD=512)]
+
+
+def graph_time(fn, reps=10) -> float:
+    """Median seconds of one replay of a graph that runs fn() once."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(ts)
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 2 / graph_time(lambda: y.copy_(x))
+
+
+def rel_max(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def ulps(u, want, mag) -> float:
+    """max (|u - want| - FP32_NOISE·mag) in bf16 spacings at |want| (want the reference's FP32
+    value, mag its Σ|terms|), as test_mhc.ulps: <= 1 passes the tests."""
+    w = want.double()
+    spacing = torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(1e-30))) - 7)
+    return (((u.double() - w).abs() - FP32_NOISE * mag.double()) / spacing).max().item()
+
+
+def excess(u, want, mag) -> float:
+    """max (|u - want| - one bf16 spacing at |want|) / mag: u's error beyond its own rounding,
+    relative to Σ|terms| (the gates' FP32 noise, ~1e-6; ulps blow up where streams cancel)."""
+    w = want.double()
+    spacing = torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(1e-30))) - 7)
+    return (((u.double() - w).abs() - spacing).clamp_min(0) / mag.double()).max().item()
+
+
+def same(a, b) -> float:
+    return (a == b).float().mean().item()
+
+
+def case(kind, T, bw, gen, quick):
+    n_out = (2 + S) * S if kind == "hc_pre" else S
+    fn = (torch.randn(n_out, S * D, generator=gen) * 0.02).cuda()
+    scale, base = torch.randn(3, generator=gen).cuda(), torch.randn(n_out, generator=gen).cuda()
+    per = T * S * D * 2
+    rot = max(1, min(8, round(L2_BYTES / per)))
+    Xs = [(torch.randn(T, S, D, device="cuda") * torch.rand(T, S, 1, device="cuda").add(0.2) * 3)
+          .bfloat16() for _ in range(rot)]
+    X = Xs[0]
+    if kind == "hc_pre":
+        call = lambda X, **kw: mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS, **kw)  # noqa: E731
+        _, post_ref, M_ref = hyper.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
+        m = hyper._mix_logits(X, fn, NORM_EPS)
+        pre = torch.sigmoid(m[:, :S] * scale[0] + base[:S]) + HC_EPS
+    else:
+        call = lambda X, **kw: (mhc.hc_head(X, fn, scale, base, HC_EPS, NORM_EPS, **kw),)  # noqa: E731
+        m = hyper._mix_logits(X, fn, NORM_EPS)
+        pre = torch.sigmoid(m * scale[0] + base) + HC_EPS
+    u32 = torch.einsum("ts,tsd->td", pre, X.float())
+    mag = torch.einsum("ts,tsd->td", pre.abs(), X.float().abs())
+    today = call(X, prefill="torch")
+    rows = []
+    for name, kw in [("torch", dict(prefill="torch"))] + [
+            (f"tiled {json.dumps(c) if c else 'default'}", dict(prefill="tiled", tile=c))
+            for c in (CANDIDATES[:3] if quick else CANDIDATES)]:
+        t0 = time.time()
+        try:
+            out = call(X, **kw)
+            t = graph_time(lambda: [call(x, **kw) for x in Xs]) / rot
+        except Exception as e:                      # a config that does not compile / fit
+            rows.append(dict(kind=kind, T=T, path=name, error=f"{type(e).__name__}: {e}"[:300]))
+            print(f"{kind:7s} T {T:5d} {name:60s} FAILED {rows[-1]['error']}", flush=True)
+            continue
+        r = dict(kind=kind, T=T, path=name, us=t * 1e6, roofline=(per + T * D * 2) / t / bw,
+                 u_ulps=ulps(out[0], u32, mag),
+                 u_excess=excess(out[0], u32, mag), u_same=same(out[0], today[0]),
+                 wall_s=time.time() - t0)
+        if kind == "hc_pre":
+            r.update(post_err=rel_max(out[1], post_ref), M_err=rel_max(out[2], M_ref),
+                     post_same=same(out[1], today[1]), M_same=same(out[2], today[2]))
+        rows.append(r)
+        errs = f"u {r['u_ulps']:.2f} ulp {r['u_excess']:.1e} mag"
+        if kind == "hc_pre":
+            errs += f" post {r['post_err']:.1e} M {r['M_err']:.1e}"
+        sm = " ".join(f"{k[:-5]} {v:.3f}" for k, v in r.items() if k.endswith("_same"))
+        print(f"{kind:7s} T {T:5d} {name:60s} {r['us']:8.1f} us {100 * r['roofline']:5.1f}% copy-bw"
+              f"  {errs}  same as today: {sm}", flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_mhc.json")
+    ap.add_argument("--quick", action="store_true", help="three tiled candidates only")
+    args = ap.parse_args()
+    t0 = time.time()
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s on {torch.cuda.get_device_name()}", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    rows = [r for T in (128, 1024, 8192) for kind in ("hc_pre", "hc_head")
+            for r in case(kind, T, bw, gen, args.quick)]
+    with open(args.out, "w") as f:
+        json.dump(dict(copy_bw=bw, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
