@@ -325,13 +325,18 @@ _GEMV = dict(base=(_moe_gemv_kernel, {}),
 def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Tensor,
               s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor,
               s2: torch.Tensor, limit: float, path: str | None = None,
-              config: dict | None = None) -> torch.Tensor:
-    """x [T, K] bf16, idx [T, k], w [T, k] -> routed-expert sum FP32 [T, D]; path "decode"/"sorted"
-    and config (tile overrides) replace the automatic choice (tests, benchmarks). uint8 w1 [E, I,
-    K/2] = mx4_e2m1 stacks: the same call runs kernels.moe_mx4."""
+              config: dict | None = None, shared: torch.Tensor | None = None,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [T, K] bf16, idx [T, k], w [T, k] -> routed-expert sum [T, D] (+ shared [T, D], the
+    shared expert's output) in `dtype` (FP32 sum either way: pointwise.moe_combine); path
+    "decode"/"sorted" and config (tile overrides) replace the automatic choice (tests,
+    benchmarks). uint8 w1 [E, I, K/2] = mx4_e2m1 stacks: the same call runs kernels.moe_mx4."""
     if w1.dtype == torch.uint8:
         from backfit.runtime.kernels.moe_mx4 import fused_moe_mx4
-        return fused_moe_mx4(x, idx, w, w1, s1, w3, s3, w2, s2, limit, path, config)
+        y = fused_moe_mx4(x, idx, w, w1, s1, w3, s3, w2, s2, limit, path, config)
+        if shared is not None:                       # moe_mx4 sums the pairs itself (for now)
+            y = shared.float() + y
+        return y.to(dtype)
     if x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"fused_moe: x must be bf16 [T, K], got {x.dtype}{list(x.shape)}")
     E, I, K = w1.shape
@@ -345,14 +350,16 @@ def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Ten
             raise ValueError(f"fused_moe: {name} must be contiguous {dt}{list(shape)}, "
                              f"got {t.dtype}{list(t.shape)}")
     return run_moe(x, idx, w, (w1, s1, w3, s3, w2, s2), (E, I, K, D), limit, path, config,
-                   _GEMV, DECODE_TABLE, _moe_sorted_kernel, ({}, {}))
+                   _GEMV, DECODE_TABLE, _moe_sorted_kernel, ({}, {}), shared, dtype)
 
 
 def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_kernel,
-            sorted_kw) -> torch.Tensor:
+            sorted_kw, shared=None, dtype=torch.float32) -> torch.Tensor:
     """The launch sequence both expert schemes share (their launchers check the stacks first):
     stacks (w1, s1, w3, s3, w2, s2), dims (E, I, K, D); gemv / table: the decode variants and
-    DECODE_TABLE of the scheme, sorted_kernel with its extra constexprs for (gate/up, down)."""
+    DECODE_TABLE of the scheme, sorted_kernel with its extra constexprs for (gate/up, down);
+    the pairs' outputs summed (+ shared) in FP32 by one combine launch, stored in `dtype`."""
+    from backfit.runtime.kernels.pointwise import moe_combine
     E, I, K, D = dims
     w1, s1, w3, s3, w2, s2 = stacks
     if x.shape[1] != K or K % 64 or I % 64:
@@ -367,12 +374,12 @@ def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_ke
     rw = w.reshape(-1).float().contiguous()                                  # [P]
     out = torch.empty(P, D, dtype=torch.bfloat16, device=x.device)
     if P == 0:
-        return out.view(T, k, D).float().sum(1)
+        return moe_combine(out, k, shared, dtype)
     lim = float(limit)
     if path is None:
         path = "decode" if P <= DECODE_PAIRS else "sorted"
     if path == "decode":
-        ids = idx.reshape(-1).to(torch.int32).contiguous()
+        ids = idx.reshape(-1).contiguous()             # int64 from the router: no cast launch
         h = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
         c1, c2 = _decode_pair(K, I, P, config, table)
         _launch_decode(gemv, P, I, K, c1, (x, ids, rw, w1, s1, w3, s3, h, I, K, k),
@@ -393,7 +400,7 @@ def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_ke
             LIMIT=lim, F32=f32, **sorted_kw[1], **dict(cfg, BK=_fit_bk(I, cfg["BK"])))
     else:
         raise ValueError(f"fused_moe: unknown path {path!r}")
-    return out.view(T, k, D).float().sum(1)                                 # FP32 sum over top-k
+    return moe_combine(out, k, shared, dtype)                   # FP32 sum over top-k (+ shared)
 
 
 def stack_experts(experts) -> tuple[torch.Tensor, ...]:

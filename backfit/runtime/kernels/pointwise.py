@@ -8,6 +8,10 @@ no host sync (runtime/model/moe.py on the triton backend):
                       = top-k of s + bias (or tid2eid[token] on hash layers), weights
                       s[expert] / Σ s[expert] · routed_scaling_factor -> ids [T, k] int64,
                       weights [T, k] FP32; best first, ties to the lower expert id.
+  moe_combine(out, k, shared, dtype)   the routed experts' per-pair outputs out [T·k, D] bf16
+                      -> y [T, D] = Σ_j out[t·k+j] (FP32, j in order) + shared[t] (FP32 of the
+                      bf16 shared-expert output), stored in `dtype` (bf16 at tp 1, FP32 before
+                      the all-reduce): one launch for torch's cast, sum, add (and cast back).
 Triton's exp/log differ from torch's in the last bits: FP32 rounding, and a top-k order that
 can differ from torch's only between scores equal to FP32 rounding.
 """
@@ -18,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["swiglu", "route"]
+__all__ = ["swiglu", "route", "moe_combine"]
 
 
 @triton.jit
@@ -63,6 +67,38 @@ def _route_kernel(LOGITS, BIAS, TID2EID, TOKENS, IDX, W, E, scale,
     w = w / tl.sum(w, axis=0) * scale
     tl.store(IDX + t * K + j, ids, mask=j < K)
     tl.store(W + t * K + j, w, mask=j < K)
+
+
+@triton.jit
+def _combine_kernel(OUT, SH, Y, D, K: tl.constexpr, SHARED: tl.constexpr, BD: tl.constexpr):
+    t, db = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    c = db * BD + tl.arange(0, BD)
+    ok = c < D
+    acc = tl.load(OUT + t * K * D + c, mask=ok, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, K):                              # j in order: a fixed sum
+        acc += tl.load(OUT + (t * K + j) * D + c, mask=ok, other=0.0).to(tl.float32)
+    if SHARED:
+        acc = tl.load(SH + t * D + c, mask=ok, other=0.0).to(tl.float32) + acc
+    tl.store(Y + t * D + c, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+def moe_combine(out: torch.Tensor, k: int, shared: torch.Tensor | None = None,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """out [T·k, D] bf16 pairs -> [T, D] `dtype`: Σ_j out[t·k + j] (+ shared [T, D]) in FP32."""
+    P, D = out.shape
+    if k < 1 or P % k or not out.is_contiguous():
+        raise ValueError(f"moe_combine: contiguous out [T*k, D] with k={k}, got {list(out.shape)}")
+    T = P // k
+    if shared is not None and (tuple(shared.shape) != (T, D) or not shared.is_contiguous()):
+        raise ValueError(f"moe_combine: shared must be contiguous [{T}, {D}], "
+                         f"got {list(shared.shape)}")
+    y = torch.empty(T, D, dtype=dtype, device=out.device)
+    if T:
+        BD = min(1024, triton.next_power_of_2(D))
+        _combine_kernel[(T, triton.cdiv(D, BD))](out, shared if shared is not None else out, y,
+                                                 D, K=k, SHARED=shared is not None, BD=BD,
+                                                 num_warps=4)
+    return y
 
 
 def swiglu(gu: torch.Tensor, limit: float) -> torch.Tensor:

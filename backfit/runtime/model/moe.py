@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backfit.config import ModelConfig
-from backfit.runtime.distributed import all_reduce
+from backfit.runtime.distributed import all_reduce, get_tp_info
 from backfit.runtime.kernels import get_kernel_backend, kernel_path
 from backfit.runtime.layers import ColumnParallelLinear, Linear, RowParallelLinear
 
@@ -117,9 +117,10 @@ class MoE(nn.Module):
         idx, w = self.gate.route(x, tokens)
         if get_kernel_backend() == "triton" and x.dtype == torch.bfloat16 and self.prepare_kernels():
             from backfit.runtime.kernels.moe import fused_moe
-            y = self.shared_experts(x).float()                        # FP32 accumulator
-            y = y + fused_moe(x, idx, w, *self.stacked, self.shared_experts.limit)
-            return all_reduce(y).to(x.dtype)
+            tp1 = get_tp_info().size == 1                             # FP32 for the all-reduce
+            y = fused_moe(x, idx, w, *self.stacked, self.shared_experts.limit,
+                          shared=self.shared_experts(x), dtype=x.dtype if tp1 else torch.float32)
+            return y if tp1 else all_reduce(y).to(x.dtype)
         y = self.shared_experts(x).float()                            # FP32 accumulator
         flat = idx.flatten()
         for e in torch.unique(flat).tolist():                         # only experts with tokens

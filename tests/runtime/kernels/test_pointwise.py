@@ -1,4 +1,4 @@
-"""swiglu and route (runtime.kernels.pointwise) against the torch math of runtime/model/moe.py.
+"""swiglu, route and moe_combine (runtime.kernels.pointwise) against the torch math of runtime/model/moe.py.
 
 CPU: the Triton interpreter. swiglu: within one BF16 ulp of the torch expression (FP32 math,
 Triton's sigmoid), FP32 to 1e-6. route: the same experts in the same order (scores drawn so that
@@ -76,3 +76,29 @@ def test_route_scored_and_hashed(T, E, k):
     torch.testing.assert_close(w, rw, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="route"):
         m.route(logits, k, 1.0)
+
+
+@pytest.mark.parametrize("T, k, D", [(1, 6, 4096), (3, 6, 100), (2, 1, 64)])
+def test_moe_combine(T, k, D):
+    """Σ_j out[t·k+j] in FP32 in order j = 0..k-1, + the shared output: equal to the same sum
+    done by torch in that order (bit for bit), stored as bf16 or FP32."""
+    m = kmod()
+    g = torch.Generator().manual_seed(T * k + D)
+    out = (torch.randn(T * k, D, generator=g) * 3).bfloat16().to(DEV)
+    shared = torch.randn(T, D, generator=g).bfloat16().to(DEV)
+    want = out.view(T, k, D)[:, 0].float()
+    for j in range(1, k):
+        want = want + out.view(T, k, D)[:, j].float()
+    assert torch.equal(m.moe_combine(out, k), want)
+    y = m.moe_combine(out, k, shared, torch.bfloat16)
+    ref = (shared.float() + want).bfloat16()
+    assert y.dtype == torch.bfloat16
+    if INTERPRET:          # the interpreter's FP32 -> BF16 cast is not round-to-nearest: 1 ulp
+        assert int((y.view(torch.int16).int() - ref.view(torch.int16).int()).abs().max()) <= 1
+    else:
+        assert torch.equal(y, ref)
+    assert torch.equal(m.moe_combine(out, k, shared), shared.float() + want)
+    with pytest.raises(ValueError, match="moe_combine"):
+        m.moe_combine(out[:, :-1].t(), k)
+    with pytest.raises(ValueError, match="shared must be"):
+        m.moe_combine(out, k, shared[:, 1:])

@@ -1,5 +1,5 @@
 """The small decode kernels (kernels.rope_norm: RMSNorm, RoPE; kernels.cache_ops: compressor
-pooling, cache stores; kernels.pointwise: SwiGLU, router top-k) compile for sm_80 on this CPU machine (test_sm80.py's helper): shared
+pooling, cache stores; kernels.pointwise: SwiGLU, router top-k, MoE combine) compile for sm_80 on this CPU machine (test_sm80.py's helper): shared
 memory within 99 KB, no MMA (CUDA-core math), no FP8/FP4, and FMA contraction really off in
 RoPE (no fma.rn.f32 in its PTX: the torch path rounds every product). Real widths."""
 
@@ -47,12 +47,16 @@ def compile_all() -> list[dict]:
             LOGITS="*fp32", BIAS="*fp32", TID2EID="*i64", TOKENS="*i64", IDX="*i64", W="*fp32",
             E="i32", scale="fp32"), dict(K=6, HASH=hashed, BE=256, KP=8),
             dict(num_warps=4, num_stages=1)))
+    for out_t in ("*bf16", "*fp32"):
+        out.append(_compile(pointwise._combine_kernel, dict(OUT="*bf16", SH="*bf16", Y=out_t,
+                            D="i32"), dict(K=6, SHARED=True, BD=1024),
+                            dict(num_warps=4, num_stages=1), ("D",)))
     return out
 
 
 def test_small_kernels_compile_for_sm80():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 16
+    assert len(results) == 18
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
