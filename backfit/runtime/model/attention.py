@@ -106,14 +106,17 @@ class Attention(nn.Module):
         qa, kvx, comp, icomp, wraw = self._project(x, pos)
         qr = self.q_norm(qa)                                          # [T, q_lora]; indexer input too
         q = self.wq_b(qr).view(T, Hl, D)
-        if kernel_path(q):                                             # per-head RMS, no weight
-            from backfit.runtime.kernels.rope_norm import rms_norm
-            q = rms_norm(q, None, self.eps)
+        if kernel_path(q):              # norm + RoPE in one launch each (kernels.rope_norm)
+            from backfit.runtime.kernels.rope_norm import rope
+            r = self.rope
+            q = rope(q, pos, r.inv_freq, r.rope_dim, norm=(None, self.eps))     # per-head RMS
+            kv = rope(kvx, pos, r.inv_freq, r.rope_dim, norm=(self.kv_norm.weight,
+                                                              self.kv_norm.eps))
         else:
             qf = q.float()
             q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        q = self.rope(q, pos)                                         # [T, Hl, D]
-        kv = self.rope(self.kv_norm(kvx), pos)                        # [T, D]
+            q = self.rope(q, pos)                                     # [T, Hl, D]
+            kv = self.rope(self.kv_norm(kvx), pos)                    # [T, D]
         if self.indexer is not None:
             qI, wI = self.indexer.queries(qr, wraw, pos)
         if get_kernel_backend() == "triton" and hasattr(cache, "block_table"):  # paged pools
@@ -138,7 +141,11 @@ class Attention(nn.Module):
     def _output(self, o: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """o [T, Hl, D] FP32 -> inverse RoPE, grouped wo_a, wo_b -> [T, d]."""
         T = o.shape[0]
-        o = self.rope(o.to(dtype), pos, inverse=True)                 # de-rotate by query position
+        if kernel_path(o):                                             # rounds to dtype inside
+            from backfit.runtime.kernels.rope_norm import rope
+            o = rope(o, pos, self.rope.inv_freq, self.rope.rope_dim, inverse=True, out_dtype=dtype)
+        else:
+            o = self.rope(o.to(dtype), pos, inverse=True)             # de-rotate by query position
         o = o.view(T, self.local_groups, self.heads_per_group * self.cfg.head_dim)  # g*hpg ..
         wa = self.wo_a.dequantized(dtype).view(self.local_groups, self.cfg.o_lora_rank, -1)
         zg = torch.einsum("tgi,goi->tgo", o, wa)                      # [T, Gl, o_lora]

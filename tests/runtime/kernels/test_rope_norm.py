@@ -61,6 +61,53 @@ def test_rope_equals_rotary(shape, rope_dim, theta, scaling, dtype):
             assert _bf16_ulps(got, want) <= 1
 
 
+@pytest.mark.parametrize("shape, weighted", [((3, 4, 512), False), ((5, 512), True),
+                                             ((2, 3, 128), True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_with_norm_equals_norm_then_rope(shape, weighted, dtype):
+    """rope(x, norm=(w, eps)) = Rotary(RMSNorm(x)) in one launch (the attention's q and kv)."""
+    m = kmod()
+    g = torch.Generator().manual_seed(sum(shape) + weighted)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype).to(DEV)
+    pos = torch.randint(0, 1 << 16, (shape[0],), generator=g).to(DEV)
+    rot = Rotary(64, 10000.0, None).to(DEV)
+    norm = RMSNorm(shape[-1], 1e-6).to(DEV)
+    norm.weight.copy_(torch.rand(shape[-1], generator=g) + 0.5)
+    if weighted:
+        normed = norm(x)
+    else:
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    want = rot(normed, pos)
+    got = m.rope(x, pos, rot.inv_freq, 64, norm=(norm.weight if weighted else None, 1e-6))
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=4e-6, atol=4e-6)
+    else:    # the norm's FP32 rounding (and the interpreter's truncating casts): BF16 steps
+        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+    wide = torch.cat([x, x], dim=-1)[..., :shape[-1]]          # strided rows, as fused views
+    assert not wide.is_contiguous() and torch.equal(
+        m.rope(wide, pos, rot.inv_freq, 64, norm=(norm.weight if weighted else None, 1e-6)), got)
+    with pytest.raises(ValueError, match="norm weight must be FP32"):
+        m.rope(x, pos, rot.inv_freq, 64, norm=(torch.ones(3, device=DEV), 1e-6))
+
+
+def test_rope_rounds_fp32_input_to_out_dtype():
+    """rope(o FP32, out_dtype=bf16) = Rotary(o.to(bf16)): the attention output's inverse RoPE."""
+    m = kmod()
+    g = torch.Generator().manual_seed(5)
+    o = torch.randn(3, 4, 512, generator=g).to(DEV)
+    pos = torch.randint(0, 1 << 16, (3,), generator=g).to(DEV)
+    rot = Rotary(64, 10000.0, None).to(DEV)
+    want = rot(o.to(torch.bfloat16), pos, inverse=True)
+    got = m.rope(o, pos, rot.inv_freq, 64, inverse=True, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    if INTERPRET:                                        # truncating FP32 -> BF16 casts
+        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+    else:
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("rows, n", [(1, 4096), (3, 1024), (130, 512), (5, 100)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weighted", [True, False])
