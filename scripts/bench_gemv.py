@@ -63,6 +63,13 @@ def max_err(y: torch.Tensor, want: torch.Tensor) -> float:
     return ((y.double() - want).abs().max() / want.abs().max()).item()
 
 
+def label(c: dict) -> str:
+    """cuda_BN4_BK2048_w4_magic / dot_BN16_SUB4_w4_s3"""
+    step = f"BK{c['BK']}" if c["variant"] == "cuda" else f"SUB{c['SUB']}"
+    return (f"{c['variant']}_BN{c['BN']}_{step}_w{c['num_warps']}_s{c.get('num_stages', 1)}"
+            + ("_magic" if c.get("MAGIC") else ""))
+
+
 def bench_shape(name: str, N: int, K: int, kind: str, Ms, cands, bw: float, rows: list) -> None:
     scheme, out = ("int8_g128", torch.bfloat16) if kind == "int8" else ("bf16", torch.float32)
     wbytes = N * K * (1 if kind == "int8" else 2) + (N * K // 128 * 4 if kind == "int8" else 0)
@@ -72,17 +79,15 @@ def bench_shape(name: str, N: int, K: int, kind: str, Ms, cands, bw: float, rows
         x = torch.randn(M, K, device=DEV).bfloat16()
         want = reference(x, *ws[0])
         byts = wbytes + M * K * 2 + M * N * out.itemsize
-        ideal = byts / bw / 1e6                                       # µs at copy bandwidth
+        ideal = byts / bw * 1e6                                       # µs at copy bandwidth
         target = 1.5 + ideal / 0.8
-        variants = [("a16", None)] + [(f"BN{bn}_BK{bk}_w{wp}{'_magic' if mg else ''}",
-                                       dict(BN=bn, BK=bk, num_warps=wp, MAGIC=mg))
-                                      for bn, bk, wp, mg in cands]
+        variants = [("a16", None)] + [(label(c), c) for c in cands]
         for vname, cfg in variants:
             if cfg is None:
-                def call(w, s):
+                def call(w, s, x=x):
                     return gemm.linear(x, w, s, scheme, path="a16", out_dtype=out)
             else:
-                def call(w, s, cfg=cfg):
+                def call(w, s, x=x, cfg=cfg):
                     return gemv.gemv(x, w, s, scheme, config=cfg, out_dtype=out)
             err = max_err(call(*ws[0]), want)
             det = torch.equal(call(*ws[0]), call(*ws[0]))
@@ -90,7 +95,7 @@ def bench_shape(name: str, N: int, K: int, kind: str, Ms, cands, bw: float, rows
             rows.append(dict(name=name, N=N, K=K, kind=kind, M=M, variant=vname, config=cfg,
                              us=t, ideal_us=ideal, target_us=target, frac_bw=ideal / t,
                              max_err=err, deterministic=det))
-            print(f"{name:15s} N={N:6d} K={K:5d} M={M} {vname:22s} {t:7.2f} us  "
+            print(f"{name:15s} N={N:6d} K={K:5d} M={M} {vname:26s} {t:7.2f} us  "
                   f"{ideal / t:6.1%} of copy BW  target {target:6.2f}  "
                   f"{'ok ' if t <= target else 'MISS'} err {err:.1e}{'' if det else ' NONDET'}",
                   flush=True)
@@ -98,7 +103,8 @@ def bench_shape(name: str, N: int, K: int, kind: str, Ms, cands, bw: float, rows
 
 
 def winners(rows: list) -> list:
-    """Best gemv variant per (shape, M) -> GEMV_TABLE entries, one per run of equal configs."""
+    """Best gemv variant per (shape, M) -> GEMV_TABLE entries. A timed M covers the untimed M
+    below it down to the previous timed one (M = 3 pads like 4); equal neighbours are merged."""
     best: dict = {}
     for r in rows:
         if r["config"] is None:
@@ -108,12 +114,13 @@ def winners(rows: list) -> list:
             best[key] = r
     table = []
     for (kind, N, K, M), r in sorted(best.items()):
-        cfg = dict(r["config"], num_stages=1)
         last = table[-1] if table else None
-        if last and last[:3] == (kind, (N, N), (K, K)) and last[4] == cfg and last[3][1] == M - 1:
-            table[-1] = (kind, (N, N), (K, K), (last[3][0], M), cfg)
+        same = last is not None and last[:3] == (kind, (N, N), (K, K))
+        lo = last[3][1] + 1 if same else 1
+        if same and last[4] == r["config"]:
+            table[-1] = (kind, (N, N), (K, K), (last[3][0], M), r["config"])
         else:
-            table.append((kind, (N, N), (K, K), (M, M), cfg))
+            table.append((kind, (N, N), (K, K), (lo, M), r["config"]))
     return table
 
 
@@ -138,11 +145,13 @@ def main() -> None:
     table = winners(rows)
     print("\nGEMV_TABLE = [")
     for e in table:
-        a16 = next(r["us"] for r in rows if r["variant"] == "a16" and r["N"] == e[1][0]
-                   and r["K"] == e[2][0] and r["kind"] == e[0] and r["M"] == e[3][0])
-        best = min(r["us"] for r in rows if r["config"] is not None and r["N"] == e[1][0]
-                   and r["K"] == e[2][0] and r["kind"] == e[0] and r["M"] == e[3][0])
-        print(f"    {e!r},   # M={e[3][0]}: {best:.2f} us vs a16 {a16:.2f} us")
+        at = [r for r in rows if r["N"] == e[1][0] and r["K"] == e[2][0] and r["kind"] == e[0]
+              and e[3][0] <= r["M"] <= e[3][1]]
+        note = "  ".join(
+            f"M={m}: {min(r['us'] for r in at if r['M'] == m and r['config']):.2f} vs a16 "
+            f"{next(r['us'] for r in at if r['M'] == m and not r['config']):.2f}"
+            for m in sorted({r["M"] for r in at}))
+        print(f"    {e!r},  # {note} us")
     print("]")
     print(f"total {time.time() - t0:.0f} s", flush=True)
     if args.out:

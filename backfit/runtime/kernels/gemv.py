@@ -1,20 +1,21 @@
-"""Small-M linear y = x @ W^T (M <= GEMV_MAX_M decode rows) on CUDA cores, in Triton, SM80-safe.
+"""Small-M linear y = x @ W^T (M <= GEMV_MAX_M decode rows), in Triton, SM80-safe.
 
 The a16 path of kernels.gemm pads M to a BM = 16 MMA tile and splits K over programs with an FP32
-workspace and an atomic counter; at batch 1 its launches sit on a ~6-7 µs floor (issue 9). Here:
-
-  one program = BN weight rows x the whole K, all M rows; no split-K, no workspace, no atomics.
-  A K step loads a [BN, G, 128] weight tile (G = BK/128; 16 B+ per thread and load), turns it
-  into FP32 once, and for each of the M rows (unrolled, MP = M padded to a power of two) adds
-  Σ_k w·x per 128-group; int8_g128 multiplies each group sum by its (row, 128) scale:
-      y[m, n] = Σ_g s[n, g] · Σ_{k in g} q[n, k] · x[m, k]       (FP32, as the a16 kernel)
-  Products of a BF16 x with an int8 q or a BF16 w are exact in FP32, so only the FP32 summation
-  order differs from kernels.ref; it is fixed per config (deterministic run to run).
-  Each weight byte is read once from DRAM; x (M·K·2 B) is re-read from L2 by every program.
-
-Variants (config keys, GEMV_TABLE / bench_gemv.py): BN rows, BK (multiple of 128), num_warps,
-MAGIC (int8 codes -> FP32 as bits(1.5·2^23) + q - 1.5·2^23, exact, no I2F; int8 only).
-The grid is cdiv(N, BN) programs from shapes only: no host sync, CUDA-graph safe.
+workspace and an atomic counter; at batch 1 its launches sit on a ~6-7 µs floor (issue 9). Here
+one program = BN weight rows x the whole K x all M rows: no split-K, no workspace, no atomics,
+each weight byte read once from DRAM (x, M·K·2 B, is re-read from L2 by every program):
+  y[m, n] = Σ_g s[n, g] · Σ_{k in g} q[n, k] · x[m, k]    (int8_g128; FP32, as the a16 kernel)
+Two variants (config key "variant"):
+  cuda  CUDA cores: a [BN, G, 128] weight tile per K step (G = BK/128, 16 B+ per thread and
+        load) turned into FP32 once; for each of the M rows (unrolled, MP = M padded to a power
+        of two) the group sums Σ w·x times the group scale. MAGIC: int8 -> FP32 as
+        bits(1.5·2^23) + q - 1.5·2^23 (exact, no I2F). Fastest at M = 1 on small weights.
+  dot   BF16 tensor cores with the roles swapped: acc[BN, 16] += W[BN, 128] · x[16, 128]^T per
+        scale group (q exact in BF16; x rows past M are copies of row M-1, never stored), SUB
+        groups per K step, cp.async pipelined (num_stages); M costs nothing up to 16.
+Products of a BF16 x with an int8 q or a BF16 w are exact in FP32, so only the FP32 summation
+order differs from kernels.ref; it is fixed per config (deterministic run to run). The grid is
+cdiv(N, BN) programs from shapes only: no host sync, CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import triton.language as tl
 
 from backfit.formats import INT8_GROUP
 
-__all__ = ["GEMV_MAX_M", "GEMV_TABLE", "GEMV_CANDIDATES", "gemv", "gemv_config", "gemv_interpreted"]
+__all__ = ["GEMV_CANDIDATES", "GEMV_MAX_M", "GEMV_TABLE", "gemv", "gemv_config", "gemv_interpreted"]
 
 GEMV_MAX_M = 8                 # rows handled in one program (M <= 8: decode at small batch)
 _MAGIC_I = tl.constexpr(0x4B400000)            # bits of 1.5·2^23
@@ -36,13 +37,23 @@ _MAGIC_F = tl.constexpr(12582912.0)            # 1.5·2^23
 # Bounds are inclusive. Filled in from the GPU sweep (empty: every shape takes the default).
 GEMV_TABLE: list[tuple[str, tuple[int, int], tuple[int, int], tuple[int, int], dict]] = []
 
-# What bench_gemv.py sweeps and test_sm80_gemv.py compiles, by kind: (BN, BK, num_warps, MAGIC).
-# BN·BK weights per K step held as FP32 in registers: <= 8K per 128 threads (64 per thread).
+# What bench_gemv.py sweeps and test_sm80_gemv.py compiles, by kind. cuda: BN·BK weights per K
+# step held as FP32 in registers, <= 8K per 128 threads. dot: BN x (SUB·128) int8/bf16 per stage.
+_C, _D = "cuda", "dot"
 GEMV_CANDIDATES = {
-    "int8": [(1, 4096, 4, False), (2, 4096, 4, False), (2, 4096, 4, True), (4, 2048, 4, True),
-             (4, 1024, 4, False), (8, 1024, 8, True)],
-    "bf16": [(1, 4096, 4, False), (1, 2048, 4, False), (2, 2048, 4, False), (1, 4096, 8, False),
-             (4, 1024, 4, False)],
+    "int8": [dict(variant=_C, BN=1, BK=4096, num_warps=4, MAGIC=False),
+             dict(variant=_C, BN=4, BK=2048, num_warps=4, MAGIC=True),
+             dict(variant=_C, BN=4, BK=1024, num_warps=4, MAGIC=False),
+             dict(variant=_D, BN=16, SUB=4, num_warps=4, num_stages=3),
+             dict(variant=_D, BN=16, SUB=2, num_warps=4, num_stages=4),
+             dict(variant=_D, BN=32, SUB=2, num_warps=4, num_stages=3),
+             dict(variant=_D, BN=64, SUB=1, num_warps=4, num_stages=4)],
+    "bf16": [dict(variant=_C, BN=1, BK=4096, num_warps=4),
+             dict(variant=_C, BN=1, BK=4096, num_warps=8),
+             dict(variant=_C, BN=1, BK=2048, num_warps=4),
+             dict(variant=_D, BN=16, SUB=2, num_warps=4, num_stages=3),
+             dict(variant=_D, BN=16, SUB=4, num_warps=4, num_stages=3),
+             dict(variant=_D, BN=32, SUB=2, num_warps=4, num_stages=3)],
 }
 
 
@@ -90,6 +101,52 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
     tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _dot(a, b, acc, F32: tl.constexpr):
+    """acc + a @ b, BF16 operands, FP32 accumulation (gemm.dot_bf16; F32: the interpreter, whose
+    BF16 dots are wrong, multiplies the same exact values in FP32)."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+
+
+@triton.jit
+def _gemv_dot_kernel(X, W, S, Y, M, N, K, stride_xm,
+                     QUANT: tl.constexpr, EVEN_K: tl.constexpr, F32: tl.constexpr,
+                     BN: tl.constexpr, SUB: tl.constexpr):
+    """Rows [pid·BN, +BN) of y [M, N] over all K: acc^T [BN, 16] on the BF16 MMA, M <= 16."""
+    pid = tl.program_id(0)
+    rn = pid * BN + tl.arange(0, BN)
+    n_ok = rn < N
+    rn_c = tl.minimum(rn, N - 1).to(tl.int64)    # rows past N re-read row N-1: unmasked loads
+    rm = tl.arange(0, 16)
+    xrow = tl.minimum(rm, M - 1)                 # x rows past M: copies of row M-1, not stored
+    rk = tl.arange(0, 128)
+    w_rows = W + rn_c[:, None] * K               # [BN, 1]
+    x_rows = X + xrow[:, None] * stride_xm       # [16, 1]
+    acc = tl.zeros((BN, 16), dtype=tl.float32)
+    for k0 in range(0, K, 128 * SUB):
+        for j in tl.static_range(SUB):           # one 128-wide scale group per dot
+            kk = k0 + j * 128 + rk
+            if EVEN_K:
+                w = tl.load(w_rows + kk[None, :])                            # [BN, 128]
+                x = tl.load(x_rows + kk[None, :])                            # [16, 128] bf16
+            else:
+                k_ok = kk < K
+                w = tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0)
+                x = tl.load(x_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
+            if QUANT:                            # q exact in BF16; the scale in FP32
+                part = _dot(w, tl.trans(x), tl.zeros((BN, 16), dtype=tl.float32), F32)
+                g = (k0 + j * 128) // 128
+                g_ok = tl.full((BN,), g, tl.int32) < K // 128                # tail: scale 0
+                sg = tl.load(S + rn_c * (K // 128) + g, mask=g_ok, other=0.0)    # [BN] fp32
+                acc += part * sg[:, None]
+            else:
+                acc = _dot(w, tl.trans(x), acc, F32)
+    tl.store(Y + rm[None, :] * N + rn[:, None], acc.to(Y.dtype.element_ty),
+             mask=n_ok[:, None] & (rm < M)[None, :])                        # y[m, n] = acc[n, m]
+
+
 def gemv_interpreted() -> bool:
     """True when Triton runs this module's kernel in its CPU interpreter (TRITON_INTERPRET=1)."""
     return not isinstance(_gemv_kernel, triton.runtime.jit.JITFunction)
@@ -97,21 +154,22 @@ def gemv_interpreted() -> bool:
 
 def gemv_config(M: int, N: int, K: int, quant: bool) -> dict:
     """Launch config for an [M, K] x [N, K]^T GEMV: the first GEMV_TABLE match, else the default
-    (one K step up to 4096 int8 / 2048 bf16 elements, ~8K weights per program, 4 warps)."""
+    (cuda: one K step of up to 4096 int8 / 2048 bf16 elements, ~8K weights per program)."""
     kind = "int8" if quant else "bf16"
     for k, (n0, n1), (k0, k1), (m0, m1), cfg in GEMV_TABLE:
         if k == kind and n0 <= N <= n1 and k0 <= K <= k1 and m0 <= M <= m1:
             return dict(cfg)
     bk = min(triton.next_power_of_2(max(K, 128)), 4096 if quant else 2048)
-    return dict(BN=max(1, 8192 // bk), BK=bk, MAGIC=False, num_warps=4, num_stages=1)
+    return dict(variant="cuda", BN=max(1, 8192 // bk), BK=bk, MAGIC=False, num_warps=4,
+                num_stages=1)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scheme: str,
          config: dict | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [..., K] bf16 (M = prod(...) <= GEMV_MAX_M rows) @ weight [N, K]^T -> [..., N] out_dtype,
     for scheme int8_g128 | bf16 | copy (bf16 weight); the semantics of gemm.linear's a16 path.
-    config: overrides of gemv_config (BN, BK, MAGIC, num_warps, num_stages); BK is capped at K
-    rounded up to a power of two."""
+    config: overrides of gemv_config (variant, BN, BK / SUB, MAGIC, num_warps, num_stages); the
+    cuda variant caps BK at K rounded up to a power of two."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"gemv: activations must be bfloat16, got {x.dtype}")
     if out_dtype not in (torch.bfloat16, torch.float32):
@@ -149,15 +207,27 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sche
     if M == 0 or N == 0:
         return y.reshape(*lead, N)
     cfg = {**gemv_config(M, N, K, quant), **(config or {})}
+    variant = cfg.get("variant", "cuda")
+    opts = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1))
+    grid = (triton.cdiv(N, cfg["BN"]),)
+    s_arg = scale if quant else weight
+    if variant == "dot":
+        if cfg["BN"] < 16 or cfg["BN"] & (cfg["BN"] - 1):
+            raise ValueError(f"gemv: dot needs BN a power of two >= 16, got {cfg['BN']}")
+        sub = cfg.get("SUB", 1)
+        _gemv_dot_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), QUANT=quant,
+                               EVEN_K=K % (128 * sub) == 0, F32=gemv_interpreted(),
+                               BN=cfg["BN"], SUB=sub, **opts)
+        return y.reshape(*lead, N)
+    if variant != "cuda":
+        raise ValueError(f"gemv: unknown variant {variant!r} (cuda or dot)")
     bk = cfg["BK"]
     if bk < 128 or bk & (bk - 1):
         raise ValueError(f"gemv: BK must be a power of two >= 128, got {bk}")
     bk = min(bk, max(128, triton.next_power_of_2(K)))     # a tile past K would be all masks
     if cfg.get("MAGIC") and not quant:
         raise ValueError("gemv: MAGIC is the int8 conversion (int8_g128 weights only)")
-    grid = (triton.cdiv(N, cfg["BN"]),)
-    _gemv_kernel[grid](x2, weight, scale if quant else weight, y, M, N, K, x2.stride(0),
-                       QUANT=quant, MAGIC=bool(cfg.get("MAGIC", False)), EVEN_K=K % bk == 0,
-                       MP=triton.next_power_of_2(M), BN=cfg["BN"], BK=bk,
-                       num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1))
+    _gemv_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), QUANT=quant,
+                       MAGIC=bool(cfg.get("MAGIC", False)), EVEN_K=K % bk == 0,
+                       MP=triton.next_power_of_2(M), BN=cfg["BN"], BK=bk, **opts)
     return y.reshape(*lead, N)

@@ -4,8 +4,8 @@ CPU: the Triton interpreter (TRITON_INTERPRET=1 while the module is imported). R
 weight dequantized in FP32 (q·s for int8_g128) and x @ W^T in FP64, so the bound covers only the
 kernel's FP32 summation and its output rounding: FP32 output 1e-5 relative (Frobenius), BF16
 output 2^-8 (one BF16 rounding, <= 2^-9 per element), 2^-7 under the interpreter (its fp32 -> bf16
-cast truncates: < 2^-7 per element). A wrong scale, row, group or K range gives errors of 1e-1..1. Sizes are tiny: the interpreter runs each
-program in Python.
+cast truncates: < 2^-7 per element). A wrong scale, row, group or K range gives errors of
+1e-1..1. Sizes are tiny: the interpreter runs each program in Python.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ CASES = [
     (20, 384, dict(BN=8, BK=256)),              # 3 programs (last one 4 rows), K 1.5 steps
     (7, 640, dict(BN=2, BK=128, num_warps=2)),  # 5 K steps, odd N
     (16, 256, None),                            # the default config (one K step)
+    (20, 384, dict(variant="dot", BN=16, SUB=2)),   # tensor cores: 2 programs, K 1.5 steps
+    (40, 640, dict(variant="dot", BN=32, SUB=1)),   # 5 K steps
 ]
 
 
@@ -94,9 +96,10 @@ def test_magic_conversion_and_bf16_tail(gv):
         assert rel(a, reference(x, deq)) < TOL[torch.float32]
         w, _, wdeq = weights(9, 200, False, gen)
         x = torch.randn(1, 2, 200, generator=gen).bfloat16().to(DEV)
-        y = gv.gemv(x, w, None, "copy", out_dtype=torch.float32)
-        assert y.shape == (1, 2, 9)
-        assert rel(y.reshape(2, 9), reference(x.reshape(2, 200), wdeq)) < TOL[torch.float32]
+        for cfg in (None, dict(variant="dot", BN=16, SUB=1)):
+            y = gv.gemv(x, w, None, "copy", config=cfg, out_dtype=torch.float32)
+            assert y.shape == (1, 2, 9)
+            assert rel(y.reshape(2, 9), reference(x.reshape(2, 200), wdeq)) < TOL[torch.float32]
 
 
 def test_deterministic_and_zero_rows(gv):
@@ -111,9 +114,9 @@ def test_deterministic_and_zero_rows(gv):
 
 def test_table_lookup_first_match(gv, monkeypatch):
     monkeypatch.setattr(gv, "GEMV_TABLE", [
-        ("int8", (1, 2048), (1, 8192), (1, 2), dict(BN=2, BK=1024, MAGIC=True, num_warps=8)),
+        ("int8", (1, 2048), (1, 8192), (1, 2), dict(variant="dot", BN=2, SUB=2)),
         ("int8", (1, 2048), (1, 8192), (1, 8), dict(BN=4, BK=512, MAGIC=False, num_warps=4))])
-    assert gv.gemv_config(1, 1536, 4096, True)["BN"] == 2
+    assert gv.gemv_config(1, 1536, 4096, True)["variant"] == "dot"
     assert gv.gemv_config(4, 1536, 4096, True)["BN"] == 4
     got = gv.gemv_config(1, 4096, 4096, True)                       # N out of range: default
     monkeypatch.setattr(gv, "GEMV_TABLE", [])
@@ -134,6 +137,9 @@ def test_bad_input_one_line_errors(gv):
                       (lambda: gv.gemv(big, q, s, "int8_g128"), "at most 8 rows"),
                       (lambda: gv.gemv(x, q, s, "int8_g128", out_dtype=torch.float16), "out_dtype"),
                       (lambda: gv.gemv(x, q, s, "int8_g128", config=dict(BK=192)), "BK"),
-                      (lambda: gv.gemv(x, wb, None, "bf16", config=dict(MAGIC=True)), "MAGIC")):
+                      (lambda: gv.gemv(x, wb, None, "bf16", config=dict(MAGIC=True)), "MAGIC"),
+                      (lambda: gv.gemv(x, q, s, "int8_g128", config=dict(variant="dot", BN=8)),
+                       "BN a power of two >= 16"),
+                      (lambda: gv.gemv(x, q, s, "int8_g128", config=dict(variant="x")), "variant")):
         with pytest.raises(ValueError, match=msg):
             call()

@@ -1,8 +1,9 @@
-"""The small-M GEMV kernel (kernels.gemv) compiles for sm_80 on this CPU machine (test_sm80.py's
-helper) for every candidate of GEMV_CANDIDATES and the default configs, at M padded to 1 and 8
-rows, int8_g128 (BF16 out) and BF16 weights (FP32 out): shared memory within 99 KB (only the
-cross-warp reductions use it), no MMA (CUDA-core FMAs), no FP8/FP4, and MAGIC really converts
-without an int -> float cvt (I2F) in the PTX. Compiled in a subprocess without TRITON_INTERPRET.
+"""The small-M GEMV kernels (kernels.gemv) compile for sm_80 on this CPU machine (test_sm80.py's
+helper) for every candidate of GEMV_CANDIDATES and the default configs, int8_g128 (BF16 out) and
+BF16 weights (FP32 out), the cuda variant at M padded to 1 and 8 rows: shared memory within
+99 KB, no FP8/FP4; cuda: no MMA (CUDA-core FMAs), and MAGIC really converts without an int ->
+float cvt (I2F) in the PTX; dot: BF16 mma.sync only, and cp.async multi-stage buffers (shared
+>= 2 weight tiles). Compiled in a subprocess without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_sm80 import SHARED_LIMIT, _compile, compile_in_subprocess  # noqa: E402
 
 MPS = (1, 8)
+BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
 
-def _configs() -> list[tuple[str, dict]]:
+def _configs() -> list[tuple[str, dict, int]]:
+    """(kind, config, MP): every candidate and the default; the cuda variant at MP 1 and 8."""
     from backfit.runtime.kernels import gemv
 
     out = []
     for kind, cands in gemv.GEMV_CANDIDATES.items():
-        cfgs = [dict(BN=bn, BK=bk, num_warps=w, MAGIC=mg) for bn, bk, w, mg in cands]
-        cfgs.append(gemv.gemv_config(1, 4096, 4096, kind == "int8"))       # the default
-        out += [(kind, c) for c in cfgs]
+        for c in cands + [gemv.gemv_config(1, 4096, 4096, kind == "int8")]:
+            out += [(kind, c, mp) for mp in (MPS if c["variant"] == "cuda" else (16,))]
     return out
 
 
@@ -37,39 +39,49 @@ def compile_all() -> list[dict]:
     from backfit.runtime.kernels import gemv
 
     out = []
-    for kind, cfg in _configs():
+    for kind, cfg, mp in _configs():
         quant = kind == "int8"
         types = dict(X="*bf16", W="*i8" if quant else "*bf16", S="*fp32" if quant else "*bf16",
                      Y="*bf16" if quant else "*fp32", M="i32", N="i32", K="i32", stride_xm="i32")
-        for mp in MPS:
+        opts = dict(num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
+        if cfg["variant"] == "dot":
+            fn = gemv._gemv_dot_kernel
+            const = dict(QUANT=quant, EVEN_K=True, F32=False, BN=cfg["BN"], SUB=cfg["SUB"])
+        else:
+            fn = gemv._gemv_kernel
             const = dict(QUANT=quant, MAGIC=bool(cfg.get("MAGIC")), EVEN_K=True, MP=mp,
                          BN=cfg["BN"], BK=cfg["BK"])
-            opts = dict(num_warps=cfg["num_warps"], num_stages=1)
-            r = _compile(gemv._gemv_kernel, types, const, opts, ("N", "K", "stride_xm"))
-            # the same source again (a cache hit) for the PTX: int -> float conversions
-            fn = gemv._gemv_kernel
-            sig = {a: types.get(a, "constexpr") for a in fn.arg_names}
-            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-                     if sig[a].startswith("*") or a in ("N", "K", "stride_xm")}
-            c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                               target=GPUTarget("cuda", 80, 32), options=opts)
-            r["i2f"] = len(re.findall(r"cvt\.rn\.f32\.s(?:8|16|32)", c.asm["ptx"]))
-            out.append(r)
+        r = _compile(fn, types, const, opts, ("N", "K", "stride_xm"))
+        # the same source again (a cache hit) for the PTX: int -> float conversions
+        sig = {a: types.get(a, "constexpr") for a in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                 if sig[a].startswith("*") or a in ("N", "K", "stride_xm")}
+        c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                           target=GPUTarget("cuda", 80, 32), options=opts)
+        r["i2f"] = len(re.findall(r"cvt\.rn\.f32\.s(?:8|16|32)", c.asm["ptx"]))
+        r["kind"] = kind
+        out.append(r)
     return out
 
 
 def test_gemv_compiles_for_sm80():
     results = compile_in_subprocess(__file__)
-    assert len(results) == len(_configs()) * len(MPS)
+    assert len(results) == len(_configs())
     for r in results:
         name = f"{r['kernel']} {r['config']} {r['opts']}"
         assert r["cubin"] > 0, name
         assert r["shared"] <= SHARED_LIMIT, f"{name}: {r['shared']} B shared"
-        assert not r["fp8"] and r["mma"] == [], name
-        if r["config"]["QUANT"]:
-            if r["config"]["MAGIC"]:
+        assert not r["fp8"], name
+        if r["kernel"] == "_gemv_dot_kernel":
+            assert r["mma"] == [BF16_MMA], name
+            tile = r["config"]["BN"] * 128 * (1 if r["kind"] == "int8" else 2) * r["config"]["SUB"]
+            if r["opts"]["num_stages"] > 1:
+                assert r["shared"] >= 2 * tile, f"{name}: not multi-stage pipelined"
+        else:
+            assert r["mma"] == [], name
+            if r["config"]["QUANT"] and r["config"]["MAGIC"]:
                 assert r["i2f"] == 0, f"{name}: MAGIC still converts with cvt"
-            else:
+            elif r["config"]["QUANT"]:
                 assert r["i2f"] > 0, f"{name}: no int8 -> fp32 cvt found (the check is blind)"
 
 
