@@ -256,17 +256,27 @@ _MX4_TILES = dict(                                 # BK counts inputs (BK/2 byte
     base=((16, 1024, 4, 2), (8, 1024, 4, 2), (32, 512, 4, 2), (32, 1024, 8, 2), (64, 512, 8, 2),
           (16, 2048, 8, 2), (16, 512, 4, 3), (32, 1024, 4, 2), (8, 2048, 4, 2), (64, 256, 4, 2)),
     prefetch=((16, 1024, 4, 2), (8, 1024, 4, 2), (16, 512, 4, 2), (32, 512, 8, 2),
-              (16, 1024, 8, 2)))
+              (16, 1024, 8, 2)),
+    # issue 10's packed decode: mma (tensor cores; BK 512 = 16 groups = the 16 MMA rows; one
+    # warp per 16 rows so the warps do not repeat the MMA; BN 64 or BK 1024 pass sm_80's 99 KB)
+    # and word (CUDA cores, int32 words)
+    mma=((16, 512, 1, 2), (32, 512, 2, 2), (16, 512, 2, 2), (16, 512, 1, 3), (32, 512, 1, 2),
+         (16, 256, 1, 2), (16, 256, 1, 3)),
+    word=((16, 1024, 4, 2), (8, 1024, 4, 2), (16, 512, 4, 2), (32, 512, 4, 2)))
 
 
 ERR_OK = 1e-2                 # rel err vs the torch path above which a config is not a candidate
 
 
 def decode_grid(scheme: str) -> list[dict]:
-    """int8_mx32: 26 configs over moe.DECODE_VARIANTS; mx4_e2m1: 15 over moe_mx4's."""
+    """int8_mx32: 26 configs over moe.DECODE_VARIANTS; mx4_e2m1: 26 over moe_mx4's (the
+    shipped tile, then mma, word, prefetch, the rest of base: a spent budget skips the last)."""
     if scheme == "mx4_e2m1":
         assert set(_MX4_TILES) == set(moe_mx4.DECODE_VARIANTS), moe_mx4.DECODE_VARIANTS
-        tiles = [(v, t) for v in _MX4_TILES for t in _MX4_TILES[v]]
+        order = ("mma", "word", "prefetch")
+        tiles = [("base", _MX4_TILES["base"][0])] + [
+            (v, t) for v in order for t in _MX4_TILES[v]] + [
+            ("base", t) for t in _MX4_TILES["base"][1:]]
     else:
         assert set(_TILES) == set(moe.DECODE_VARIANTS), moe.DECODE_VARIANTS
         order = ("magic", "fma", "prefetch", "group")       # after the shipped tile, base last
@@ -390,7 +400,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time tile configs instead")
     ap.add_argument("--moe-decode-sweep", action="store_true",
                     help="MoE decode GEMV variants x tiles, M = 1-8, int8_mx32 and mx4_e2m1")
-    ap.add_argument("--budget-s", type=float, default=230.0,
+    ap.add_argument("--budget-s", type=float, default=115.0,
                     help="--moe-decode-sweep: skip the configs left after this many seconds")
     args = ap.parse_args()
     t0 = time.time()

@@ -161,6 +161,163 @@ def _mx4_gemv_prefetch_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED
     tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
 
 
+# Packed-word decode (variants "word", "mma"; bench_kernels.py --moe-decode-sweep ranks them):
+# the codes are read as int32 words, 8 nibbles each (nibble i, bits 4i..4i+3 = element 8j + i
+# of word j, little endian), so no byte is extracted, and each value is put in place by shifts
+# and masks of the word (ptxas merges the two masked terms into one LOP3).
+_SIGN16 = tl.constexpr(-0x7FFF8000)           # 0x80008000: the sign of both BF16 lanes
+_MAG16 = tl.constexpr(0x01C001C0)             # BF16 bits 8, 7, 6 of both lanes
+_SIGN_MAN16 = tl.constexpr(-0x7E3F7E40)       # 0x81C081C0: both
+
+
+@triton.jit
+def _shl(w, n: tl.constexpr):
+    """w << n for n >= 0, w >> -n (arithmetic; callers mask the filled bits away) otherwise."""
+    if n >= 0:
+        return w << n
+    return w >> (-n)
+
+
+@triton.jit
+def _nib_f32(w, i: tl.constexpr):
+    """int32 words -> FP32 e2m1 value · 2^-126 of nibble i (3 integer ops, 2 for i = 7): the
+    nibble's sign moved to bit 31, an arithmetic shift by 6 puts its 3 magnitude bits at 22-24
+    and copies the sign over bits 25-30, which the mask clears."""
+    return ((_shl(w, 28 - 4 * i) >> 6) & _SIGN_EXP_MAN).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nib_pair(w, q: tl.constexpr):
+    """int32 words -> int32 holding two BF16 e2m1 values · 2^-126: nibble q in the low lane,
+    nibble q + 4 in the high lane. q = 0, 1: masked nibbles times 2^a + 2^(a+6) land magnitude
+    and sign at once (lanes cannot carry into each other); q = 2 is q = 0 of w >> 8; q = 3: the
+    sign bits are in place, the magnitudes shift down 6 (13 integer ops per 8 weights)."""
+    if q == 0:
+        v = ((w & 0x000F000F) * 0x1040) & _SIGN_MAN16
+    elif q == 1:
+        v = ((w & 0x00F000F0) * 0x0104) & _SIGN_MAN16
+    elif q == 2:
+        v = (((w >> 8) & 0x000F000F) * 0x1040) & _SIGN_MAN16
+    else:
+        v = ((w >> 6) & _MAG16) | (w & _SIGN16)
+    return v
+
+
+@triton.jit
+def _mx4_gemv_word_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
+                          LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """_mx4_gemv_kernel's contract (variant "word", CUDA cores): tiles [BN, BK/32, 4] int32
+    words, each nibble decoded from the word by _nib_f32, FP32 products with x_(8j+i)·2^63,
+    group sums times 2^63·2^(e-127) as in _gemv_groups."""
+    G: tl.constexpr = BK // 32
+    p, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(IDX + p).to(tl.int64)
+    arow = p // TOPK if GATED else p
+    rn = pid_n * BN + tl.arange(0, BN)
+    rg = tl.arange(0, G)
+    rj = tl.arange(0, 4)                                    # word j of a group: inputs 8j..8j+7
+    n_ok = rn < N
+    KW, KG = (K // 64) * 8, (K // 64) * 2                   # = K/8 words, K/32 groups a row
+    w_off = e * N * KW + rn[:, None, None] * KW + rg[None, :, None] * 4 + rj[None, None, :]
+    s_off = e * N * KG + rn[:, None] * KG + rg[None, :]     # [BN, G]
+    a_off = arow * K + rg[:, None] * 32 + 8 * rj[None, :]   # [G, 4] input 8j of each word
+    W1w, W3w = W1.to(tl.pointer_type(tl.int32)), W3.to(tl.pointer_type(tl.int32))
+    acc1 = tl.zeros((BN, G), dtype=tl.float32)
+    acc3 = tl.zeros((BN, G), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        w1 = tl.load(W1w + w_off + k0 // 8, mask=n_ok[:, None, None], other=0)
+        w3 = w1
+        if GATED:
+            w3 = tl.load(W3w + w_off + k0 // 8, mask=n_ok[:, None, None], other=0)
+        t1 = tl.zeros((BN, G, 4), dtype=tl.float32)
+        t3 = tl.zeros((BN, G, 4), dtype=tl.float32)
+        for i in tl.static_range(8):
+            a = (tl.load(A + a_off + k0 + i).to(tl.float32) * _TWO63)[None]      # [1, G, 4]
+            t1 += _nib_f32(w1, i) * a
+            if GATED:
+                t3 += _nib_f32(w3, i) * a
+        s1 = tl.load(S1 + s_off + k0 // 32, mask=n_ok[:, None], other=0)
+        acc1 += tl.sum(t1, axis=2) * _TWO63 * _pow2(s1)
+        if GATED:
+            s3 = tl.load(S3 + s_off + k0 // 32, mask=n_ok[:, None], other=0)
+            acc3 += tl.sum(t3, axis=2) * _TWO63 * _pow2(s3)
+    out = tl.sum(acc1, axis=1)
+    if GATED:
+        out = _swiglu(out, tl.sum(acc3, axis=1), tl.load(RW + p), LIMIT)
+    tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
+
+
+@triton.jit
+def _pair_lanes(w, q: tl.constexpr, F32: tl.constexpr):
+    """_nib_pair(w, q) -> [..., 2] (low lane, high lane) as BF16 (F32: FP32 of the same values;
+    the interpreter flushes BF16 subnormals when it widens them)."""
+    v = _nib_pair(w, q)
+    if F32:
+        return tl.join((v << 16).to(tl.float32, bitcast=True),
+                       (v & -65536).to(tl.float32, bitcast=True))
+    return tl.join(v.to(tl.int16).to(tl.bfloat16, bitcast=True),
+                   (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
+
+
+@triton.jit
+def _words_to_b(w, F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """int32 words [BN, BK/8] -> weights·2^-126 [BN, BK] in the order k' = 8j + 2q + h = input
+    8j + q + 4h (h: lane; pairs of one int32 adjacent), BF16 (FP32 where F32)."""
+    b = tl.join(tl.join(_pair_lanes(w, 0, F32), _pair_lanes(w, 1, F32)),
+                tl.join(_pair_lanes(w, 2, F32), _pair_lanes(w, 3, F32)))  # [BN, W, h, q%2, q//2]
+    return tl.reshape(tl.permute(b, (0, 1, 4, 3, 2)), (BN, BK))
+
+
+@triton.jit
+def _mma_groups(Ww, S, w_off, s_off, k0, n_ok, g_ok, a, F32: tl.constexpr, R: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr):
+    """One K tile on the tensor cores -> FP32 [R, BN]: row r = group r's Σ w·x, scaled."""
+    w = tl.load(Ww + w_off + k0 // 8, mask=n_ok[:, None], other=0)                 # [BN, BK/8]
+    part = dot_bf16(a, tl.trans(_words_to_b(w, F32, BN, BK)),
+                    tl.zeros((R, BN), dtype=tl.float32), F32)                      # ·2^-63
+    s = tl.load(S + s_off + k0 // 32, mask=g_ok[:, None] & n_ok[None, :], other=0)  # [R, BN]
+    return part * _TWO63 * _pow2(s)
+
+
+@triton.jit
+def _mx4_gemv_mma_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
+                         LIMIT: tl.constexpr, F32: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr):
+    """_mx4_gemv_kernel's contract on the tensor cores (variant "mma"): per K tile one BF16 dot
+    [R, BK] x [BK, BN], R = max(16, BK/32) rows, row r holding x·2^63 on group r's 32 inputs
+    only (permuted as _words_to_b's k'; zero elsewhere), so row r of the FP32 product is group
+    r's sum (exact products); times 2^63·2^(e-127) per (group, row) into an FP32 [R, BN]
+    accumulator, rows summed once at the end. Weights two per int32 (_nib_pair)."""
+    G: tl.constexpr = BK // 32
+    R: tl.constexpr = 16 if G < 16 else G
+    p, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(IDX + p).to(tl.int64)
+    arow = p // TOPK if GATED else p
+    rn = pid_n * BN + tl.arange(0, BN)
+    rw = tl.arange(0, BK // 8)
+    rk = tl.arange(0, BK)                                   # k' = 8j + 2q + h
+    rr = tl.arange(0, R)
+    n_ok, g_ok = rn < N, rr < G
+    KW, KG = (K // 64) * 8, (K // 64) * 2                   # = K/8 words, K/32 groups a row
+    w_off = e * N * KW + rn[:, None] * KW + rw[None, :]     # [BN, BK/8]
+    s_off = e * N * KG + rn[None, :] * KG + rr[:, None]     # [R, BN]
+    a_off = arow * K + (rk // 8) * 8 + (rk % 8) // 2 + 4 * (rk % 2)                 # [BK]
+    on_diag = rr[:, None] == rk[None, :] // 32                                     # [R, BK]
+    W1w, W3w = W1.to(tl.pointer_type(tl.int32)), W3.to(tl.pointer_type(tl.int32))
+    acc1 = tl.zeros((R, BN), dtype=tl.float32)
+    acc3 = tl.zeros((R, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        x = tl.load(A + a_off + k0).to(tl.float32) * _TWO63
+        a = tl.where(on_diag, x[None, :], 0.0).to(tl.bfloat16)                     # exact
+        acc1 += _mma_groups(W1w, S1, w_off, s_off, k0, n_ok, g_ok, a, F32, R, BN, BK)
+        if GATED:
+            acc3 += _mma_groups(W3w, S3, w_off, s_off, k0, n_ok, g_ok, a, F32, R, BN, BK)
+    out = tl.sum(acc1, axis=0)
+    if GATED:
+        out = _swiglu(out, tl.sum(acc3, axis=0), tl.load(RW + p), LIMIT)
+    tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
+
+
 @triton.jit
 def _dequant_half(v, s, BN: tl.constexpr, BK: tl.constexpr):
     """One nibble's values·2^-126 FP32 [BN, BK/2], scales FP32 [BN, BK/32] -> BF16 weights."""
@@ -233,14 +390,16 @@ DECODE_TABLE = ((6, dict(variant="base", BN=8, BK=1024, num_warps=4, num_stages=
                 (DECODE_PAIRS, dict(variant="base", BN=16, BK=512, num_warps=4, num_stages=3,
                                     down=dict(variant="base", BN=16, BK=512, num_warps=4,
                                               num_stages=3))))
-DECODE_VARIANTS = ("base", "prefetch")
+DECODE_VARIANTS = ("base", "prefetch", "word", "mma")
 
 
 def _decode_config(K: int, P: int = 1) -> dict:
     return _moe_decode_config(K, P, DECODE_TABLE)
 
 
-_GEMV4 = dict(base=(_mx4_gemv_kernel, {}), prefetch=(_mx4_gemv_prefetch_kernel, {}))
+_GEMV4 = dict(base=(_mx4_gemv_kernel, {}), prefetch=(_mx4_gemv_prefetch_kernel, {}),
+              word=(_mx4_gemv_word_kernel, {}),
+              mma=(_mx4_gemv_mma_kernel, dict(F32=interpreted())))
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple) -> None:

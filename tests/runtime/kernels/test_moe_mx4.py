@@ -145,7 +145,7 @@ def test_ragged_tiles_and_clamps(kmx4):
             assert rel(y, want) < TOL, (path, cfg)
 
 
-@pytest.mark.parametrize("variant", ["base", "prefetch"])
+@pytest.mark.parametrize("variant", ["base", "prefetch", "word", "mma"])
 def test_decode_variants_exact_and_match(kmx4, variant):
     """Each decode GEMV variant (config "variant"): every byte x 8 exponents read back bit for
     bit by one-hot rows (as above; subnormals on the GPU only), and the fused MoE against the
@@ -174,6 +174,24 @@ def test_decode_variants_exact_and_match(kmx4, variant):
     got, want = torch.where(sub, 0.0, got), torch.where(sub, 0.0, want)
     assert sub.any() and torch.equal(got, want), (got != want).nonzero()[:5].tolist()
     assert rel(y, y_want) < TOL
+
+
+@pytest.mark.parametrize("variant,tile", [("word", (16, 512, 4, 2)), ("mma", (16, 512, 1, 2)),
+                                          ("mma", (32, 1024, 2, 2))])
+def test_packed_decode_variants_fused_t1_to_3(kmx4, variant, tile):
+    """The packed-word variants (issue 10) through the fused MoE at T = 1..3 against the torch
+    math: gate/up K = D = 512 (the mma's 16 rows = 16 groups; a BK of 1024 is fitted down to
+    512), down K = I = 128 (BK fitted to 128: 4 of the 16 rows carry a group)."""
+    E, D, I, k = 6, 512, 128, 3
+    st, gen = experts(E, D, I, seed=41)
+    bn, bk, nw, ns = tile
+    cfg = dict(variant=variant, BN=bn, BK=bk, num_warps=nw, num_stages=ns)
+    with one_thread():
+        for T in (1, 2, 3):
+            x = (torch.randn(T, D, generator=gen) * 2).bfloat16().to(DEV)
+            idx, w = routing(T, k, E, gen)
+            y = kmx4.fused_moe_mx4(x, idx, w, *st, LIMIT, path="decode", config=cfg)
+            assert rel(y, moe_ref(x, idx, w, *st, LIMIT)) < TOL, (variant, tile, T)
 
 
 def test_bad_input_one_line_errors(kmx4):
@@ -251,10 +269,16 @@ def test_gpu_real_shapes_and_no_host_sync(kmx4):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_prefetch_variant_real_shapes_and_no_host_sync(kmx4):
+@pytest.mark.parametrize("cfg", [dict(variant="prefetch", BN=16, BK=1024, num_warps=4,
+                                      num_stages=2),
+                                 dict(variant="word", BN=16, BK=1024, num_warps=4, num_stages=2),
+                                 dict(variant="mma", BN=16, BK=512, num_warps=1, num_stages=2),
+                                 dict(variant="mma", BN=64, BK=512, num_warps=4, num_stages=2)])
+def test_gpu_decode_variants_real_shapes_and_no_host_sync(kmx4, cfg):
+    """Compiled variants (the mma one on BF16 tensor cores, whose ±0.5 codes enter the MMA as
+    BF16 subnormals: the one-hot exactness test above checks those on the GPU) at real shapes."""
     E, D, I, k = 256, 4096, 512, 6                           # TP4-local experts
     st, gen = experts(E, D, I, seed=13)
-    cfg = dict(variant="prefetch", BN=16, BK=1024, num_warps=4, num_stages=2)
     for T in (1, 8):
         x = torch.randn(T, D, generator=gen).bfloat16().cuda()
         idx, w = routing(T, k, E, gen)

@@ -1,7 +1,8 @@
 """The 4-bit MoE kernels (runtime.kernels.moe_mx4) compile for sm_80 on this CPU machine within
 99 KB of shared memory (test_sm80.py's _compile): the sorted kernel's dots are BF16 mma.sync
-only, the decode GEMV uses no mma, and the PTX has no FP8/FP4 type (the e2m1 codes are decoded
-with integer ops) and no flush-to-zero FP32 multiply (the e = 0, 1 weights are subnormal).
+only, the decode GEMVs use no mma (the "mma" variant: BF16 mma.sync only), and the PTX has no
+FP8/FP4 type (the e2m1 codes are decoded with integer ops) and no flush-to-zero FP32 multiply
+(the e = 0, 1 weights are subnormal).
 Shipped configs at V4-Flash TP4 shapes (K 4096, I 512). Compiled in a subprocess without
 TRITON_INTERPRET.
 """
@@ -51,13 +52,21 @@ def compile_all() -> list[dict]:
                                 opts, ("N", "K")))
     # decode variants (config "variant"): prefetch at the shipped tile, both variants at the
     # --moe-decode-sweep grid's most inputs per thread (BN 32 x BK 1024, 4 warps)
+    # packed-word variants (issue 10): word at the grid's most weights per thread, mma at one
+    # warp per 16 rows and at 2 warps x 32 rows (its largest shared tile, 64 KB), both projections
     for gated, k, var, tile in ((True, 4096, "prefetch", None), (False, 512, "prefetch", None),
                                 (True, 4096, "base", (32, 1024, 4, 2)),
-                                (True, 4096, "prefetch", (32, 1024, 4, 2))):
+                                (True, 4096, "prefetch", (32, 1024, 4, 2)),
+                                (True, 4096, "word", (32, 512, 4, 2)),
+                                (False, 512, "word", (16, 1024, 4, 2)),
+                                (True, 4096, "mma", (16, 512, 1, 2)),
+                                (True, 4096, "mma", (32, 512, 2, 2)),
+                                (False, 512, "mma", (16, 512, 1, 3))):
         dc = dict(moe_mx4._decode_config(k), variant=var)
         if tile:
             dc.update(BN=tile[0], BK=tile[1], num_warps=tile[2], num_stages=tile[3])
         kern, extra = moe_mx4._GEMV4[var]
+        extra = {**extra, **({"F32": False} if "F32" in extra else {})}   # compiled: BF16 MMA
         cfg, opts = _split(dc)
         out.append(compile_one(kern, types, dict(cfg, **extra, GATED=gated, LIMIT=10.0), opts,
                                ("N", "K")))
@@ -66,14 +75,14 @@ def compile_all() -> list[dict]:
 
 def test_mx4_moe_kernels_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 8 + 4                            # + decode variants
+    assert len(results) == 8 + 4 + 5                        # + decode variants
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
         assert r["shared"] <= SHARED_LIMIT, f"{name}: {r['shared']} B shared on sm_80"
         assert not r["fp8"], f"{name}: FP8/FP4 in the PTX"
         assert not r["ftz_mul"], f"{name}: flush-to-zero FP32 multiply in the PTX"
-        if r["kernel"] == "_mx4_sorted_kernel":
+        if r["kernel"] in ("_mx4_sorted_kernel", "_mx4_gemv_mma_kernel"):
             assert r["mma"] == [BF16_MMA], name
         else:
             assert r["mma"] == [], name                              # GEMV: CUDA cores
