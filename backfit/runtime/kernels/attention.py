@@ -96,7 +96,7 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SE
     b64 = b.to(tl.int64)
     q = tl.load(Q + (b64 * H + hh[:, None]) * D + dd[None, :], mask=h_ok[:, None] & d_ok[None, :],
                 other=0.0).to(tl.float32)                               # [BH, DP]
-    p = tl.load(POS + b)
+    p = tl.load(POS + b).to(tl.int32)                  # int64 or int32 positions
     if PREFILL:
         sq = tl.load(SEQ + b).to(tl.int64)                              # sequence of query b
         st = tl.load(START + b)
@@ -272,7 +272,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
     grid = (B, triton.cdiv(H, cfg["BH"]), S)
     _decode_kernel[grid](
         q.contiguous(), kv.contiguous(), ring, dummy, slots.to(dev, torch.int32).contiguous(),
-        pos.to(dev, torch.int32).contiguous(), ent, entry_scale if int8 and entries is not None
+        pos.to(dev).contiguous(), ent, entry_scale if int8 and entries is not None
         else dummy, tables if tables is not None else slots, sel if sel is not None else slots,
         sink.float().contiguous(), slots if seq is None else seq.to(dev, torch.int32).contiguous(),
         slots if start is None else start.to(dev, torch.int32).contiguous(),

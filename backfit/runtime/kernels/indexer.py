@@ -42,7 +42,7 @@ def _score_kernel(QI, WI, KEYS, TABLES, POS, OUT, SEQ, H, NC, stride_tb,
     dd = tl.arange(0, DI)
     qi = tl.load(QI + (b64 * H + hh[:, None]) * DI + dd[None, :], mask=h_ok[:, None], other=0.0)
     w = tl.load(WI + b64 * H + hh, mask=h_ok, other=0.0)                # [BH] FP32
-    n_valid = (tl.load(POS + b) + 1) // 4
+    n_valid = (tl.load(POS + b).to(tl.int32) + 1) // 4            # int64 or int32 positions
     j = t * BN + tl.arange(0, BN)
     ok = j < n_valid
     jj = tl.where(ok, j, 0)
@@ -125,7 +125,7 @@ def indexer_scores(qI: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables
         return out
     exact = keys.dtype == torch.float32
     BN = 32
-    pos32 = pos.to(qI.device, torch.int32).contiguous()
+    pos32 = pos.to(qI.device).contiguous()                  # int64 or int32: no cast launch
     _score_kernel[(B, triton.cdiv(NC, BN))](
         qI.to(keys.dtype if not exact else torch.float32).contiguous(), w.float().contiguous(),
         keys, tables.to(qI.device, torch.int32).contiguous(), pos32, out,
