@@ -190,11 +190,25 @@ def _moe_gemv_group_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: t
 
 
 @triton.jit
+def _sorted_tile(q, S, s_off, k0, rk, rg, n_ok, BN: tl.constexpr, BK: tl.constexpr,
+                 DEQ: tl.constexpr):
+    """int8 codes q [BN, BK] at K offset k0 -> BF16 q·2^(e-128) (exact), exponents from S."""
+    if DEQ == 0:
+        s = tl.load(S + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
+        return _dequant_mx(q, s, BN, BK).to(tl.bfloat16)
+    s = tl.load(S + s_off + (k0 + rk[None, :]) // 32, mask=n_ok[:, None], other=0)   # [BN, BK]
+    return (q.to(tl.float32) * _pow2_mx(s)).to(tl.bfloat16)
+
+
+@triton.jit
 def _moe_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, P, E,
                        GATED: tl.constexpr, LIMIT: tl.constexpr, F32: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       DEQ: tl.constexpr = 0):
     """Block b (BM slots of one expert) x rows [pid_n·BN, +BN). GATED: x rows by pair // k ->
-    h [slots, N] at the slot; else h rows by slot -> out [P, N] at the pair."""
+    h [slots, N] at the slot; else h rows by slot -> out [P, N] at the pair. DEQ 0: exponents
+    [BN, BK/32] broadcast by a reshape; 1: loaded per weight [BN, BK] (repeated addresses, L1
+    hits) and turned into 2^(e-128) with integer ops, no reshape (same values)."""
     b, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(BLOCK_E + b)
     if e >= E:
@@ -217,12 +231,12 @@ def _moe_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
         a = tl.load(A + arow[:, None].to(tl.int64) * K + k0 + rk[None, :], mask=valid[:, None],
                     other=0.0)
         q = tl.load(W1 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
-        s = tl.load(S1 + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
-        acc1 = dot_bf16(a, tl.trans(_dequant_mx(q, s, BN, BK).to(tl.bfloat16)), acc1, F32)
+        acc1 = dot_bf16(a, tl.trans(_sorted_tile(q, S1, s_off, k0, rk, rg, n_ok, BN, BK, DEQ)),
+                        acc1, F32)
         if GATED:
             q = tl.load(W3 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
-            s = tl.load(S3 + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
-            acc3 = dot_bf16(a, tl.trans(_dequant_mx(q, s, BN, BK).to(tl.bfloat16)), acc3, F32)
+            acc3 = dot_bf16(a, tl.trans(_sorted_tile(q, S3, s_off, k0, rk, rg, n_ok, BN, BK,
+                                                     DEQ)), acc3, F32)
     mask = valid[:, None] & n_ok[None, :]
     if GATED:
         wr = tl.load(RW + pair, mask=valid, other=0.0)

@@ -75,6 +75,22 @@ def test_fused_moe_matches_reference(kmoe, path, sizes):
         assert rel(y, want) < TOL, (path, T)
 
 
+def test_sorted_dequant_modes_agree(kmoe):
+    """The sorted kernel's two exponent layouts (DEQ 0: reshape broadcast, 1: per-weight loads
+    and integer 2^(e-128)) compute the same BF16 weights: equal outputs, bit for bit."""
+    E, D, I, k = 8, 128, 64, 6
+    st, gen = experts(E, D, I, seed=5)
+    with one_thread():
+        for T in (5, 40):
+            x = (torch.randn(T, D, generator=gen) * 2).bfloat16().to(DEV)
+            idx, w = routing(T, k, E, gen)
+            cfg = dict(BM=16, BN=32, BK=64)
+            y0 = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="sorted", config=cfg)
+            y1 = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="sorted", config=dict(cfg, DEQ=1))
+            assert torch.equal(y0, y1), T
+            assert rel(y1, ref.moe_routed_ref(x, idx, w, *st, LIMIT)) < TOL
+
+
 @pytest.mark.parametrize("variant", ["base", "group", "magic", "fma", "prefetch"])
 def test_decode_variants_match_reference(kmoe, variant):
     """Every decode GEMV variant (config "variant") at two tiles: a partial N block (D = 192 in
