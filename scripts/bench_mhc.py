@@ -31,8 +31,8 @@ L2_BYTES = 200 << 20
 FP32_NOISE = 1e-6                           # as tests/runtime/kernels/test_mhc.py
 # candidates of the tiled path: tile_config() overrides (None = tile_config's own guess)
 CANDIDATES = [None, dict(MMA3=False), dict(BT=64, BK=32, warps=4), dict(BK=128),
-              dict(split=4), dict(split=16), dict(BT=64, split=16), dict(BTU=1, BD=4096),
-              dict(BTU=4, BD=512)]
+              dict(split=3), dict(split=8), dict(split=16), dict(BT=256, BK=32, split=8),
+              dict(BTU=1, BD=4096), dict(BTU=4, BD=512)]
 
 
 def graph_time(fn, reps=10) -> float:
