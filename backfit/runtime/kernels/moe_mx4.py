@@ -260,32 +260,56 @@ def _pair_lanes(w, q: tl.constexpr, F32: tl.constexpr):
 
 
 @triton.jit
-def _words_to_b(w, F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """int32 words [BN, BK/8] -> weights·2^-126 [BN, BK] in the order k' = 8j + 2q + h = input
-    8j + q + 4h (h: lane; pairs of one int32 adjacent), BF16 (FP32 where F32)."""
-    b = tl.join(tl.join(_pair_lanes(w, 0, F32), _pair_lanes(w, 1, F32)),
-                tl.join(_pair_lanes(w, 2, F32), _pair_lanes(w, 3, F32)))  # [BN, W, h, q%2, q//2]
-    return tl.reshape(tl.permute(b, (0, 1, 4, 3, 2)), (BN, BK))
+def _pair_b(w, q: tl.constexpr, F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """int32 words [BN, BK/8] -> weights·2^-126 [BN, BK/4] of nibbles q, q + 4 of each word:
+    column 2j + h = input 8j + q + 4h (h: lane; the two halves of one int32 side by side)."""
+    return tl.reshape(_pair_lanes(w, q, F32), (BN, BK // 4))
 
 
 @triton.jit
-def _mma_groups(Ww, S, w_off, s_off, k0, n_ok, g_ok, a, F32: tl.constexpr, R: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr):
-    """One K tile on the tensor cores -> FP32 [R, BN]: row r = group r's Σ w·x, scaled."""
+def _mma_groups(Ww, S, w_off, s_off, k0, n_ok, g_ok, a0, a1, a2, a3, F32: tl.constexpr,
+                R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One K tile on the tensor cores -> FP32 [R, BN]: row r = group r's Σ w·x, scaled; four
+    dots, one per nibble pair q (a_q [R, BK/4] in _pair_b's column order)."""
     w = tl.load(Ww + w_off + k0 // 8, mask=n_ok[:, None], other=0)                 # [BN, BK/8]
-    part = dot_bf16(a, tl.trans(_words_to_b(w, F32, BN, BK)),
-                    tl.zeros((R, BN), dtype=tl.float32), F32)                      # ·2^-63
+    part = tl.zeros((R, BN), dtype=tl.float32)
+    part = dot_bf16(a0, tl.trans(_pair_b(w, 0, F32, BN, BK)), part, F32)
+    part = dot_bf16(a1, tl.trans(_pair_b(w, 1, F32, BN, BK)), part, F32)
+    part = dot_bf16(a2, tl.trans(_pair_b(w, 2, F32, BN, BK)), part, F32)
+    part = dot_bf16(a3, tl.trans(_pair_b(w, 3, F32, BN, BK)), part, F32)        # ·2^-63
     s = tl.load(S + s_off + k0 // 32, mask=g_ok[:, None] & n_ok[None, :], other=0)  # [R, BN]
     return part * _TWO63 * _pow2(s)
+
+
+@triton.jit
+def _diag(xq, R: tl.constexpr, BK: tl.constexpr):
+    """[BK/8, 2] values of one nibble pair (word j, lane h) -> BF16 [R, BK/4]: row r holds words
+    4r..4r+3 (group r) at their columns 2j + h, zeros elsewhere (R >= BK/32 rows)."""
+    xg = tl.reshape(xq, (R, 8)) if BK // 32 == R else tl.reshape(xq, (BK // 32, 8))
+    rr = tl.arange(0, R)
+    rg = tl.arange(0, BK // 32)
+    a = tl.where((rr[:, None] == rg[None, :])[:, :, None], xg[None, :, :], 0.0)   # [R, G, 8]
+    return tl.reshape(a, (R, BK // 4)).to(tl.bfloat16)
+
+
+@triton.jit
+def _mma_rows(x, R: tl.constexpr, BK: tl.constexpr):
+    """x [BK] bf16 (natural order) -> per nibble pair q, x·2^63 on _pair_b's columns (inputs
+    8j + q + 4h) of group r's row r, else 0: four BF16 [R, BK/4] (exact)."""
+    x = tl.reshape(x.to(tl.float32) * _TWO63, (BK // 8, 2, 2, 2))   # [j, h, q // 2, q % 2]
+    x01, x23 = tl.split(x)                                          # q % 2 = 0, 1 ...
+    x0, x2 = tl.split(x01)
+    x1, x3 = tl.split(x23)
+    return _diag(x0, R, BK), _diag(x1, R, BK), _diag(x2, R, BK), _diag(x3, R, BK)
 
 
 @triton.jit
 def _mx4_gemv_mma_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
                          LIMIT: tl.constexpr, F32: tl.constexpr, BN: tl.constexpr,
                          BK: tl.constexpr):
-    """_mx4_gemv_kernel's contract on the tensor cores (variant "mma"): per K tile one BF16 dot
-    [R, BK] x [BK, BN], R = max(16, BK/32) rows, row r holding x·2^63 on group r's 32 inputs
-    only (permuted as _words_to_b's k'; zero elsewhere), so row r of the FP32 product is group
+    """_mx4_gemv_kernel's contract on the tensor cores (variant "mma"): per K tile BF16 dots
+    [R, BK] x [BK, BN] (four, one per nibble pair), R = max(16, BK/32) rows, row r holding
+    x·2^63 on group r's 32 inputs only (zero elsewhere), so row r of the FP32 product is group
     r's sum (exact products); times 2^63·2^(e-127) per (group, row) into an FP32 [R, BN]
     accumulator, rows summed once at the end. Weights two per int32 (_nib_pair)."""
     G: tl.constexpr = BK // 32
@@ -295,23 +319,22 @@ def _mx4_gemv_mma_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.
     arow = p // TOPK if GATED else p
     rn = pid_n * BN + tl.arange(0, BN)
     rw = tl.arange(0, BK // 8)
-    rk = tl.arange(0, BK)                                   # k' = 8j + 2q + h
     rr = tl.arange(0, R)
     n_ok, g_ok = rn < N, rr < G
     KW, KG = (K // 64) * 8, (K // 64) * 2                   # = K/8 words, K/32 groups a row
     w_off = e * N * KW + rn[:, None] * KW + rw[None, :]     # [BN, BK/8]
     s_off = e * N * KG + rn[None, :] * KG + rr[:, None]     # [R, BN]
-    a_off = arow * K + (rk // 8) * 8 + (rk % 8) // 2 + 4 * (rk % 2)                 # [BK]
-    on_diag = rr[:, None] == rk[None, :] // 32                                     # [R, BK]
+    a_off = arow * K + tl.arange(0, BK)
     W1w, W3w = W1.to(tl.pointer_type(tl.int32)), W3.to(tl.pointer_type(tl.int32))
     acc1 = tl.zeros((R, BN), dtype=tl.float32)
     acc3 = tl.zeros((R, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        x = tl.load(A + a_off + k0).to(tl.float32) * _TWO63
-        a = tl.where(on_diag, x[None, :], 0.0).to(tl.bfloat16)                     # exact
-        acc1 += _mma_groups(W1w, S1, w_off, s_off, k0, n_ok, g_ok, a, F32, R, BN, BK)
+        a0, a1, a2, a3 = _mma_rows(tl.load(A + a_off + k0), R, BK)
+        acc1 += _mma_groups(W1w, S1, w_off, s_off, k0, n_ok, g_ok, a0, a1, a2, a3, F32, R, BN,
+                            BK)
         if GATED:
-            acc3 += _mma_groups(W3w, S3, w_off, s_off, k0, n_ok, g_ok, a, F32, R, BN, BK)
+            acc3 += _mma_groups(W3w, S3, w_off, s_off, k0, n_ok, g_ok, a0, a1, a2, a3, F32, R,
+                                BN, BK)
     out = tl.sum(acc1, axis=0)
     if GATED:
         out = _swiglu(out, tl.sum(acc3, axis=0), tl.load(RW + p), LIMIT)
