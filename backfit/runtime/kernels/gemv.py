@@ -5,11 +5,14 @@ workspace and an atomic counter; at batch 1 its launches sit on a ~6-7 µs floor
 one program = BN weight rows x the whole K x all M rows: no split-K, no workspace, no atomics,
 each weight byte read once from DRAM (x, M·K·2 B, is re-read from L2 by every program):
   y[m, n] = Σ_g s[n, g] · Σ_{k in g} q[n, k] · x[m, k]    (int8_g128; FP32, as the a16 kernel)
-Two variants (config key "variant"):
+Three variants (config key "variant"):
   cuda  CUDA cores: a [BN, G, 128] weight tile per K step (G = BK/128, 16 B+ per thread and
         load) turned into FP32 once; for each of the M rows (unrolled, MP = M padded to a power
         of two) the group sums Σ w·x times the group scale. MAGIC: int8 -> FP32 as
-        bits(1.5·2^23) + q - 1.5·2^23 (exact, no I2F). Fastest at M = 1 on small weights.
+        bits(1.5·2^23) + q - 1.5·2^23 (exact, no I2F).
+  fma   CUDA cores, no reduction inside the K loop: per-thread FP32 accumulators [BN, G, 128] for
+        each row (up to 8), FMAs of (q·s in FP32, the reference's dequantized weight) times x,
+        one cross-thread sum per row at the end; x and W tiles in one register layout.
   dot   BF16 tensor cores with the roles swapped: acc[BN, 16] += W[BN, 128] · x[16, 128]^T per
         scale group (q exact in BF16; x rows past M are copies of row M-1, never stored), SUB
         groups per K step, cp.async pipelined (num_stages); M costs nothing up to 16.
@@ -38,20 +41,26 @@ _MAGIC_F = tl.constexpr(12582912.0)            # 1.5·2^23
 GEMV_TABLE: list[tuple[str, tuple[int, int], tuple[int, int], tuple[int, int], dict]] = []
 
 # What bench_gemv.py sweeps and test_sm80_gemv.py compiles, by kind. cuda: BN·BK weights per K
-# step held as FP32 in registers, <= 8K per 128 threads. dot: BN x (SUB·128) int8/bf16 per stage.
-_C, _D = "cuda", "dot"
+# step held as FP32 in registers, <= 8K per 128 threads; fma: plus BN·BK/threads accumulators per
+# row (M = 8: 8 x 16 at BN·BK = 2048, 4 warps); dot: BN x (SUB·128) int8/bf16 per stage.
+_C, _F, _D = "cuda", "fma", "dot"
 GEMV_CANDIDATES = {
-    "int8": [dict(variant=_C, BN=1, BK=4096, num_warps=4, MAGIC=False),
+    "int8": [dict(variant=_F, BN=1, BK=2048, num_warps=4, MAGIC=True),
+             dict(variant=_F, BN=2, BK=1024, num_warps=4, MAGIC=True),
+             dict(variant=_F, BN=1, BK=1024, num_warps=4, MAGIC=False),
+             dict(variant=_F, BN=2, BK=2048, num_warps=4, MAGIC=True),
+             dict(variant=_C, BN=1, BK=4096, num_warps=4, MAGIC=False),
              dict(variant=_C, BN=4, BK=2048, num_warps=4, MAGIC=True),
              dict(variant=_C, BN=4, BK=1024, num_warps=4, MAGIC=False),
              dict(variant=_D, BN=16, SUB=4, num_warps=4, num_stages=3),
-             dict(variant=_D, BN=16, SUB=2, num_warps=4, num_stages=4),
              dict(variant=_D, BN=32, SUB=2, num_warps=4, num_stages=3),
              dict(variant=_D, BN=64, SUB=1, num_warps=4, num_stages=4)],
-    "bf16": [dict(variant=_C, BN=1, BK=4096, num_warps=4),
+    "bf16": [dict(variant=_F, BN=1, BK=2048, num_warps=4),
+             dict(variant=_F, BN=1, BK=1024, num_warps=4),
+             dict(variant=_F, BN=1, BK=4096, num_warps=8),
+             dict(variant=_C, BN=1, BK=4096, num_warps=4),
              dict(variant=_C, BN=1, BK=4096, num_warps=8),
              dict(variant=_C, BN=1, BK=2048, num_warps=4),
-             dict(variant=_D, BN=16, SUB=2, num_warps=4, num_stages=3),
              dict(variant=_D, BN=16, SUB=4, num_warps=4, num_stages=3),
              dict(variant=_D, BN=32, SUB=2, num_warps=4, num_stages=3)],
 }
@@ -99,6 +108,83 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
             acc = tl.where(rm[:, None] == m, acc + part[None, :], acc)       # row m of [MP, BN]
     mask = (rm < M)[:, None] & n_ok[None, :]
     tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fma_row(acc, wf, x_ptr, k_ok, EVEN_K: tl.constexpr):
+    """acc [BN, G, 128] + wf · x_row (x_ptr, k_ok [G, 128]): per-element FP32 FMAs, no reduction."""
+    if EVEN_K:
+        xm = tl.load(x_ptr)
+    else:
+        xm = tl.load(x_ptr, mask=k_ok, other=0.0)
+    return acc + wf * xm.to(tl.float32)[None, :, :]
+
+
+@triton.jit
+def _row_out(Y, acc, m: tl.constexpr, M, N, rn, n_ok):
+    """y[m, rn] = Σ acc (one cross-thread reduction per row, after the K loop)."""
+    tl.store(Y + m * N + rn, tl.sum(tl.sum(acc, axis=2), axis=1).to(Y.dtype.element_ty),
+             mask=n_ok & (tl.full(rn.shape, m, tl.int32) < M))
+
+
+@triton.jit
+def _gemv_fma_kernel(X, W, S, Y, M, N, K, stride_xm,
+                     QUANT: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
+                     MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """_gemv_kernel's contract; per-thread accumulators [BN, G, 128] per row (MP <= 8), reduced
+    once after the K loop: no shuffles, barriers or layout changes inside it. The 128 columns
+    are 8-element runs (8 B int8 / 16 B bf16 loads) so x and W tiles share one layout."""
+    G: tl.constexpr = BK // 128
+    pid = tl.program_id(0)
+    rn = pid * BN + tl.arange(0, BN)
+    n_ok = rn < N
+    rn_c = tl.minimum(rn, N - 1).to(tl.int64)    # rows past N re-read row N-1: unmasked loads
+    rg = tl.arange(0, G)
+    rc = tl.arange(0, 128)
+    rc = (rc // 8) * 8 + rc % 8                  # = rc, but contiguity 8 for the axis analysis
+    kofs = rg[:, None] * 128 + rc[None, :]                                   # [G, 128]
+    w_ptr = W + rn_c[:, None, None] * K + kofs[None, :, :]                   # [BN, G, 128]
+    x_ptr = X + kofs
+    a0 = tl.zeros((BN, G, 128), dtype=tl.float32)
+    a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0   # rows >= MP: dead, dropped
+    for k0 in range(0, K, BK):
+        k_ok = (k0 + kofs) < K
+        if EVEN_K:
+            q = tl.load(w_ptr + k0)
+        else:
+            q = tl.load(w_ptr + k0, mask=k_ok[None, :, :], other=0)
+        if MAGIC:                        # 1.5·2^23 + q (|q| <= 127) is exact; minus it: q exact
+            wf = (q.to(tl.int32) + _MAGIC_I).to(tl.float32, bitcast=True) - _MAGIC_F
+        else:
+            wf = q.to(tl.float32)                                            # [BN, G, 128]
+        if QUANT:                        # q·s in FP32: the reference's dequantized weight
+            g_ok = (k0 // 128 + rg) < K // 128
+            sc = tl.load(S + rn_c[:, None] * (K // 128) + k0 // 128 + rg[None, :],
+                         mask=g_ok[None, :], other=0.0)                      # [BN, G] fp32
+            wf = wf * sc[:, :, None]
+        xk = x_ptr + k0                  # x rows past M: row M-1 again (never stored)
+        a0 = _fma_row(a0, wf, xk, k_ok, EVEN_K)
+        if MP > 1:
+            a1 = _fma_row(a1, wf, xk + tl.minimum(1, M - 1) * stride_xm, k_ok, EVEN_K)
+        if MP > 2:
+            a2 = _fma_row(a2, wf, xk + tl.minimum(2, M - 1) * stride_xm, k_ok, EVEN_K)
+            a3 = _fma_row(a3, wf, xk + tl.minimum(3, M - 1) * stride_xm, k_ok, EVEN_K)
+        if MP > 4:
+            a4 = _fma_row(a4, wf, xk + tl.minimum(4, M - 1) * stride_xm, k_ok, EVEN_K)
+            a5 = _fma_row(a5, wf, xk + tl.minimum(5, M - 1) * stride_xm, k_ok, EVEN_K)
+            a6 = _fma_row(a6, wf, xk + tl.minimum(6, M - 1) * stride_xm, k_ok, EVEN_K)
+            a7 = _fma_row(a7, wf, xk + tl.minimum(7, M - 1) * stride_xm, k_ok, EVEN_K)
+    _row_out(Y, a0, 0, M, N, rn, n_ok)
+    if MP > 1:
+        _row_out(Y, a1, 1, M, N, rn, n_ok)
+    if MP > 2:
+        _row_out(Y, a2, 2, M, N, rn, n_ok)
+        _row_out(Y, a3, 3, M, N, rn, n_ok)
+    if MP > 4:
+        _row_out(Y, a4, 4, M, N, rn, n_ok)
+        _row_out(Y, a5, 5, M, N, rn, n_ok)
+        _row_out(Y, a6, 6, M, N, rn, n_ok)
+        _row_out(Y, a7, 7, M, N, rn, n_ok)
 
 
 @triton.jit
@@ -219,15 +305,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sche
                                EVEN_K=K % (128 * sub) == 0, F32=gemv_interpreted(),
                                BN=cfg["BN"], SUB=sub, **opts)
         return y.reshape(*lead, N)
-    if variant != "cuda":
-        raise ValueError(f"gemv: unknown variant {variant!r} (cuda or dot)")
+    if variant not in ("cuda", "fma"):
+        raise ValueError(f"gemv: unknown variant {variant!r} (cuda, fma or dot)")
     bk = cfg["BK"]
     if bk < 128 or bk & (bk - 1):
         raise ValueError(f"gemv: BK must be a power of two >= 128, got {bk}")
     bk = min(bk, max(128, triton.next_power_of_2(K)))     # a tile past K would be all masks
     if cfg.get("MAGIC") and not quant:
         raise ValueError("gemv: MAGIC is the int8 conversion (int8_g128 weights only)")
-    _gemv_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), QUANT=quant,
-                       MAGIC=bool(cfg.get("MAGIC", False)), EVEN_K=K % bk == 0,
-                       MP=triton.next_power_of_2(M), BN=cfg["BN"], BK=bk, **opts)
+    kern = _gemv_kernel if variant == "cuda" else _gemv_fma_kernel
+    kern[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), QUANT=quant,
+               MAGIC=bool(cfg.get("MAGIC", False)), EVEN_K=K % bk == 0,
+               MP=triton.next_power_of_2(M), BN=cfg["BN"], BK=bk, **opts)
     return y.reshape(*lead, N)

@@ -60,6 +60,8 @@ CASES = [
     (16, 256, None),                            # the default config (one K step)
     (20, 384, dict(variant="dot", BN=16, SUB=2)),   # tensor cores: 2 programs, K 1.5 steps
     (40, 640, dict(variant="dot", BN=32, SUB=1)),   # 5 K steps
+    (20, 384, dict(variant="fma", BN=8, BK=256, MAGIC=True)),   # per-thread accumulators
+    (7, 640, dict(variant="fma", BN=2, BK=128, num_warps=2)),
 ]
 
 
@@ -69,6 +71,8 @@ def test_gemv_matches_fp32_reference(gv, quant, n, k, cfg):
     gen = torch.Generator().manual_seed(n * 1000 + k)
     w, s, deq = weights(n, k, quant, gen)
     scheme = "int8_g128" if quant else "bf16"
+    if cfg and not quant:
+        cfg = {k: v for k, v in cfg.items() if k != "MAGIC"}          # an int8-only option
     with one_thread():
         for m in (1, 2, 3, 5, 8):
             x = torch.randn(m, k, generator=gen).bfloat16().to(DEV)
@@ -96,7 +100,7 @@ def test_magic_conversion_and_bf16_tail(gv):
         assert rel(a, reference(x, deq)) < TOL[torch.float32]
         w, _, wdeq = weights(9, 200, False, gen)
         x = torch.randn(1, 2, 200, generator=gen).bfloat16().to(DEV)
-        for cfg in (None, dict(variant="dot", BN=16, SUB=1)):
+        for cfg in (None, dict(variant="dot", BN=16, SUB=1), dict(variant="fma", BN=4, BK=128)):
             y = gv.gemv(x, w, None, "copy", config=cfg, out_dtype=torch.float32)
             assert y.shape == (1, 2, 9)
             assert rel(y.reshape(2, 9), reference(x.reshape(2, 200), wdeq)) < TOL[torch.float32]

@@ -1,9 +1,10 @@
 """The small-M GEMV kernels (kernels.gemv) compile for sm_80 on this CPU machine (test_sm80.py's
 helper) for every candidate of GEMV_CANDIDATES and the default configs, int8_g128 (BF16 out) and
-BF16 weights (FP32 out), the cuda variant at M padded to 1 and 8 rows: shared memory within
-99 KB, no FP8/FP4; cuda: no MMA (CUDA-core FMAs), and MAGIC really converts without an int ->
-float cvt (I2F) in the PTX; dot: BF16 mma.sync only, and cp.async multi-stage buffers (shared
->= 2 weight tiles). Compiled in a subprocess without TRITON_INTERPRET.
+BF16 weights (FP32 out), cuda and fma at M padded to 1 and 8 rows: shared memory within 99 KB,
+no FP8/FP4. cuda, fma: no MMA (CUDA-core FMAs), and MAGIC really converts without an int ->
+float cvt (I2F) in the PTX; fma needs no shared memory beyond the final reductions' 1 KB (more
+would mean a layout change inside the K loop). dot: BF16 mma.sync only, and cp.async
+multi-stage buffers (shared >= 2 weight tiles). Compiled in a subprocess without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _configs() -> list[tuple[str, dict, int]]:
     out = []
     for kind, cands in gemv.GEMV_CANDIDATES.items():
         for c in cands + [gemv.gemv_config(1, 4096, 4096, kind == "int8")]:
-            out += [(kind, c, mp) for mp in (MPS if c["variant"] == "cuda" else (16,))]
+            out += [(kind, c, mp) for mp in (MPS if c["variant"] != "dot" else (16,))]
     return out
 
 
@@ -48,7 +49,7 @@ def compile_all() -> list[dict]:
             fn = gemv._gemv_dot_kernel
             const = dict(QUANT=quant, EVEN_K=True, F32=False, BN=cfg["BN"], SUB=cfg["SUB"])
         else:
-            fn = gemv._gemv_kernel
+            fn = gemv._gemv_kernel if cfg["variant"] == "cuda" else gemv._gemv_fma_kernel
             const = dict(QUANT=quant, MAGIC=bool(cfg.get("MAGIC")), EVEN_K=True, MP=mp,
                          BN=cfg["BN"], BK=cfg["BK"])
         r = _compile(fn, types, const, opts, ("N", "K", "stride_xm"))
@@ -79,6 +80,8 @@ def test_gemv_compiles_for_sm80():
                 assert r["shared"] >= 2 * tile, f"{name}: not multi-stage pipelined"
         else:
             assert r["mma"] == [], name
+            if r["kernel"] == "_gemv_fma_kernel":
+                assert r["shared"] <= 1024, f"{name}: {r['shared']} B shared (a layout change?)"
             if r["config"]["QUANT"] and r["config"]["MAGIC"]:
                 assert r["i2f"] == 0, f"{name}: MAGIC still converts with cvt"
             elif r["config"]["QUANT"]:
