@@ -24,14 +24,24 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["sparse_attention_prefill", "prefill_config", "prefill_blocks", "PREFILL_CONFIGS"]
+__all__ = ["PREFILL_CONFIGS", "SM80_CONFIGS", "prefill_blocks", "prefill_config",
+           "sparse_attention_prefill"]
 
 MODES = {"window": 0, "hca": 1, "csa": 2}
-# default tiles per mode (the H200 sweep, scripts/bench_attention_prefill.py, picks the winners)
+# Tiles per mode: M = BQ·BH rows per program, BN keys per tile; JOIN: p·V as one dot over
+# [hi|lo] (sm_90, see _step). The [M, 512] FP32 accumulator is the register budget: M = 32 with
+# 4 warps (128 a thread) or 8 warps compiles without spills; M = 64 spilled in every variant.
+# sm_90 and later (H200): the winners of scripts/bench_attention_prefill.py.
 PREFILL_CONFIGS = {
-    "window": dict(BQ=4, BH=16, BN=32, num_warps=8, num_stages=2),
-    "hca": dict(BQ=4, BH=16, BN=32, num_warps=8, num_stages=2),
-    "csa": dict(BQ=1, BH=64, BN=32, num_warps=8, num_stages=2),
+    "window": dict(BQ=2, BH=16, BN=32, num_warps=4, num_stages=2, JOIN=True),
+    "hca": dict(BQ=2, BH=16, BN=32, num_warps=4, num_stages=2, JOIN=True),
+    "csa": dict(BQ=1, BH=32, BN=32, num_warps=4, num_stages=2, JOIN=True),
+}
+# sm_80 (A100): mma.sync, <= 99 KB of shared memory with bf16 and int8 pools (two blocks an SM)
+SM80_CONFIGS = {
+    "window": dict(BQ=2, BH=16, BN=16, num_warps=4, num_stages=2, JOIN=False),
+    "hca": dict(BQ=2, BH=16, BN=16, num_warps=4, num_stages=2, JOIN=False),
+    "csa": dict(BQ=1, BH=32, BN=16, num_warps=4, num_stages=2, JOIN=False),
 }
 
 
@@ -46,12 +56,11 @@ def _keys(x, INT8: tl.constexpr, s, F32: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _step(q, k, ok, m_i, l_i, acc, scale, F32: tl.constexpr, EXACT: tl.constexpr,
-          DT: tl.constexpr):
-    """Online softmax over keys k [BN, DP] (K = V), ok [M, BN]; m starts at -1e30, never -inf."""
-    if F32:
-        s = tl.dot(q, tl.trans(k))
-    elif EXACT:
+def _step(q, k, v, ok, m_i, l_i, acc, scale, F32: tl.constexpr, EXACT: tl.constexpr,
+          DT: tl.constexpr, JOIN: tl.constexpr):
+    """Online softmax over keys k [BN, DP], ok [M, BN]; m starts at -1e30, never -inf.
+    v: the same keys (K = V), JOIN: each one twice, [2·BN, DP] (rows 2n, 2n+1 = k_n)."""
+    if EXACT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))                                     # BF16 mma, FP32 out
@@ -68,15 +77,52 @@ def _step(q, k, ok, m_i, l_i, acc, scale, F32: tl.constexpr, EXACT: tl.constexpr
         lo = (p - hi.to(tl.float32)).to(DT)
         if F32:                                # interpreter: the same sum in FP32 dots
             hi, lo = hi.to(tl.float32), lo.to(tl.float32)
-        M: tl.constexpr = p.shape[0]
-        BN: tl.constexpr = p.shape[1]
-        DP: tl.constexpr = k.shape[1]
-        # one dot over K = 2·BN, [.., hi_n, lo_n, ..] @ [.., k_n, k_n, ..]: two dots chained
-        # into acc get two wgmma layouts on sm_90 and a [M, DP] FP32 conversion between them
-        p2 = tl.reshape(tl.join(hi, lo), (M, 2 * BN))
-        v2 = tl.reshape(tl.permute(tl.join(k, k), (0, 2, 1)), (2 * BN, DP))
-        acc = tl.dot(p2, v2, acc)
+        if JOIN:                               # sm_90: one dot over K = 2·BN
+            # [.., hi_n, lo_n, ..] @ [.., k_n, k_n, ..]: two dots chained into acc get two
+            # wgmma layouts there and a [M, DP] FP32 layout conversion between them per tile;
+            # v is loaded with its rows doubled (a register join of k spills)
+            M: tl.constexpr = p.shape[0]
+            BN: tl.constexpr = p.shape[1]
+            acc = tl.dot(tl.reshape(tl.join(hi, lo), (M, 2 * BN)), v, acc)
+        else:                                  # sm_80: mma.sync, no [2·BN, DP] tile
+            acc = tl.dot(hi, v, acc)
+            acc = tl.dot(lo, v, acc)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _ring_tile(RING, RSC, slot, R, kp, k_ok, dd, d_ok, D: tl.constexpr, INT8: tl.constexpr,
+               F32: tl.constexpr, DT: tl.constexpr):
+    """Ring rows of positions kp (k_ok) of one slot -> [len(kp), DP] in the dot dtype."""
+    rows = slot * R + (kp % R)
+    x = tl.load(RING + rows[:, None] * D + dd[None, :], mask=k_ok[:, None] & d_ok[None, :],
+                other=0)
+    sc = 0.0
+    if INT8:
+        sc = tl.load(RSC + rows, mask=k_ok, other=0.0)
+    return _keys(x, INT8, sc, F32, DT)
+
+
+@triton.jit
+def _kv_tile(KV, kv_row, k_ok, dd, d_ok, D: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
+    """The chunk's own kv rows (in flight, act dtype) -> [len(kv_row), DP]."""
+    x = tl.load(KV + kv_row[:, None] * D + dd[None, :], mask=k_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    return _keys(x, False, 0.0, F32, DT)
+
+
+@triton.jit
+def _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j, c_ok, dd, d_ok, PB: tl.constexpr,
+                D: tl.constexpr, INT8: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
+    """Compressed entries j (c_ok) of sequence sqi: block TABLES[sqi, j // PB], row j % PB."""
+    j = tl.where(c_ok, j, 0)
+    blk = tl.load(TABLES + sqi * stride_tb + j // PB, mask=c_ok, other=0).to(tl.int64)
+    e = blk * PB + j % PB
+    x = tl.load(ENT + e[:, None] * D + dd[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0)
+    sc = 0.0
+    if INT8:
+        sc = tl.load(ESC + e, mask=c_ok, other=0.0)
+    return _keys(x, INT8, sc, F32, DT)
 
 
 @triton.jit
@@ -85,7 +131,7 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
                     W: tl.constexpr, RATIO: tl.constexpr, PB: tl.constexpr, MODE: tl.constexpr,
                     INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
                     BH: tl.constexpr, BN: tl.constexpr, F32: tl.constexpr, EXACT: tl.constexpr,
-                    DT: tl.constexpr):
+                    DT: tl.constexpr, JOIN: tl.constexpr):
     """Program (block i, head block hb): rows r = (query t0 + r // BH, head hb·BH + r % BH)."""
     M: tl.constexpr = BQ * BH
     if MODE == 2:
@@ -122,59 +168,63 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
     sqi = sq0.to(tl.int64)
     slot = tl.load(SLOTS + sqi).to(tl.int64)
     lo = tl.maximum(p0 - W + 1, 0)                                     # oldest key of the block
-    for k0 in range(lo, p_last + 1, BN):                               # window part
+    rn2 = tl.arange(0, 2 * BN) // 2                                   # JOIN: v rows
+    # window part in two loops, so each tile has one source (one buffer, one dtype): ring
+    # positions lo .. st-1, then the chunk's own rows max(lo, st) .. p_last (in flight)
+    k_end = tl.minimum(st, p_last + 1)
+    for k0 in range(lo, k_end, BN):
         kp = k0 + rn                                                   # key positions [BN]
-        k_ok = kp <= p_last
-        fly = kp >= st                                                 # chunk rows in flight
-        ring_row = slot * R + (kp % R)
-        kv_row = t0.to(tl.int64) + (kp - p0)                           # >= the chunk's row 0
-        if INT8:
-            x = tl.load(RING + ring_row[:, None] * D + dd[None, :],
-                        mask=(k_ok & ~fly)[:, None] & d_ok[None, :], other=0)
-            sc = tl.load(RSC + ring_row, mask=k_ok & ~fly, other=0.0)
-            kin = tl.load(KV + kv_row[:, None] * D + dd[None, :],
-                          mask=(k_ok & fly)[:, None] & d_ok[None, :], other=0.0)
-            k = tl.where(fly[:, None], _keys(kin, False, sc, F32, DT),
-                         _keys(x, True, sc, F32, DT))
-        else:                                                          # one load, two sources
-            ptr = tl.where(fly[:, None], KV + kv_row[:, None] * D + dd[None, :],
-                           RING + ring_row[:, None] * D + dd[None, :])
-            k = _keys(tl.load(ptr, mask=k_ok[:, None] & d_ok[None, :], other=0.0), False, 0,
-                      F32, DT)
+        k_ok = kp < k_end
+        k = _ring_tile(RING, RSC, slot, R, kp, k_ok, dd, d_ok, D, INT8, F32, DT)
+        if JOIN:
+            v = _ring_tile(RING, RSC, slot, R, k0 + rn2, k0 + rn2 < k_end, dd, d_ok, D, INT8,
+                           F32, DT)
+        else:
+            v = k
         ok = (kp[None, :] <= p_r[:, None]) & (kp[None, :] > p_r[:, None] - W) & k_ok[None, :]
-        m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT, DT)
+        m_i, l_i, acc = _step(q, k, v, ok, m_i, l_i, acc, scale, F32, EXACT, DT, JOIN)
+    row0 = t0.to(tl.int64) - p0                                        # kv row of position 0
+    for k0 in range(tl.maximum(lo, st), p_last + 1, BN):
+        kp = k0 + rn
+        k_ok = kp <= p_last
+        k = _kv_tile(KV, row0 + kp, k_ok, dd, d_ok, D, F32, DT)
+        if JOIN:
+            v = _kv_tile(KV, row0 + k0 + rn2, k0 + rn2 <= p_last, dd, d_ok, D, F32, DT)
+        else:
+            v = k
+        ok = (kp[None, :] <= p_r[:, None]) & (kp[None, :] > p_r[:, None] - W) & k_ok[None, :]
+        m_i, l_i, acc = _step(q, k, v, ok, m_i, l_i, acc, scale, F32, EXACT, DT, JOIN)
     if MODE == 1:                                                      # HCA: all valid entries
         n_r = (p_r + 1) // RATIO                                       # [M] entries per row
-        for c0 in range(0, (p_last + 1) // RATIO, BN):
+        n_c = (p_last + 1) // RATIO
+        for c0 in range(0, n_c, BN):
             c = c0 + rn
-            c_ok = c < (p_last + 1) // RATIO
-            blk = tl.load(TABLES + sqi * stride_tb + c // PB, mask=c_ok, other=0).to(tl.int64)
-            e = blk * PB + c % PB
-            x = tl.load(ENT + e[:, None] * D + dd[None, :], mask=c_ok[:, None] & d_ok[None, :],
-                        other=0)
-            sc = 0.0
-            if INT8:
-                sc = tl.load(ESC + e, mask=c_ok, other=0.0)
-            k = _keys(x, INT8, sc, F32, DT)
+            c_ok = c < n_c
+            k = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, c, c_ok, dd, d_ok, PB, D, INT8,
+                            F32, DT)
+            if JOIN:
+                v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, c0 + rn2, c0 + rn2 < n_c, dd,
+                                d_ok, PB, D, INT8, F32, DT)
+            else:
+                v = k
             ok = (c[None, :] < n_r[:, None]) & c_ok[None, :]
-            m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT, DT)
+            m_i, l_i, acc = _step(q, k, v, ok, m_i, l_i, acc, scale, F32, EXACT, DT, JOIN)
     if MODE == 2:                                                      # CSA: t0's selection
+        sel = SEL + t0.to(tl.int64) * n_sel
         for c0 in range(0, n_sel, BN):
-            c = c0 + rn
-            j = tl.load(SEL + t0.to(tl.int64) * n_sel + c, mask=c < n_sel, other=-1)
+            j = tl.load(sel + c0 + rn, mask=c0 + rn < n_sel, other=-1)
             c_ok = j >= 0
             if tl.sum(c_ok.to(tl.int32), axis=0) > 0:                  # skip all-unused tiles
-                j = tl.where(c_ok, j, 0)
-                blk = tl.load(TABLES + sqi * stride_tb + j // PB, mask=c_ok, other=0).to(tl.int64)
-                e = blk * PB + j % PB
-                x = tl.load(ENT + e[:, None] * D + dd[None, :],
-                            mask=c_ok[:, None] & d_ok[None, :], other=0)
-                sc = 0.0
-                if INT8:
-                    sc = tl.load(ESC + e, mask=c_ok, other=0.0)
-                k = _keys(x, INT8, sc, F32, DT)
+                k = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j, c_ok, dd, d_ok, PB, D,
+                                INT8, F32, DT)
+                if JOIN:
+                    j2 = tl.load(sel + c0 + rn2, mask=c0 + rn2 < n_sel, other=-1)
+                    v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j2, j2 >= 0, dd, d_ok, PB,
+                                    D, INT8, F32, DT)
+                else:
+                    v = k
                 ok = (r[:, None] >= 0) & c_ok[None, :]
-                m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT, DT)
+                m_i, l_i, acc = _step(q, k, v, ok, m_i, l_i, acc, scale, F32, EXACT, DT, JOIN)
     sink = tl.load(SINK + hh, mask=hh < H, other=0.0)
     Mx = tl.maximum(m_i, sink)
     a = tl.exp(m_i - Mx)
@@ -186,10 +236,11 @@ def _interpreted() -> bool:
     return not isinstance(_prefill_kernel, triton.runtime.jit.JITFunction)
 
 
-def prefill_config(mode: str, H: int, config: dict | None = None) -> dict:
-    """The tiles for `mode` (PREFILL_CONFIGS, overridden by config), BH capped at H's power of 2
-    (BQ grows to keep M = BQ·BH >= 16 rows for the mma, except csa: one query per block)."""
-    cfg = dict(PREFILL_CONFIGS[mode], **(config or {}))
+def prefill_config(mode: str, H: int, config: dict | None = None, sm90: bool = True) -> dict:
+    """The tiles for `mode` (PREFILL_CONFIGS on sm_90+, else SM80_CONFIGS; keys of config
+    override), BH capped at H's power of 2 (BQ grows to keep M = BQ·BH >= 16 rows for the mma,
+    except csa: one query per block, BH >= 16)."""
+    cfg = dict((PREFILL_CONFIGS if sm90 else SM80_CONFIGS)[mode], **(config or {}))
     cfg["BH"] = min(cfg["BH"], triton.next_power_of_2(H))
     if mode == "csa":
         cfg["BQ"], cfg["BH"] = 1, max(cfg["BH"], 16)
@@ -228,7 +279,7 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
     """attention.sparse_attention's arguments and result: q [T, H, D], kv [T, D] the chunks'
     own rows, pos/seq/start [T] (seq=None: one token per sequence), slots [NS], tables
     [NS, nblk], sel [T, k] -> o [T, H, D] FP32. split is accepted and ignored (no split-KV:
-    prefill has queries enough); config overrides PREFILL_CONFIGS[mode]."""
+    prefill has queries enough); config overrides keys of prefill_config's tiles."""
     if q.dim() != 3 or kv.shape != (q.shape[0], q.shape[2]) or pos.shape != (q.shape[0],):
         raise ValueError(f"sparse_attention_prefill: q [T, H, D], kv [T, D], pos [T]; got "
                          f"{list(q.shape)}, {list(kv.shape)}, {list(pos.shape)}")
@@ -269,7 +320,8 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
     o = torch.empty(T, H, D, dtype=torch.float32, device=dev)
     if T == 0:
         return o
-    cfg = prefill_config(mode, H, config)
+    sm90 = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+    cfg = prefill_config(mode, H, config, sm90)
     pos = pos.to(dev, torch.int32).contiguous()
     if seq is None:                                    # decode rows: each its own chunk
         seq = torch.arange(T, dtype=torch.int32, device=dev)
@@ -289,5 +341,6 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
         W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D,
         DP=triton.next_power_of_2(D), BQ=cfg["BQ"], BH=cfg["BH"], BN=cfg["BN"],
         F32=_interpreted(), EXACT=q.dtype == torch.float32, DT=_TL[q.dtype],
+        JOIN=bool(cfg["JOIN"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o

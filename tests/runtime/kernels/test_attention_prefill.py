@@ -102,12 +102,13 @@ def rel(a, b):
 @pytest.mark.parametrize("mode,ratio", [("window", 0), ("hca", 4), ("csa", 4)])
 @pytest.mark.parametrize("int8", [False, True])
 def test_prefill_attention_sweep(pre, mode, ratio, int8):
-    """Every mode and pool storage, two tilings: BQ 4 (3 blocks in the 11-token chunk) and the
-    per-mode default (csa: one query per block, all heads)."""
+    """Every mode and pool storage, two tilings: BQ 4 (3 blocks in the 11-token chunk) with p·V
+    as two dots (sm_80) and the sm_90 default with the joined [hi|lo] dot (csa: one query per
+    block)."""
     c = case(10 + ratio + int8, mode, int8, ratio=max(ratio, 4))
     with one_thread():
         want = ref.sparse_attention_ref(**c)
-        for cfg in (dict(BQ=4, BH=8, BN=16), None):
+        for cfg in (dict(BQ=4, BH=8, BN=16, JOIN=False), pre.PREFILL_CONFIGS[mode]):
             got = pre.sparse_attention_prefill(**c, config=cfg)
             assert got.shape == want.shape and got.dtype == torch.float32
             assert rel(got, want) < TOL, (mode, int8, cfg)
