@@ -101,8 +101,11 @@ def convert(src: str, dst: str, tp: str, linears: str, experts: str, force: bool
                    "index overflows and block-table or entry off-by-ones show.")
 @click.option("--chunk", type=int, default=256, show_default=True,
               help="Prefill chunk on the paged pools (tokens per forward).")
+@click.option("--reference-device", default="cpu", show_default=True,
+              help="Where the independent reference runs (cpu or cuda). Its indexer and "
+                   "attention are quadratic in length: use cuda for --long-context 65536.")
 def verify(original, converted, tp, prompts_file, max_positions, activations, device, json_out,
-           kv_cache_dtype, kernels, long_context, chunk) -> None:
+           kv_cache_dtype, kernels, long_context, chunk, reference_device) -> None:
     """Logit parity: runtime on CONVERTED vs the independent reference on ORIGINAL.
 
     Prints a weight table (every tensor dequantized vs the original), per-layer hidden-state
@@ -122,7 +125,8 @@ def verify(original, converted, tp, prompts_file, max_positions, activations, de
         report = run_verify(original, converted, tp=tp, prompts=prompts, max_positions=max_positions,
                             activations=activations, device=device, json_out=json_out,
                             kv_cache_dtype=kv_cache_dtype, kernels=kernels,
-                            long_context=long_context, chunk=chunk)
+                            long_context=long_context, chunk=chunk,
+                            reference_device=reference_device)
     except (ValueError, *_user_errors()) as e:
         _fail(e)
     sys.exit(0 if report["ok"] else 1)

@@ -87,7 +87,7 @@ for s in "${steps[@]}"; do
             V='$PY -m backfit.cli verify $d/orig $d/conv --device cuda --kernels triton --activations bfloat16'
             st=0
             for a in '' '--chunk 1 --max-positions 256' '--kv-cache-dtype int8' \
-                     '--long-context ${LONG:-65536} --chunk 2048'; do
+                     '--long-context ${LONG:-65536} --chunk 2048 --reference-device cuda'; do
                 echo \"-- verify \$a\"
                 \$V \$a > $d/v.log 2>&1; s=\$?; [ \$s -eq 0 ] || st=1
                 tail -n 12 $d/v.log; echo \"exit \$s\"

@@ -93,12 +93,14 @@ def _runtime_pass(converted: str, seqs: list[list[int]], dtype: str, device: str
     return {"logits": torch.cat(logits), "hidden": [torch.cat(c) for c in captured]}
 
 
-def _reference_pass(original: Path, seqs: list[list[int]], dtype: torch.dtype) -> dict:
+def _reference_pass(original: Path, seqs: list[list[int]], dtype: torch.dtype,
+                    device: str = "cpu") -> dict:
+    """The reference's logits and per-layer hidden states of seqs, returned on the CPU."""
     from backfit.verify.reference import Reference
-    ref = Reference(original, dtype=dtype)
-    outs = [ref.forward(torch.tensor(s), capture=True) for s in seqs]
-    return {"logits": torch.cat([o["logits"].float() for o in outs]),
-            "hidden": [torch.cat([o["hidden"][i].float() for o in outs])
+    ref = Reference(original, dtype=dtype, device=device)
+    outs = [ref.forward(torch.tensor(s, device=device), capture=True) for s in seqs]
+    return {"logits": torch.cat([o["logits"].float().cpu() for o in outs]),
+            "hidden": [torch.cat([o["hidden"][i].float().cpu() for o in outs])
                        for i in range(len(outs[0]["hidden"]))]}
 
 
@@ -141,13 +143,15 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
            prompts: list[str] | None = None, max_positions: int = 512,
            activations: str = "float32", device: str = "cpu", json_out: str | Path | None = None,
            out=sys.stdout, kv_cache_dtype: str | None = None, kernels: str | None = None,
-           long_context: int | None = None, chunk: int = 256) -> dict:
+           long_context: int | None = None, chunk: int = 256,
+           reference_device: str = "cpu") -> dict:
     """Run all checks, print the tables, return the report (report['ok'] says pass/fail).
 
     kv_cache_dtype / kernels / long_context run the runtime on the engine's paged pools (in
     prefill chunks of `chunk` tokens) instead of one full forward: int8 KV is lossy, so it is
     judged as a conversion; long_context=N checks ONE sequence of N tokens (the prompts cycled),
-    where index overflows, wrong block tables and entry off-by-ones show."""
+    where index overflows, wrong block tables and entry off-by-ones show. reference_device:
+    where the reference runs (its code and weights stay independent of the runtime's)."""
     from backfit.runtime.launch import run_on_ranks
 
     original, converted = Path(original), Path(converted)
@@ -172,7 +176,7 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
                  kv_cache_dtype, "kernels": kernels, "chunk": chunk}
         print(f"runtime on paged pools: kv cache {paged['kv_cache_dtype']}, kernels "
               f"{kernels or 'torch'}, prefill chunks of {chunk}", file=out)
-    ref = _reference_pass(original, seqs, torch.float32)
+    ref = _reference_pass(original, seqs, torch.float32, reference_device)
     got = run_on_ranks(_runtime_pass, tp, (str(converted), seqs, activations, device, paged),
                        device)
     lossless = manifest["schemes"]["linears"] == manifest["schemes"]["experts"] == "bf16" \
@@ -180,7 +184,7 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
     kind = "precision" if activations == "bfloat16" else ("semantics" if lossless else "conversion")
     floor, floor_rel = None, None
     if kind == "precision":
-        ref16 = _reference_pass(original, seqs, torch.bfloat16)
+        ref16 = _reference_pass(original, seqs, torch.bfloat16, reference_device)
         floor = logit_metrics(ref16["logits"], ref["logits"])
         floor_rel = [tensor_metrics(h, r)["rel"] for h, r in zip(ref16["hidden"], ref["hidden"])]
     rows = [(f"layer {i}", tensor_metrics(g, r)) for i, (g, r) in enumerate(zip(got["hidden"], ref["hidden"]))]
@@ -191,7 +195,7 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
             m["floor_rel"] = f
     lm = logit_metrics(got["logits"], ref["logits"])
     print(f"\nhidden states ({sum(map(len, seqs))} positions, {len(seqs)} sequences, "
-          f"activations {activations}, tp={tp}):", file=out)
+          f"activations {activations}, tp={tp}, reference on {reference_device}):", file=out)
     print(format_table(rows, ["max_abs", "rel", "cos", "rel_limit"] + (["floor_rel"] if floor_rel else [])),
           file=out)
     print("\nlogits:", file=out)
@@ -202,7 +206,7 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
              "logits": _judge(kind, lm, floor)}
     problems = [p for g in gates.values() for p in g]
     report = {"check": kind, "activations": activations, "tp": tp, "positions": sum(map(len, seqs)),
-              "paged": paged, "long_context": long_context,
+              "paged": paged, "long_context": long_context, "reference_device": reference_device,
               "weights": {k: {"tensors": len(v), "rel_max": max(v)} for k, v in by_scheme.items()},
               "hidden": [{"layer": i, **m} for i, (_, m) in enumerate(rows)], "logits": lm,
               "floor": floor, "thresholds": THRESHOLDS[kind], "gates": gates, "problems": problems,
