@@ -71,7 +71,7 @@ def _step(q, k, v, ok, m_i, l_i, acc, scale, F32: tl.constexpr, EXACT: tl.conste
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
     if EXACT:                                  # FP32 act dtype: no rounding anywhere
-        acc = tl.dot(p, k, acc, input_precision="ieee")
+        acc = tl.dot(p, v, acc, input_precision="ieee")
     else:
         hi = p.to(DT)                          # p = hi + lo (~16 bits), both exact in FP32
         lo = (p - hi.to(tl.float32)).to(DT)
@@ -131,12 +131,14 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
                     W: tl.constexpr, RATIO: tl.constexpr, PB: tl.constexpr, MODE: tl.constexpr,
                     INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
                     BH: tl.constexpr, BN: tl.constexpr, F32: tl.constexpr, EXACT: tl.constexpr,
-                    DT: tl.constexpr, JOIN: tl.constexpr):
-    """Program (block i, head block hb): rows r = (query t0 + r // BH, head hb·BH + r % BH)."""
+                    DT: tl.constexpr, JOIN: tl.constexpr, DV: tl.constexpr):
+    """Program (block i, head block hb, column block dc): rows r = (query t0 + r // BH, head
+    hb·BH + r % BH), output columns dc·DV .. +DV (DV < DP: the scores are recomputed per block
+    of columns, for a [M, DV] accumulator)."""
     M: tl.constexpr = BQ * BH
     if MODE == 2:
         tl.static_assert(BQ == 1, "csa: one query per block (per-query selections)")
-    i, hb = tl.program_id(0), tl.program_id(1)
+    i, hb, dc = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0 = tl.load(BLOCKS + i)                                           # -1: spare program
     live = t0 >= 0
     qq = tl.arange(0, BQ)                                              # rows of one chunk
@@ -156,6 +158,8 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
     p_r = p0 + qi                                                      # positions of the rows
     dd = tl.arange(0, DP)
     d_ok = dd < D
+    dv = dc * DV + tl.arange(0, DV)                                    # output columns
+    dv_ok = dv < D
     trow = (t0 + qi).to(tl.int64) * H + hh                             # row of q/o [T·H]
     q = tl.load(Q + trow[:, None] * D + dd[None, :], mask=row_ok[:, None] & d_ok[None, :],
                 other=0.0)                                             # [M, DP]
@@ -163,7 +167,7 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
         q = q.to(tl.float32)
     m_i = tl.full((M,), -1e30, tl.float32)
     l_i = tl.zeros((M,), tl.float32)
-    acc = tl.zeros((M, DP), tl.float32)
+    acc = tl.zeros((M, DV), tl.float32)
     rn = tl.arange(0, BN)
     sqi = sq0.to(tl.int64)
     slot = tl.load(SLOTS + sqi).to(tl.int64)
@@ -177,8 +181,10 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
         k_ok = kp < k_end
         k = _ring_tile(RING, RSC, slot, R, kp, k_ok, dd, d_ok, D, INT8, F32, DT)
         if JOIN:
-            v = _ring_tile(RING, RSC, slot, R, k0 + rn2, k0 + rn2 < k_end, dd, d_ok, D, INT8,
+            v = _ring_tile(RING, RSC, slot, R, k0 + rn2, k0 + rn2 < k_end, dv, dv_ok, D, INT8,
                            F32, DT)
+        elif DV < DP:
+            v = _ring_tile(RING, RSC, slot, R, kp, k_ok, dv, dv_ok, D, INT8, F32, DT)
         else:
             v = k
         ok = (kp[None, :] <= p_r[:, None]) & (kp[None, :] > p_r[:, None] - W) & k_ok[None, :]
@@ -189,7 +195,9 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
         k_ok = kp <= p_last
         k = _kv_tile(KV, row0 + kp, k_ok, dd, d_ok, D, F32, DT)
         if JOIN:
-            v = _kv_tile(KV, row0 + k0 + rn2, k0 + rn2 <= p_last, dd, d_ok, D, F32, DT)
+            v = _kv_tile(KV, row0 + k0 + rn2, k0 + rn2 <= p_last, dv, dv_ok, D, F32, DT)
+        elif DV < DP:
+            v = _kv_tile(KV, row0 + kp, k_ok, dv, dv_ok, D, F32, DT)
         else:
             v = k
         ok = (kp[None, :] <= p_r[:, None]) & (kp[None, :] > p_r[:, None] - W) & k_ok[None, :]
@@ -203,8 +211,11 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
             k = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, c, c_ok, dd, d_ok, PB, D, INT8,
                             F32, DT)
             if JOIN:
-                v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, c0 + rn2, c0 + rn2 < n_c, dd,
-                                d_ok, PB, D, INT8, F32, DT)
+                v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, c0 + rn2, c0 + rn2 < n_c, dv,
+                                dv_ok, PB, D, INT8, F32, DT)
+            elif DV < DP:
+                v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, c, c_ok, dv, dv_ok, PB, D,
+                                INT8, F32, DT)
             else:
                 v = k
             ok = (c[None, :] < n_r[:, None]) & c_ok[None, :]
@@ -219,8 +230,11 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
                                 INT8, F32, DT)
                 if JOIN:
                     j2 = tl.load(sel + c0 + rn2, mask=c0 + rn2 < n_sel, other=-1)
-                    v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j2, j2 >= 0, dd, d_ok, PB,
-                                    D, INT8, F32, DT)
+                    v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j2, j2 >= 0, dv, dv_ok,
+                                    PB, D, INT8, F32, DT)
+                elif DV < DP:
+                    v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j, c_ok, dv, dv_ok, PB, D,
+                                    INT8, F32, DT)
                 else:
                     v = k
                 ok = (r[:, None] >= 0) & c_ok[None, :]
@@ -229,7 +243,7 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
     Mx = tl.maximum(m_i, sink)
     a = tl.exp(m_i - Mx)
     o = acc * a[:, None] / (l_i * a + tl.exp(sink - Mx))[:, None]
-    tl.store(O + trow[:, None] * D + dd[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(O + trow[:, None] * D + dv[None, :], o, mask=row_ok[:, None] & dv_ok[None, :])
 
 
 def _interpreted() -> bool:
@@ -246,8 +260,10 @@ def prefill_config(mode: str, H: int, config: dict | None = None, sm90: bool = T
         cfg["BQ"], cfg["BH"] = 1, max(cfg["BH"], 16)
     while cfg["BQ"] * cfg["BH"] < 16:
         cfg["BQ"] *= 2
-    for k in ("BQ", "BH", "BN"):
-        if cfg[k] < 1 or cfg[k] & (cfg[k] - 1) or (k == "BN" and cfg[k] < 16):
+    for k in ("BQ", "BH", "BN", "DV"):
+        if k not in cfg:
+            continue
+        if cfg[k] < 1 or cfg[k] & (cfg[k] - 1) or (k in ("BN", "DV") and cfg[k] < 16):
             raise ValueError(f"sparse_attention_prefill: {k}={cfg[k]}: a power of 2 (BN >= 16)")
     return cfg
 
@@ -331,7 +347,9 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
     blocks = prefill_blocks(pos, start, cfg["BQ"], n_blk)
     slots = slots.to(dev, torch.int32).contiguous()
     dummy = ring_scale if int8 else sink
-    _prefill_kernel[(n_blk, triton.cdiv(H, cfg["BH"]))](
+    DP = triton.next_power_of_2(D)
+    DV = min(cfg.get("DV", DP), DP)
+    _prefill_kernel[(n_blk, triton.cdiv(H, cfg["BH"]), DP // DV)](
         q.contiguous(), kv.contiguous(), ring, dummy, slots, pos,
         entries if entries is not None else ring,
         entry_scale if int8 and entries is not None else dummy,
@@ -339,8 +357,8 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
         sink.float().contiguous(), seq, start, blocks, o, T, H, ring.shape[1],
         tables.shape[1] if tables is not None else 0, n_sel, D ** -0.5,
         W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D,
-        DP=triton.next_power_of_2(D), BQ=cfg["BQ"], BH=cfg["BH"], BN=cfg["BN"],
+        DP=DP, BQ=cfg["BQ"], BH=cfg["BH"], BN=cfg["BN"],
         F32=_interpreted(), EXACT=q.dtype == torch.float32, DT=_TL[q.dtype],
-        JOIN=bool(cfg["JOIN"]),
+        JOIN=bool(cfg["JOIN"]), DV=DV,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o

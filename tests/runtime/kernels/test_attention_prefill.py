@@ -102,13 +102,13 @@ def rel(a, b):
 @pytest.mark.parametrize("mode,ratio", [("window", 0), ("hca", 4), ("csa", 4)])
 @pytest.mark.parametrize("int8", [False, True])
 def test_prefill_attention_sweep(pre, mode, ratio, int8):
-    """Every mode and pool storage, two tilings: BQ 4 (3 blocks in the 11-token chunk) with p·V
-    as two dots (sm_80) and the sm_90 default with the joined [hi|lo] dot (csa: one query per
-    block)."""
+    """Every mode and pool storage, two tilings: BQ 4 (3 blocks in the 11-token chunk) with
+    two 32-column output blocks (scores per block), p·V as two dots (sm_80; int8: the joined
+    [hi|lo] dot), and the sm_90 default (csa: one query per block)."""
     c = case(10 + ratio + int8, mode, int8, ratio=max(ratio, 4))
     with one_thread():
         want = ref.sparse_attention_ref(**c)
-        for cfg in (dict(BQ=4, BH=8, BN=16, JOIN=False), pre.PREFILL_CONFIGS[mode]):
+        for cfg in (dict(BQ=4, BH=8, BN=16, JOIN=int8, DV=32), pre.PREFILL_CONFIGS[mode]):
             got = pre.sparse_attention_prefill(**c, config=cfg)
             assert got.shape == want.shape and got.dtype == torch.float32
             assert rel(got, want) < TOL, (mode, int8, cfg)
@@ -116,12 +116,12 @@ def test_prefill_attention_sweep(pre, mode, ratio, int8):
 
 def test_blocks_of_every_size_and_padded_heads_fp32(pre):
     """HCA ratio 8 in FP32 (ieee dots), H 20 over 16-head blocks, D 80 padded to 128; BQ 1, 2, 8
-    (8 > most chunks: blocks end at the chunk, not at BQ)."""
+    (8 > most chunks: blocks end at the chunk, not at BQ), one with 64-column output blocks."""
     c = case(3, "hca", False, ratio=8, H=20, D=80, dtype=torch.float32)
     with one_thread():
         want = ref.sparse_attention_ref(**c)
-        for bq in (1, 2, 8):
-            got = pre.sparse_attention_prefill(**c, config=dict(BQ=bq, BH=16, BN=16))
+        for bq, dv in ((1, 128), (2, 64), (8, 128)):                 # D 80: DV 64 -> 2 blocks
+            got = pre.sparse_attention_prefill(**c, config=dict(BQ=bq, BH=16, BN=16, DV=dv))
             assert rel(got, want) < 1e-5, bq
 
 
