@@ -15,7 +15,8 @@ Numerics as attention._decode_kernel: FP32 scores (q·k)·D^-0.5 (BF16 mma of BF
 products), p·V with p split into two BF16 halves, online softmax with the sink only in the
 denominator, int8 pools dequantized as _Store.get (q·scale in FP32, rounded to the act dtype).
 The blocks (first row of each) are built on the device from pos - start (no host sync); the grid
-is an upper bound from shapes, spare programs store nothing.
+is an upper bound from shapes, spare programs store nothing. Tiles per arch: PREFILL_CONFIGS
+(sm_90+) and SM80_CONFIGS, a config= argument overrides them (the sweep).
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ __all__ = ["PREFILL_CONFIGS", "SM80_CONFIGS", "prefill_blocks", "prefill_config"
 
 MODES = {"window": 0, "hca": 1, "csa": 2}
 # Tiles per mode: M = BQ·BH rows per program, BN keys per tile; JOIN: p·V as one dot over
-# [hi|lo] (sm_90, see _step). The [M, 512] FP32 accumulator is the register budget: M = 32 with
-# 4 warps (128 a thread) or 8 warps compiles without spills; M = 64 spilled in every variant.
-# sm_90 and later (H200): the winners of scripts/bench_attention_prefill.py.
+# [hi|lo] (sm_90, see _step); DV (default all D): output columns per program. The [M, DV] FP32
+# accumulator is the register budget (sm_90, cuobjdump -res-usage): M = 32 with BN 16 on 4 warps
+# or with 8 warps has no spills, M = 64 only with DV 256 and BN 16, or DV 128.
+# sm_90 and later (H200): the best of the first H200 sweep (scripts/bench_attention_prefill.py,
+# 2048-token chunk at 0 / 6144, µs vs sparse_attention): window 807 / 823 vs 1015 / 983, HCA
+# 909 / 1399 vs 988 / 1373, CSA 1880 / 2277 vs 3661 / 3655.
 PREFILL_CONFIGS = {
     "window": dict(BQ=2, BH=16, BN=32, num_warps=4, num_stages=2, JOIN=True),
     "hca": dict(BQ=2, BH=16, BN=32, num_warps=4, num_stages=2, JOIN=True),
