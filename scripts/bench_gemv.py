@@ -103,20 +103,21 @@ def bench_shape(name: str, N: int, K: int, kind: str, Ms, cands, bw: float, rows
 
 
 def winners(rows: list) -> list:
-    """Best gemv variant per (shape, M) -> GEMV_TABLE entries. A timed M covers the untimed M
-    below it down to the previous timed one (M = 3 pads like 4); equal neighbours are merged."""
+    """Best variant per (shape, M) -> GEMV_TABLE entries where a gemv config beats a16 (else no
+    entry: the a16 path stays). A timed M covers the untimed M below it down to the previous
+    timed one (M = 3 pads like 4); equal neighbours are merged."""
     best: dict = {}
     for r in rows:
-        if r["config"] is None:
-            continue
         key = (r["kind"], r["N"], r["K"], r["M"])
         if key not in best or r["us"] < best[key]["us"]:
             best[key] = r
-    table = []
+    table, prev = [], {}
     for (kind, N, K, M), r in sorted(best.items()):
+        lo, prev[(kind, N, K)] = prev.get((kind, N, K), 0) + 1, M
+        if r["config"] is None:                                      # a16 was fastest
+            continue
         last = table[-1] if table else None
-        same = last is not None and last[:3] == (kind, (N, N), (K, K))
-        lo = last[3][1] + 1 if same else 1
+        same = last is not None and last[:3] == (kind, (N, N), (K, K)) and last[3][1] == lo - 1
         if same and last[4] == r["config"]:
             table[-1] = (kind, (N, N), (K, K), (last[3][0], M), r["config"])
         else:
@@ -148,7 +149,7 @@ def main() -> None:
         at = [r for r in rows if r["N"] == e[1][0] and r["K"] == e[2][0] and r["kind"] == e[0]
               and e[3][0] <= r["M"] <= e[3][1]]
         note = "  ".join(
-            f"M={m}: {min(r['us'] for r in at if r['M'] == m and r['config']):.2f} vs a16 "
+            f"M={m}: {min(r['us'] for r in at if r['M'] == m):.2f} vs a16 "
             f"{next(r['us'] for r in at if r['M'] == m and not r['config']):.2f}"
             for m in sorted({r["M"] for r in at}))
         print(f"    {e!r},  # {note} us")

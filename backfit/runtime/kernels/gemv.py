@@ -29,15 +29,16 @@ import triton.language as tl
 
 from backfit.formats import INT8_GROUP
 
-__all__ = ["GEMV_CANDIDATES", "GEMV_MAX_M", "GEMV_TABLE", "gemv", "gemv_config", "gemv_interpreted"]
+__all__ = ["GEMV_CANDIDATES", "GEMV_MAX_M", "GEMV_TABLE", "gemv", "gemv_config", "gemv_interpreted",
+           "gemv_lookup"]
 
 GEMV_MAX_M = 8                 # rows handled in one program (M <= 8: decode at small batch)
 _MAGIC_I = tl.constexpr(0x4B400000)            # bits of 1.5·2^23
 _MAGIC_F = tl.constexpr(12582912.0)            # 1.5·2^23
 
-# Winners of scripts/bench_gemv.py on the H200, by (kind, N range, K range, M range) -> config;
-# first match wins, no match -> gemv_config's default. kind "int8" (int8_g128) or "bf16".
-# Bounds are inclusive. Filled in from the GPU sweep (empty: every shape takes the default).
+# Winners of scripts/bench_gemv.py on the H200 that beat the a16 path, by (kind, N range, K range,
+# M range) -> config; first match wins (gemv_lookup); no match -> gemv_config's default. kind
+# "int8" (int8_g128) or "bf16". Bounds inclusive. Filled in from the GPU sweep (empty until then).
 GEMV_TABLE: list[tuple[str, tuple[int, int], tuple[int, int], tuple[int, int], dict]] = []
 
 # What bench_gemv.py sweeps and test_sm80_gemv.py compiles, by kind. cuda: BN·BK weights per K
@@ -238,16 +239,23 @@ def gemv_interpreted() -> bool:
     return not isinstance(_gemv_kernel, triton.runtime.jit.JITFunction)
 
 
-def gemv_config(M: int, N: int, K: int, quant: bool) -> dict:
-    """Launch config for an [M, K] x [N, K]^T GEMV: the first GEMV_TABLE match, else the default
-    (cuda: one K step of up to 4096 int8 / 2048 bf16 elements, ~8K weights per program)."""
+def gemv_lookup(M: int, N: int, K: int, quant: bool) -> dict | None:
+    """The first GEMV_TABLE entry for this shape (a measured win over the a16 path), or None."""
     kind = "int8" if quant else "bf16"
     for k, (n0, n1), (k0, k1), (m0, m1), cfg in GEMV_TABLE:
         if k == kind and n0 <= N <= n1 and k0 <= K <= k1 and m0 <= M <= m1:
             return dict(cfg)
-    bk = min(triton.next_power_of_2(max(K, 128)), 4096 if quant else 2048)
-    return dict(variant="cuda", BN=max(1, 8192 // bk), BK=bk, MAGIC=False, num_warps=4,
-                num_stages=1)
+    return None
+
+
+def gemv_config(M: int, N: int, K: int, quant: bool) -> dict:
+    """Launch config for an [M, K] x [N, K]^T GEMV: gemv_lookup's, else the default (fma: one
+    K step of up to 2048 elements per row, 1024 weights per program at M > 2)."""
+    cfg = gemv_lookup(M, N, K, quant)
+    if cfg is not None:
+        return cfg
+    bk = min(triton.next_power_of_2(max(K, 128)), 2048 if M <= 2 else 1024)
+    return dict(variant="fma", BN=1, BK=bk, MAGIC=quant, num_warps=4, num_stages=1)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scheme: str,

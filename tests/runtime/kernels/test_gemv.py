@@ -122,7 +122,9 @@ def test_table_lookup_first_match(gv, monkeypatch):
         ("int8", (1, 2048), (1, 8192), (1, 8), dict(BN=4, BK=512, MAGIC=False, num_warps=4))])
     assert gv.gemv_config(1, 1536, 4096, True)["variant"] == "dot"
     assert gv.gemv_config(4, 1536, 4096, True)["BN"] == 4
-    got = gv.gemv_config(1, 4096, 4096, True)                       # N out of range: default
+    assert gv.gemv_lookup(1, 4096, 4096, True) is None                 # N out of range
+    assert gv.gemv_lookup(1, 1536, 4096, False) is None                # other kind
+    got = gv.gemv_config(1, 4096, 4096, True)                          # -> the default
     monkeypatch.setattr(gv, "GEMV_TABLE", [])
     assert got == gv.gemv_config(1, 4096, 4096, True)
 
