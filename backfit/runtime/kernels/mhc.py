@@ -283,8 +283,9 @@ def tile_config(T: int, K: int, sms: int) -> dict:
     """Launch config of the tiled prefill path: partials BT tokens x BK per step (bf16 mma x 3),
     K split for ~2 programs per SM but >= 8 BK steps a split (the collapse sums the splits in
     a loop); collapse BTU tokens a program, BD per step. H200 sweep (scripts/bench_mhc.py),
-    hc_pre / hc_head: T 8192 192 / 173 us at split 4 (5 here), 214 / 194 at 9; T 1024 35 / 28
-    us at 32 (as here), 73 / 62 at 4; FP32 FMA dots (MMA3 False) 1524 / 909 us at T 8192."""
+    hc_pre / hc_head, two runs (+-10 us): T 8192 192-216 / 173-208 us at split 4-5 (5 here),
+    198 / 173 at 8; T 1024 35 / 27 us at 32 (as here), 91 / 76 at 3; FP32 FMA dots (MMA3
+    False) 1524-1642 / 909-974 us at T 8192; today's path 2507 / 2240 us."""
     BT, BK = 128, 64
     split = max(1, min(triton.cdiv(K, BK) // 8, triton.cdiv(2 * sms, triton.cdiv(T, BT))))
     return dict(BT=BT, BK=BK, split=split, warps=8, MMA3=True, BTU=2, BD=1024, warps_u=4)
