@@ -253,23 +253,24 @@ _TILES = dict(
               (16, 512, 4, 2)),
     group=((16, 512, 4, 2), (8, 512, 4, 2), (32, 512, 8, 2), (16, 1024, 8, 2)))
 _MX4_TILES = dict(                                 # BK counts inputs (BK/2 bytes a row)
-    base=((16, 1024, 4, 2), (8, 1024, 4, 2), (32, 512, 4, 2), (32, 1024, 8, 2), (64, 512, 8, 2),
-          (16, 2048, 8, 2), (16, 512, 4, 3), (32, 1024, 4, 2), (8, 2048, 4, 2), (64, 256, 4, 2)),
-    prefetch=((16, 1024, 4, 2), (8, 1024, 4, 2), (16, 512, 4, 2), (32, 512, 8, 2),
-              (16, 1024, 8, 2)),
-    # issue 10's packed decode: mma (tensor cores; BK 512 = 16 groups = the 16 MMA rows; one
-    # warp per 16 rows so the warps do not repeat the MMA; BN 64 or BK 1024 pass sm_80's 99 KB)
-    # and word (CUDA cores, int32 words)
-    mma=((16, 512, 1, 2), (32, 512, 2, 2), (16, 512, 2, 2), (16, 512, 1, 3), (32, 512, 1, 2),
-         (16, 256, 1, 2), (16, 256, 1, 3)),
-    word=((16, 1024, 4, 2), (8, 1024, 4, 2), (16, 512, 4, 2), (32, 512, 4, 2)))
+    # base / prefetch: the shipped tile and the 2026-12-01 sweep's best gate/up and down tiles
+    base=((16, 1024, 4, 2), (8, 1024, 4, 2), (16, 512, 4, 3)),
+    prefetch=((8, 1024, 4, 2),),
+    # issue 10's packed decode: mma (tensor cores; BK 512 = 16 groups = the 16 MMA rows, BK
+    # 1024 = 32 rows for 2 x 2 warps; warps split N, so BN = 16 x warps does not repeat the MMA;
+    # every tile fits sm_80's 99 KB) and word (CUDA cores, int32 words). H200, commit 213e741:
+    # mma BN 32 BK 512 w2 s2 57.4 us at M = 1 (int8 60.4 in the same run), word BN 16 BK 1024
+    # w4 s2 63.5 (gate/up 38.0 alone, the best), base 79.4
+    mma=((32, 512, 2, 2), (32, 512, 2, 3), (32, 256, 2, 3), (64, 512, 4, 2), (64, 256, 4, 3),
+         (32, 1024, 4, 2), (16, 256, 1, 3), (16, 512, 1, 3)),
+    word=((16, 1024, 4, 2), (16, 1024, 8, 2), (16, 2048, 8, 2), (16, 512, 4, 2)))
 
 
 ERR_OK = 1e-2                 # rel err vs the torch path above which a config is not a candidate
 
 
 def decode_grid(scheme: str) -> list[dict]:
-    """int8_mx32: 26 configs over moe.DECODE_VARIANTS; mx4_e2m1: 26 over moe_mx4's (the
+    """int8_mx32: 26 configs over moe.DECODE_VARIANTS; mx4_e2m1: 16 over moe_mx4's (the
     shipped tile, then mma, word, prefetch, the rest of base: a spent budget skips the last)."""
     if scheme == "mx4_e2m1":
         assert set(_MX4_TILES) == set(moe_mx4.DECODE_VARIANTS), moe_mx4.DECODE_VARIANTS

@@ -17,6 +17,11 @@ A K tile of BK inputs is BK/2 bytes: the activations are split into even / odd c
           weight first (for |x| < 2^65 and |w·x| >= 2^-63).
   sorted  lo and hi values times 2^126 and 2^(e-127) to BF16 tiles [BN, BK/2], two BF16 tl.dot
           per K tile.
+Decode variants (config "variant", DECODE_TABLE): base, prefetch (byte tiles as above); word
+(int32 words, a nibble to FP32 in 3 integer ops) and mma (two BF16 weights per int32 in 13 ops
+per 8, BF16 tensor cores with each 32-group in its own MMA row, so the 2^(e-127) scale is one
+FP32 multiply per group and row; the E = 0 codes ±0.5 enter the MMA as BF16 subnormals, which
+the H200 keeps: test_decode_variants_exact_and_match passed there, 2026-12-01).
 """
 
 from __future__ import annotations
@@ -161,10 +166,11 @@ def _mx4_gemv_prefetch_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED
     tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
 
 
-# Packed-word decode (variants "word", "mma"; bench_kernels.py --moe-decode-sweep ranks them):
-# the codes are read as int32 words, 8 nibbles each (nibble i, bits 4i..4i+3 = element 8j + i
-# of word j, little endian), so no byte is extracted, and each value is put in place by shifts
-# and masks of the word (ptxas merges the two masked terms into one LOP3).
+# Packed-word decode (issue 10; variants "word", "mma"; bench_kernels.py --moe-decode-sweep
+# ranks them): the codes are read as int32 words, 8 nibbles each (nibble i, bits 4i..4i+3 =
+# element 8j + i of word j, little endian), so no byte is extracted, and each value is put in
+# place by shifts, masks and multiplies of the whole word (sm_90 SASS, hot loop: base 5.9
+# instructions a weight, word 4.7, mma 2.9 at BN 32).
 _SIGN16 = tl.constexpr(-0x7FFF8000)           # 0x80008000: the sign of both BF16 lanes
 _MAG16 = tl.constexpr(0x01C001C0)             # BF16 bits 8, 7, 6 of both lanes
 _SIGN_MAN16 = tl.constexpr(-0x7E3F7E40)       # 0x81C081C0: both
@@ -297,9 +303,9 @@ def _mma_rows(x, R: tl.constexpr, BK: tl.constexpr):
     """x [BK] bf16 (natural order) -> per nibble pair q, x·2^63 on _pair_b's columns (inputs
     8j + q + 4h) of group r's row r, else 0: four BF16 [R, BK/4] (exact)."""
     x = tl.reshape(x.to(tl.float32) * _TWO63, (BK // 8, 2, 2, 2))   # [j, h, q // 2, q % 2]
-    x01, x23 = tl.split(x)                                          # q % 2 = 0, 1 ...
-    x0, x2 = tl.split(x01)
-    x1, x3 = tl.split(x23)
+    xe, xo = tl.split(x)                                            # q even, q odd
+    x0, x2 = tl.split(xe)
+    x1, x3 = tl.split(xo)
     return _diag(x0, R, BK), _diag(x1, R, BK), _diag(x2, R, BK), _diag(x3, R, BK)
 
 
@@ -407,7 +413,11 @@ def _mx4_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
 # Decode: DECODE_TABLE rows (max pairs, config) as kernels.moe's (the table printed by
 # `bench_kernels.py --moe-decode-sweep` for mx4_e2m1 is pasted here); variants "base"
 # (_mx4_gemv_kernel: its tiles are already [BN, BK/32, 16] groups) and "prefetch".
-# best of the H200 sweep (2026-12-01, commit 16bc670): M=1 69.8 us (gate/up and down apart)
+# best of the H200 sweep (2026-12-01, commit 16bc670): M=1 69.8 us (gate/up and down apart).
+# H200 sweep at commit 213e741 (word, mma added; int8's best 60.4 us in the same run): M=1
+# fused best mma BN32 BK512 w2 s2 57.4 us (M=2/4/8 101.5/163.3/312.2 vs int8 106.4/191.7/365.0);
+# split M<=2 word BN16 BK1024 w4 s2 gate/up + mma BN32 BK512 w2 s2 down 56.1 us. Not the default
+# yet: the lead switches it after re-running the sweep.
 DECODE_TABLE = ((6, dict(variant="base", BN=8, BK=1024, num_warps=4, num_stages=2,
                          down=dict(variant="base", BN=16, BK=512, num_warps=4, num_stages=3))),
                 (DECODE_PAIRS, dict(variant="base", BN=16, BK=512, num_warps=4, num_stages=3,

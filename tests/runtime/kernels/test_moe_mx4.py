@@ -176,8 +176,8 @@ def test_decode_variants_exact_and_match(kmx4, variant):
     assert rel(y, y_want) < TOL
 
 
-@pytest.mark.parametrize("variant,tile", [("word", (16, 512, 4, 2)), ("mma", (16, 512, 1, 2)),
-                                          ("mma", (32, 1024, 2, 2))])
+@pytest.mark.parametrize("variant,tile", [("word", (16, 512, 4, 2)), ("mma", (32, 512, 2, 2)),
+                                          ("mma", (32, 1024, 4, 2))])
 def test_packed_decode_variants_fused_t1_to_3(kmx4, variant, tile):
     """The packed-word variants (issue 10) through the fused MoE at T = 1..3 against the torch
     math: gate/up K = D = 512 (the mma's 16 rows = 16 groups; a BK of 1024 is fitted down to

@@ -52,16 +52,16 @@ def compile_all() -> list[dict]:
                                 opts, ("N", "K")))
     # decode variants (config "variant"): prefetch at the shipped tile, both variants at the
     # --moe-decode-sweep grid's most inputs per thread (BN 32 x BK 1024, 4 warps)
-    # packed-word variants (issue 10): word at the grid's most weights per thread, mma at one
-    # warp per 16 rows and at 2 warps x 32 rows (its largest shared tile, 64 KB), both projections
+    # packed-word variants (issue 10): word at the grid's most weights per thread, mma at the
+    # H200's best tile, at 32 rows x 2 x 2 warps (the grid's largest shared, 98 KB), and down
     for gated, k, var, tile in ((True, 4096, "prefetch", None), (False, 512, "prefetch", None),
                                 (True, 4096, "base", (32, 1024, 4, 2)),
                                 (True, 4096, "prefetch", (32, 1024, 4, 2)),
-                                (True, 4096, "word", (32, 512, 4, 2)),
+                                (True, 4096, "word", (16, 2048, 8, 2)),
                                 (False, 512, "word", (16, 1024, 4, 2)),
-                                (True, 4096, "mma", (16, 512, 1, 2)),
                                 (True, 4096, "mma", (32, 512, 2, 2)),
-                                (False, 512, "mma", (16, 512, 1, 3))):
+                                (True, 4096, "mma", (32, 1024, 4, 2)),
+                                (False, 512, "mma", (64, 256, 4, 3))):
         dc = dict(moe_mx4._decode_config(k), variant=var)
         if tile:
             dc.update(BN=tile[0], BK=tile[1], num_warps=tile[2], num_stages=tile[3])
