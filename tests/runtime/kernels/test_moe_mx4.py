@@ -176,13 +176,14 @@ def test_decode_variants_exact_and_match(kmx4, variant):
     assert rel(y, y_want) < TOL
 
 
-@pytest.mark.parametrize("variant,tile", [("word", (16, 512, 4, 2)), ("mma", (32, 512, 2, 2)),
-                                          ("mma", (32, 1024, 4, 2))])
-def test_packed_decode_variants_fused_t1_to_3(kmx4, variant, tile):
+@pytest.mark.parametrize("variant,tile,D", [("word", (16, 512, 4, 2), 512),
+                                            ("mma", (32, 512, 2, 2), 512),
+                                            ("mma", (32, 1024, 4, 2), 1024)])
+def test_packed_decode_variants_fused_t1_to_3(kmx4, variant, tile, D):
     """The packed-word variants (issue 10) through the fused MoE at T = 1..3 against the torch
-    math: gate/up K = D = 512 (the mma's 16 rows = 16 groups; a BK of 1024 is fitted down to
-    512), down K = I = 128 (BK fitted to 128: 4 of the 16 rows carry a group)."""
-    E, D, I, k = 6, 512, 128, 3
+    math: gate/up K = D (mma: 16 groups = its 16 rows at BK 512, 32 rows at BK 1024), down K = I
+    = 128 (BK fitted to 128: 4 of the 16 rows carry a group)."""
+    E, I, k = 6, 128, 3
     st, gen = experts(E, D, I, seed=41)
     bn, bk, nw, ns = tile
     cfg = dict(variant=variant, BN=bn, BK=bk, num_warps=nw, num_stages=ns)
