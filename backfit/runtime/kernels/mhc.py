@@ -42,11 +42,11 @@ from backfit.runtime.kernels.gemm import dot_bf16, interpreted
 __all__ = ["hc_pre", "hc_post", "hc_head", "MIX_TORCH_T", "MAX_SPLIT", "mix_split", "PREFILL",
            "tile_config"]
 
-MIX_TORCH_T = 64        # tokens from which the logits use the torch FP32 matmul (not tuned yet)
+MIX_TORCH_T = 64        # tokens from which the prefill path (PREFILL) replaces the split kernel
 _BK = 128               # flattened-K step of the partial kernel: [NP, 128] FP32 fn tile
 _BD = 256               # d block of the collapse / post kernels
 MAX_SPLIT = 256         # K splits at most (the collapse kernel gathers them as one [SP, .] tile)
-PREFILL = "torch"       # T >= MIX_TORCH_T: "torch" (FP32 matmul logits) or "tiled" (two kernels)
+PREFILL = "tiled"       # T >= MIX_TORCH_T: "torch" (FP32 matmul logits) or "tiled" (two kernels)
 
 
 @triton.jit
