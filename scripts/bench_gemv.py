@@ -64,10 +64,9 @@ def max_err(y: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def label(c: dict) -> str:
-    """cuda_BN4_BK2048_w4_magic / dot_BN16_SUB4_w4_s3"""
-    step = f"SUB{c['SUB']}" if c["variant"] == "dot" else f"BK{c['BK']}"
-    return (f"{c['variant']}_BN{c['BN']}_{step}_w{c['num_warps']}_s{c.get('num_stages', 1)}"
-            + ("_magic" if c.get("MAGIC") else ""))
+    """e.g. cuda_BN4_BK2048_w4_magic"""
+    return f"{c['variant']}_BN{c['BN']}_BK{c['BK']}_w{c['num_warps']}" + (
+        "_magic" if c.get("MAGIC") else "")
 
 
 def bench_shape(name: str, N: int, K: int, kind: str, Ms, cands, bw: float, rows: list) -> None:

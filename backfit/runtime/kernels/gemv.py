@@ -5,7 +5,7 @@ workspace and an atomic counter; at batch 1 its launches sit on a ~6-7 µs floor
 one program = BN weight rows x the whole K x all M rows: no split-K, no workspace, no atomics,
 each weight byte read once from DRAM (x, M·K·2 B, is re-read from L2 by every program):
   y[m, n] = Σ_g s[n, g] · Σ_{k in g} q[n, k] · x[m, k]    (int8_g128; FP32, as the a16 kernel)
-Three variants (config key "variant"):
+Two variants (config key "variant"):
   cuda  CUDA cores: a [BN, G, 128] weight tile per K step (G = BK/128, 16 B+ per thread and
         load) turned into FP32 once; for each of the M rows (unrolled, MP = M padded to a power
         of two) the group sums Σ w·x times the group scale. MAGIC: int8 -> FP32 as
@@ -13,9 +13,8 @@ Three variants (config key "variant"):
   fma   CUDA cores, no reduction inside the K loop: per-thread FP32 accumulators [BN, G, 128] for
         each row (up to 8), FMAs of (q·s in FP32, the reference's dequantized weight) times x,
         one cross-thread sum per row at the end; x and W tiles in one register layout.
-  dot   BF16 tensor cores with the roles swapped: acc[BN, 16] += W[BN, 128] · x[16, 128]^T per
-        scale group (q exact in BF16; x rows past M are copies of row M-1, never stored), SUB
-        groups per K step, cp.async pipelined (num_stages); M costs nothing up to 16.
+(A third, tensor-core variant, acc[BN, 16] += W[BN, 128] · x[16, 128]^T per scale group, no split-K,
+ran 1.5-4x slower than the a16 path on the H200 at every shape and M = 1..8: removed.)
 Products of a BF16 x with an int8 q or a BF16 w are exact in FP32, so only the FP32 summation
 order differs from kernels.ref; it is fixed per config (deterministic run to run). The grid is
 cdiv(N, BN) programs from shapes only: no host sync, CUDA-graph safe.
@@ -43,27 +42,24 @@ GEMV_TABLE: list[tuple[str, tuple[int, int], tuple[int, int], tuple[int, int], d
 
 # What bench_gemv.py sweeps and test_sm80_gemv.py compiles, by kind. cuda: BN·BK weights per K
 # step held as FP32 in registers, <= 8K per 128 threads; fma: plus BN·BK/threads accumulators per
-# row (M = 8: 8 x 16 at BN·BK = 2048, 4 warps); dot: BN x (SUB·128) int8/bf16 per stage.
-_C, _F, _D = "cuda", "fma", "dot"
+# row (M = 8: 8 x 16 at BN·BK = 2048, 4 warps). Large BN cuts the x re-reads from L2
+# (N/BN · M · K · 2 B: at M = 8, BN = 1 that is 16x the weight bytes).
+_C, _F = "cuda", "fma"
 GEMV_CANDIDATES = {
-    "int8": [dict(variant=_F, BN=1, BK=2048, num_warps=4, MAGIC=True),
-             dict(variant=_F, BN=2, BK=1024, num_warps=4, MAGIC=True),
-             dict(variant=_F, BN=1, BK=1024, num_warps=4, MAGIC=False),
-             dict(variant=_F, BN=2, BK=2048, num_warps=4, MAGIC=True),
-             dict(variant=_C, BN=1, BK=4096, num_warps=4, MAGIC=False),
+    "int8": [dict(variant=_C, BN=1, BK=4096, num_warps=4, MAGIC=False),
              dict(variant=_C, BN=4, BK=2048, num_warps=4, MAGIC=True),
              dict(variant=_C, BN=4, BK=1024, num_warps=4, MAGIC=False),
-             dict(variant=_D, BN=16, SUB=4, num_warps=4, num_stages=3),
-             dict(variant=_D, BN=32, SUB=2, num_warps=4, num_stages=3),
-             dict(variant=_D, BN=64, SUB=1, num_warps=4, num_stages=4)],
-    "bf16": [dict(variant=_F, BN=1, BK=2048, num_warps=4),
+             dict(variant=_C, BN=8, BK=1024, num_warps=4, MAGIC=True),
+             dict(variant=_C, BN=16, BK=512, num_warps=4, MAGIC=True),
+             dict(variant=_F, BN=1, BK=1024, num_warps=4, MAGIC=False),
+             dict(variant=_F, BN=8, BK=256, num_warps=4, MAGIC=True)],
+    "bf16": [dict(variant=_C, BN=1, BK=4096, num_warps=4),
+             dict(variant=_C, BN=1, BK=4096, num_warps=8),
+             dict(variant=_C, BN=8, BK=512, num_warps=4),
+             dict(variant=_F, BN=1, BK=2048, num_warps=4),
              dict(variant=_F, BN=1, BK=1024, num_warps=4),
              dict(variant=_F, BN=1, BK=4096, num_warps=8),
-             dict(variant=_C, BN=1, BK=4096, num_warps=4),
-             dict(variant=_C, BN=1, BK=4096, num_warps=8),
-             dict(variant=_C, BN=1, BK=2048, num_warps=4),
-             dict(variant=_D, BN=16, SUB=4, num_warps=4, num_stages=3),
-             dict(variant=_D, BN=32, SUB=2, num_warps=4, num_stages=3)],
+             dict(variant=_F, BN=8, BK=256, num_warps=4)],
 }
 
 
@@ -188,52 +184,6 @@ def _gemv_fma_kernel(X, W, S, Y, M, N, K, stride_xm,
         _row_out(Y, a7, 7, M, N, rn, n_ok)
 
 
-@triton.jit
-def _dot(a, b, acc, F32: tl.constexpr):
-    """acc + a @ b, BF16 operands, FP32 accumulation (gemm.dot_bf16; F32: the interpreter, whose
-    BF16 dots are wrong, multiplies the same exact values in FP32)."""
-    if F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-
-
-@triton.jit
-def _gemv_dot_kernel(X, W, S, Y, M, N, K, stride_xm,
-                     QUANT: tl.constexpr, EVEN_K: tl.constexpr, F32: tl.constexpr,
-                     BN: tl.constexpr, SUB: tl.constexpr):
-    """Rows [pid·BN, +BN) of y [M, N] over all K: acc^T [BN, 16] on the BF16 MMA, M <= 16."""
-    pid = tl.program_id(0)
-    rn = pid * BN + tl.arange(0, BN)
-    n_ok = rn < N
-    rn_c = tl.minimum(rn, N - 1).to(tl.int64)    # rows past N re-read row N-1: unmasked loads
-    rm = tl.arange(0, 16)
-    xrow = tl.minimum(rm, M - 1)                 # x rows past M: copies of row M-1, not stored
-    rk = tl.arange(0, 128)
-    w_rows = W + rn_c[:, None] * K               # [BN, 1]
-    x_rows = X + xrow[:, None] * stride_xm       # [16, 1]
-    acc = tl.zeros((BN, 16), dtype=tl.float32)
-    for k0 in range(0, K, 128 * SUB):
-        for j in tl.static_range(SUB):           # one 128-wide scale group per dot
-            kk = k0 + j * 128 + rk
-            if EVEN_K:
-                w = tl.load(w_rows + kk[None, :])                            # [BN, 128]
-                x = tl.load(x_rows + kk[None, :])                            # [16, 128] bf16
-            else:
-                k_ok = kk < K
-                w = tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0)
-                x = tl.load(x_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
-            if QUANT:                            # q exact in BF16; the scale in FP32
-                part = _dot(w, tl.trans(x), tl.zeros((BN, 16), dtype=tl.float32), F32)
-                g = (k0 + j * 128) // 128
-                g_ok = tl.full((BN,), g, tl.int32) < K // 128                # tail: scale 0
-                sg = tl.load(S + rn_c * (K // 128) + g, mask=g_ok, other=0.0)    # [BN] fp32
-                acc += part * sg[:, None]
-            else:
-                acc = _dot(w, tl.trans(x), acc, F32)
-    tl.store(Y + rm[None, :] * N + rn[:, None], acc.to(Y.dtype.element_ty),
-             mask=n_ok[:, None] & (rm < M)[None, :])                        # y[m, n] = acc[n, m]
-
-
 def gemv_interpreted() -> bool:
     """True when Triton runs this module's kernel in its CPU interpreter (TRITON_INTERPRET=1)."""
     return not isinstance(_gemv_kernel, triton.runtime.jit.JITFunction)
@@ -249,13 +199,14 @@ def gemv_lookup(M: int, N: int, K: int, quant: bool) -> dict | None:
 
 
 def gemv_config(M: int, N: int, K: int, quant: bool) -> dict:
-    """Launch config for an [M, K] x [N, K]^T GEMV: gemv_lookup's, else the default (fma: one
-    K step of up to 2048 elements per row, 1024 weights per program at M > 2)."""
+    """Launch config for an [M, K] x [N, K]^T GEMV: gemv_lookup's, else the default (the best
+    M = 1 config over the decode shapes of the first H200 sweeps; BK is capped at K)."""
     cfg = gemv_lookup(M, N, K, quant)
     if cfg is not None:
         return cfg
-    bk = min(triton.next_power_of_2(max(K, 128)), 2048 if M <= 2 else 1024)
-    return dict(variant="fma", BN=1, BK=bk, MAGIC=quant, num_warps=4, num_stages=1)
+    if quant:
+        return dict(variant="cuda", BN=4, BK=2048, MAGIC=True, num_warps=4, num_stages=1)
+    return dict(variant="cuda", BN=1, BK=4096, MAGIC=False, num_warps=8, num_stages=1)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scheme: str,
@@ -305,16 +256,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sche
     opts = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1))
     grid = (triton.cdiv(N, cfg["BN"]),)
     s_arg = scale if quant else weight
-    if variant == "dot":
-        if cfg["BN"] < 16 or cfg["BN"] & (cfg["BN"] - 1):
-            raise ValueError(f"gemv: dot needs BN a power of two >= 16, got {cfg['BN']}")
-        sub = cfg.get("SUB", 1)
-        _gemv_dot_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), QUANT=quant,
-                               EVEN_K=K % (128 * sub) == 0, F32=gemv_interpreted(),
-                               BN=cfg["BN"], SUB=sub, **opts)
-        return y.reshape(*lead, N)
     if variant not in ("cuda", "fma"):
-        raise ValueError(f"gemv: unknown variant {variant!r} (cuda, fma or dot)")
+        raise ValueError(f"gemv: unknown variant {variant!r} (cuda or fma)")
     bk = cfg["BK"]
     if bk < 128 or bk & (bk - 1):
         raise ValueError(f"gemv: BK must be a power of two >= 128, got {bk}")

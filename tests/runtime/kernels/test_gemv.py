@@ -58,8 +58,6 @@ CASES = [
     (20, 384, dict(BN=8, BK=256)),              # 3 programs (last one 4 rows), K 1.5 steps
     (7, 640, dict(BN=2, BK=128, num_warps=2)),  # 5 K steps, odd N
     (16, 256, None),                            # the default config (one K step)
-    (20, 384, dict(variant="dot", BN=16, SUB=2)),   # tensor cores: 2 programs, K 1.5 steps
-    (40, 640, dict(variant="dot", BN=32, SUB=1)),   # 5 K steps
     (20, 384, dict(variant="fma", BN=8, BK=256, MAGIC=True)),   # per-thread accumulators
     (7, 640, dict(variant="fma", BN=2, BK=128, num_warps=2)),
 ]
@@ -100,7 +98,7 @@ def test_magic_conversion_and_bf16_tail(gv):
         assert rel(a, reference(x, deq)) < TOL[torch.float32]
         w, _, wdeq = weights(9, 200, False, gen)
         x = torch.randn(1, 2, 200, generator=gen).bfloat16().to(DEV)
-        for cfg in (None, dict(variant="dot", BN=16, SUB=1), dict(variant="fma", BN=4, BK=128)):
+        for cfg in (None, dict(variant="cuda", BN=4, BK=128)):
             y = gv.gemv(x, w, None, "copy", config=cfg, out_dtype=torch.float32)
             assert y.shape == (1, 2, 9)
             assert rel(y.reshape(2, 9), reference(x.reshape(2, 200), wdeq)) < TOL[torch.float32]
@@ -118,9 +116,9 @@ def test_deterministic_and_zero_rows(gv):
 
 def test_table_lookup_first_match(gv, monkeypatch):
     monkeypatch.setattr(gv, "GEMV_TABLE", [
-        ("int8", (1, 2048), (1, 8192), (1, 2), dict(variant="dot", BN=2, SUB=2)),
+        ("int8", (1, 2048), (1, 8192), (1, 2), dict(variant="cuda", BN=2, BK=1024)),
         ("int8", (1, 2048), (1, 8192), (1, 8), dict(BN=4, BK=512, MAGIC=False, num_warps=4))])
-    assert gv.gemv_config(1, 1536, 4096, True)["variant"] == "dot"
+    assert gv.gemv_config(1, 1536, 4096, True)["variant"] == "cuda"
     assert gv.gemv_config(4, 1536, 4096, True)["BN"] == 4
     assert gv.gemv_lookup(1, 4096, 4096, True) is None                 # N out of range
     assert gv.gemv_lookup(1, 1536, 4096, False) is None                # other kind
@@ -144,8 +142,6 @@ def test_bad_input_one_line_errors(gv):
                       (lambda: gv.gemv(x, q, s, "int8_g128", out_dtype=torch.float16), "out_dtype"),
                       (lambda: gv.gemv(x, q, s, "int8_g128", config=dict(BK=192)), "BK"),
                       (lambda: gv.gemv(x, wb, None, "bf16", config=dict(MAGIC=True)), "MAGIC"),
-                      (lambda: gv.gemv(x, q, s, "int8_g128", config=dict(variant="dot", BN=8)),
-                       "BN a power of two >= 16"),
                       (lambda: gv.gemv(x, q, s, "int8_g128", config=dict(variant="x")), "variant")):
         with pytest.raises(ValueError, match=msg):
             call()

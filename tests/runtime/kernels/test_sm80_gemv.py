@@ -3,8 +3,7 @@ helper) for every candidate of GEMV_CANDIDATES and the default configs, int8_g12
 BF16 weights (FP32 out), cuda and fma at M padded to 1 and 8 rows: shared memory within 99 KB,
 no FP8/FP4. cuda, fma: no MMA (CUDA-core FMAs), and MAGIC really converts without an int ->
 float cvt (I2F) in the PTX; fma needs no shared memory beyond the final reductions' 1 KB (more
-would mean a layout change inside the K loop). dot: BF16 mma.sync only, and cp.async
-multi-stage buffers (shared >= 2 weight tiles). Compiled in a subprocess without TRITON_INTERPRET.
+would mean a layout change inside the K loop). Compiled in a subprocess without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_sm80 import SHARED_LIMIT, _compile, compile_in_subprocess  # noqa: E402
 
 MPS = (1, 8)
-BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
 
 def _configs() -> list[tuple[str, dict, int]]:
@@ -28,7 +26,7 @@ def _configs() -> list[tuple[str, dict, int]]:
     out = []
     for kind, cands in gemv.GEMV_CANDIDATES.items():
         for c in cands + [gemv.gemv_config(1, 4096, 4096, kind == "int8")]:
-            out += [(kind, c, mp) for mp in (MPS if c["variant"] != "dot" else (16,))]
+            out += [(kind, c, mp) for mp in MPS]
     return out
 
 
@@ -45,13 +43,9 @@ def compile_all() -> list[dict]:
         types = dict(X="*bf16", W="*i8" if quant else "*bf16", S="*fp32" if quant else "*bf16",
                      Y="*bf16" if quant else "*fp32", M="i32", N="i32", K="i32", stride_xm="i32")
         opts = dict(num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
-        if cfg["variant"] == "dot":
-            fn = gemv._gemv_dot_kernel
-            const = dict(QUANT=quant, EVEN_K=True, F32=False, BN=cfg["BN"], SUB=cfg["SUB"])
-        else:
-            fn = gemv._gemv_kernel if cfg["variant"] == "cuda" else gemv._gemv_fma_kernel
-            const = dict(QUANT=quant, MAGIC=bool(cfg.get("MAGIC")), EVEN_K=True, MP=mp,
-                         BN=cfg["BN"], BK=cfg["BK"])
+        fn = gemv._gemv_kernel if cfg["variant"] == "cuda" else gemv._gemv_fma_kernel
+        const = dict(QUANT=quant, MAGIC=bool(cfg.get("MAGIC")), EVEN_K=True, MP=mp,
+                     BN=cfg["BN"], BK=cfg["BK"])
         r = _compile(fn, types, const, opts, ("N", "K", "stride_xm"))
         # the same source again (a cache hit) for the PTX: int -> float conversions
         sig = {a: types.get(a, "constexpr") for a in fn.arg_names}
@@ -73,20 +67,13 @@ def test_gemv_compiles_for_sm80():
         assert r["cubin"] > 0, name
         assert r["shared"] <= SHARED_LIMIT, f"{name}: {r['shared']} B shared"
         assert not r["fp8"], name
-        if r["kernel"] == "_gemv_dot_kernel":
-            assert r["mma"] == [BF16_MMA], name
-            tile = r["config"]["BN"] * 128 * (1 if r["kind"] == "int8" else 2) * r["config"]["SUB"]
-            if r["opts"]["num_stages"] > 1:
-                assert r["shared"] >= 2 * tile, f"{name}: not multi-stage pipelined"
-        else:
-            assert r["mma"] == [], name
-            if r["kernel"] == "_gemv_fma_kernel":
-                assert r["shared"] <= 1024, f"{name}: {r['shared']} B shared (a layout change?)"
-            if r["config"]["QUANT"] and r["config"]["MAGIC"]:
-                assert r["i2f"] == 0, f"{name}: MAGIC still converts with cvt"
-            elif r["config"]["QUANT"]:
-                assert r["i2f"] > 0, f"{name}: no int8 -> fp32 cvt found (the check is blind)"
-
+        assert r["mma"] == [], name
+        if r["kernel"] == "_gemv_fma_kernel":
+            assert r["shared"] <= 1024, f"{name}: {r['shared']} B shared (a layout change?)"
+        if r["config"]["QUANT"] and r["config"]["MAGIC"]:
+            assert r["i2f"] == 0, f"{name}: MAGIC still converts with cvt"
+        elif r["config"]["QUANT"]:
+            assert r["i2f"] > 0, f"{name}: no int8 -> fp32 cvt found (the check is blind)"
 
 if __name__ == "__main__":
     print(json.dumps(compile_all()))
