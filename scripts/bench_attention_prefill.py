@@ -4,14 +4,14 @@
 with 128-token blocks; one sequence's 2048-token chunk starting at 0 and at 6144, each mode:
 window, CSA (ratio 4: the top-512 of random scores over j < (p+1)//4 per query) and HCA (ratio
 128: every j < (p+1)//128). Per case: attention.sparse_attention (the current kernel) and
-attention_prefill.sparse_attention_prefill per candidate config (BQ, BH, BN, warps, stages, JOIN, DV):
-median µs of `reps` calls (CUDA events, after a warm-up call that compiles), TFLOP/s of the
+attention_prefill.sparse_attention_prefill per candidate config (BQ, BH, BN, warps, stages,
+JOIN, DV): median µs of `reps` calls (CUDA events, after a warm-up call that compiles), TFLOP/s of the
 useful work (per query and head: 4·D FLOPs per visible key, q·k and p·V once; the hi/lo split of
 p and masked keys not counted), its share of the BF16 matmul peak measured in the same run
 (8192^3 torch.matmul), and the error vs the current kernel: max over (query, head) of
 |o - o_cur| / |o_cur| (row norms) and the global relative norm.
 Usage: python scripts/bench_attention_prefill.py [--out bench_attention_prefill.json]
-       [--configs '[[4,16,32,8,2,1], ...]'] [--modes window,csa,hca] [--starts 0,6144]
+       [--configs '[[1,16,16,4,3,0], ...]'] [--modes window,csa,hca] [--starts 0,6144]
 """
 
 from __future__ import annotations
@@ -30,14 +30,15 @@ H, D, W, RB, BLOCK, TOPK, T = 64, 512, 128, 8, 128, 512, 2048
 RATIO = {"window": 0, "csa": 4, "hca": 128}
 # (BQ, BH, BN, num_warps, num_stages, JOIN[, DV]): M = BQ·BH rows per program, the [M, DV]
 # FP32 accumulator is the register budget (M·DV = 16K: 128 registers a thread with 4 warps);
-# JOIN: p·V as one dot over [hi|lo]; DV < 512: output columns per program (scores recomputed)
+# JOIN: p·V as two dots (0) or one over [hi|lo], v doubled by loads (1) or in registers (2);
+# DV < 512: output columns per program (scores recomputed)
 CANDIDATES = {
-    "window": [(2, 16, 16, 4, 2, 0), (2, 16, 16, 4, 3, 0), (2, 16, 32, 8, 2, 0),
-               (1, 16, 16, 4, 3, 0), (2, 16, 32, 4, 2, 1), (4, 16, 16, 8, 2, 1, 256),
-               (4, 16, 32, 8, 2, 1, 128)],
-    "csa": [(1, 32, 16, 4, 2, 0), (1, 32, 16, 4, 3, 0), (1, 32, 32, 8, 2, 0),
-            (1, 32, 32, 4, 2, 1), (1, 16, 32, 4, 3, 0), (1, 64, 16, 8, 2, 1, 256),
-            (1, 64, 32, 8, 2, 1, 128)],
+    "window": [(1, 16, 16, 4, 3, 0), (2, 16, 16, 4, 3, 0), (2, 16, 16, 4, 2, 0),
+               (1, 16, 32, 4, 3, 0), (2, 16, 32, 8, 2, 0), (2, 16, 32, 4, 2, 2),
+               (1, 32, 32, 4, 2, 2)],
+    "csa": [(1, 32, 16, 4, 3, 0), (1, 32, 16, 4, 2, 0), (1, 16, 32, 4, 3, 0),
+            (1, 32, 32, 8, 2, 0), (1, 32, 32, 8, 3, 0), (1, 32, 32, 4, 2, 2),
+            (1, 16, 16, 4, 3, 0)],
 }
 CANDIDATES["hca"] = CANDIDATES["window"]
 
@@ -105,7 +106,8 @@ def err(o, ref) -> tuple[float, float]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--configs", default=None, help="JSON [[BQ, BH, BN, warps, stages, JOIN(, DV)], ...]")
+    ap.add_argument("--configs", default=None,
+                    help="JSON [[BQ, BH, BN, warps, stages, JOIN(, DV)], ...]")
     ap.add_argument("--modes", default="window,csa,hca")
     ap.add_argument("--starts", default="0,6144")
     ap.add_argument("--reps", type=int, default=10)
@@ -127,7 +129,7 @@ def main():
             variants = [("current", None, lambda: sparse_attention(**args))]
             for c in cands:
                 cfg = dict(BQ=c[0], BH=c[1], BN=c[2], num_warps=c[3], num_stages=c[4],
-                           JOIN=bool(c[5]), DV=c[6] if len(c) > 6 else D)
+                           JOIN=c[5], DV=c[6] if len(c) > 6 else D)
                 variants.append(("blocked", c, lambda cfg=cfg: sparse_attention_prefill(
                     **args, config=cfg)))
             for name, c, fn in variants:

@@ -29,23 +29,26 @@ __all__ = ["PREFILL_CONFIGS", "SM80_CONFIGS", "prefill_blocks", "prefill_config"
            "sparse_attention_prefill"]
 
 MODES = {"window": 0, "hca": 1, "csa": 2}
-# Tiles per mode: M = BQ·BH rows per program, BN keys per tile; JOIN: p·V as one dot over
-# [hi|lo] (sm_90, see _step); DV (default all D): output columns per program. The [M, DV] FP32
-# accumulator is the register budget (sm_90, cuobjdump -res-usage): M = 32 with BN 16 on 4 warps
-# or with 8 warps has no spills, M = 64 only with DV 256 and BN 16, or DV 128.
-# sm_90 and later (H200): the best of the first H200 sweep (scripts/bench_attention_prefill.py,
-# 2048-token chunk at 0 / 6144, µs vs sparse_attention): window 807 / 823 vs 1015 / 983, HCA
-# 909 / 1399 vs 988 / 1373, CSA 1880 / 2277 vs 3661 / 3655.
+# Tiles per mode: M = BQ·BH rows per program, BN keys per tile; JOIN: p·V as two dots (0) or
+# one dot over [hi|lo] (see _step) with v doubled by loads (1) or in registers (2); DV (default
+# all D): output columns per program. The [M, DV] FP32 accumulator is the register budget
+# (sm_90, cuobjdump -res-usage): M = 32 with BN 16 on 4 warps or with 8 warps has no spills,
+# M = 64 only with DV 256 and BN 16, or DV 128.
+# sm_90 and later (H200): the best of the second H200 sweep (scripts/bench_attention_prefill.py,
+# 2048-token chunk at 0 / 6144, µs vs sparse_attention 939 / 988, 964 / 1153, 3541 / 3633):
+# window 825 / 975, HCA 856 / 1098, CSA 2005 / 2539. In the first sweep (one window loop, JOIN
+# 2 then) (2, 16, 32, 4, 2, 2) ran window 807 / 823, HCA 909 / 1399, (1, 32, 32, 4, 2, 2) CSA
+# 1880 / 2277: the sweep has both.
 PREFILL_CONFIGS = {
-    "window": dict(BQ=2, BH=16, BN=32, num_warps=4, num_stages=2, JOIN=True),
-    "hca": dict(BQ=2, BH=16, BN=32, num_warps=4, num_stages=2, JOIN=True),
-    "csa": dict(BQ=1, BH=32, BN=32, num_warps=4, num_stages=2, JOIN=True),
+    "window": dict(BQ=1, BH=16, BN=16, num_warps=4, num_stages=3, JOIN=0),
+    "hca": dict(BQ=1, BH=16, BN=16, num_warps=4, num_stages=3, JOIN=0),
+    "csa": dict(BQ=1, BH=32, BN=16, num_warps=4, num_stages=3, JOIN=0),
 }
 # sm_80 (A100): mma.sync, <= 99 KB of shared memory with bf16 and int8 pools (two blocks an SM)
 SM80_CONFIGS = {
-    "window": dict(BQ=2, BH=16, BN=16, num_warps=4, num_stages=2, JOIN=False),
-    "hca": dict(BQ=2, BH=16, BN=16, num_warps=4, num_stages=2, JOIN=False),
-    "csa": dict(BQ=1, BH=32, BN=16, num_warps=4, num_stages=2, JOIN=False),
+    "window": dict(BQ=2, BH=16, BN=16, num_warps=4, num_stages=2, JOIN=0),
+    "hca": dict(BQ=2, BH=16, BN=16, num_warps=4, num_stages=2, JOIN=0),
+    "csa": dict(BQ=1, BH=32, BN=16, num_warps=4, num_stages=2, JOIN=0),
 }
 
 
@@ -63,7 +66,8 @@ def _keys(x, INT8: tl.constexpr, s, F32: tl.constexpr, DT: tl.constexpr):
 def _step(q, k, v, ok, m_i, l_i, acc, scale, F32: tl.constexpr, EXACT: tl.constexpr,
           DT: tl.constexpr, JOIN: tl.constexpr):
     """Online softmax over keys k [BN, DP], ok [M, BN]; m starts at -1e30, never -inf.
-    v: the same keys (K = V), JOIN: each one twice, [2·BN, DP] (rows 2n, 2n+1 = k_n)."""
+    v: the same keys (K = V; DV of the columns), JOIN 1: each one twice, [2·BN, DV] (rows 2n,
+    2n+1 = k_n)."""
     if EXACT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -81,12 +85,15 @@ def _step(q, k, v, ok, m_i, l_i, acc, scale, F32: tl.constexpr, EXACT: tl.conste
         lo = (p - hi.to(tl.float32)).to(DT)
         if F32:                                # interpreter: the same sum in FP32 dots
             hi, lo = hi.to(tl.float32), lo.to(tl.float32)
-        if JOIN:                               # sm_90: one dot over K = 2·BN
+        if JOIN > 0:                           # sm_90: one dot over K = 2·BN
             # [.., hi_n, lo_n, ..] @ [.., k_n, k_n, ..]: two dots chained into acc get two
-            # wgmma layouts there and a [M, DP] FP32 layout conversion between them per tile;
-            # v is loaded with its rows doubled (a register join of k spills)
+            # wgmma layouts there and a [M, DV] FP32 layout conversion between them per tile.
+            # JOIN 1: v loaded with its rows doubled; 2: doubled in registers (tl.join)
             M: tl.constexpr = p.shape[0]
             BN: tl.constexpr = p.shape[1]
+            if JOIN == 2:
+                DV: tl.constexpr = v.shape[1]
+                v = tl.reshape(tl.permute(tl.join(v, v), (0, 2, 1)), (2 * BN, DV))
             acc = tl.dot(tl.reshape(tl.join(hi, lo), (M, 2 * BN)), v, acc)
         else:                                  # sm_80: mma.sync, no [2·BN, DP] tile
             acc = tl.dot(hi, v, acc)
@@ -184,7 +191,7 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
         kp = k0 + rn                                                   # key positions [BN]
         k_ok = kp < k_end
         k = _ring_tile(RING, RSC, slot, R, kp, k_ok, dd, d_ok, D, INT8, F32, DT)
-        if JOIN:
+        if JOIN == 1:
             v = _ring_tile(RING, RSC, slot, R, k0 + rn2, k0 + rn2 < k_end, dv, dv_ok, D, INT8,
                            F32, DT)
         elif DV < DP:
@@ -198,7 +205,7 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
         kp = k0 + rn
         k_ok = kp <= p_last
         k = _kv_tile(KV, row0 + kp, k_ok, dd, d_ok, D, F32, DT)
-        if JOIN:
+        if JOIN == 1:
             v = _kv_tile(KV, row0 + k0 + rn2, k0 + rn2 <= p_last, dv, dv_ok, D, F32, DT)
         elif DV < DP:
             v = _kv_tile(KV, row0 + kp, k_ok, dv, dv_ok, D, F32, DT)
@@ -214,7 +221,7 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
             c_ok = c < n_c
             k = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, c, c_ok, dd, d_ok, PB, D, INT8,
                             F32, DT)
-            if JOIN:
+            if JOIN == 1:
                 v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, c0 + rn2, c0 + rn2 < n_c, dv,
                                 dv_ok, PB, D, INT8, F32, DT)
             elif DV < DP:
@@ -232,7 +239,7 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
             if tl.sum(c_ok.to(tl.int32), axis=0) > 0:                  # skip all-unused tiles
                 k = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j, c_ok, dd, d_ok, PB, D,
                                 INT8, F32, DT)
-                if JOIN:
+                if JOIN == 1:
                     j2 = tl.load(sel + c0 + rn2, mask=c0 + rn2 < n_sel, other=-1)
                     v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j2, j2 >= 0, dv, dv_ok,
                                     PB, D, INT8, F32, DT)
@@ -363,6 +370,6 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
         W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D,
         DP=DP, BQ=cfg["BQ"], BH=cfg["BH"], BN=cfg["BN"],
         F32=_interpreted(), EXACT=q.dtype == torch.float32, DT=_TL[q.dtype],
-        JOIN=bool(cfg["JOIN"]), DV=DV,
+        JOIN=int(cfg["JOIN"]), DV=DV,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o

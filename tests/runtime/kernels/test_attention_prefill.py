@@ -103,12 +103,12 @@ def rel(a, b):
 @pytest.mark.parametrize("int8", [False, True])
 def test_prefill_attention_sweep(pre, mode, ratio, int8):
     """Every mode and pool storage, two tilings: BQ 4 (3 blocks in the 11-token chunk) with
-    two 32-column output blocks (scores per block), p·V as two dots (sm_80; int8: the joined
-    [hi|lo] dot), and the sm_90 default (csa: one query per block)."""
+    two 32-column output blocks (scores per block), p·V as one [hi|lo] dot (v doubled by loads;
+    int8: in registers), and the sm_90 default (p·V as two dots; csa: one query per block)."""
     c = case(10 + ratio + int8, mode, int8, ratio=max(ratio, 4))
     with one_thread():
         want = ref.sparse_attention_ref(**c)
-        for cfg in (dict(BQ=4, BH=8, BN=16, JOIN=int8, DV=32), pre.PREFILL_CONFIGS[mode]):
+        for cfg in (dict(BQ=4, BH=8, BN=16, JOIN=1 + int8, DV=32), pre.PREFILL_CONFIGS[mode]):
             got = pre.sparse_attention_prefill(**c, config=cfg)
             assert got.shape == want.shape and got.dtype == torch.float32
             assert rel(got, want) < TOL, (mode, int8, cfg)

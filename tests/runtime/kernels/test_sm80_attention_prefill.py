@@ -50,9 +50,9 @@ def compile_all() -> list[dict]:
             for int8 in (False, True):
                 cfg = ap.prefill_config(mode, 64, table[mode], sm90=target == 90)
                 opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
-                const = dict(cfg, DV=cfg.get("DV", 512), W=128, RATIO=128 if m == 1 else 4, PB=1 if m == 1 else 32,
-                             MODE=m, INT8=int8, D=512, DP=512, F32=False, EXACT=False,
-                             DT=tl.bfloat16)
+                const = dict(cfg, DV=cfg.get("DV", 512), W=128, RATIO=128 if m == 1 else 4,
+                             PB=1 if m == 1 else 32, MODE=m, INT8=int8, D=512, DP=512,
+                             F32=False, EXACT=False, DT=tl.bfloat16)
                 types = dict(TYPES, RING="*i8", ENT="*i8") if int8 else TYPES
                 if target == 80:
                     out.append(dict(_compile(ap._prefill_kernel, types, const, opts, ("H",)),
