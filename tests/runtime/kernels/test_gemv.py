@@ -114,6 +114,22 @@ def test_deterministic_and_zero_rows(gv):
     assert gv.gemv(x[:0], q, s, "int8_g128").shape == (0, 24)
 
 
+def test_every_table_config_runs(gv):
+    """Each GEMV_TABLE config (the H200 winners) on a small shape of its kind (BK capped at K)."""
+    gen = torch.Generator().manual_seed(11)
+    cfgs = {(e[0], tuple(sorted(e[4].items()))) for e in gv.GEMV_TABLE}
+    assert cfgs
+    with one_thread():
+        for kind, items in sorted(cfgs):
+            quant = kind == "int8"
+            w, s, deq = weights(20, 256, quant, gen)
+            x = torch.randn(3, 256, generator=gen).bfloat16().to(DEV)
+            out = torch.bfloat16 if quant else torch.float32
+            y = gv.gemv(x, w, s, "int8_g128" if quant else "bf16", config=dict(items),
+                        out_dtype=out)
+            assert rel(y, reference(x, deq)) < TOL[out], (kind, items)
+
+
 def test_table_lookup_first_match(gv, monkeypatch):
     monkeypatch.setattr(gv, "GEMV_TABLE", [
         ("int8", (1, 2048), (1, 8192), (1, 2), dict(variant="cuda", BN=2, BK=1024)),

@@ -1,5 +1,5 @@
 """The small-M GEMV kernels (kernels.gemv) compile for sm_80 on this CPU machine (test_sm80.py's
-helper) for every candidate of GEMV_CANDIDATES and the default configs, int8_g128 (BF16 out) and
+helper) for every config of GEMV_CANDIDATES, GEMV_TABLE and the default, int8_g128 (BF16 out) and
 BF16 weights (FP32 out), cuda and fma at M padded to 1 and 8 rows: shared memory within 99 KB,
 no FP8/FP4. cuda, fma: no MMA (CUDA-core FMAs), and MAGIC really converts without an int ->
 float cvt (I2F) in the PTX; fma needs no shared memory beyond the final reductions' 1 KB (more
@@ -23,10 +23,15 @@ def _configs() -> list[tuple[str, dict, int]]:
     """(kind, config, MP): every candidate and the default; the cuda variant at MP 1 and 8."""
     from backfit.runtime.kernels import gemv
 
-    out = []
+    out, seen = [], set()
+    table = {k: [e[4] for e in gemv.GEMV_TABLE if e[0] == k] for k in gemv.GEMV_CANDIDATES}
     for kind, cands in gemv.GEMV_CANDIDATES.items():
-        for c in cands + [gemv.gemv_config(1, 4096, 4096, kind == "int8")]:
-            out += [(kind, c, mp) for mp in MPS]
+        default = gemv.gemv_config(1, 1, 128, kind == "int8")          # no table entry
+        for c in cands + table[kind] + [default]:
+            key = (kind, tuple(sorted(c.items())))
+            if key not in seen:
+                seen.add(key)
+                out += [(kind, c, mp) for mp in MPS]
     return out
 
 
