@@ -18,6 +18,9 @@ ran 1.5-4x slower than the a16 path on the H200 at every shape and M = 1..8: rem
 Products of a BF16 x with an int8 q or a BF16 w are exact in FP32, so only the FP32 summation
 order differs from kernels.ref; it is fixed per config (deterministic run to run). The grid is
 cdiv(N, BN) programs from shapes only: no host sync, CUDA-graph safe.
+Measured (H200, GEMV_TABLE): faster than a16 at M = 1 on 8 of the 9 decode shapes (1.2-2.3x;
+34-63 % of copy bandwidth, so issue 9's ~1.5 µs + bytes / (0.8 · BW) is not met), at M = 2 on 7;
+at M >= 4 slower on the int8 linears (x re-read from L2 per program and per row).
 """
 
 from __future__ import annotations
@@ -28,8 +31,7 @@ import triton.language as tl
 
 from backfit.formats import INT8_GROUP
 
-__all__ = ["GEMV_CANDIDATES", "GEMV_MAX_M", "GEMV_TABLE", "gemv", "gemv_config", "gemv_interpreted",
-           "gemv_lookup"]
+__all__ = ["GEMV_CANDIDATES", "GEMV_MAX_M", "GEMV_TABLE", "gemv", "gemv_config", "gemv_lookup"]
 
 GEMV_MAX_M = 8                 # rows handled in one program (M <= 8: decode at small batch)
 _MAGIC_I = tl.constexpr(0x4B400000)            # bits of 1.5·2^23
@@ -209,11 +211,6 @@ def _gemv_fma_kernel(X, W, S, Y, M, N, K, stride_xm,
         _row_out(Y, a7, 7, M, N, rn, n_ok)
 
 
-def gemv_interpreted() -> bool:
-    """True when Triton runs this module's kernel in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return not isinstance(_gemv_kernel, triton.runtime.jit.JITFunction)
-
-
 def gemv_lookup(M: int, N: int, K: int, quant: bool) -> dict | None:
     """The first GEMV_TABLE entry for this shape (a measured win over the a16 path), or None."""
     kind = "int8" if quant else "bf16"
@@ -238,8 +235,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sche
          config: dict | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [..., K] bf16 (M = prod(...) <= GEMV_MAX_M rows) @ weight [N, K]^T -> [..., N] out_dtype,
     for scheme int8_g128 | bf16 | copy (bf16 weight); the semantics of gemm.linear's a16 path.
-    config: overrides of gemv_config (variant, BN, BK / SUB, MAGIC, num_warps, num_stages); the
-    cuda variant caps BK at K rounded up to a power of two."""
+    config: overrides of gemv_config (variant, BN, BK, MAGIC, num_warps, num_stages); BK is
+    capped at K rounded up to a power of two."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"gemv: activations must be bfloat16, got {x.dtype}")
     if out_dtype not in (torch.bfloat16, torch.float32):
