@@ -18,8 +18,8 @@ ran 1.5-4x slower than the a16 path on the H200 at every shape and M = 1..8: rem
 Products of a BF16 x with an int8 q or a BF16 w are exact in FP32, so only the FP32 summation
 order differs from kernels.ref; it is fixed per config (deterministic run to run). The grid is
 cdiv(N, BN) programs from shapes only: no host sync, CUDA-graph safe.
-Measured (H200, GEMV_TABLE): faster than a16 at M = 1 on 8 of the 9 decode shapes (1.2-2.3x;
-34-63 % of copy bandwidth, so issue 9's ~1.5 µs + bytes / (0.8 · BW) is not met), at M = 2 on 7;
+Measured (H200, GEMV_TABLE): faster than a16 at M = 1 on 8 of the 9 decode shapes (1.1-2.3x;
+18-63 % of copy bandwidth, so issue 9's ~1.5 µs + bytes / (0.8 · BW) is not met), at M = 2 on 6;
 at M >= 4 slower on the int8 linears (x re-read from L2 per program and per row).
 """
 
