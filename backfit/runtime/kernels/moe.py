@@ -347,10 +347,8 @@ def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Ten
     benchmarks). uint8 w1 [E, I, K/2] = mx4_e2m1 stacks: the same call runs kernels.moe_mx4."""
     if w1.dtype == torch.uint8:
         from backfit.runtime.kernels.moe_mx4 import fused_moe_mx4
-        y = fused_moe_mx4(x, idx, w, w1, s1, w3, s3, w2, s2, limit, path, config)
-        if shared is not None:                       # moe_mx4 sums the pairs itself (for now)
-            y = shared.float() + y
-        return y.to(dtype)
+        return fused_moe_mx4(x, idx, w, w1, s1, w3, s3, w2, s2, limit, path, config, shared,
+                             dtype)
     if x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"fused_moe: x must be bf16 [T, K], got {x.dtype}{list(x.shape)}")
     E, I, K = w1.shape

@@ -416,13 +416,10 @@ def _mx4_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
 # best of the H200 sweep (2026-12-01, commit 16bc670): M=1 69.8 us (gate/up and down apart).
 # H200 sweep at commit 213e741 (word, mma added; int8's best 60.4 us in the same run): M=1
 # fused best mma BN32 BK512 w2 s2 57.4 us (M=2/4/8 101.5/163.3/312.2 vs int8 106.4/191.7/365.0);
-# split M<=2 word BN16 BK1024 w4 s2 gate/up + mma BN32 BK512 w2 s2 down 56.1 us. Not the default
-# yet: the lead switches it after re-running the sweep.
-DECODE_TABLE = ((6, dict(variant="base", BN=8, BK=1024, num_warps=4, num_stages=2,
-                         down=dict(variant="base", BN=16, BK=512, num_warps=4, num_stages=3))),
-                (DECODE_PAIRS, dict(variant="base", BN=16, BK=512, num_warps=4, num_stages=3,
-                                    down=dict(variant="base", BN=16, BK=512, num_warps=4,
-                                              num_stages=3))))
+# split M<=2 word BN16 BK1024 w4 s2 gate/up + mma BN32 BK512 w2 s2 down 56.1 us. The fused mma
+# tile is the default since session 8 (one config for both launches, every M measured faster
+# than int8's best; the old base tiles: 79.4 us at M = 1).
+DECODE_TABLE = ((DECODE_PAIRS, dict(variant="mma", BN=32, BK=512, num_warps=2, num_stages=2)),)
 DECODE_VARIANTS = ("base", "prefetch", "word", "mma")
 
 
@@ -444,9 +441,10 @@ def _check(name: str, t: torch.Tensor, shape: tuple) -> None:
 def fused_moe_mx4(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Tensor,
                   s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor,
                   s2: torch.Tensor, limit: float, path: str | None = None,
-                  config: dict | None = None) -> torch.Tensor:
+                  config: dict | None = None, shared: torch.Tensor | None = None,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """kernels.moe.fused_moe for mx4_e2m1 stacks (it dispatches here on uint8 w1): x [T, K] bf16,
-    idx/w [T, k] -> routed-expert sum FP32 [T, D]."""
+    idx/w [T, k] -> routed-expert sum [T, D] (+ shared) in `dtype`, summed in FP32."""
     if x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"fused_moe: x must be bf16 [T, K], got {x.dtype}{list(x.shape)}")
     E, I, KB = w1.shape
@@ -457,7 +455,7 @@ def fused_moe_mx4(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch
         _check(name, t, shape)
     return run_moe(x, idx, w, (w1, s1, w3, s3, w2, s2), (E, I, K, D), limit, path, config,
                    _GEMV4, DECODE_TABLE, _mx4_sorted_kernel,
-                   (dict(BY_SLOT=False), dict(BY_SLOT=True)))
+                   (dict(BY_SLOT=False), dict(BY_SLOT=True)), shared, dtype)
 
 
 def mx4_linear_pairs(a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, s: torch.Tensor,

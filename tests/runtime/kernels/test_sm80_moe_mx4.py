@@ -40,11 +40,12 @@ def compile_all() -> list[dict]:
             triton.compile = real
         return dict(r, ftz_mul=bool(re.search(r"(mul|fma|cvt)[\w.]*\.ftz", ptx[0].asm["ptx"])))
     for gated, k in ((True, 4096), (False, 512)):
-        cfg = dict(moe_mx4._decode_config(k))
-        assert cfg.pop("variant", "base") == "base"                  # the one mx4 GEMV kernel
+        cfg = dict(moe_mx4._decode_config(k))                        # the shipped decode tile
+        kern, extra = moe_mx4._GEMV4[cfg.pop("variant", "base")]
+        extra = {**extra, **({"F32": False} if "F32" in extra else {})}   # compiled: BF16 MMA
         cfg, opts = _split(cfg)
-        out.append(compile_one(moe_mx4._mx4_gemv_kernel, types, dict(cfg, GATED=gated, LIMIT=10.0),
-                            opts, ("N", "K")))
+        out.append(compile_one(kern, types, dict(cfg, **extra, GATED=gated, LIMIT=10.0),
+                               opts, ("N", "K")))
         for p in (384, 6144, 8192 * 6):
             cfg, opts = _split(moe._sorted_config(p))
             out.append(compile_one(moe_mx4._mx4_sorted_kernel, types,
