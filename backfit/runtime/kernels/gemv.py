@@ -9,7 +9,7 @@ Two variants (config key "variant"):
   cuda  CUDA cores: a [BN, G, 128] weight tile per K step (G = BK/128, 16 B+ per thread and
         load) turned into FP32 once; for each of the M rows (unrolled, MP = M padded to a power
         of two) the group sums Σ w·x times the group scale. MAGIC: int8 -> FP32 as
-        bits(1.5·2^23) + q - 1.5·2^23 (exact, no I2F).
+        bits(1.5·2^23) + q - 1.5·2^23 (exact, no I2F). V8, PREFETCH: see _gemv_kernel.
   fma   CUDA cores, no reduction inside the K loop: per-thread FP32 accumulators [BN, G, 128] for
         each row (up to 8), FMAs of (q·s in FP32, the reference's dequantized weight) times x,
         one cross-thread sum per row at the end; x and W tiles in one register layout.
@@ -79,37 +79,53 @@ GEMV_CANDIDATES = {
              dict(variant=_C, BN=8, BK=1024, num_warps=4, MAGIC=True),
              dict(variant=_C, BN=16, BK=512, num_warps=4, MAGIC=True),
              dict(variant=_F, BN=1, BK=1024, num_warps=4, MAGIC=False),
-             dict(variant=_F, BN=8, BK=256, num_warps=4, MAGIC=True)],
+             dict(variant=_F, BN=8, BK=256, num_warps=4, MAGIC=True),
+             # not yet timed on a GPU: V8 / PREFETCH forms of the M = 1 winners
+             dict(variant=_C, BN=4, BK=2048, num_warps=4, MAGIC=True, V8=True),
+             dict(variant=_C, BN=4, BK=1024, num_warps=4, MAGIC=True, PREFETCH=True),
+             dict(variant=_C, BN=8, BK=1024, num_warps=4, MAGIC=True, V8=True, PREFETCH=True)],
     "bf16": [dict(variant=_C, BN=1, BK=4096, num_warps=4),
              dict(variant=_C, BN=1, BK=4096, num_warps=8),
              dict(variant=_C, BN=8, BK=512, num_warps=4),
              dict(variant=_F, BN=1, BK=2048, num_warps=4),
              dict(variant=_F, BN=1, BK=1024, num_warps=4),
              dict(variant=_F, BN=1, BK=4096, num_warps=8),
-             dict(variant=_F, BN=8, BK=256, num_warps=4)],
+             dict(variant=_F, BN=8, BK=256, num_warps=4),
+             dict(variant=_C, BN=1, BK=2048, num_warps=8, PREFETCH=True)],       # not yet timed
 }
 
 
 @triton.jit
 def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
                  QUANT: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
-                 MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Rows [pid·BN, +BN) of y [M, N] = x [M, K] @ W [N, K]^T over all K, all M (<= MP) rows."""
+                 MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 V8: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+    """Rows [pid·BN, +BN) of y [M, N] = x [M, K] @ W [N, K]^T over all K, all M (<= MP) rows.
+    V8: 8-element column runs (x and an int8 W tile in one layout, no shared-memory layout
+    change; 8 B int8 loads). PREFETCH (EVEN_K only): the next K step's weights are loaded
+    before this step's math (a register double buffer)."""
     G: tl.constexpr = BK // 128
     pid = tl.program_id(0)
     rn = pid * BN + tl.arange(0, BN)
     n_ok = rn < N
     rn_c = tl.minimum(rn, N - 1).to(tl.int64)    # rows past N re-read row N-1: unmasked loads
     rg = tl.arange(0, G)
-    kofs = rg[:, None] * 128 + tl.arange(0, 128)[None, :]                    # [G, 128]
+    rc = tl.arange(0, 128)
+    if V8:
+        rc = (rc // 8) * 8 + rc % 8              # = rc, but contiguity 8 for the axis analysis
+    kofs = rg[:, None] * 128 + rc[None, :]                                   # [G, 128]
     w_ptr = W + rn_c[:, None, None] * K + kofs[None, :, :]                   # [BN, G, 128]
     rm = tl.arange(0, MP)
     acc = tl.zeros((MP, BN), dtype=tl.float32)
+    q_next = tl.load(w_ptr) if PREFETCH else None   # step 0 (PREFETCH implies EVEN_K)
     for k0 in range(0, K, BK):
-        if EVEN_K:
+        k_ok = (k0 + kofs) < K                                               # [G, 128]
+        if PREFETCH:                     # the last step re-loads itself (an L1 hit), unused
+            q = q_next
+            q_next = tl.load(w_ptr + tl.minimum(k0 + BK, K - BK))
+        elif EVEN_K:
             q = tl.load(w_ptr + k0)
         else:
-            k_ok = (k0 + kofs) < K                                           # [G, 128]
             q = tl.load(w_ptr + k0, mask=k_ok[None, :, :], other=0)
         if MAGIC:                        # 1.5·2^23 + q (|q| <= 127) is exact; minus it: q exact
             wf = (q.to(tl.int32) + _MAGIC_I).to(tl.float32, bitcast=True) - _MAGIC_F
@@ -235,8 +251,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sche
          config: dict | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [..., K] bf16 (M = prod(...) <= GEMV_MAX_M rows) @ weight [N, K]^T -> [..., N] out_dtype,
     for scheme int8_g128 | bf16 | copy (bf16 weight); the semantics of gemm.linear's a16 path.
-    config: overrides of gemv_config (variant, BN, BK, MAGIC, num_warps, num_stages); BK is
-    capped at K rounded up to a power of two."""
+    config: overrides of gemv_config (variant, BN, BK, MAGIC, num_warps, num_stages; cuda: V8,
+    PREFETCH); BK is capped at K rounded up to a power of two."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"gemv: activations must be bfloat16, got {x.dtype}")
     if out_dtype not in (torch.bfloat16, torch.float32):
@@ -286,8 +302,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sche
     bk = min(bk, max(128, triton.next_power_of_2(K)))     # a tile past K would be all masks
     if cfg.get("MAGIC") and not quant:
         raise ValueError("gemv: MAGIC is the int8 conversion (int8_g128 weights only)")
-    kern = _gemv_kernel if variant == "cuda" else _gemv_fma_kernel
-    kern[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), QUANT=quant,
-               MAGIC=bool(cfg.get("MAGIC", False)), EVEN_K=K % bk == 0,
-               MP=triton.next_power_of_2(M), BN=cfg["BN"], BK=bk, **opts)
+    const = dict(QUANT=quant, MAGIC=bool(cfg.get("MAGIC", False)), EVEN_K=K % bk == 0,
+                 MP=triton.next_power_of_2(M), BN=cfg["BN"], BK=bk)
+    if variant == "cuda":                # PREFETCH needs whole K steps (no masks)
+        _gemv_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), **const,
+                           V8=bool(cfg.get("V8", False)),
+                           PREFETCH=bool(cfg.get("PREFETCH", False)) and K % bk == 0, **opts)
+    else:
+        _gemv_fma_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), **const, **opts)
     return y.reshape(*lead, N)

@@ -58,6 +58,8 @@ CASES = [
     (20, 384, dict(BN=8, BK=256)),              # 3 programs (last one 4 rows), K 1.5 steps
     (7, 640, dict(BN=2, BK=128, num_warps=2)),  # 5 K steps, odd N
     (16, 256, None),                            # the default config (one K step)
+    (20, 384, dict(BN=4, BK=128, V8=True, PREFETCH=True)),      # 3 steps double-buffered
+    (12, 512, dict(BN=4, BK=256, PREFETCH=True, MAGIC=True)),   # 2 steps double-buffered
     (20, 384, dict(variant="fma", BN=8, BK=256, MAGIC=True)),   # per-thread accumulators
     (7, 640, dict(variant="fma", BN=2, BK=128, num_warps=2)),
 ]

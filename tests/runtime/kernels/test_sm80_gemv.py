@@ -2,8 +2,9 @@
 helper) for every config of GEMV_CANDIDATES, GEMV_TABLE and the default, int8_g128 (BF16 out) and
 BF16 weights (FP32 out), cuda and fma at M padded to 1 and 8 rows: shared memory within 99 KB,
 no FP8/FP4. cuda, fma: no MMA (CUDA-core FMAs), and MAGIC really converts without an int ->
-float cvt (I2F) in the PTX; fma needs no shared memory beyond the final reductions' 1 KB (more
-would mean a layout change inside the K loop). Compiled in a subprocess without TRITON_INTERPRET.
+float cvt (I2F) in the PTX; fma and cuda V8 (int8) need no shared memory beyond the final
+reductions' 1 KB (more would mean a layout change inside the K loop). Compiled in a subprocess
+without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def compile_all() -> list[dict]:
         fn = gemv._gemv_kernel if cfg["variant"] == "cuda" else gemv._gemv_fma_kernel
         const = dict(QUANT=quant, MAGIC=bool(cfg.get("MAGIC")), EVEN_K=True, MP=mp,
                      BN=cfg["BN"], BK=cfg["BK"])
+        if cfg["variant"] == "cuda":
+            const.update(V8=bool(cfg.get("V8")), PREFETCH=bool(cfg.get("PREFETCH")))
         r = _compile(fn, types, const, opts, ("N", "K", "stride_xm"))
         # the same source again (a cache hit) for the PTX: int -> float conversions
         sig = {a: types.get(a, "constexpr") for a in fn.arg_names}
@@ -73,7 +76,7 @@ def test_gemv_compiles_for_sm80():
         assert r["shared"] <= SHARED_LIMIT, f"{name}: {r['shared']} B shared"
         assert not r["fp8"], name
         assert r["mma"] == [], name
-        if r["kernel"] == "_gemv_fma_kernel":
+        if r["kernel"] == "_gemv_fma_kernel" or r["config"].get("V8") and r["config"]["QUANT"]:
             assert r["shared"] <= 1024, f"{name}: {r['shared']} B shared (a layout change?)"
         if r["config"]["QUANT"] and r["config"]["MAGIC"]:
             assert r["i2f"] == 0, f"{name}: MAGIC still converts with cvt"
