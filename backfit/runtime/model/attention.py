@@ -159,7 +159,7 @@ class Attention(nn.Module):
         the chunk's own kv in flight and the entries, then the chunks' kv go to the rings.
         Decode (one token per sequence) and chunked prefill / mixed batches. -> o [T, Hl, D] FP32.
         """
-        from backfit.runtime.kernels.attention import decode_attention, sparse_attention
+        from backfit.runtime.kernels.attention import decode_attention
         T, lens = q.shape[0], batch.seq_lens
         decode = T == len(lens)
         seq = start = None
@@ -201,7 +201,8 @@ class Attention(nn.Module):
             o = decode_attention(*args)
             cache.write_window_tokens(pos, kv)                        # after the kernel read it
         else:
-            o = sparse_attention(*args, seq=seq, start=start)
+            from backfit.runtime.kernels.attention_prefill import sparse_attention_prefill
+            o = sparse_attention_prefill(*args, seq=seq, start=start)    # query-blocked
             for s in batch.slices():
                 cache.write_window(s.index, pos[s.lo:s.hi], kv[s.lo:s.hi])
         return o
