@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from backfit.formats import INT8_GROUP
+from backfit.runtime.kernels import gemv
 
 __all__ = ["PREFILL_M", "act_quant", "linear", "a16_config", "w8a8_config", "dot_bf16",
            "interpreted"]
@@ -207,7 +208,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
     automatic path is a16 at every M (BF16 x BF16 and BF16 x INT8 products are exact in FP32, so
     the result is F.linear(x.float(), W.float()) up to summation order; W8A8 would round x).
     path "a16"/"w8a8", split_k and config (tile overrides) replace the automatic choice (tests,
-    benchmarks). Split-K uses a per-device workspace: one stream at a time.
+    benchmarks). Split-K uses a per-device workspace: one stream at a time. M <= 8 rows at a
+    shape of kernels.gemv's GEMV_TABLE (measured faster than a16 on the H200) go to kernels.gemv.
     """
     if x.dtype != torch.bfloat16:
         raise ValueError(f"linear kernel: activations must be bfloat16, got {x.dtype}")
@@ -240,6 +242,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
+    if path is None and config is None and split_k is None and 0 < M <= gemv.GEMV_MAX_M \
+            and weight.dtype in (torch.int8, torch.bfloat16) \
+            and gemv.gemv_lookup(M, N, K, quant) is not None:     # a measured win (H200 sweep)
+        return gemv.gemv(x2, weight, scale, scheme, out_dtype=out_dtype).reshape(*lead, N)
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return y.reshape(*lead, N)

@@ -115,6 +115,31 @@ def test_bad_input_one_line_errors(gemm):
             call()
 
 
+def test_small_m_goes_to_gemv_only_at_table_shapes(gemm, monkeypatch):
+    """linear() sends M <= 8 rows to kernels.gemv where GEMV_TABLE lists the shape (an H200
+    win), with the same result as the a16 path to FP32 summation order; other shapes, M > 8,
+    explicit path/config and FP32 weights stay on a16."""
+    from backfit.runtime.kernels import gemv
+    gen = torch.Generator().manual_seed(3)
+    q, sc = int8_weight(96, 256, gen)
+    entry = ("int8", (96, 96), (256, 256), (1, 4), dict(variant="cuda", BN=4, BK=128,
+                                                         num_warps=4, MAGIC=True))
+    monkeypatch.setattr(gemv, "GEMV_TABLE", [entry])
+    calls = []
+    real = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    x = randn(3, 256, gen=gen)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        y = gemm.linear(x, q, sc, "int8_g128", out_dtype=out_dtype)
+        assert calls[-1] == (3, 256) and y.dtype == out_dtype and y.shape == (3, 96)
+        assert rel(y, gemm.linear(x, q, sc, "int8_g128", path="a16", out_dtype=out_dtype)) < TOL
+    n = len(calls)
+    gemm.linear(randn(5, 256, gen=gen), q, sc, "int8_g128")          # M = 5: not in the entry
+    gemm.linear(x, q[:64].contiguous(), sc[:64].contiguous(), "int8_g128")   # another N
+    gemm.linear(x, q, sc, "int8_g128", config=dict(BN=32))            # explicit tiles
+    assert len(calls) == n
+
+
 def test_backend_switch_set_once_default_torch(monkeypatch):
     monkeypatch.setattr(kernels_pkg, "_backend", None)
     assert kernels_pkg.get_kernel_backend() == "torch"
