@@ -322,11 +322,16 @@ def _launch_decode(kernels: dict, grid_p: int, N: int, K: int, cfg: dict, args: 
 
 
 def _sorted_config(P: int) -> dict:
+    """Tiles of the sorted path for P pairs. H200, session 8 (.whl/moe_prefill.py, events):
+    T = 2048 (P = 12288) 7.07 ms -> 5.42 with BM 64 x BN 128, 4 stages; T = 8192 (P = 49152)
+    14.9 -> 12.8 ms with BM 256 x BN 64, 8 warps (it loses at T = 2048: 10.6 ms)."""
     if P <= 1024:
         return dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3)
-    if P <= 16384:
+    if P <= 8192:
         return dict(BM=32, BN=128, BK=64, num_warps=4, num_stages=3)
-    return dict(BM=128, BN=64, BK=64, num_warps=4, num_stages=3)
+    if P <= 32768:
+        return dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4)
+    return dict(BM=256, BN=64, BK=64, num_warps=8, num_stages=3)
 
 
 _GEMV = dict(base=(_moe_gemv_kernel, {}),

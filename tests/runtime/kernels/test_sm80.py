@@ -88,7 +88,7 @@ def compile_all() -> list[dict]:
             cfg, opts = _split(dc)
             out.append(_compile(kern, mtypes, dict(cfg, **extra, GATED=gated, LIMIT=10.0), opts,
                                 ("N", "K")))
-        for p in (384, 6144, 8192 * 6):
+        for p in (384, 6144, 12288, 8192 * 6):
             cfg, opts = _split(moe._sorted_config(p))
             out.append(_compile(moe._moe_sorted_kernel, mtypes,
                                 dict(cfg, GATED=gated, LIMIT=10.0, F32=False), opts, ("N", "K")))
@@ -97,7 +97,7 @@ def compile_all() -> list[dict]:
 
 def test_every_kernel_config_compiles_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 16 + 2 * (1 + 2 * 5)            # 5 decode variants x 2 tiles
+    assert len(results) == 18 + 2 * (1 + 2 * 5)            # 5 decode variants x 2 tiles
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name

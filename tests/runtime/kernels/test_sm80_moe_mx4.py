@@ -46,7 +46,7 @@ def compile_all() -> list[dict]:
         cfg, opts = _split(cfg)
         out.append(compile_one(kern, types, dict(cfg, **extra, GATED=gated, LIMIT=10.0),
                                opts, ("N", "K")))
-        for p in (384, 6144, 8192 * 6):
+        for p in (384, 6144, 12288, 8192 * 6):
             cfg, opts = _split(moe._sorted_config(p))
             out.append(compile_one(moe_mx4._mx4_sorted_kernel, types,
                                 dict(cfg, GATED=gated, BY_SLOT=not gated, LIMIT=10.0, F32=False),
@@ -76,7 +76,7 @@ def compile_all() -> list[dict]:
 
 def test_mx4_moe_kernels_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 8 + 4 + 5                        # + decode variants
+    assert len(results) == 10 + 4 + 5                       # + decode variants
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
