@@ -15,42 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 from backfit.runtime.kernels.attention import decode_attention
 from backfit.runtime.kernels.indexer import indexer_scores, topk_select
+from gpu_timing import copy_bandwidth, graph_time  # noqa: E402
 
 H, D, W, RB, BLOCK, TOPK, HI, DI = 64, 512, 128, 8, 128, 512, 64, 128
 L2_BYTES = 200 << 20                        # working set per graph: well past the 50 MB L2
-
-
-def graph_time(fn, reps=10) -> float:
-    """Median seconds of one replay of a graph that runs fn() once (fn does `rot` calls)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
-    y = torch.empty_like(x)
-    t = graph_time(lambda: y.copy_(x))
-    return 2 * x.numel() * 2 / t
 
 
 def store(n, rows, int8, gen):

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
 from backfit.runtime.kernels.attention import sparse_attention
 from backfit.runtime.kernels.attention_prefill import PREFILL_CONFIGS, sparse_attention_prefill
+from gpu_timing import cuda_time  # noqa: E402
 
 H, D, W, RB, BLOCK, TOPK, T = 64, 512, 128, 8, 128, 512, 2048
 RATIO = {"window": 0, "csa": 4, "hca": 128}
@@ -41,21 +41,6 @@ CANDIDATES = {
             (1, 16, 16, 4, 3, 0)],
 }
 CANDIDATES["hca"] = CANDIDATES["window"]
-
-
-def cuda_time(fn, reps: int) -> float:
-    """Median seconds of one fn() call (after one warm-up call)."""
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
 
 
 def matmul_peak() -> float:

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
 from backfit.runtime.kernels import mhc
 from backfit.runtime.model import hyper
+from gpu_timing import copy_bandwidth, graph_time  # noqa: E402
 
 S, D, ITERS, HC_EPS, NORM_EPS = 4, 4096, 20, 1e-6, 1e-6
 L2_BYTES = 200 << 20
@@ -33,32 +33,6 @@ FP32_NOISE = 1e-6                           # as tests/runtime/kernels/test_mhc.
 CANDIDATES = [None, dict(MMA3=False), dict(BT=64, BK=32, warps=4), dict(BK=128),
               dict(split=3), dict(split=8), dict(split=16), dict(BT=256, BK=32, split=8),
               dict(BTU=1, BD=4096), dict(BTU=4, BD=512)]
-
-
-def graph_time(fn, reps=10) -> float:
-    """Median seconds of one replay of a graph that runs fn() once."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() * 2 / graph_time(lambda: y.copy_(x))
 
 
 def rel_max(a, b) -> float:
