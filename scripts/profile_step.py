@@ -1,0 +1,133 @@
+"""Where a step's time goes, on the lent GPU (4 real DeepSeek-V4-Flash layers, triton kernels):
+
+    python3 scripts/profile_step.py [--trace] [--host] [--prefill N] [--out file.txt]
+
+  --trace    the ordered kernel list of one batch-1 CUDA-graph replay: start, gap to the previous
+             kernel and duration in µs (torch.profiler), with the kernel count and GPU busy time
+  --host     the host part of a batch-1 and a batch-8 graph step, piece by piece (padding into
+             the pinned staging rows, the one input copy, replay(), the logits clone), each with
+             its sync, against the replay's GPU time (CUDA events)
+  --prefill  the top kernels of one N-token prefill (eager)
+Built like scripts/bench_decode.py (random converted weights, random paged pools).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_decode as bd  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from backfit.runtime.distributed import set_tp_info  # noqa: E402
+from backfit.runtime.graphs import pad_decode_inputs  # noqa: E402
+
+
+def cuda_events(fn, n: int):
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    return sorted((e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
+def trace(r, log) -> None:
+    st = bd.step_input(r, 1, 512)
+    ev = cuda_events(lambda: r.forward(st), 1)
+    t0 = prev = ev[0].time_range.start
+    log(f"batch-1 graph step: {len(ev)} kernels, busy {sum(e.device_time for e in ev) / 1e3:.3f} ms, "
+        f"span {(ev[-1].time_range.end - t0) / 1e3:.3f} ms")
+    for e in ev:
+        s = e.time_range.start
+        log(f"{s - t0:9.1f} gap {s - prev:6.1f} dur {e.time_range.end - s:7.1f}  {e.name[:100]}")
+        prev = e.time_range.end
+
+
+def host(r, log) -> None:
+    G = r.graphs
+
+    def med(f, n=200):
+        ts = []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            f()
+            torch.cuda.synchronize()
+            ts.append((time.perf_counter() - t) * 1e6)
+        return statistics.median(ts)
+    for B in (1, 8):
+        st = bd.step_input(r, B, 512)
+        seqs = [(s.tokens[0], s.start, s.slot, s.block_table) for s in st.seqs]
+        Bg = G.size_for(B)
+        g, out = G.graphs[Bg]
+        pad = (G.nblk, r.cache.scratch_slot, r.cache.scratch_block, G.rows[:Bg])
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        gpu = []
+        for _ in range(50):
+            e0.record()
+            g.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            gpu.append(e0.elapsed_time(e1) * 1e3)
+        res = {"forward + sync": med(lambda: r.forward(st)),
+               "replay + sync": med(g.replay),
+               "replay GPU time (events)": statistics.median(gpu),
+               "pad into the pinned rows": med(lambda: pad_decode_inputs(seqs, Bg, *pad)),
+               "the one input copy + sync": med(
+                   lambda: G.stage[:Bg].copy_(G.host[:Bg], non_blocking=True)),
+               "logits clone + sync": med(lambda: out[:B].clone())}
+        log(f"batch {B} (graph {Bg}):")
+        for k, v in res.items():
+            log(f"  {k:28s} {v:9.1f} us")
+
+
+def prefill(r, n: int, log) -> None:
+    st = bd.step_input(r, 1, 0, n=n)
+    ev = cuda_events(lambda: r.forward(st), 2)
+    tot, cnt = {}, {}
+    for e in ev:
+        tot[e.name] = tot.get(e.name, 0) + e.device_time / 2 / 1e3
+        cnt[e.name] = cnt.get(e.name, 0) + 0.5
+    log(f"prefill {n}: {len(ev) / 2:.0f} kernels, GPU busy {sum(tot.values()):.2f} ms")
+    for k, v in sorted(tot.items(), key=lambda kv: -kv[1])[:25]:
+        log(f"  {v:8.3f} ms {cnt[k]:6.0f}x  {k[:100]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--host", action="store_true")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    lines = []
+
+    def log(m):
+        print(m, flush=True)
+        lines.append(m)
+    set_tp_info(0, 1)
+    r = bd.build_runner(bd.raw_config(4, False), "cuda", 8, 8 * 160, 8200 + 16)
+    bd.use_backend(r, "triton")
+    if a.prefill:
+        prefill(r, a.prefill, log)
+    if a.trace or a.host:
+        r.graphs = bd.capture_graphs(r)
+        if a.trace:
+            trace(r, log)
+        if a.host:
+            host(r, log)
+    if a.out:
+        Path(a.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
