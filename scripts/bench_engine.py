@@ -8,7 +8,9 @@ concurrency level keeps exactly C requests in flight (a new one is added when on
 until --num-requests (default 2*C) are done; prompts are random ids (no prefix sharing:
 prefix caching off), outputs run to --output-len (ignore_eos). Figures: output tokens/s
 (decode throughput incl. prefill time), mean/p50/p95 TTFT (from add to the first token), and
-mean step time split into steps with and without a prefill chunk.
+mean step time split into steps with and without a prefill chunk, and the engine's host part of
+a decode step (step time minus the runner's forward: scheduling, block bookkeeping, building the
+step, sampling, detokenizing), which a GPU step does not hide.
 """
 
 from __future__ import annotations
@@ -55,6 +57,16 @@ def run_level(engine: LLMEngine, C: int, n: int, plen: int, olen: int, vocab: in
         t_add[rid] = time.perf_counter()
         added += 1
 
+    fwd = []                                   # runner forward time of the current step
+    real_forward = engine.ranks.forward
+
+    def timed_forward(step):
+        t = time.perf_counter()
+        out = real_forward(step)
+        fwd.append(time.perf_counter() - t)
+        return out
+    engine.ranks.forward = timed_forward
+    host = []                                  # decode steps: step time - forward time
     t0 = time.perf_counter()
     while added < min(C, n):
         add()
@@ -65,6 +77,9 @@ def run_level(engine: LLMEngine, C: int, n: int, plen: int, olen: int, vocab: in
         outs = engine.step()
         dt = time.perf_counter() - t
         step_t["prefill" if has_prefill else "decode"].append(dt)
+        if not has_prefill and fwd:
+            host.append(dt - fwd[-1])
+        fwd.clear()
         for o in outs:
             out_tokens += len(o.token_ids)
             first.setdefault(o.request_id, time.perf_counter() - t_add[o.request_id])
@@ -73,12 +88,15 @@ def run_level(engine: LLMEngine, C: int, n: int, plen: int, olen: int, vocab: in
                 if added < n:
                     add()
     wall = time.perf_counter() - t0
+    engine.ranks.forward = real_forward
     ttft = list(first.values())
     mean = lambda xs: statistics.mean(xs) if xs else float("nan")    # noqa: E731
     return {"concurrency": C, "requests": n, "tokens_per_s": out_tokens / wall,
             "ttft_mean_ms": 1e3 * mean(ttft), "ttft_p50_ms": 1e3 * pct(ttft, 0.5),
             "ttft_p95_ms": 1e3 * pct(ttft, 0.95), "decode_step_ms": 1e3 * mean(step_t["decode"]),
-            "prefill_step_ms": 1e3 * mean(step_t["prefill"]), "steps": sum(map(len, step_t.values()))}
+            "prefill_step_ms": 1e3 * mean(step_t["prefill"]),
+            "engine_host_ms": 1e3 * mean(host),       # scheduling, sampling, detokenizing
+            "steps": sum(map(len, step_t.values()))}
 
 
 def main() -> None:
@@ -112,11 +130,12 @@ def main() -> None:
     print(f"\nengine benchmark: {model.name}, {a.device}, {a.dtype}, tp {a.tp}, threads "
           f"{torch.get_num_threads()}, prompt {a.prompt_len}, output {a.output_len}")
     print(f"{'conc':>5} {'reqs':>5} {'tok/s':>8} {'TTFT mean':>10} {'p50':>8} {'p95':>8} "
-          f"{'decode step':>12} {'prefill step':>13}")
+          f"{'decode step':>12} {'prefill step':>13} {'engine host':>12}")
     for r in rows:
         print(f"{r['concurrency']:>5} {r['requests']:>5} {r['tokens_per_s']:>8.1f} "
               f"{r['ttft_mean_ms']:>8.0f}ms {r['ttft_p50_ms']:>6.0f}ms {r['ttft_p95_ms']:>6.0f}ms "
-              f"{r['decode_step_ms']:>10.1f}ms {r['prefill_step_ms']:>11.1f}ms")
+              f"{r['decode_step_ms']:>10.1f}ms {r['prefill_step_ms']:>11.1f}ms "
+              f"{r['engine_host_ms']:>10.2f}ms")
 
 
 if __name__ == "__main__":
