@@ -4,13 +4,16 @@
                      BF16 or FP32 output (head, router, compressors)
   kernels.moe        fused MoE for stacked int8_mx32 experts (gate+up+SwiGLU, down with routing
                      weight; decode GEMV variants and the sorted tensor-core path)
-  kernels.moe_mx4    the same for 4-bit mx4_e2m1 experts (e2m1 decoded in registers)
+  kernels.gemv       small-M (decode) GEMV for the linears, where its table says it beats gemm's
+  kernels.moe_mx4    the same for 4-bit mx4_e2m1 experts (e2m1 decoded in registers); its decode
+                     GEMV variants in kernels.moe_mx4_decode
   kernels.attention  sparse attention over the paged pools (decode and chunked prefill)
+  kernels.attention_prefill  the query-blocked kernel the chunked prefill runs on
   kernels.indexer    lightning-indexer scores and top-k over the paged indexer keys
   kernels.mhc        mHC hc_pre / hc_post / hc_head (FP32 logits + Sinkhorn, 2 / 1 / 2 launches)
   kernels.rope_norm  RMSNorm and RoPE, one launch each (RoPE bit-equal to the torch path)
   kernels.cache_ops  the compressors' decode update and the ring / entry stores of a decode step
-  kernels.pointwise  the router's top-k and the shared expert's SwiGLU
+  kernels.pointwise  the router's top-k, the shared expert's SwiGLU, the MoE's top-k + shared sum
   kernels.ref        plain-torch references with the runtime's torch-path math (tests, fallback)
 
 The switch is read by runtime.layers, runtime.cache.paged and runtime.model.* (attention,

@@ -33,9 +33,11 @@ def kmx4():
     import backfit.runtime.kernels.gemm as gemm
     import backfit.runtime.kernels.moe as kmoe
     import backfit.runtime.kernels.moe_mx4 as kmx4
+    import backfit.runtime.kernels.moe_mx4_decode as kdec
     if gemm.interpreted() != INTERPRET:
         importlib.reload(gemm)
         importlib.reload(kmoe)
+        importlib.reload(kdec)
         kmx4 = importlib.reload(kmx4)
     return kmx4
 
