@@ -3,7 +3,7 @@
   kernels.gemm       quantized linear: int8_g128 (W8A16 decode, W8A8 prefill), bf16/copy weights,
                      BF16 or FP32 output (head, router, compressors)
   kernels.moe        fused MoE for stacked int8_mx32 experts (gate+up+SwiGLU, down with routing
-                     weight; decode GEMV variants and the sorted tensor-core path)
+                     weight; the sorted tensor-core path; decode GEMV variants in moe_decode)
   kernels.gemv       small-M (decode) GEMV for the linears, where its table says it beats gemm's
   kernels.moe_mx4    the same for 4-bit mx4_e2m1 experts (e2m1 decoded in registers); its decode
                      GEMV variants in kernels.moe_mx4_decode

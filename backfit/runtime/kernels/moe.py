@@ -12,7 +12,8 @@ the torch path's roundings (runtime/model/moe.py). Weights are dequantized in re
 exactly (|q| <= 12 needs 4 mantissa bits), and multiplied with BF16 activations on the BF16 tensor
 cores with FP32 accumulation; no INT8 activations. Two launches, gate+up and down, for all
 active experts, and no host sync (the decode step can be captured in a CUDA graph):
-  decode   (P = T·k <= DECODE_PAIRS): one program per (pair, N-block), a GEMV on CUDA cores.
+  decode   (P = T·k <= DECODE_PAIRS): one program per (pair, N-block), a GEMV on CUDA cores
+           (its variants: kernels.moe_decode).
   sorted   otherwise: pairs sorted by expert on the device (`align`), each expert's run padded to
            BM rows; a program computes a [BM, BN] tile of one expert with tl.dot. The grid is the
            upper bound cdiv(P, BM) + min(E, P) blocks; blocks past the real count exit at once.
@@ -26,167 +27,14 @@ import triton.language as tl
 
 from backfit.formats import MX_GROUP
 from backfit.runtime.kernels.gemm import dot_bf16, interpreted
+from backfit.runtime.kernels.moe_decode import _dequant_mx, _moe_gemv_group_kernel, \
+    _moe_gemv_kernel, _pow2_mx, _swiglu
 
 __all__ = ["DECODE_PAIRS", "DECODE_TABLE", "DECODE_VARIANTS", "align", "fused_moe",
            "stack_experts"]
 
 DECODE_PAIRS = 64        # up to this many (token, expert) pairs: per-pair GEMV path
 MX_BIAS = 128            # int8_mx32 exponent bias (2·e2m1 absorbs one factor 2)
-
-
-@triton.jit
-def _dequant_mx(q, e, BN: tl.constexpr, BK: tl.constexpr):
-    """q int8 [BN, BK], e uint8 [BN, BK/32] -> q·2^(e-128) as FP32 [BN, BK]."""
-    s = tl.exp2(e.to(tl.float32) - 128.0)                                     # [BN, BK/32]
-    w = tl.reshape(q.to(tl.float32), (BN, BK // 32, 32)) * s[:, :, None]
-    return tl.reshape(w, (BN, BK))
-
-
-@triton.jit
-def _swiglu(g, u, wr, LIMIT: tl.constexpr):
-    """BF16-rounded g, u as the torch path (bf16 linears), clamps, silu(g)·u·w in FP32."""
-    g = tl.minimum(g.to(tl.bfloat16).to(tl.float32), LIMIT)                  # gate: upper only
-    u = u.to(tl.bfloat16).to(tl.float32)
-    u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)                              # up: both sides
-    return g * tl.sigmoid(g) * u * wr
-
-
-@triton.jit
-def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
-                     GATED: tl.constexpr, LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Pair p, rows [pid_n·BN, +BN) of expert idx[p]: GATED -> h [P, N], else out [P, N] (bf16)."""
-    p, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(IDX + p).to(tl.int64)
-    arow = p // TOPK if GATED else p                        # gate/up read x[t], down reads h[p]
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    rg = tl.arange(0, BK // 32)
-    n_ok = rn < N
-    KG = K // 32
-    w_off = e * N * K + rn[:, None] * K                     # [BN, 1] int64
-    s_off = e * N * KG + rn[:, None] * KG
-    acc1 = tl.zeros((BN,), dtype=tl.float32)
-    acc3 = tl.zeros((BN,), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        a = tl.load(A + arow * K + k0 + rk).to(tl.float32)                   # [BK]
-        q = tl.load(W1 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
-        s = tl.load(S1 + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
-        acc1 += tl.sum(_dequant_mx(q, s, BN, BK) * a[None, :], axis=1)       # exact BF16 values
-        if GATED:
-            q = tl.load(W3 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
-            s = tl.load(S3 + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
-            acc3 += tl.sum(_dequant_mx(q, s, BN, BK) * a[None, :], axis=1)
-    if GATED:
-        out = _swiglu(acc1, acc3, tl.load(RW + p), LIMIT)
-    else:
-        out = acc1
-    tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
-
-
-# Decode GEMV variants (config key "variant"; docs/KERNELS.md; bench_kernels.py --moe-decode-sweep)
-#   base      _moe_gemv_kernel: [BN, BK] tiles dequantized through a [BN, BK/32, 32] reshape.
-#   group     _moe_gemv_group_kernel MODE 0: tiles loaded as [BN, BK/32, 32] (no reshape), group
-#             sums Σ_j q·x (exact products) times 2^(e-128) once per group, [BN, BK/32] partials
-#             across K, one cross-group sum at the end.
-#   magic     MODE 1: group without I2F (16/clk/SM): bits(1.5·2^23) + q is the float 1.5·2^23 + q,
-#             minus 1.5·2^23 exact; 2^(e-128) built from bits, not ex2 (exact, subnormals too).
-#   fma       MODE 2: magic's codes, each weight dequantized by one exact FMA, (1.5·2^23 + q)·2^e
-#             − 1.5·2^23·2^e (exact products and difference; finite for e <= 231, |w| <= 12·2^103),
-#             FMA-accumulated per element.
-#   prefetch  magic + the next K tile's loads issued before this tile's math (double-buffered in
-#             registers; a CUDA-core GEMV gets no cp.async pipelining).
-# FP32 accumulation in all; the same bf16 roundings (only the summation order moves).
-_MAGIC_I = tl.constexpr(0x4B400000)            # bits of 1.5·2^23
-_MAGIC_F = tl.constexpr(12582912.0)            # 1.5·2^23
-
-
-@triton.jit
-def _pow2_mx(s):
-    """Exponent bytes (any shape) -> FP32 2^(s-128) from bits, exact (subnormal for s <= 1)."""
-    e = s.to(tl.int32)
-    bits = tl.where(e > 1, (e - 1) << 23, (e + 1) << 21)       # e = 0, 1: 2^-128, 2^-127 (subnormal)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _acc_tile(acc, q, s, a, MODE: tl.constexpr):
-    """acc + one tile: q int8/int32 codes [BN, G, 32], s exponent bytes [BN, G], a FP32 [1, G, 32];
-    acc [BN, G] group sums (MODE 0, 1) or [BN, G, 32] per-element FMAs (MODE 2)."""
-    if MODE == 0:
-        acc += tl.sum(q.to(tl.float32) * a, axis=2) * tl.exp2(s.to(tl.float32) - 128.0)
-    else:
-        qf = (q.to(tl.int32) + _MAGIC_I).to(tl.float32, bitcast=True)          # 1.5·2^23 + q
-        if MODE == 1:
-            acc += tl.sum((qf - _MAGIC_F) * a, axis=2) * _pow2_mx(s)
-        else:
-            sc = _pow2_mx(s)[:, :, None]
-            acc += (qf * sc - _MAGIC_F * sc) * a
-    return acc
-
-
-@triton.jit
-def _acc_rows(acc, MODE: tl.constexpr):
-    """_acc_tile's accumulator -> FP32 [BN] row sums."""
-    if MODE == 2:
-        acc = tl.sum(acc, axis=2)
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _moe_gemv_group_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
-                           LIMIT: tl.constexpr, MODE: tl.constexpr, PREFETCH: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr):
-    """_moe_gemv_kernel's contract, tiles [BN, BK/32, 32] (variants group / magic / fma /
-    prefetch). Prefetched codes are carried as int32 (an int8 loop-carried tile costs byte
-    repacking instructions)."""
-    G: tl.constexpr = BK // 32
-    p, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(IDX + p).to(tl.int64)
-    arow = p // TOPK if GATED else p
-    rn = pid_n * BN + tl.arange(0, BN)
-    rg = tl.arange(0, G)
-    rj = tl.arange(0, 32)
-    n_ok = rn < N
-    m3, m2 = n_ok[:, None, None], n_ok[:, None]
-    KG = K // 32
-    w_off = e * N * K + rn[:, None, None] * K + rg[None, :, None] * 32 + rj[None, None, :]
-    s_off = e * N * KG + rn[:, None] * KG + rg[None, :]                        # [BN, G]
-    a_off = arow * K + rg[:, None] * 32 + rj[None, :]                          # [G, 32]
-    if MODE == 2:
-        acc1 = tl.zeros((BN, G, 32), dtype=tl.float32)
-    else:
-        acc1 = tl.zeros((BN, G), dtype=tl.float32)
-    acc3 = tl.zeros_like(acc1)
-    if PREFETCH:                                  # tile k0 = 0 (BK divides K)
-        q1 = tl.load(W1 + w_off, mask=m3, other=0).to(tl.int32)
-        s1 = tl.load(S1 + s_off, mask=m2, other=0)
-        q3, s3 = q1, s1
-        if GATED:
-            q3 = tl.load(W3 + w_off, mask=m3, other=0).to(tl.int32)
-            s3 = tl.load(S3 + s_off, mask=m2, other=0)
-    for k0 in range(0, K, BK):
-        a = tl.load(A + a_off + k0).to(tl.float32)[None, :, :]                 # [1, G, 32]
-        nk = tl.minimum(k0 + BK, K - BK) if PREFETCH else k0   # last prefetch: itself (L1)
-        q1n = tl.load(W1 + w_off + nk, mask=m3, other=0)
-        s1n = tl.load(S1 + s_off + nk // 32, mask=m2, other=0)
-        q3n, s3n = q1n, s1n
-        if GATED:
-            q3n = tl.load(W3 + w_off + nk, mask=m3, other=0)
-            s3n = tl.load(S3 + s_off + nk // 32, mask=m2, other=0)
-        if PREFETCH:
-            q1n, q3n = q1n.to(tl.int32), q3n.to(tl.int32)
-            acc1 = _acc_tile(acc1, q1, s1, a, MODE)
-            if GATED:
-                acc3 = _acc_tile(acc3, q3, s3, a, MODE)
-            q1, s1, q3, s3 = q1n, s1n, q3n, s3n
-        else:
-            acc1 = _acc_tile(acc1, q1n, s1n, a, MODE)
-            if GATED:
-                acc3 = _acc_tile(acc3, q3n, s3n, a, MODE)
-    out = _acc_rows(acc1, MODE)
-    if GATED:
-        out = _swiglu(out, _acc_rows(acc3, MODE), tl.load(RW + p), LIMIT)
-    tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
 
 
 @triton.jit

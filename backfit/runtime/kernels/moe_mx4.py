@@ -30,8 +30,9 @@ import triton.language as tl
 from backfit.formats import MX_GROUP
 from backfit.runtime.kernels.gemm import dot_bf16, interpreted
 from backfit.runtime.kernels.moe import DECODE_PAIRS, _fit_bk, _launch_decode, _sorted_config, \
-    _swiglu, align, run_moe
+    align, run_moe
 from backfit.runtime.kernels.moe import _decode_config as _moe_decode_config
+from backfit.runtime.kernels.moe_decode import _swiglu
 from backfit.runtime.kernels.moe_mx4_decode import GEMV_KERNELS, _TWO126, _e2m1_hi, _e2m1_lo, \
     _pow2
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from backfit.runtime.kernels.gemm import dot_bf16
-from backfit.runtime.kernels.moe import _swiglu
+from backfit.runtime.kernels.moe_decode import _swiglu
 
 __all__ = ["GEMV_KERNELS"]
 

@@ -31,6 +31,7 @@ def kmoe():
     import backfit.runtime.kernels.moe as kmoe
     if gemm.interpreted() != INTERPRET:
         importlib.reload(gemm)
+        importlib.reload(importlib.import_module("backfit.runtime.kernels.moe_decode"))
         kmoe = importlib.reload(kmoe)
     return kmoe
 

@@ -36,6 +36,7 @@ def kmx4():
     import backfit.runtime.kernels.moe_mx4_decode as kdec
     if gemm.interpreted() != INTERPRET:
         importlib.reload(gemm)
+        importlib.reload(importlib.import_module("backfit.runtime.kernels.moe_decode"))
         importlib.reload(kmoe)
         importlib.reload(kdec)
         kmx4 = importlib.reload(kmx4)
