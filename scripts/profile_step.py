@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_decode as bd  # noqa: E402
+import bench_model as bd  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from backfit.runtime.distributed import set_tp_info  # noqa: E402
