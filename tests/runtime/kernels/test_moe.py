@@ -3,7 +3,6 @@ module's kernel path behind the switch. CPU: Triton interpreter (see test_gemm.p
 
 from __future__ import annotations
 
-import importlib
 import os
 from types import SimpleNamespace
 
@@ -16,24 +15,19 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
 TOL = 2e-2 if INTERPRET else 5e-3        # interpreter: truncating fp32->bf16 casts (4 per path)
 
+import moe_support  # noqa: E402
+from moe_support import LIMIT, moe_kernels, rel, stacks, without_host_sync  # noqa: E402
 from support import one_thread  # noqa: E402
 
 from backfit.quant import quantize_int8_groups
 from backfit.runtime.kernels import ref
 from backfit.runtime.model import moe as moe_model
 
-LIMIT = 10.0
 
 
 @pytest.fixture(scope="module")
 def kmoe():
-    import backfit.runtime.kernels.gemm as gemm
-    import backfit.runtime.kernels.moe as kmoe
-    if gemm.interpreted() != INTERPRET:
-        importlib.reload(gemm)
-        importlib.reload(importlib.import_module("backfit.runtime.kernels.moe_decode"))
-        kmoe = importlib.reload(kmoe)
-    return kmoe
+    return moe_kernels(INTERPRET)[0]
 
 
 def mx_weight(e: int, n: int, k: int, gen: torch.Generator, lo: int = 118, hi: int = 126):
@@ -45,22 +39,11 @@ def mx_weight(e: int, n: int, k: int, gen: torch.Generator, lo: int = 118, hi: i
 
 
 def experts(E: int, D: int, I: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    w1, s1 = mx_weight(E, I, D, gen)
-    w3, s3 = mx_weight(E, I, D, gen, 121, 129)          # larger up: some |u| > L gets clamped
-    w2, s2 = mx_weight(E, D, I, gen)
-    return (w1, s1, w3, s3, w2, s2), gen
+    return stacks(mx_weight, E, D, I, seed, (121, 129))
 
 
 def routing(T: int, k: int, E: int, gen: torch.Generator):
-    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(DEV)
-    return idx, torch.rand(T, k, generator=gen).to(DEV)
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm()).item()
+    return moe_support.routing(T, k, E, gen, DEV)
 
 
 @pytest.mark.parametrize("path,sizes", [("decode", (1, 2, 3)), ("sorted", (1, 5, 23, 130))])
@@ -271,13 +254,7 @@ def test_gpu_real_shapes_and_no_host_sync(kmoe):
         x = torch.randn(T, D, generator=gen).bfloat16().cuda()
         idx, w = routing(T, k, E, gen)
         want = ref.moe_routed_ref(x, idx, w, *st, LIMIT)
-        kmoe.fused_moe(x, idx, w, *st, LIMIT)                # compile outside the sync check
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            y = kmoe.fused_moe(x, idx, w, *st, LIMIT)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        y = without_host_sync(lambda: kmoe.fused_moe(x, idx, w, *st, LIMIT))
         assert rel(y, want) < 5e-3, T
 
 
@@ -293,11 +270,6 @@ def test_gpu_decode_variants_real_shapes_and_no_host_sync(kmoe, variant):
         x = torch.randn(T, D, generator=gen).bfloat16().cuda()
         idx, w = routing(T, k, E, gen)
         want = ref.moe_routed_ref(x, idx, w, *st, LIMIT)
-        kmoe.fused_moe(x, idx, w, *st, LIMIT, path="decode", config=cfg)      # compile first
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            y = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="decode", config=cfg)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        y = without_host_sync(lambda: kmoe.fused_moe(x, idx, w, *st, LIMIT, path="decode",
+                                                     config=cfg))
         assert rel(y, want) < 5e-3, (variant, T)

@@ -5,7 +5,6 @@ CPU: Triton interpreter (see test_gemm.py on tolerances)."""
 
 from __future__ import annotations
 
-import importlib
 import os
 from types import SimpleNamespace
 
@@ -19,28 +18,19 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
 TOL = 2e-2 if INTERPRET else 5e-3        # interpreter: truncating fp32->bf16 casts (4 per path)
 
+import moe_support  # noqa: E402
+from moe_support import LIMIT, moe_kernels, rel, stacks, without_host_sync  # noqa: E402
 from support import one_thread  # noqa: E402
 
 from backfit.quant import dequant_mx4, quantize_int8_groups  # noqa: E402
 from backfit.runtime.kernels import ref  # noqa: E402
 from backfit.runtime.model import moe as moe_model  # noqa: E402
 
-LIMIT = 10.0
 
 
 @pytest.fixture(scope="module")
 def kmx4():
-    import backfit.runtime.kernels.gemm as gemm
-    import backfit.runtime.kernels.moe as kmoe
-    import backfit.runtime.kernels.moe_mx4 as kmx4
-    import backfit.runtime.kernels.moe_mx4_decode as kdec
-    if gemm.interpreted() != INTERPRET:
-        importlib.reload(gemm)
-        importlib.reload(importlib.import_module("backfit.runtime.kernels.moe_decode"))
-        importlib.reload(kmoe)
-        importlib.reload(kdec)
-        kmx4 = importlib.reload(kmx4)
-    return kmx4
+    return moe_kernels(INTERPRET)[1]
 
 
 def mx4_weight(e: int, n: int, k: int, gen: torch.Generator, lo: int = 119, hi: int = 127):
@@ -51,11 +41,7 @@ def mx4_weight(e: int, n: int, k: int, gen: torch.Generator, lo: int = 119, hi: 
 
 
 def experts(E: int, D: int, I: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    w1, s1 = mx4_weight(E, I, D, gen)
-    w3, s3 = mx4_weight(E, I, D, gen, 122, 130)         # larger up: some |u| > L gets clamped
-    w2, s2 = mx4_weight(E, D, I, gen)
-    return (w1, s1, w3, s3, w2, s2), gen
+    return stacks(mx4_weight, E, D, I, seed, (122, 130))
 
 
 def moe_ref(x, idx, w, w1, s1, w3, s3, w2, s2, limit):
@@ -73,14 +59,7 @@ def moe_ref(x, idx, w, w1, s1, w3, s3, w2, s2, limit):
 
 
 def routing(T: int, k: int, E: int, gen: torch.Generator):
-    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(DEV)
-    return idx, torch.rand(T, k, generator=gen).to(DEV)
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm()).item()
+    return moe_support.routing(T, k, E, gen, DEV)
 
 
 @pytest.mark.parametrize("path", ["decode", "sorted"])
@@ -261,13 +240,7 @@ def test_gpu_real_shapes_and_no_host_sync(kmx4):
         x = torch.randn(T, D, generator=gen).bfloat16().cuda()
         idx, w = routing(T, k, E, gen)
         want = moe_ref(x, idx, w, *st, LIMIT)
-        kmoe.fused_moe(x, idx, w, *st, LIMIT)                # compile outside the sync check
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            y = kmoe.fused_moe(x, idx, w, *st, LIMIT)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        y = without_host_sync(lambda: kmoe.fused_moe(x, idx, w, *st, LIMIT))
         assert rel(y, want) < 5e-3, T
 
 
@@ -287,11 +260,6 @@ def test_gpu_decode_variants_real_shapes_and_no_host_sync(kmx4, cfg):
         x = torch.randn(T, D, generator=gen).bfloat16().cuda()
         idx, w = routing(T, k, E, gen)
         want = moe_ref(x, idx, w, *st, LIMIT)
-        kmx4.fused_moe_mx4(x, idx, w, *st, LIMIT, path="decode", config=cfg)  # compile first
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            y = kmx4.fused_moe_mx4(x, idx, w, *st, LIMIT, path="decode", config=cfg)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        y = without_host_sync(lambda: kmx4.fused_moe_mx4(x, idx, w, *st, LIMIT, path="decode",
+                                                         config=cfg))
         assert rel(y, want) < 5e-3, T
