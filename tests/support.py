@@ -50,3 +50,17 @@ def kernel_module(name: str, probe: str, interpret: bool):
     if isinstance(getattr(m, probe), triton.runtime.jit.JITFunction) == interpret:
         m = importlib.reload(m)
     return m
+
+
+def truncating_pool_get(monkeypatch):
+    """Patch kernels.ref.pool_get_ref so its int8 dequantization casts to BF16 by truncation, as
+    the Triton interpreter's casts do (the attention kernel tests, interpreted)."""
+    from backfit.runtime.kernels import ref
+    real = ref.pool_get_ref
+
+    def get(data, scale, idx, dtype):
+        if scale is None or dtype != torch.bfloat16:
+            return real(data, scale, idx, dtype)
+        x = data[idx].float() * scale[idx][..., None]
+        return (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
+    monkeypatch.setattr(ref, "pool_get_ref", get)

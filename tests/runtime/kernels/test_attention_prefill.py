@@ -24,7 +24,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
 TOL = 1e-5 if INTERPRET else 2e-4
 
-from support import kernel_module, one_thread
+from support import kernel_module, one_thread, truncating_pool_get
 
 from backfit.runtime.kernels import ref
 
@@ -40,17 +40,8 @@ def pre():
 
 @pytest.fixture(autouse=True)
 def _truncating_reference(monkeypatch):
-    """Under the interpreter: the reference's int8 dequantization casts to BF16 by truncation."""
-    if not INTERPRET:
-        return
-    real = ref.pool_get_ref
-
-    def get(data, scale, idx, dtype):
-        if scale is None or dtype != torch.bfloat16:
-            return real(data, scale, idx, dtype)
-        x = data[idx].float() * scale[idx][..., None]
-        return (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
-    monkeypatch.setattr(ref, "pool_get_ref", get)
+    if INTERPRET:
+        truncating_pool_get(monkeypatch)
 
 
 def pool(gen, shape, D, int8, dtype):

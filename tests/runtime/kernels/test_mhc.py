@@ -203,21 +203,8 @@ def test_tiled_prefill_dispatch_and_bad_input(mhc, monkeypatch):
     run = lambda X, **kw: mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS, **kw)  # noqa: E731
     assert all(torch.equal(a, b) for a, b in zip(run(small, prefill="tiled"), run(small)))
     assert all(torch.equal(a, b) for a, b in zip(run(big), run(big, prefill="tiled")))
-    launches, mode = [], _AtenOps()
-    for name in ("_mix_tile_kernel", "_collapse_tile_kernel"):
-        kernel = getattr(mhc, name)
-
-        class Counted:
-            def __getitem__(self, grid, kernel=kernel, name=name):
-                def launch(*args, **kw):
-                    launches.append(name)
-                    mode.inside += 1
-                    try:
-                        return kernel[grid](*args, **kw)
-                    finally:
-                        mode.inside -= 1
-                return launch
-        monkeypatch.setattr(mhc, name, Counted())
+    launches, mode = _count_launches(monkeypatch, mhc, ("_mix_tile_kernel",
+                                                        "_collapse_tile_kernel"))
     with mode:
         tiled = run(big, prefill="tiled", tile=dict(BT=32, BK=64, split=2))
     assert launches == ["_mix_tile_kernel", "_collapse_tile_kernel"], launches
@@ -242,11 +229,11 @@ class _AtenOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_launches_per_call(mhc, monkeypatch):
-    """hc_pre 2, hc_post 1, hc_head 2 launches on the decode path, and no other device op (only
-    allocations and views), against 139 / 6 / 14 compute ops for the torch reference."""
+def _count_launches(monkeypatch, mhc, names):
+    """Wrap mhc's kernels `names`: -> (launch names in order, an _AtenOps mode that skips the
+    ops run inside the launches)."""
     launches, mode = [], _AtenOps()
-    for name in ("_mix_partial_kernel", "_collapse_kernel", "_post_kernel"):
+    for name in names:
         kernel = getattr(mhc, name)
 
         class Counted:
@@ -260,6 +247,14 @@ def test_launches_per_call(mhc, monkeypatch):
                         mode.inside -= 1
                 return launch
         monkeypatch.setattr(mhc, name, Counted())
+    return launches, mode
+
+
+def test_launches_per_call(mhc, monkeypatch):
+    """hc_pre 2, hc_post 1, hc_head 2 launches on the decode path, and no other device op (only
+    allocations and views), against 139 / 6 / 14 compute ops for the torch reference."""
+    launches, mode = _count_launches(monkeypatch, mhc, ("_mix_partial_kernel", "_collapse_kernel",
+                                                        "_post_kernel"))
     gen = torch.Generator().manual_seed(14)
     fn, scale, base = params((2 + S) * S, 64, 3, gen)
     hfn, hscale, hbase = params(S, 64, 1, gen)
