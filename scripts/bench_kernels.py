@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backfit.quant import quantize_int8_groups  # noqa: E402
 from backfit.runtime.kernels import gemm, moe, moe_mx4, ref  # noqa: E402
+from gpu_timing import cuda_time  # noqa: E402
 
 DEV = "cuda"
 E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)      # int8_mx32 codes by nibble
@@ -46,17 +47,7 @@ def mx_stack(E: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def events_ms(fn, reps: int = 10) -> float:
     """Median ms of fn() timed with CUDA events (eager; for code that syncs, like the torch MoE)."""
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return cuda_time(fn, reps) * 1e3
 
 
 def graph_us(calls: list, reps: int = 20) -> float:
