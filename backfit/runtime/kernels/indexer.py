@@ -11,6 +11,15 @@ table[b, j // PB], row j % PB of the pool keys [NB, PB, 128] (act dtype, never i
                   int64 keys = order-preserving score bits << 32 | (2^31-1-j), so equal scores
                   keep the lower j), then the chunk winners are reduced the same way until one
                   chunk is left.
+                  TOPK_FAST (the default): one kernel per pass, _topk_pass_kernel, that skips the
+                  bitonic top-k when every live key (score > -inf) of its chunk lies in the
+                  chunk's first K: the scores pass then ranks those K by comparison counts and
+                  scatters them (an empty chunk stores only the empty fill), a reduction pass
+                  copies its first, already sorted, sub-chunk. Decode and prefill scores are
+                  -inf past a prefix (j >= (p+1)//4), so only the chunk holding the boundary is
+                  ranked; any other input still takes the full top-k (checked from the data, no
+                  assumption). The last pass writes sel itself (no unpack launch, no fill):
+                  1 launch for N <= C, 2 for N <= C·C/K. Results are bit-identical to the old path.
 """
 
 from __future__ import annotations
@@ -19,10 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["indexer_scores", "topk_select", "TOPK_CHUNK"]
+__all__ = ["indexer_scores", "topk_select", "TOPK_CHUNK", "TOPK_FAST"]
 
 TOPK_CHUNK = 2048       # candidates per top-k program (int64 keys in registers: 16 KB)
 _LOW = 2 ** 31 - 1      # j -> _LOW - j in the low word: equal scores prefer the lower j
+TOPK_FAST = True        # False: the old path (_topk_scores/_topk_keys/_unpack + a fill launch)
+TOPK_WARPS = 4          # num_warps of _topk_pass_kernel
+TOPK_BJ = 16            # keys compared per rank step: [K, BJ] int64 compares in registers
 
 
 @triton.jit
@@ -101,6 +113,68 @@ def _unpack_kernel(IN, SEL, N, k, NEG_INF_KEY, KP: tl.constexpr):
     tl.store(SEL + b.to(tl.int64) * k + i, j, mask=i < k)
 
 
+@triton.jit
+def _unpack(key, NEG_INF_KEY):
+    """Packed key -> j (int32), -1 where the score was -inf (or the slot empty)."""
+    hi = key >> 32
+    j = (2147483647 - (key - (hi << 32))).to(tl.int32)             # the low word
+    return tl.where(hi > NEG_INF_KEY, j, -1)
+
+
+@triton.jit
+def _topk_pass_kernel(IN, OUT, SEL, N, n_out, k, NEG_INF_KEY, K: tl.constexpr, C: tl.constexpr,
+                      BJ: tl.constexpr, SCORES: tl.constexpr, FINAL: tl.constexpr):
+    """Program (b, chunk) of one pass over IN[b, chunk·C, +C) (SCORES: FP32 scores, else packed
+    keys whose K-wide sub-chunks are sorted, live first): its top K packed keys -> OUT[b, chunk]
+    (FINAL, one chunk: their j -> SEL[b, :k], -1 past the live ones). Live = score > -inf."""
+    b, c = tl.program_id(0), tl.program_id(1)
+    row = b.to(tl.int64) * N
+    i = tl.arange(0, C)
+    j = c * C + i
+    if SCORES:
+        s = tl.load(IN + row + j, mask=j < N, other=float("-inf"))
+        key = tl.where(j < N, _pack(s, j), -9223372036854775807 - 1)
+    else:
+        key = tl.load(IN + row + j, mask=j < N, other=-9223372036854775807 - 1)
+    tail = tl.sum(((key >> 32 > NEG_INF_KEY) & (i >= K)).to(tl.int32), axis=0)
+    o = tl.arange(0, K)
+    if tail == 0:                                 # every live key is in the first K: no sort
+        jo = c * C + o
+        if SCORES:
+            sh = tl.load(IN + row + jo, mask=jo < N, other=float("-inf"))
+            kh = _pack(sh, jo)                                          # [K]; -inf: not live
+            lh = kh >> 32 > NEG_INF_KEY
+            last = tl.max(tl.where(lh, o + 1, 0), axis=0)               # live ones lie < last
+            rank = tl.zeros([K], dtype=tl.int32)          # rank = #live keys above: unique
+            for jb in range(0, last, BJ):
+                jj = jb + tl.arange(0, BJ)
+                jc = c * C + jj
+                sj = tl.load(IN + row + jc, mask=(jj < last) & (jc < N), other=float("-inf"))
+                kj = _pack(sj, jc)                                      # [BJ]
+                above = (kj[None, :] > kh[:, None]) & (kj >> 32 > NEG_INF_KEY)[None, :]
+                rank += tl.sum(above.to(tl.int32), axis=1)
+        else:                                     # sub-chunk 0 is sorted, live first: copy
+            kh = tl.load(IN + row + jo, mask=jo < N, other=-9223372036854775807 - 1)
+            lh = kh >> 32 > NEG_INF_KEY
+            rank = o
+        cnt = tl.sum(lh.to(tl.int32), axis=0)     # slots [cnt, K) get the empty fill
+        if FINAL:
+            tl.store(SEL + b.to(tl.int64) * k + rank, _unpack(kh, NEG_INF_KEY),
+                     mask=lh & (rank < k))
+            tl.store(SEL + b.to(tl.int64) * k + o, tl.full([K], -1, tl.int32),
+                     mask=(o >= cnt) & (o < k))
+        else:
+            out = OUT + b.to(tl.int64) * n_out + c * K
+            tl.store(out + rank, kh, mask=lh)
+            tl.store(out + o, tl.full([K], -9223372036854775807 - 1, tl.int64), mask=o >= cnt)
+    else:
+        top = tl.topk(key, K)                     # as _topk_scores_kernel / _topk_keys_kernel
+        if FINAL:
+            tl.store(SEL + b.to(tl.int64) * k + o, _unpack(top, NEG_INF_KEY), mask=o < k)
+        else:
+            tl.store(OUT + b.to(tl.int64) * n_out + c * K + o, top)
+
+
 def _interpreted() -> bool:
     return not isinstance(_score_kernel, triton.runtime.jit.JITFunction)
 
@@ -140,9 +214,11 @@ def _neg_inf_key() -> int:
     return bits ^ 0x7FFFFFFF
 
 
-def topk_select(scores: torch.Tensor, k: int, chunk: int = TOPK_CHUNK) -> torch.Tensor:
+def topk_select(scores: torch.Tensor, k: int, chunk: int = TOPK_CHUNK,
+                fast: bool | None = None) -> torch.Tensor:
     """scores [B, N] FP32 -> sel [B, k] int32: indices of the k largest, best first (ties: lower
-    index), -1 where the score is -inf; k may exceed N (the tail is -1)."""
+    index), -1 where the score is -inf; k may exceed N (the tail is -1). fast: TOPK_FAST's
+    choice of path unless given (both give the same sel); no host sync either way."""
     if scores.dim() != 2 or scores.dtype != torch.float32 or k < 1:
         raise ValueError(f"topk_select: scores [B, N] FP32 and k >= 1, got "
                          f"{scores.dtype}{list(scores.shape)}, k={k}")
@@ -151,6 +227,8 @@ def topk_select(scores: torch.Tensor, k: int, chunk: int = TOPK_CHUNK) -> torch.
     C = max(min(chunk, triton.next_power_of_2(N)), 2 * KP)            # no wider than needed
     if chunk & (chunk - 1):
         raise ValueError(f"topk_select: chunk {chunk} must be a power of two")
+    if TOPK_FAST if fast is None else fast:
+        return _topk_fast(scores, k, KP, C)
     sel = torch.full((B, k), -1, dtype=torch.int32, device=scores.device)
     if B == 0 or N == 0:
         return sel
@@ -166,3 +244,23 @@ def topk_select(scores: torch.Tensor, k: int, chunk: int = TOPK_CHUNK) -> torch.
         keys = nxt
     _unpack_kernel[(B,)](keys, sel, keys.shape[1], k, _neg_inf_key(), KP=KP)
     return sel
+
+
+def _topk_fast(scores: torch.Tensor, k: int, KP: int, C: int) -> torch.Tensor:
+    """TOPK_FAST: _topk_pass_kernel passes, scores -> chunk winners -> ... -> sel."""
+    B, N = scores.shape
+    sel = torch.empty(B, k, dtype=torch.int32, device=scores.device)
+    if B == 0 or N == 0:
+        return sel.fill_(-1)
+    src, n, first = scores.contiguous(), N, True
+    while True:
+        n_chunks = triton.cdiv(n, C)
+        final = n_chunks == 1                       # the grid depends on shapes only
+        out = sel if final else torch.empty(B, n_chunks * KP, dtype=torch.int64,
+                                            device=scores.device)
+        _topk_pass_kernel[(B, n_chunks)](src, out, sel, n, n_chunks * KP, k, _neg_inf_key(),
+                                         K=KP, C=C, BJ=min(TOPK_BJ, KP), SCORES=first,
+                                         FINAL=final, num_warps=TOPK_WARPS)
+        if final:
+            return sel
+        src, n, first = out, n_chunks * KP, False
