@@ -15,7 +15,7 @@ from backfit.config import ModelConfig
 from backfit.runtime.batch import ForwardBatch
 from backfit.runtime.layers import ParallelHead, RMSNorm, VocabParallelEmbedding
 from backfit.runtime.model.attention import Attention
-from backfit.runtime.model.hyper import add_hc_buffers, hc_head, hc_post, hc_pre
+from backfit.runtime.model.hyper import add_hc_buffers, decode_kernels, hc_head, hc_post, hc_pre
 from backfit.runtime.model.moe import MoE
 from backfit.runtime.state import DecodeState
 
@@ -41,12 +41,37 @@ class Block(nn.Module):
         return hc_pre(X, getattr(self, f"hc_{which}_fn"), getattr(self, f"hc_{which}_scale"),
                       getattr(self, f"hc_{which}_base"), c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
-    def forward(self, X: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
-        """cache: this layer's cache bound to the batch (runtime/state.py interface)."""
+    def forward(self, X: torch.Tensor, batch: ForwardBatch, cache, hc: dict | None = None
+                ) -> torch.Tensor:
+        """cache: this layer's cache bound to the batch (runtime/state.py interface).
+        hc: Transformer.hidden's carry on the mhc_decode path: {"part": this layer's hc_attn
+        partials or None, "next_fn": the fn whose partials the last hc_post computes or None};
+        "part" is replaced by those partials."""
+        if (k := decode_kernels(X)) is not None:
+            return self._forward_decode(k, X, batch, cache, hc if hc is not None else {})
         u, post, M = self._hc("attn", X)                          # u [T, d]
         X = hc_post(self.attn(self.attn_norm(u), batch, cache), X, post, M)
         u, post, M = self._hc("ffn", X)
         return hc_post(self.ffn(self.ffn_norm(u), batch.tokens), X, post, M)
+
+    def _forward_decode(self, k, X: torch.Tensor, batch: ForwardBatch, cache, hc: dict):
+        """kernels.mhc_decode: each hc_pre with its RMSNorm (1 launch), each hc_post with the
+        next hc_pre's partials (1 launch); same math as forward's torch path."""
+        c = self.cfg
+
+        def pre(which, X, norm, part):
+            return k.hc_pre(X, getattr(self, f"hc_{which}_fn"), getattr(self, f"hc_{which}_scale"),
+                            getattr(self, f"hc_{which}_base"), c.hc_sinkhorn_iters, c.hc_eps,
+                            c.rms_norm_eps, norm=(norm.weight, norm.eps), part=part)
+        u, post, M = pre("attn", X, self.attn_norm, hc.get("part"))   # u = attn_norm(u) [T, d]
+        X, part = k.hc_post(self.attn(u, batch, cache), X, post, M, next_fn=self.hc_ffn_fn)
+        u, post, M = pre("ffn", X, self.ffn_norm, part)
+        out = k.hc_post(self.ffn(u, batch.tokens), X, post, M, next_fn=hc.get("next_fn"))
+        if hc.get("next_fn") is None:
+            hc["part"] = None
+            return out
+        out, hc["part"] = out
+        return out
 
 
 class Transformer(nn.Module):
@@ -94,14 +119,23 @@ class Transformer(nn.Module):
         bound = cache.bind(batch)
         e = self.embed(batch.tokens, self.dtype)                    # [T, d]
         X = e[:, None, :].repeat(1, self.cfg.hc_mult, 1)           # 4 plain copies, no gate
+        # mhc_decode path: each layer's last hc_post also computes the next layer's hc_attn
+        # partials (carried in hc); the torch path and prefill ignore hc
+        hc = {"part": None} if decode_kernels(X) is not None else None
         for i, layer in enumerate(self.layers):
-            X = layer(X, batch, bound.layer(i))
+            if hc is not None:
+                hc["next_fn"] = self.layers[i + 1].hc_attn_fn if i + 1 < len(self.layers) else None
+            X = layer(X, batch, bound.layer(i), hc=hc)
         bound.commit()
         return X
 
     def logits(self, X: torch.Tensor) -> torch.Tensor:
         """Streams [n, hc_mult, d] -> FP32 logits [n, vocab]."""
         c = self.cfg
+        if (k := decode_kernels(X)) is not None:                   # hc_head + norm, 2 launches
+            return self.head(k.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base,
+                                       c.hc_eps, c.rms_norm_eps, norm=(self.norm.weight,
+                                                                       self.norm.eps)))
         h = hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.hc_eps, c.rms_norm_eps)
         return self.head(self.norm(h))
 

@@ -1,0 +1,227 @@
+"""mHC at decode (T < mhc.MIX_TORCH_T): 2 launches per hc_post + hc_pre pair instead of 4.
+
+Today's kernel path (runtime.kernels.mhc) runs, around every sub-layer of a decode step,
+_post_kernel (previous hc_post) -> _mix_partial_kernel -> _collapse_kernel -> the Block's
+RMSNorm (kernels.rope_norm._rms_kernel): ~16.5 us for a few KB. Here:
+  _post_mix_kernel       program (token t, d block b): hc_post's out[t, :, block] (bf16, as
+                         mhc._post_kernel) and, from the bf16-rounded out (what the next hc_pre
+                         reads), the next hc_pre's partials: PART[t, b, :NOUT] = Σ_s fn_next[:,
+                         s·d + block] · out[t, s, block], PART[t, b, NOUT] = Σ out², FP32 (the
+                         [T, SPLIT, NP] layout mhc._partials writes, SPLIT = d blocks), so
+                         the next hc_pre skips _mix_partial_kernel. Each program streams its
+                         [NOUT, S·BD] slice of fn_next (24 x 16384 FP32 = 1.5 MB in all).
+  _collapse_norm_kernel  program t: the splits summed, gates and (SINKHORN) Sinkhorn ONCE per
+                         token (mhc._collapse_kernel's op order: same u, post, M for the same
+                         PART), then u = Σ_s pre_s X_s over d blocks rounded to bf16 (hyper.
+                         hc_pre's u.to(X.dtype)); NORM: the following RMSNorm in the same
+                         launch (layers.RMSNorm / rope_norm._rms_kernel: FP32 u·rsqrt(mean(u²)
+                         + eps)·w, cast to bf16), u recomputed in a second pass over X (no
+                         scratch, no barrier). The first hc_pre of a step (and hc_head after a
+                         plain hc_post) gets its PART from mhc._partials (one more launch).
+The Block's attention / MoE then take the normed u directly (model.transformer). No host syncs;
+grids from shapes only (CUDA-graph safe). DECODE_FUSED = False: hyper.decode_kernels returns
+None and the model runs today's 4-launch path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from backfit.runtime.kernels import mhc
+
+__all__ = ["COLLAPSE_WARPS", "DECODE_FUSED", "hc_head", "hc_post", "hc_pre", "post_bd"]
+
+DECODE_FUSED = True     # False: the model's decode path falls back to mhc's 4 launches
+COLLAPSE_WARPS = 4      # warps of _collapse_norm_kernel (bench_mhc --decode sweeps 1 / 2 / 4)
+_BD_U = 1024            # d block of the collapse-norm kernel's u passes
+
+
+@triton.jit
+def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT: tl.constexpr,
+                     NP: tl.constexpr, BD: tl.constexpr, HAS_FN: tl.constexpr):
+    """out[t, k, block] = post[t, k]·f[t, block] + Σ_j M[t, j, k]·X[t, j, block] (bf16); HAS_FN:
+    PART[t, b] = fn·out[t, :, block] (NOUT dots) and Σ out² from the bf16-rounded out."""
+    t, b = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    rs = tl.arange(0, S)
+    rd = b * BD + tl.arange(0, BD)
+    d_ok = rd < D
+    x = tl.load(X + (t * S + rs[:, None]) * D + rd[None, :], mask=d_ok[None, :],
+                other=0.0).to(tl.float32)                                # [S(j), BD]
+    f = tl.load(F + t * D + rd, mask=d_ok, other=0.0).to(tl.float32)    # [BD]
+    rn = tl.arange(0, NP)
+    n_ok = rn < NOUT
+    acc = tl.zeros((NP,), dtype=tl.float32)
+    sq = tl.zeros((BD,), dtype=tl.float32)
+    for k in tl.static_range(S):                                         # destination stream k
+        mk = tl.load(MIX + t * S * S + rs * S + k)                       # M[t, :, k], [S(j)]
+        o = tl.load(POST + t * S + k) * f + tl.sum(mk[:, None] * x, axis=0)
+        ob = o.to(OUT.dtype.element_ty)                                  # the stream as stored
+        tl.store(OUT + (t * S + k) * D + rd, ob, mask=d_ok)
+        if HAS_FN:
+            y = ob.to(tl.float32)
+            w = tl.load(FN + rn[:, None] * K + k * D + rd[None, :],
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)   # [NP, BD] of fn_next
+            acc += tl.sum(w * y[None, :], axis=1)
+            sq += y * y
+    if HAS_FN:
+        acc = tl.where(rn == NOUT, tl.sum(sq, axis=0), acc)             # slot NOUT carries Σx²
+        tl.store(PART + (t * tl.num_programs(1) + b) * NP + rn, acc)
+
+
+@triton.jit
+def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, iters, hc_eps,
+                          norm_eps, rms_eps, S: tl.constexpr, NOUT: tl.constexpr,
+                          NP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
+                          SINKHORN: tl.constexpr, NORM: tl.constexpr):
+    """Token t: gates (and Sinkhorn M) from PART once, u[t] = Σ_s pre_s X[t, s] (bf16) over d;
+    NORM: U = rmsnorm(u)·W instead of u."""
+    t = tl.program_id(0).to(tl.int64)
+    rs = tl.arange(0, S)
+    ri = tl.arange(0, SP)                                        # splits, padded to SP
+    i_ok = ri < SPLIT
+    part = PART + t * SPLIT * NP + ri * NP                       # [SP] split rows
+    # as mhc._collapse_kernel: one gather per logit group, a fixed-shape tree over the splits
+    cjk = 2 * S + rs[:, None] * S + rs[None, :]
+    lp = tl.sum(tl.load(part[:, None] + rs[None, :], mask=i_ok[:, None], other=0.0), axis=0)
+    sq = tl.sum(tl.load(part + NOUT, mask=i_ok, other=0.0), axis=0)
+    r = 1.0 / tl.sqrt_rn(sq / K + norm_eps)                      # rsqrt(mean(x²) + eps)
+    pre = tl.sigmoid(lp * r * tl.load(SCALE) + tl.load(BASE + rs)) + hc_eps
+    if SINKHORN:
+        lq = tl.sum(tl.load(part[:, None] + S + rs[None, :], mask=i_ok[:, None], other=0.0), 0)
+        lc = tl.sum(tl.load(part[:, None, None] + cjk[None, :, :], mask=i_ok[:, None, None],
+                            other=0.0), axis=0)                  # [S(j), S(k)]
+        post = 2.0 * tl.sigmoid(lq * r * tl.load(SCALE + 1) + tl.load(BASE + S + rs))
+        c = lc * r * tl.load(SCALE + 2) + tl.load(BASE + cjk)           # C[j, k]
+        e = tl.exp(c - tl.max(c, axis=1)[:, None])
+        m = e / tl.sum(e, axis=1)[:, None] + hc_eps                      # row softmax (over k)
+        m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)                    # column normalise
+        for _ in range(iters - 1):
+            m = m / (tl.sum(m, axis=1)[:, None] + hc_eps)
+            m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)
+        tl.store(POST + t * S + rs, post)
+        tl.store(MOUT + t * S * S + rs[:, None] * S + rs[None, :], m)
+    xrow = X + (t * S + rs[:, None]) * D                         # [S] stream rows
+    inv = 1.0
+    if NORM:                                                     # pass 1: Σ u² of the bf16 u
+        ss = tl.zeros((BD,), dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            rd = d0 + tl.arange(0, BD)
+            x = tl.load(xrow + rd[None, :], mask=(rd < D)[None, :], other=0.0).to(tl.float32)
+            u = tl.sum(pre[:, None] * x, axis=0).to(U.dtype.element_ty).to(tl.float32)
+            ss += u * u
+        inv = tl.math.rsqrt(tl.sum(ss, axis=0) / D + rms_eps)
+    for d0 in range(0, D, BD):
+        rd = d0 + tl.arange(0, BD)
+        d_ok = rd < D
+        x = tl.load(xrow + rd[None, :], mask=d_ok[None, :], other=0.0).to(tl.float32)  # [S, BD]
+        u = tl.sum(pre[:, None] * x, axis=0)
+        if NORM:
+            u = u.to(U.dtype.element_ty).to(tl.float32) * inv
+            u = u * tl.load(W + rd, mask=d_ok, other=0.0)
+        tl.store(U + t * D + rd, u.to(U.dtype.element_ty), mask=d_ok)
+
+
+def post_bd(T: int, d: int, sms: int) -> int:
+    """d block of _post_mix_kernel: >= ~2 programs per SM where d allows, 32..256 (the [NP, BD]
+    fn_next tile stays <= 64 registers a thread at 4 warps)."""
+    want = max(1, T * d // (2 * sms))                          # d / BD >= 2·sms / T
+    return max(32, min(256, 1 << (want.bit_length() - 1), triton.next_power_of_2(d)))
+
+
+def _check_norm(norm, d: int, device) -> None:
+    w = norm[0]
+    if w.dtype != torch.float32 or tuple(w.shape) != (d,) or w.device != device:
+        raise ValueError(f"mhc_decode: norm weight must be fp32 [{d}] on {device}, "
+                         f"got {w.dtype}{list(w.shape)} on {w.device}")
+
+
+def _collapse_norm(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, norm, part, warps):
+    T, S, d = X.shape
+    n_out = fn.shape[0]
+    NP = triton.next_power_of_2(n_out + 1)
+    if part is None:
+        part = mhc._partials(X, fn.contiguous(), NP, None)
+    elif part.dtype != torch.float32 or part.dim() != 3 or tuple(part.shape[::2]) != (T, NP) \
+            or not 1 <= part.shape[1] <= mhc.MAX_SPLIT or not part.is_contiguous():
+        raise ValueError(f"mhc_decode: part must be contiguous fp32 [{T}, 1..{mhc.MAX_SPLIT}, "
+                         f"{NP}], got {part.dtype}{list(part.shape)}")
+    if norm is not None:
+        _check_norm(norm, d, X.device)
+    u = torch.empty(T, d, dtype=X.dtype, device=X.device)
+    post = torch.empty(T, S, dtype=torch.float32, device=X.device)
+    M = torch.empty(T, S, S, dtype=torch.float32, device=X.device)
+    if T == 0:
+        return u, post, M
+    w, eps = norm if norm is not None else (scale, 0.0)          # W unread without NORM
+    split = part.shape[1]
+    _collapse_norm_kernel[(T,)](
+        part, X, scale.contiguous(), base.contiguous(), w, u, post, M, split, d, S * d, iters,
+        float(hc_eps), float(norm_eps), float(eps), S=S, NOUT=n_out, NP=NP,
+        SP=triton.next_power_of_2(split), BD=min(_BD_U, triton.next_power_of_2(d)),
+        SINKHORN=sinkhorn, NORM=norm is not None,
+        num_warps=COLLAPSE_WARPS if warps is None else warps)
+    return u, post, M
+
+
+def hc_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+           iters: int, hc_eps: float, norm_eps: float, norm: tuple | None = None,
+           part: torch.Tensor | None = None, warps: int | None = None):
+    """As mhc.hc_pre -> (u [T, d] bf16, post, M); norm = (weight [d] fp32, eps): u replaced by
+    RMSNorm(u) (layers.RMSNorm) in the same launch. part: PART [T, SPLIT, NP] from hc_post(...,
+    next_fn=fn) (else mhc._partials computes it, one more launch)."""
+    S = X.shape[1] if X.dim() == 3 else 0
+    mhc._check(X, fn, scale, base, (2 + S) * S, 3, "hc_pre")
+    if iters < 1:
+        raise ValueError(f"hc_pre: iters must be >= 1, got {iters}")
+    return _collapse_norm(X.contiguous(), fn, scale, base, int(iters), hc_eps, norm_eps, True,
+                          norm, part, warps)
+
+
+def hc_head(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+            hc_eps: float, norm_eps: float, norm: tuple | None = None,
+            part: torch.Tensor | None = None, warps: int | None = None) -> torch.Tensor:
+    """As mhc.hc_head -> h [T, d] bf16 (RMSNorm(h) with norm); part, warps as for hc_pre."""
+    S = X.shape[1] if X.dim() == 3 else 0
+    mhc._check(X, fn, scale, base, S, 1, "hc_head")
+    return _collapse_norm(X.contiguous(), fn, scale, base, 1, hc_eps, norm_eps, False, norm,
+                          part, warps)[0]
+
+
+def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor,
+            next_fn: torch.Tensor | None = None, bd: int | None = None):
+    """As mhc.hc_post -> out [T, S, d] bf16; next_fn [n_out, S·d] fp32 (the next hc_pre's or
+    hc_head's fn): -> (out, PART [T, cdiv(d, BD), NP] for that call's part=), one launch.
+    bd: d block (default post_bd)."""
+    if X.dim() != 3 or X.dtype != torch.bfloat16 or X.shape[1] & (X.shape[1] - 1):
+        raise ValueError(f"hc_post: X must be bf16 [T, S, d] with S a power of 2, "
+                         f"got {X.dtype}{list(X.shape)}")
+    T, S, d = X.shape
+    if tuple(f.shape) != (T, d) or tuple(post.shape) != (T, S) or tuple(M.shape) != (T, S, S) \
+            or post.dtype != torch.float32 or M.dtype != torch.float32:
+        raise ValueError(f"hc_post: need f [{T}, {d}], post fp32 [{T}, {S}], M fp32 "
+                         f"[{T}, {S}, {S}], got {list(f.shape)}, {post.dtype}{list(post.shape)}, "
+                         f"{M.dtype}{list(M.shape)}")
+    if not (f.device == X.device == post.device == M.device):
+        raise ValueError("hc_post: f, X, post, M on different devices")
+    n_out = next_fn.shape[0] if next_fn is not None else 1
+    if next_fn is not None and (next_fn.dtype != torch.float32 or next_fn.dim() != 2
+                                or next_fn.shape[1] != S * d or next_fn.device != X.device):
+        raise ValueError(f"hc_post: next_fn must be fp32 [n_out, {S * d}] on {X.device}, "
+                         f"got {next_fn.dtype}{list(next_fn.shape)}")
+    BD = bd or post_bd(T, d, mhc._num_sms(X.device))
+    if BD & (BD - 1) or not 16 <= BD or triton.cdiv(d, BD) > mhc.MAX_SPLIT:
+        raise ValueError(f"hc_post: bd must be a power of 2 >= 16 with d/bd <= {mhc.MAX_SPLIT}, "
+                         f"got {BD} for d {d}")
+    NP = triton.next_power_of_2(n_out + 1)
+    out = torch.empty(T, S, d, dtype=X.dtype, device=X.device)
+    blocks = triton.cdiv(d, BD)
+    part = torch.empty(T, blocks, NP, dtype=torch.float32, device=X.device) \
+        if next_fn is not None else out
+    if T:
+        _post_mix_kernel[(T, blocks)](
+            f.contiguous(), X.contiguous(), post.contiguous(), M.contiguous(), out,
+            next_fn.contiguous() if next_fn is not None else post, part, d, S * d, S=S,
+            NOUT=n_out, NP=NP, BD=BD, HAS_FN=next_fn is not None, num_warps=4)
+    return (out, part) if next_fn is not None else out

@@ -1,0 +1,220 @@
+"""mHC decode kernels (runtime.kernels.mhc_decode) against today's kernels (runtime.kernels.mhc)
+and the torch reference (runtime.model.hyper + layers.RMSNorm's math), under the interpreter on
+CPU. Tolerances as test_mhc: post / M 2e-5 relative, bf16 outputs within one bf16 ulp of the
+reference's FP32 value (+ FP32 noise). Under the interpreter (one numpy op order) u, post, M and
+hc_post's out must also be bit-identical to mhc's kernels given the same inputs / partials.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from support import kernel_module, one_thread
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_mhc import (
+    DEV,
+    HC_EPS,
+    INTERPRET,
+    ITERS,
+    NORM_EPS,
+    S,
+    _count_launches,
+    params,
+    ref_pre_gates,
+    ref_u_fp32,
+    rel_max,
+    streams,
+    ulps,
+)
+
+from backfit.runtime.model import hyper
+
+RMS_EPS = 1e-6
+
+
+@pytest.fixture(scope="module")
+def mods():
+    """(mhc, mhc_decode), decorated for the interpreter iff INTERPRET."""
+    kernel_module("gemm", "_a16_kernel", INTERPRET)
+    mhc = kernel_module("mhc", "_collapse_kernel", INTERPRET)
+    return mhc, kernel_module("mhc_decode", "_post_mix_kernel", INTERPRET)
+
+
+def rms_ref(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """layers.RMSNorm's FP32 value before its bf16 cast."""
+    uf = u.float()
+    return uf * torch.rsqrt(uf.square().mean(-1, keepdim=True) + RMS_EPS) * w
+
+
+def same_or_close(a, b, name):
+    """Interpreter: bit-identical; GPU (other reduction trees): within test_mhc's tolerances."""
+    if INTERPRET:
+        assert torch.equal(a, b), name
+    else:
+        assert rel_max(a, b) < (2e-5 if a.dtype == torch.float32 else 1e-2), name
+
+
+@pytest.mark.parametrize("T,d", [(1, 64), (3, 256), (8, 100)])
+def test_collapse_norm_matches_mhc_and_rmsnorm(mods, T, d):
+    mhc, dec = mods
+    gen = torch.Generator().manual_seed(T * 31 + d)
+    fn, scale, base = params((2 + S) * S, d, 3, gen)
+    hfn, hscale, hbase = params(S, d, 1, gen)
+    X = streams(T, d, gen)
+    w = (torch.rand(d, generator=gen) + 0.5).to(DEV)
+    u, post, M = dec.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
+    for a, b, name in zip((u, post, M), mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS),
+                          ["u", "post", "M"]):
+        same_or_close(a, b, name)
+    with one_thread():
+        _, post_ref, M_ref = hyper.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
+        pre = ref_pre_gates(X, fn, scale, base)
+        u32, mag = ref_u_fp32(X, pre), ref_u_fp32(X.abs(), pre.abs())
+    assert rel_max(post, post_ref) < 2e-5 and rel_max(M, M_ref) < 2e-5
+    assert ulps(u, u32, mag) <= 1
+    un, post_n, M_n = dec.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS, norm=(w, RMS_EPS))
+    assert torch.equal(post_n, post) and torch.equal(M_n, M)
+    want = rms_ref(u, w)                                  # RMSNorm of the kernel's own bf16 u
+    assert un.dtype == torch.bfloat16 and ulps(un, want, want.abs()) <= 1
+    h = dec.hc_head(X, hfn, hscale, hbase, HC_EPS, NORM_EPS)
+    same_or_close(h, mhc.hc_head(X, hfn, hscale, hbase, HC_EPS, NORM_EPS), "h")
+    hn = dec.hc_head(X, hfn, hscale, hbase, HC_EPS, NORM_EPS, norm=(w, RMS_EPS))
+    want = rms_ref(h, w)
+    assert ulps(hn, want, want.abs()) <= 1
+
+
+@pytest.mark.parametrize("T,d,bd", [(1, 64, None), (3, 256, None), (8, 100, 32), (3, 256, 16)])
+def test_post_mix_out_and_next_partials(mods, T, d, bd):
+    """hc_post's out as mhc.hc_post; PART summed over d blocks = fn_next · out (bf16) and Σ out²;
+    the next hc_pre / hc_head from that PART against the torch reference on out."""
+    mhc, dec = mods
+    gen = torch.Generator().manual_seed(T * 7 + d)
+    fn, scale, base = params((2 + S) * S, d, 3, gen)
+    hfn, hscale, hbase = params(S, d, 1, gen)
+    X = streams(T, d, gen)
+    f = (torch.randn(T, d, generator=gen) * 2).bfloat16().to(DEV)
+    post = (torch.rand(T, S, generator=gen) * 2).to(DEV)
+    M = torch.softmax(torch.randn(T, S, S, generator=gen), -1).to(DEV)
+    out, part = dec.hc_post(f, X, post, M, next_fn=fn, bd=bd)
+    same_or_close(out, mhc.hc_post(f, X, post, M), "out")
+    same_or_close(dec.hc_post(f, X, post, M, bd=bd), out, "out without next_fn")
+    assert part.shape == (T, -(-d // (bd or dec.post_bd(T, d, 4))), 32)
+    xf = out.flatten(1).double()
+    assert rel_max(part.sum(1)[:, :24], xf @ fn.double().T) < 2e-5
+    assert rel_max(part.sum(1)[:, 24], xf.square().sum(-1)) < 2e-5
+    with one_thread():
+        _, post_ref, M_ref = hyper.hc_pre(out, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
+        pre = ref_pre_gates(out, fn, scale, base)
+        u32, mag = ref_u_fp32(out, pre), ref_u_fp32(out.abs(), pre.abs())
+    u, post2, M2 = dec.hc_pre(out, fn, scale, base, ITERS, HC_EPS, NORM_EPS, part=part)
+    assert rel_max(post2, post_ref) < 2e-5 and rel_max(M2, M_ref) < 2e-5
+    assert ulps(u, u32, mag) <= 1
+    out_h, part_h = dec.hc_post(f, X, post, M, next_fn=hfn, bd=bd)
+    assert torch.equal(out_h, out) and part_h.shape[2] == 8
+    h = dec.hc_head(out, hfn, hscale, hbase, HC_EPS, NORM_EPS, part=part_h)
+    m = hyper._mix_logits(out, hfn, NORM_EPS)
+    pre_h = torch.sigmoid(m * hscale[0] + hbase) + HC_EPS
+    assert ulps(h, ref_u_fp32(out, pre_h), ref_u_fp32(out.abs(), pre_h.abs())) <= 1
+
+
+def test_two_launches_per_pair_and_bad_input(mods, monkeypatch):
+    """hc_post(next_fn) + hc_pre(part, norm): exactly _post_mix_kernel + _collapse_norm_kernel and
+    no other device op; clear errors for a wrong part / norm / next_fn / bd."""
+    _, dec = mods
+    launches, mode = _count_launches(monkeypatch, dec, ("_post_mix_kernel",
+                                                        "_collapse_norm_kernel"))
+    gen = torch.Generator().manual_seed(5)
+    fn, scale, base = params((2 + S) * S, 64, 3, gen)
+    X = streams(2, 64, gen)
+    w = torch.ones(64).to(DEV)
+    f, post, M = X[:, 0].contiguous(), torch.rand(2, S).to(DEV), torch.rand(2, S, S).to(DEV)
+    free = {"empty", "view", "select", "slice", "_reshape_alias", "as_strided"}
+    with mode:
+        Y, part = dec.hc_post(f, X, post, M, next_fn=fn)
+        dec.hc_pre(Y, fn, scale, base, ITERS, HC_EPS, NORM_EPS, norm=(w, RMS_EPS), part=part)
+    assert launches == ["_post_mix_kernel", "_collapse_norm_kernel"], launches
+    assert set(mode.ops) <= free, mode.ops
+    run = lambda **kw: dec.hc_pre(Y, fn, scale, base, ITERS, HC_EPS, NORM_EPS, **kw)
+    with pytest.raises(ValueError, match="part must be"):
+        run(part=part[:, :, :16].contiguous())
+    with pytest.raises(ValueError, match="norm weight"):
+        run(norm=(w[:32], RMS_EPS))
+    with pytest.raises(ValueError, match="next_fn must be"):
+        dec.hc_post(f, X, post, M, next_fn=fn[:, :64])
+    with pytest.raises(ValueError, match="bd must be"):
+        dec.hc_post(f, X, post, M, next_fn=fn, bd=24)
+
+
+def test_decode_kernels_switch(mods, monkeypatch):
+    import backfit.runtime.kernels as pkg
+    _, dec = mods
+    X = torch.zeros(2, S, 8, dtype=torch.bfloat16)
+    monkeypatch.setattr(pkg, "_backend", "triton")
+    assert hyper.decode_kernels(X) is None                             # CPU tensor
+    monkeypatch.setattr(pkg, "_ANY_DEVICE", True)
+    assert hyper.decode_kernels(X) is dec
+    assert hyper.decode_kernels(X.float()) is None                     # FP32 streams
+    assert hyper.decode_kernels(torch.zeros(64, S, 8, dtype=torch.bfloat16)) is None  # prefill
+    monkeypatch.setattr(dec, "DECODE_FUSED", False)
+    assert hyper.decode_kernels(X) is None
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU model through the interpreted kernels")
+def test_tiny_model_forward_through_mhc_decode(mods, bf16_tp1, build_model, monkeypatch):
+    """Transformer.hidden / Block / logits on the mhc_decode path (attention, MoE on torch) vs
+    the torch path, as test_mhc's tiny-model test: the partials carried layer to layer, so in
+    the whole forward only the first hc_pre and hc_head run _mix_partial_kernel."""
+    from backfit.runtime.batch import ForwardBatch
+    from backfit.runtime.model import transformer
+    mhc, dec = mods
+    model = build_model(bf16_tp1, torch.bfloat16)
+    tokens = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = model(ForwardBatch.single(tokens))
+        launches, _ = _count_launches(monkeypatch, mhc, ("_mix_partial_kernel",))
+        monkeypatch.setattr(transformer, "decode_kernels", lambda X: dec)
+        got = model(ForwardBatch.single(tokens))
+    assert launches == ["_mix_partial_kernel"] * 2 and model.cfg.num_hidden_layers >= 2
+    err = ((got.double() - want.double()).abs().amax(-1) / want.double().abs().amax(-1)).max()
+    assert err < 3e-2 and torch.equal(got.argmax(-1), want.argmax(-1)), err.item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_decode_pair_real_shapes_graph_capturable(mods):
+    """d 4096, T 1 / 8 / 63: the fused pair against the torch reference, no host sync (sync
+    debug mode "error"), captured in a CUDA graph and replayed to the same bits."""
+    _, dec = mods
+    gen = torch.Generator().manual_seed(16)
+    fn, scale, base = params((2 + S) * S, 4096, 3, gen)
+    w = (torch.rand(4096, generator=gen) + 0.5).cuda()
+    for T in (1, 8, 63):
+        X = streams(T, 4096, gen)
+        f = torch.randn(T, 4096, generator=gen).bfloat16().cuda()
+        post = torch.rand(T, S, generator=gen).cuda() * 2
+        M = torch.softmax(torch.randn(T, S, S, generator=gen), -1).cuda()
+
+        def step(f=f, X=X, post=post, M=M):
+            Y, part = dec.hc_post(f, X, post, M, next_fn=fn)
+            return (Y,) + dec.hc_pre(Y, fn, scale, base, ITERS, HC_EPS, NORM_EPS,
+                                     norm=(w, RMS_EPS), part=part)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = step()
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                out = step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, eager)), T
+        Y = eager[0]
+        u_ref, post_ref, M_ref = hyper.hc_pre(Y, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
+        assert rel_max(eager[2], post_ref) < 2e-5 and rel_max(eager[3], M_ref) < 2e-5, T
+        assert rel_max(eager[1], rms_ref(u_ref, w)) < 2e-2, T
