@@ -77,7 +77,9 @@ def test_gemv_compiles_for_sm80():
         assert not r["fp8"], name
         assert r["mma"] == [], name
         if r["kernel"] == "_gemv_fma_kernel" or r["config"].get("V8") and r["config"]["QUANT"]:
-            assert r["shared"] <= 1024, f"{name}: {r['shared']} B shared (a layout change?)"
+            # only the cross-warp reduction scratch: 1 KB under Triton 3.9 (CI), 2 KB under the
+            # device's 3.6 (H200 run, 2026-12-01); more would mean the weight tile went to smem
+            assert r["shared"] <= 2048, f"{name}: {r['shared']} B shared (a layout change?)"
         if r["config"]["QUANT"] and r["config"]["MAGIC"]:
             assert r["i2f"] == 0, f"{name}: MAGIC still converts with cvt"
         elif r["config"]["QUANT"]:
