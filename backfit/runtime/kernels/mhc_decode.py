@@ -35,7 +35,8 @@ __all__ = ["COLLAPSE_WARPS", "DECODE_FUSED", "hc_head", "hc_post", "hc_pre", "po
 
 DECODE_FUSED = True     # False: the model's decode path falls back to mhc's 4 launches
 COLLAPSE_WARPS = 4      # warps of _collapse_norm_kernel (bench_mhc --decode sweeps 1 / 2 / 4)
-_BD_U = 1024            # d block of the collapse-norm kernel's u passes
+_BD_U = 256             # d block per warp of the collapse-norm kernel's u passes ([S, BD]
+                        # FP32 x: 32 registers a thread)
 
 
 @triton.jit
@@ -156,12 +157,12 @@ def _collapse_norm(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, norm, 
         return u, post, M
     w, eps = norm if norm is not None else (scale, 0.0)          # W unread without NORM
     split = part.shape[1]
+    warps = COLLAPSE_WARPS if warps is None else warps
     _collapse_norm_kernel[(T,)](
         part, X, scale.contiguous(), base.contiguous(), w, u, post, M, split, d, S * d, iters,
         float(hc_eps), float(norm_eps), float(eps), S=S, NOUT=n_out, NP=NP,
-        SP=triton.next_power_of_2(split), BD=min(_BD_U, triton.next_power_of_2(d)),
-        SINKHORN=sinkhorn, NORM=norm is not None,
-        num_warps=COLLAPSE_WARPS if warps is None else warps)
+        SP=triton.next_power_of_2(split), BD=min(_BD_U * warps, triton.next_power_of_2(d)),
+        SINKHORN=sinkhorn, NORM=norm is not None, num_warps=warps)
     return u, post, M
 
 

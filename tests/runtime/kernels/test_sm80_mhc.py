@@ -1,4 +1,4 @@
-"""The mHC kernels and the FP32-output a16 linear compile for sm_80 on this CPU machine within
+"""The mHC kernels (mhc, mhc_decode) and the FP32-output a16 linear compile for sm_80 on this CPU machine within
 99 KB of shared memory, with no FP8/FP4 (as test_sm80.py does for the other kernels, whose
 _compile helper this reuses). mHC is FP32 math on CUDA cores: no mma, except the tiled prefill
 partials with MMA3 (fn as three exact bf16 pieces through the BF16 mma.sync, FP32 accumulate).
@@ -20,7 +20,7 @@ BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
 
 def compile_all() -> list[dict]:
-    from backfit.runtime.kernels import gemm, mhc
+    from backfit.runtime.kernels import gemm, mhc, mhc_decode
 
     out = []
     warps = dict(num_warps=4, num_stages=1)
@@ -53,6 +53,24 @@ def compile_all() -> list[dict]:
                             dict(num_warps=cfg["warps_u"], num_stages=3), ("D", "K")))
     out.append(_compile(mhc._post_kernel, dict(F="*bf16", X="*bf16", POST="*fp32", MIX="*fp32",
                         OUT="*bf16", D="i32"), dict(S=4, BD=mhc._BD), warps, ("D",)))
+    # mhc_decode (decode, d 4096): hc_post + the next hc_pre's / hc_head's partials at post_bd's
+    # T = 1 block and the largest, plain hc_post; collapse + RMSNorm at 1 / 4 warps, SP = the
+    # post kernel's d blocks (128 at BD 32) or mix_split's, hc_head (no Sinkhorn)
+    post_types = dict(F="*bf16", X="*bf16", POST="*fp32", MIX="*fp32", OUT="*bf16", FN="*fp32",
+                      PART="*fp32", D="i32", K="i32")
+    bd1 = mhc_decode.post_bd(1, 4096, A100_SMS)
+    for n_out, bd, has_fn in ((24, bd1, True), (24, 256, True), (4, 64, True), (1, bd1, False)):
+        out.append(_compile(mhc_decode._post_mix_kernel, post_types,
+                            dict(S=4, NOUT=n_out, NP=max(2, 1 << n_out.bit_length()), BD=bd,
+                                 HAS_FN=has_fn), warps, ("D", "K")))
+    norm_types = dict(ctypes, W="*fp32", rms_eps="fp32")
+    for sinkhorn, norm, sp, w in ((True, True, 4096 // bd1, 1), (True, True, 4096 // bd1, 4),
+                                  (True, False, mhc.mix_split(1, 16384, A100_SMS), 2),
+                                  (False, True, 4096 // bd1, 4)):
+        out.append(_compile(mhc_decode._collapse_norm_kernel, norm_types,
+                            dict(S=4, NOUT=24 if sinkhorn else 4, NP=32 if sinkhorn else 8, SP=sp,
+                                 BD=mhc_decode._BD_U * w, SINKHORN=sinkhorn, NORM=norm),
+                            dict(num_warps=w, num_stages=1), ("D", "K")))
     a16 = dict(X="*bf16", W="*i8", S="*fp32", Y="*fp32", WS="*fp32", LOCK="*i32", M="i32",
                N="i32", K="i32", stride_xm="i32", K_SPLIT="i32")
     # head (bf16 weight, vocab shard x 4096) at decode; router / compressor sizes, int8 at prefill
@@ -66,7 +84,7 @@ def compile_all() -> list[dict]:
 
 def test_mhc_and_fp32_output_linear_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 15
+    assert len(results) == 23
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
