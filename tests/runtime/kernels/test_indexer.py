@@ -95,9 +95,10 @@ def test_indexer_scores_fp32_keys(idx):
     assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize("N,k,chunk", [(50, 16, 64), (300, 12, 64), (260, 4, 8),
                                        (700, 512, 1024), (37, 64, 64)])
-def test_topk_select_exact(idx, N, k, chunk):
+def test_topk_select_exact(idx, N, k, chunk, fast):
     gen = torch.Generator().manual_seed(N + k)
     B = 3
     s = torch.randn(B, N, generator=gen)
@@ -105,7 +106,7 @@ def test_topk_select_exact(idx, N, k, chunk):
     s[1, N // 2:] = float("-inf")                                     # invalid tail: -1
     s[2, : N // 3] = 0.0                                               # ReLU-like zeros
     s = s.to(DEV)
-    got = idx.topk_select(s, k, chunk=chunk)
+    got = idx.topk_select(s, k, chunk=chunk, fast=fast)
     want = ref.topk_select_ref(s, k)
     assert got.dtype == torch.int32 and got.shape == (B, k)
     assert torch.equal(got.cpu(), want.cpu()), (N, k)
@@ -138,3 +139,105 @@ def test_bad_inputs(idx):
         idx.topk_select(torch.zeros(2, 5, dtype=torch.float64, device=DEV), 3)
     with pytest.raises(ValueError, match="power of two"):
         idx.topk_select(torch.zeros(2, 5, device=DEV), 3, chunk=1000)
+
+
+# TOPK_FAST: _topk_pass_kernel's paths. A chunk (scores pass) or a chunk of sorted sub-chunks
+# (keys pass) whose live keys (score > -inf) all lie in its first K is ranked / copied: live keys
+# sorted, then the empty fill I64_MIN; any other chunk takes the bitonic top-K of all its keys
+# (whose non-live tail keeps packed -inf keys). The fills tell the two paths apart.
+I64_MIN = -2 ** 63
+
+
+def pack(s: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """As indexer._pack: FP32 score, index j -> int64 ordered by (score, -j)."""
+    bits = s.contiguous().view(torch.int32).long()
+    return (torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) << 32) | (2 ** 31 - 1 - j)
+
+
+def want_chunk(keys: torch.Tensor, K: int, neg: int) -> torch.Tensor:
+    live = (keys >> 32) > neg
+    if live[K:].any():                                              # the bitonic top-K
+        return keys.sort(descending=True).values[:K]
+    top = keys[live].sort(descending=True).values
+    return torch.cat((top, torch.full((K - len(top),), I64_MIN, dtype=torch.int64)))
+
+
+def run_pass(idx, src, scores: bool, K: int, C: int) -> torch.Tensor:
+    """One non-FINAL pass -> OUT [B, n_chunks·K] int64 (prefilled with 7, which no path writes)."""
+    B, N = src.shape
+    n_chunks = -(-N // C)
+    out = torch.full((B, n_chunks * K), 7, dtype=torch.int64, device=DEV)
+    idx._topk_pass_kernel[(B, n_chunks)](src, out, out, N, n_chunks * K, K, idx._neg_inf_key(),
+                                         K=K, C=C, BJ=4, SCORES=scores, FINAL=False)
+    return out
+
+
+def test_topk_pass_paths(idx):
+    """Empty chunks, <= K live (prefix and not), exactly K, live past K (full), then the keys
+    pass: copy where only sub-chunk 0 is live, the full top-K where sub-chunk 1 is too."""
+    K, C, N = 8, 32, 64
+    gen = torch.Generator().manual_seed(5)
+    s = torch.randn(6, N, generator=gen)
+    s[1, 3:6] = 0.5                                                  # ties
+    live = torch.zeros(6, N, dtype=torch.bool)
+    live[1, :5] = True                                               # chunk 0 ranked, 1 empty
+    live[2, [0, 20]] = True                                          # non-prefix: full, empty
+    live[3, :40] = True                                              # chunk 0 full, 1: exactly K
+    live[4, [1, 4, 6, 37, 39]] = True                                # holes within the first K
+    live[5, 32:64] = True                                            # chunk 0 empty, 1 full
+    s = torch.where(live, s, float("-inf"))
+    neg = idx._neg_inf_key()
+    keys = pack(s, torch.arange(N).expand(6, N))
+    out = run_pass(idx, s.to(DEV), True, K, C).cpu()
+    for b in range(6):
+        for c in range(N // C):
+            assert torch.equal(out[b, c * K:(c + 1) * K],
+                               want_chunk(keys[b, c * C:(c + 1) * C], K, neg)), (b, c)
+    assert (out[0] == I64_MIN).all() and (out[2, :K] >> 32 == neg).any()  # both fills occur
+    red = run_pass(idx, out.to(DEV), False, K, C).cpu()                 # 2 sub-chunks of K
+    for b in range(6):
+        assert torch.equal(red[b], want_chunk(out[b], K, neg)), b
+    assert torch.equal(red[2], torch.cat((out[2, :2], torch.full((6,), I64_MIN))))  # copied
+    assert (red[5, 1:] >> 32 > neg).all() and ((red[5] >> 32) > neg).sum() == K  # full top-K
+
+
+@pytest.mark.parametrize("N,k,chunk", [(150, 12, 32), (64, 16, 64), (5, 16, 64), (60, 3, 8)])
+def test_topk_fast_rows_of_different_validity(idx, N, k, chunk):
+    """Each row its own prefix (0, a few, exactly KP, KP+1, most, all) plus a tie-heavy row and a
+    non-prefix row: the fast path, the old path and torch agree exactly."""
+    gen = torch.Generator().manual_seed(N * k)
+    KP = 1 << (k - 1).bit_length()
+    n_valid = [0, 3, KP, KP + 1, N - 7, N]
+    s = torch.randn(len(n_valid) + 2, N, generator=gen)
+    for b, n in enumerate(n_valid):
+        s[b, max(n, 0):] = float("-inf")
+    s[-2] = torch.randint(-2, 3, (N,), generator=gen).float()
+    s[-2, N // 2:] = float("-inf")
+    s[-1, torch.rand(N, generator=gen) < 0.7] = float("-inf")          # holes everywhere
+    s = s.to(DEV)
+    with one_thread():
+        want = ref.topk_select_ref(s, k)
+        fast, old = idx.topk_select(s, k, chunk, fast=True), idx.topk_select(s, k, chunk,
+                                                                             fast=False)
+    assert torch.equal(fast.cpu(), want.cpu()) and torch.equal(old.cpu(), want.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_topk_fast_real_shapes_in_a_cuda_graph(idx):
+    """Top-512 over N = 8192 at decode-like prefixes, captured once in a CUDA graph (no host
+    sync) and replayed on new scores: equal to the old path and to torch."""
+    B, N, k = 8, 8192, 512
+    s = torch.full((B, N), float("-inf"), device="cuda")
+    idx.topk_select(s, k)                                             # compile
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        sel = idx.topk_select(s, k, fast=True)
+    for n_valid in ([128] * B, [0, 1, 511, 512, 513, 2048, 4097, 8192]):
+        new = torch.randn(B, N, device="cuda")
+        new[torch.arange(N, device="cuda")[None] >= torch.tensor(n_valid, device="cuda")[:, None]] \
+            = float("-inf")
+        s.copy_(new)
+        g.replay()
+        want = ref.topk_select_ref(s, k)
+        assert torch.equal(sel, want) and torch.equal(idx.topk_select(s, k, fast=False), want)
