@@ -21,30 +21,30 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-__all__ = ["compress_decode", "store_decode"]
+__all__ = ["compress_decode", "compress_decode_fused", "store_decode"]
 
 
 @triton.jit
-def _compress_kernel(C, Z, sc_b, sz_b, POS, SLOTS, RC, RZ, E, R, D, WIDTH,
-                     M: tl.constexpr, OVERLAP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-                     BD: tl.constexpr):
-    """Program (b, channel block): ring rows of this token, then E[b, block] over N slots
-    (N = 2M for CSA, M for HCA; NP = N rounded up to a power of two)."""
-    b, db = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    dd = db * BD + tl.arange(0, BD)
+def _pool(C, Z, sc_b, sz_b, APE, b, p, slot, dd, RC, RZ, R, D, WIDTH, M: tl.constexpr,
+          OVERLAP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, HAS_APE: tl.constexpr):
+    """Channels dd [BD] of row b: this token's ring rows (z + ape[p % M] if HAS_APE) at p % R,
+    then the softmax pooling over the N slots ending at p -> E [BD] FP32 (both kernels)."""
     d_ok = dd < D
-    p = tl.load(POS + b)
-    slot = tl.load(SLOTS + b).to(tl.int64)
     ring = slot * R * WIDTH                                           # this slot's ring rows
     own = ring + (p % R) * WIDTH
     c0 = tl.load(C + b * sc_b + dd, mask=d_ok, other=0.0)            # this token, first D
     z0 = tl.load(Z + b * sz_b + dd, mask=d_ok, other=0.0)
+    if HAS_APE:                                                       # Compressor.with_ape
+        z0 = z0 + tl.load(APE + (p % M) * WIDTH + dd, mask=d_ok, other=0.0)
     tl.store(RC + own + dd, c0, mask=d_ok)
     tl.store(RZ + own + dd, z0, mask=d_ok)
     if OVERLAP:                                                       # rows are 2D wide
         c1 = tl.load(C + b * sc_b + D + dd, mask=d_ok, other=0.0)
         z1 = tl.load(Z + b * sz_b + D + dd, mask=d_ok, other=0.0)
+        if HAS_APE:
+            z1 = z1 + tl.load(APE + (p % M) * WIDTH + D + dd, mask=d_ok, other=0.0)
         tl.store(RC + own + D + dd, c1, mask=d_ok)
         tl.store(RZ + own + D + dd, z1, mask=d_ok)
     else:
@@ -71,7 +71,126 @@ def _compress_kernel(C, Z, sc_b, sz_b, POS, SLOTS, RC, RZ, E, R, D, WIDTH,
     mx = tl.max(sz, axis=0)
     e = tl.exp(sz - mx[None, :])
     w = e / tl.sum(e, axis=0)[None, :]                                # softmax over the slots
-    tl.store(E + b * D + dd, tl.sum(w * sc, axis=0), mask=d_ok)
+    return tl.sum(w * sc, axis=0)
+
+
+@triton.jit
+def _compress_kernel(C, Z, sc_b, sz_b, POS, SLOTS, RC, RZ, E, R, D, WIDTH,
+                     M: tl.constexpr, OVERLAP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
+                     BD: tl.constexpr):
+    """Program (b, channel block): ring rows of this token, then E[b, block] over N slots
+    (N = 2M for CSA, M for HCA; NP = N rounded up to a power of two)."""
+    b, db = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    dd = db * BD + tl.arange(0, BD)
+    p = tl.load(POS + b)
+    slot = tl.load(SLOTS + b).to(tl.int64)
+    e = _pool(C, Z, sc_b, sz_b, C, b, p, slot, dd, RC, RZ, R, D, WIDTH, M, OVERLAP, N, NP, False)
+    tl.store(E + b * D + dd, e, mask=dd < D)
+
+
+@triton.jit
+def _round_bf16(x):
+    """FP32 -> the nearest BF16 value (ties to even) as FP32, torch's .to(bfloat16) (= cvt.rn
+    on a GPU; the interpreter's own cast truncates, so it is spelled out)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _entry_tail(EBUF, b, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scratch, D,
+                M: tl.constexpr, DP: tl.constexpr, RR: tl.constexpr, BH: tl.constexpr,
+                PB: tl.constexpr, INT8: tl.constexpr, BF16: tl.constexpr, RN: tl.constexpr):
+    """Row b's pooled E [D] FP32 (EBUF) -> cast to the act dtype, RMSNorm, RoPE at (p // M)·M,
+    entry store: the ops of _rms_kernel, _rope_kernel and _store_kernel in their order."""
+    row = EBUF + b * D
+    full = tl.arange(0, DP)
+    x = tl.load(row + full, mask=full < D, other=0.0, cache_modifier=".cg")   # other blocks' E
+    if BF16:
+        x = _round_bf16(x)                                            # E.to(dtype)
+    inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)              # _rms_kernel
+    hh = tl.arange(0, BH)                                             # the unrotated head
+    h_ok = hh < D - RR
+    xh = tl.load(row + hh, mask=h_ok, other=0.0, cache_modifier=".cg")
+    i = tl.arange(0, RR // 2)
+    ev = D - RR + 2 * i                                               # rotated pairs (ev, ev+1)
+    xa = tl.load(row + ev, cache_modifier=".cg")
+    xb = tl.load(row + ev + 1, cache_modifier=".cg")
+    if BF16:
+        xh, xa, xb = _round_bf16(xh), _round_bf16(xa), _round_bf16(xb)
+    yh = xh * inv
+    yh = yh * tl.load(NW + hh, mask=h_ok, other=0.0)
+    a = xa * inv
+    a = a * tl.load(NW + ev)
+    bb = xb * inv
+    bb = bb * tl.load(NW + ev + 1)
+    if BF16:                                                          # the norm's output dtype
+        yh = yh.to(tl.bfloat16).to(tl.float32)
+        a = a.to(tl.bfloat16).to(tl.float32)
+        bb = bb.to(tl.bfloat16).to(tl.float32)
+    ang = ((p // M) * M).to(tl.float64) * tl.load(F + i)              # _rope_kernel, FP64 angles
+    cos = tl.cos(ang).to(tl.float32)
+    sin = tl.sin(ang).to(tl.float32)
+    if RN:                                                            # no FMA contraction
+        ra = libdevice.sub_rn(libdevice.mul_rn(a, cos), libdevice.mul_rn(bb, sin))
+        rb = libdevice.add_rn(libdevice.mul_rn(a, sin), libdevice.mul_rn(bb, cos))
+    else:                                                             # interpreter: numpy rounds
+        ra = a * cos - bb * sin
+        rb = a * sin + bb * cos
+    if BF16:
+        ra = ra.to(tl.bfloat16).to(tl.float32)
+        rb = rb.to(tl.bfloat16).to(tl.float32)
+    j = p // M                                                        # _store_kernel, "entry"
+    done = (p + 1) % M == 0
+    blk = tl.load(TABLES + b * stride_tb + tl.where(done, j // PB, 0))
+    i0 = tl.where(done, blk, scratch).to(tl.int64)
+    at = (i0 * PB + j % PB) * D
+    if INT8:
+        amax = tl.maximum(tl.max(tl.abs(yh), axis=0),
+                          tl.maximum(tl.max(tl.abs(ra), axis=0), tl.max(tl.abs(rb), axis=0)))
+        s = tl.math.div_rn(tl.maximum(amax, 1e-30), 127.0)
+        qh = tl.math.div_rn(yh, tl.full((BH,), 1.0, tl.float32) * s)
+        qa = tl.math.div_rn(ra, tl.full((RR // 2,), 1.0, tl.float32) * s)
+        qb = tl.math.div_rn(rb, tl.full((RR // 2,), 1.0, tl.float32) * s)
+        qh = (qh + 12582912.0) - 12582912.0                           # round half to even
+        qa = (qa + 12582912.0) - 12582912.0
+        qb = (qb + 12582912.0) - 12582912.0
+        tl.store(DATA + at + hh, qh.to(tl.int8), mask=h_ok)
+        tl.store(DATA + at + ev, qa.to(tl.int8))
+        tl.store(DATA + at + ev + 1, qb.to(tl.int8))
+        tl.store(SCALE + i0 * PB + j % PB, s)
+    else:
+        tl.store(DATA + at + hh, yh.to(DATA.dtype.element_ty), mask=h_ok)
+        tl.store(DATA + at + ev, ra.to(DATA.dtype.element_ty))
+        tl.store(DATA + at + ev + 1, rb.to(DATA.dtype.element_ty))
+
+
+@triton.jit
+def _fused_kernel(C, Z, sc_b, sz_b, APE, POS, SLOTS, RC, RZ, EBUF, CNT, NW, eps, F, TABLES,
+                  stride_tb, DATA, SCALE, scratch, R, D, WIDTH,
+                  M: tl.constexpr, OVERLAP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
+                  BD: tl.constexpr, NBLK: tl.constexpr, HAS_APE: tl.constexpr,
+                  DP: tl.constexpr, RR: tl.constexpr, BH: tl.constexpr, PB: tl.constexpr,
+                  INT8: tl.constexpr, BF16: tl.constexpr, RN: tl.constexpr):
+    """Program (b, channel block), the grid of _compress_kernel: rows + pooling of the block
+    -> EBUF; the last of row b's NBLK programs (an acq_rel counter, reset to 0 by it) runs the
+    entry tail on the whole row."""
+    b, db = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    dd = db * BD + tl.arange(0, BD)
+    p = tl.load(POS + b)
+    slot = tl.load(SLOTS + b).to(tl.int64)
+    e = _pool(C, Z, sc_b, sz_b, APE, b, p, slot, dd, RC, RZ, R, D, WIDTH, M, OVERLAP, N, NP,
+              HAS_APE)
+    tl.store(EBUF + b * D + dd, e, mask=dd < D)
+    tl.debug_barrier()                                                # the whole block stored
+    if NBLK == 1:
+        _entry_tail(EBUF, b, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scratch, D, M, DP,
+                    RR, BH, PB, INT8, BF16, RN)
+    else:
+        if tl.atomic_add(CNT + b, 1, sem="acq_rel", scope="gpu") == NBLK - 1:
+            tl.store(CNT + b, 0)                                      # ready for the next call
+            _entry_tail(EBUF, b, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scratch, D, M,
+                        DP, RR, BH, PB, INT8, BF16, RN)
 
 
 @triton.jit
@@ -152,3 +271,73 @@ def store_decode(x: torch.Tensor, pos: torch.Tensor, data: torch.Tensor, scale: 
             data, scale if int8 else data, data.shape[1], scratch, D,
             MODE=0 if slots is not None else 1, M=ratio, PB=data.shape[1], INT8=int8, BD=BD,
             num_warps=4 if D <= 512 else 8)
+
+
+_COUNTERS: dict = {}     # device -> int32 [n] zeros: the fused kernel's per-row block counters
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 [>= n] counters, kept per device (every launch leaves them 0 again); the
+    eager warm-up before a CUDA-graph capture allocates them outside the graph."""
+    cnt = _COUNTERS.get(device)
+    if cnt is None or cnt.numel() < n:
+        cnt = _COUNTERS[device] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+    return cnt
+
+
+def _interpreted() -> bool:
+    return not isinstance(_fused_kernel, triton.runtime.jit.JITFunction)
+
+
+def compress_decode_fused(c: torch.Tensor, z: torch.Tensor, ape: torch.Tensor | None,
+                          pos: torch.Tensor, slots: torch.Tensor, ring_c: torch.Tensor,
+                          ring_z: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                          inv_freq: torch.Tensor, rope_dim: int, data: torch.Tensor,
+                          scale: torch.Tensor | None, tables: torch.Tensor, scratch: int,
+                          ratio: int, overlap: bool, D: int, dtype: torch.dtype) -> None:
+    """Compressor.decode_update's kernel path in one launch: z += ape[pos % m] (ape [m, width]
+    FP32, None: already added), compress_decode, E.to(dtype), RMSNorm (norm_weight [D] FP32,
+    eps), RoPE of the last rope_dim dims at (pos // m)·m (inv_freq FP64), and the entry store
+    into data [NB, PB, D] (+ scale iff INT8) as store_decode(tables=...) does. Same operations
+    in the same order as that chain, so the same entries bit for bit."""
+    B, width = c.shape
+    if z.shape != c.shape or c.dtype != torch.float32 or z.dtype != torch.float32 \
+            or c.stride(1) != 1 or z.stride(1) != 1 or width != (2 if overlap else 1) * D:
+        raise ValueError(f"compress_decode_fused: c, z [B, {(2 if overlap else 1) * D}] FP32, "
+                         f"unit stride in a row; got {list(c.shape)} {c.dtype}")
+    if ring_c.shape != ring_z.shape or ring_c.shape[2] != width or not ring_c.is_contiguous() \
+            or not ring_z.is_contiguous():
+        raise ValueError(f"compress_decode_fused: rings [S, R, {width}] contiguous, got "
+                         f"{list(ring_c.shape)}")
+    if ape is not None and (ape.shape != (ratio, width) or ape.dtype != torch.float32
+                            or not ape.is_contiguous()):
+        raise ValueError(f"compress_decode_fused: ape [{ratio}, {width}] FP32 contiguous")
+    if dtype not in (torch.bfloat16, torch.float32) or norm_weight.shape != (D,) \
+            or norm_weight.dtype != torch.float32 or inv_freq.dtype != torch.float64 \
+            or inv_freq.shape != (rope_dim // 2,) or rope_dim & (rope_dim - 1) or rope_dim > D:
+        raise ValueError(f"compress_decode_fused: act dtype bf16/FP32 (got {dtype}), norm "
+                         f"weight FP32 [{D}], inv_freq FP64 [{rope_dim // 2}], power-of-2 rope_dim")
+    int8 = data.dtype == torch.int8
+    if data.dim() != 3 or data.shape[2] != D or not data.is_contiguous() \
+            or int8 != (scale is not None) or (not int8 and data.dtype != dtype) \
+            or tables.dim() != 2 or tables.shape[0] != B or tables.dtype != torch.int32:
+        raise ValueError(f"compress_decode_fused: data [NB, PB, {D}] contiguous in {dtype} (or "
+                         f"INT8 with a scale), tables [{B}, nblk] int32; got "
+                         f"{data.dtype}{list(data.shape)}, {tables.dtype}{list(tables.shape)}")
+    if not B:
+        return
+    n = 2 * ratio if overlap else ratio
+    NP = triton.next_power_of_2(n)
+    BD = min(128, triton.next_power_of_2(D), max(16, 4096 // NP))   # compress_decode's blocks
+    nblk = triton.cdiv(D, BD)
+    ebuf = torch.empty(B, D, dtype=torch.float32, device=c.device)   # pooled E, per row
+    cnt = _counters(c.device, B) if nblk > 1 else ebuf
+    tables = tables.contiguous()
+    _fused_kernel[(B, nblk)](
+        c, z, c.stride(0), z.stride(0), ape if ape is not None else c, pos.contiguous(),
+        slots.contiguous(), ring_c, ring_z, ebuf, cnt, norm_weight, float(eps), inv_freq,
+        tables, tables.stride(0), data, scale if int8 else data, scratch,
+        ring_c.shape[1], D, width, M=ratio, OVERLAP=overlap, N=n, NP=NP, BD=BD, NBLK=nblk,
+        HAS_APE=ape is not None, DP=triton.next_power_of_2(D), RR=rope_dim,
+        BH=triton.next_power_of_2(max(D - rope_dim, 1)), PB=data.shape[1], INT8=int8,
+        BF16=dtype == torch.bfloat16, RN=not _interpreted(), num_warps=4)

@@ -24,7 +24,8 @@ from backfit.runtime.distributed import all_reduce, get_tp_info
 from backfit.runtime.kernels import get_kernel_backend, kernel_path
 from backfit.runtime.layers import (ColumnParallelLinear, FusedProjection, Linear, RMSNorm,
                                     RowParallelLinear, Rotary)
-from backfit.runtime.model.compressor import Compressor, Indexer
+from backfit.runtime.model import compressor as compressor_mod
+from backfit.runtime.model.compressor import Compressor, Indexer, ProjectedRows
 
 __all__ = ["Attention", "layer_rotary"]
 
@@ -87,9 +88,11 @@ class Attention(nn.Module):
         comp = icomp = wraw = None
         if fused and self.fused_f32 is not None:
             out = self.fused_f32(x, torch.float32)
-            comp = self.compressor.with_ape(out[0], out[1], pos)
+            rows = (ProjectedRows if compressor_mod.FUSED_DECODE       # ape: in the decode kernel
+                    else lambda m, c, z, p: m.with_ape(c, z, p))
+            comp = rows(self.compressor, out[0], out[1], pos)
             if self.indexer is not None:
-                icomp = self.indexer.compressor.with_ape(out[2], out[3], pos)
+                icomp = rows(self.indexer.compressor, out[2], out[3], pos)
                 wraw = out[4].to(x.dtype)                             # as weights_proj(x) rounds
         else:
             if self.compressor is not None:
@@ -172,10 +175,13 @@ class Attention(nn.Module):
         mode, ent, ent_scale, tables, sel = "window", None, None, None, None
         if comp is not None:
             if decode:                        # batched, no host sync (CUDA graphs)
-                self.compressor.decode_update(cache, "comp", comp[0], comp[1], pos, q.dtype)
-                if index is not None:
-                    self.indexer.compressor.decode_update(cache, "index", index[2][0],
-                                                          index[2][1], pos, q.dtype)
+                icompressor = self.indexer.compressor if index is not None else None
+                for mod, kind, rows in ((self.compressor, "comp", comp),
+                                        (icompressor, "index", index and index[2])):
+                    if isinstance(rows, ProjectedRows):                # ape added in the kernel
+                        rows.decode_update(cache, kind, pos, q.dtype)
+                    elif rows is not None:
+                        mod.decode_update(cache, kind, rows[0], rows[1], pos, q.dtype)
             for s in batch.slices() if not decode else ():
                 r = slice(s.lo, s.hi)
                 self.compressor.update(cache, s.index, "comp", comp[0][r], comp[1][r], s.start,

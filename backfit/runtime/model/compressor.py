@@ -22,7 +22,34 @@ from backfit.runtime.distributed import all_reduce, get_tp_info
 from backfit.runtime.kernels import kernel_path
 from backfit.runtime.layers import ColumnParallelLinear, Linear, RMSNorm, Rotary
 
-__all__ = ["Compressor", "Indexer"]
+__all__ = ["Compressor", "Indexer", "ProjectedRows", "FUSED_DECODE"]
+
+# The decode kernel path of Compressor.decode_update: True = one launch per compressor
+# (kernels.cache_ops.compress_decode_fused: ape add, rows, pooling, cast, norm, RoPE, entry
+# store); False = the previous chain (torch ape add, compress_decode, cast, rms_norm, rope,
+# store_decode; ~10 launches). Same entries bit for bit either way.
+FUSED_DECODE = True
+
+
+class ProjectedRows:
+    """(c, z) of Attention's fused projection with the ape row still to add (FUSED_DECODE):
+    rows[0] = c, rows[1] = z + ape[pos mod m] (formed on first use: prefill, mixed batches);
+    the decode step hands c and the raw z to decode_update(ape_added=False) instead."""
+
+    def __init__(self, comp: "Compressor", c: torch.Tensor, z_raw: torch.Tensor, pos: torch.Tensor):
+        self.comp, self.c, self.z_raw, self.pos, self._z = comp, c, z_raw, pos, None
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 0:
+            return self.c
+        if i != 1:
+            raise IndexError(f"ProjectedRows: index {i} (0 = c, 1 = z)")
+        if self._z is None:
+            self._z = self.comp.with_ape(self.c, self.z_raw, self.pos)[1]
+        return self._z
+
+    def decode_update(self, cache, kind: str, pos: torch.Tensor, dtype: torch.dtype) -> None:
+        self.comp.decode_update(cache, kind, self.c, self.z_raw, pos, dtype, ape_added=False)
 
 
 class Compressor(nn.Module):
@@ -87,17 +114,30 @@ class Compressor(nn.Module):
         return cache.entries(i, kind, j1) if read else None
 
     def decode_update(self, cache, kind: str, c: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
-                      dtype: torch.dtype) -> None:
+                      dtype: torch.dtype, ape_added: bool = True) -> None:
         """Decode, one token per sequence (c, z [B, width] at positions pos [B] on the device):
         `update` for the whole batch without a host sync or a branch (CUDA-graph safe).
+        ape_added=False: z is the raw projection, ape[pos mod m] is added here.
 
         Every row pools the m (CSA: 2m) rows ending at its position, as if it completed a block;
         entry j = pos // m is written only where (pos+1) % m == 0, the others go to the cache's
         scratch block. Same operations in the same order as `update`, so the same entries. On
-        the triton backend the rows and the pooling are one kernel (kernels.cache_ops: Triton's
-        exp, so FP32 rounding away from the torch path) and the entry store another.
+        the triton backend it is one kernel (FUSED_DECODE; kernels.cache_ops, Triton's exp, so
+        FP32 rounding away from the torch path), else rows + pooling, then cast, norm, RoPE and
+        the entry store as separate launches.
         """
         m, D = self.ratio, self.head_dim
+        if kernel_path(c) and FUSED_DECODE and dtype in (torch.bfloat16, torch.float32):
+            from backfit.runtime.kernels.cache_ops import compress_decode_fused
+            data, scale = cache.entry_pool(kind)
+            compress_decode_fused(c, z, None if ape_added else self.ape, pos, cache.slot_ids(),
+                                  *cache.rows_pool(kind), self.norm.weight, self.norm.eps,
+                                  self.rope.inv_freq, self.rope.rope_dim, data, scale,
+                                  cache.block_table(), cache.bound.cache.scratch_block, m,
+                                  self.overlap, D, dtype)
+            return
+        if not ape_added:
+            z = z + self.ape[pos % m]
         j = pos // m
         if kernel_path(c):          # 1 launch for rows + pooling
             from backfit.runtime.kernels.cache_ops import compress_decode
@@ -137,10 +177,13 @@ class Indexer(nn.Module):
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
 
     def queries(self, qr: torch.Tensor, w: torch.Tensor, pos: torch.Tensor):
-        """qr [T, q_lora], w = weights_proj(x) [T, Hl] -> qI [T, Hl, 128] FP32 (rotated),
-        head weights [T, Hl] FP32."""
+        """qr [T, q_lora], w = weights_proj(x) [T, Hl] -> qI [T, Hl, 128] (rotated; FP32, on the
+        kernel path the act dtype: kernels.indexer reads it so, no cast launches), head weights
+        [T, Hl] FP32."""
         qI = self.wq_b(qr).view(qr.shape[0], self.local_heads, self.head_dim)
-        qI = self.rope(qI, pos).float()
+        qI = self.rope(qI, pos)
+        if not kernel_path(qI):
+            qI = qI.float()
         return qI, w.float() * self.weight_scale
 
     def select(self, qI: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor):
@@ -148,7 +191,7 @@ class Indexer(nn.Module):
 
         k = min(index_topk, E); a selected slot is usable only where ok (fewer valid than k).
         """
-        dots = torch.einsum("nhd,ed->nhe", qI, keys.float()).relu()          # [n, Hl, E]
+        dots = torch.einsum("nhd,ed->nhe", qI.float(), keys.float()).relu()          # [n, Hl, E]
         score = all_reduce(torch.einsum("nh,nhe->ne", w, dots))            # sum over ALL heads
         score = score.masked_fill(~valid, float("-inf"))
         k = min(self.topk, keys.shape[0])

@@ -103,3 +103,58 @@ def test_store_decode_equals_store_put(model_f32, kv_dtype):
     assert ent.data[tables[1][0]].any() and ent.data[new.scratch_block].any()   # done / scratch
     if kv_dtype == "int8":
         assert torch.equal(ent.scale, ref.layers[li].comp.entries.scale)
+
+
+def _old_chain(k, rn, c, z, ape, pos, slots, rc, rz, m, overlap, D, w, eps, inv_freq, r,
+               data, scale, tables, scratch, dtype):
+    """Today's kernel path of Compressor.decode_update: with_ape (torch), compress_decode,
+    E.to(dtype), rms_norm, rope at (pos // m)·m, store_decode."""
+    z = z + ape[pos % m]
+    E = k.compress_decode(c, z, pos, slots, rc, rz, m, overlap, D)
+    E = rn.rope(rn.rms_norm(E.to(dtype), w, eps), (pos // m) * m, inv_freq, r)
+    k.store_decode(E, pos, data, scale, tables=tables, ratio=m, scratch=scratch)
+
+
+@pytest.mark.parametrize("m, overlap, D, int8, dtype", [
+    (4, True, 512, False, torch.bfloat16), (4, True, 512, True, torch.bfloat16),
+    (4, True, 128, False, torch.bfloat16), (128, False, 512, True, torch.bfloat16),
+    (8, False, 64, False, torch.float32)])
+def test_compress_decode_fused_equals_chain(m, overlap, D, int8, dtype):
+    """Rows, entry pool (and scales) bit-equal to the old chain on twin pools; positions before
+    and at block ends, pos < m (CSA's virtual block), B = 4 different positions."""
+    from backfit.runtime.layers import yarn_inv_freq
+    k, rn = kmod(), kernel_module("rope_norm", "_rms_kernel", INTERPRET)
+    g = torch.Generator().manual_seed(7 * m + D)
+    width = (2 if overlap else 1) * D
+    S, R, PB, NB, r = 5, (2 * m if overlap else m) + 8, 4, 12, 64
+    pos = torch.tensor([1, m - 1, 3 * m - 1, 9 * m + 2], device=DEV)   # 3 * m - 1: block 2 done
+    slots = torch.tensor([4, 0, 2, 1], dtype=torch.int32, device=DEV)
+    tables = torch.tensor([[3, 7, 1], [0, 5, 9], [8, 2, 6], [11, 4, 10]], dtype=torch.int32,
+                          device=DEV)
+    rc = torch.randn(S, R, width, generator=g).to(DEV)
+    rz = torch.randn(S, R, width, generator=g).to(DEV)
+    ape = torch.randn(m, width, generator=g).to(DEV)
+    both = torch.randn(4, 2, width, generator=g).to(DEV)
+    c, z = both[:, 0], both[:, 1]                                     # strided rows
+    w = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV)
+    inv_freq = yarn_inv_freq(r, 160000.0, None).to(DEV)
+    pools = []
+    for _ in range(2):
+        data = torch.zeros(NB + 1, PB, D, dtype=torch.int8 if int8 else dtype, device=DEV)
+        pools.append((rc.clone(), rz.clone(), data,
+                      torch.ones(NB + 1, PB, device=DEV) if int8 else None))
+    (rc0, rz0, d0, s0), (rc1, rz1, d1, s1) = pools
+    _old_chain(k, rn, c, z, ape, pos, slots, rc0, rz0, m, overlap, D, w, 1e-6, inv_freq, r,
+               d0, s0, tables, NB, dtype)
+    k.compress_decode_fused(c, z, ape, pos, slots, rc1, rz1, w, 1e-6, inv_freq, r, d1, s1,
+                            tables, NB, m, overlap, D, dtype)
+    assert torch.equal(rc0, rc1) and torch.equal(rz0, rz1)
+    assert torch.equal(d0, d1)
+    if int8:
+        assert torch.equal(s0, s1)
+    assert d1[tables[1, 0]].any() and d1[NB].any()                   # a done entry, the scratch
+    if m <= 8:                                                        # rows 1 and 2 complete too
+        assert d1[tables[2, (3 * m - 1) // m // PB]].any()
+    with pytest.raises(ValueError, match="compress_decode_fused"):
+        k.compress_decode_fused(c, z, ape, pos, slots, rc1, rz1, w, 1e-6, inv_freq, r, d1, s1,
+                                tables.long(), NB, m, overlap, D, dtype)

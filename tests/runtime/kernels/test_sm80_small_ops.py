@@ -1,5 +1,5 @@
 """The small decode kernels (kernels.rope_norm: RMSNorm, RoPE; kernels.cache_ops: compressor
-pooling, cache stores; kernels.pointwise: SwiGLU, router top-k, MoE combine) compile for sm_80 on this CPU machine (test_sm80.py's helper): shared
+pooling, cache stores, the fused compressor decode update; kernels.pointwise: SwiGLU, router top-k, MoE combine) compile for sm_80 on this CPU machine (test_sm80.py's helper): shared
 memory within 99 KB, no MMA (CUDA-core math), no FP8/FP4, and FMA contraction really off in
 RoPE (no fma.rn.f32 in its PTX: the torch path rounds every product). Real widths."""
 
@@ -37,6 +37,17 @@ def compile_all() -> list[dict]:
             C="*fp32", Z="*fp32", sc_b="i32", sz_b="i32", POS="*i64", SLOTS="*i32", RC="*fp32", RZ="*fp32",
             E="*fp32", R="i32", D="i32", WIDTH="i32"), dict(M=m, OVERLAP=overlap, N=n,
             NP=triton.next_power_of_2(n), BD=bd), dict(num_warps=4, num_stages=1), ("D",)))
+    for m, overlap, d, bd, int8 in ((4, True, 512, 128, False), (4, True, 512, 128, True),
+                                    (128, False, 512, 32, True), (4, True, 128, 128, False)):
+        n = 2 * m if overlap else m                  # compress_decode_fused: CSA, HCA, indexer
+        out.append(_compile(cache_ops._fused_kernel, dict(
+            C="*fp32", Z="*fp32", sc_b="i32", sz_b="i32", APE="*fp32", POS="*i64", SLOTS="*i32",
+            RC="*fp32", RZ="*fp32", EBUF="*fp32", CNT="*i32", NW="*fp32", eps="fp32", F="*fp64",
+            TABLES="*i32", stride_tb="i32", DATA="*i8" if int8 else "*bf16", SCALE="*fp32",
+            scratch="i32", R="i32", D="i32", WIDTH="i32"), dict(
+            M=m, OVERLAP=overlap, N=n, NP=triton.next_power_of_2(n), BD=bd, NBLK=d // bd,
+            HAS_APE=True, DP=d, RR=64, BH=triton.next_power_of_2(d - 64), PB=32, INT8=int8,
+            BF16=True, RN=True), dict(num_warps=4, num_stages=1), ("D",)))
     for mode, int8 in ((0, False), (0, True), (1, True), (1, False)):
         out.append(_compile(cache_ops._store_kernel, dict(
             X="*bf16", sx_b="i32", POS="*i64", SLOTS="*i32", TABLES="*i32", stride_tb="i32",
@@ -59,7 +70,7 @@ def compile_all() -> list[dict]:
 
 def test_small_kernels_compile_for_sm80():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 19
+    assert len(results) == 23
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
