@@ -11,7 +11,16 @@ own floor is ~0.55 of that). Errors against the torch reference (runtime.model.h
 backend): post / M max abs error over max |reference|; u in test_mhc's ulps (<= 1 passes) and
 its excess over one bf16 spacing relative to Σ|terms| (the gates' FP32 noise). `same`: the
 fraction of u / post / M elements bit-identical to today's path.
-Usage: python scripts/bench_mhc.py [--out bench_mhc.json] [--quick]
+--decode instead times one mHC pair at decode (hc_post of the previous sub-layer + the next
+hc_pre + its RMSNorm), T 1 / 8 / 63 (64 = MIX_TORCH_T takes the prefill path): today's 4
+launches (mhc._post_kernel, _mix_partial_kernel, _collapse_kernel, rope_norm._rms_kernel)
+against kernels.mhc_decode's 2 (_post_mix_kernel, _collapse_norm_kernel) at a few (bd, warps),
+and the 3-launch middle (plain hc_post, then hc_pre's own partials + collapse-norm). Each figure:
+one CUDA-graph replay of PAIRS pairs on disjoint fn / X sets (fn from HBM, as in a real step),
+divided by PAIRS (graph-node gaps included). Errors on set 0, max abs over max |reference|: Y
+against hc_post's FP32 value, normed u (FP32 value before the cast), post, M against the torch
+hc_pre + RMSNorm on the variant's own Y; `same`: bit-equal fractions against today's path.
+Usage: python scripts/bench_mhc.py [--out bench_mhc.json] [--quick] [--decode]
 """
 
 from __future__ import annotations
@@ -109,17 +118,97 @@ def case(kind, T, bw, gen, quick):
     return rows
 
 
+PAIRS = 48                                  # 48 x 1.5 MB of fn: past the 50 MB L2 (H200)
+RMS_EPS = 1e-6
+# mhc_decode candidates: hc_post's d block (None = post_bd) and the collapse-norm warps
+DECODE_CANDIDATES = [(None, 4), (None, 2), (None, 1), (16, 4), (64, 4), (128, 2)]
+
+
+def decode_case(T, bw, gen, device="cuda", d=D, pairs=PAIRS, timer=graph_time):
+    """Rows of the decode pair at T tokens; device, d, pairs, timer: a CPU smoke run."""
+    from backfit.runtime.kernels import mhc_decode
+    from backfit.runtime.kernels.rope_norm import rms_norm
+    n_out = (2 + S) * S
+    sets = []
+    for _ in range(pairs):
+        X = (torch.randn(T, S, d, device=device) * torch.rand(T, S, 1, device=device).add(0.2)
+             * 3).bfloat16()
+        sets.append(dict(X=X, f=torch.randn(T, d, device=device).bfloat16(),
+                         post=torch.rand(T, S, device=device) * 2,
+                         M=torch.softmax(torch.randn(T, S, S, device=device), -1),
+                         fn=torch.randn(n_out, S * d, device=device) * 0.02))
+    scale = torch.randn(3, generator=gen).to(device)
+    base = torch.randn(n_out, generator=gen).to(device)
+    w = torch.rand(d, generator=gen).to(device) + 0.5
+
+    def old(z):
+        Y = mhc.hc_post(z["f"], z["X"], z["post"], z["M"])
+        u, p, M = mhc.hc_pre(Y, z["fn"], scale, base, ITERS, HC_EPS, NORM_EPS)
+        return Y, rms_norm(u, w, RMS_EPS), p, M
+
+    def new(z, bd, warps, fused=True):
+        if fused:
+            Y, part = mhc_decode.hc_post(z["f"], z["X"], z["post"], z["M"], next_fn=z["fn"], bd=bd)
+        else:
+            Y, part = mhc_decode.hc_post(z["f"], z["X"], z["post"], z["M"], bd=bd), None
+        return (Y,) + mhc_decode.hc_pre(Y, z["fn"], scale, base, ITERS, HC_EPS, NORM_EPS,
+                                        norm=(w, RMS_EPS), part=part, warps=warps)
+    z = sets[0]
+    Y32 = (z["post"][:, :, None] * z["f"].float()[:, None, :]
+           + torch.einsum("tjk,tjd->tkd", z["M"], z["X"].float()))
+    today = old(z)
+
+    def pre_ref(Y):
+        """torch hc_pre + RMSNorm (FP32, before the cast) on a variant's own streams Y."""
+        u, post, M = hyper.hc_pre(Y, z["fn"], scale, base, ITERS, HC_EPS, NORM_EPS)
+        uf = u.float()
+        return uf * torch.rsqrt(uf.square().mean(-1, keepdim=True) + RMS_EPS) * w, post, M
+    # bytes a pair must move: X read, Y written and read back, fn read, u written
+    need = 3 * T * S * d * 2 + n_out * S * d * 4 + T * d * 2
+    sms = mhc._num_sms(torch.device(device))
+    variants = [("old 4 launches", old), ("new 3 (no part)", lambda z: new(z, None, 4, False))]
+    variants += [(f"new 2 bd {bd or mhc_decode.post_bd(T, d, sms)} warps {wp}",
+                  lambda z, bd=bd, wp=wp: new(z, bd, wp)) for bd, wp in DECODE_CANDIDATES]
+    rows = []
+    for name, call in variants:
+        t0 = time.time()
+        try:
+            out = call(z)
+            t = timer(lambda call=call: [call(z) for z in sets]) / pairs
+        except Exception as e:                      # a config that does not compile / fit
+            rows.append(dict(kind="decode", T=T, path=name, error=f"{type(e).__name__}: {e}"[:300]))
+            print(f"decode  T {T:5d} {name:28s} FAILED {rows[-1]['error']}", flush=True)
+            continue
+        un32, post_ref, M_ref = pre_ref(out[0])
+        r = dict(kind="decode", T=T, path=name, us=t * 1e6, roofline=need / t / bw,
+                 Y_err=rel_max(out[0], Y32), un_err=rel_max(out[1], un32),
+                 post_err=rel_max(out[2], post_ref), M_err=rel_max(out[3], M_ref),
+                 Y_same=same(out[0], today[0]), un_same=same(out[1], today[1]),
+                 wall_s=time.time() - t0)
+        rows.append(r)
+        print(f"decode  T {T:5d} {name:28s} {r['us']:7.2f} us/pair {100 * r['roofline']:5.1f}% "
+              f"copy-bw  err Y {r['Y_err']:.1e} normed u {r['un_err']:.1e} post "
+              f"{r['post_err']:.1e} M {r['M_err']:.1e}  same as today: Y {r['Y_same']:.3f} "
+              f"normed u {r['un_same']:.3f}", flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_mhc.json")
     ap.add_argument("--quick", action="store_true", help="three tiled candidates only")
+    ap.add_argument("--decode", action="store_true",
+                    help="the decode pair (old 4 launches vs mhc_decode's 2) instead of prefill")
     args = ap.parse_args()
     t0 = time.time()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s on {torch.cuda.get_device_name()}", flush=True)
     gen = torch.Generator().manual_seed(0)
-    rows = [r for T in (128, 1024, 8192) for kind in ("hc_pre", "hc_head")
-            for r in case(kind, T, bw, gen, args.quick)]
+    if args.decode:
+        rows = [r for T in (1, 8, 63) for r in decode_case(T, bw, gen)]
+    else:
+        rows = [r for T in (128, 1024, 8192) for kind in ("hc_pre", "hc_head")
+                for r in case(kind, T, bw, gen, args.quick)]
     with open(args.out, "w") as f:
         json.dump(dict(copy_bw=bw, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
     print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
