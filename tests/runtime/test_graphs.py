@@ -44,6 +44,22 @@ def test_pad_decode_inputs():
         pad_decode_inputs(seqs, 4, 2, 6, 11)
 
 
+def test_pad_decode_inputs_row_loop_equals_vectorized():
+    """Batches on both sides of graphs._ROW_LOOP (row by row / numpy) fill the same rows: checked
+    cell by cell against a plain Python fill, into stale staging rows."""
+    import numpy as np
+    from backfit.runtime import graphs
+    for n in (graphs._ROW_LOOP, graphs._ROW_LOOP + 1, 3 * graphs._ROW_LOOP):
+        seqs = [(i + 1, 10 * i, i, tuple(range(100 + i, 100 + i + i % 4))) for i in range(n)]
+        B = n + 2
+        want = [[0, 0, 6] + [11] * 5 for _ in range(B)]
+        for i, (t, p, sl, tb) in enumerate(seqs):
+            want[i][:3] = [t, p, sl]
+            want[i][3:3 + len(tb)] = list(tb)
+        stale = np.full((B, 8), 99, dtype=np.int32)
+        assert pad_decode_inputs(seqs, B, 5, 6, 11, out=stale).tolist() == want, n
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_graph_replay_equals_eager(tiny_converted, tp1_process):
