@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["indexer_scores", "topk_select", "TOPK_CHUNK", "TOPK_FAST"]
+__all__ = ["TOPK_CHUNK", "TOPK_FAST", "indexer_scores", "topk_select"]
 
 TOPK_CHUNK = 2048       # candidates per top-k program (int64 keys in registers: 16 KB)
 _LOW = 2 ** 31 - 1      # j -> _LOW - j in the low word: equal scores prefer the lower j

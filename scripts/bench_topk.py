@@ -1,0 +1,75 @@
+"""Time the indexer's top-k (kernels.indexer.topk_select, top-512) on one GPU: the old path
+(TOPK_FAST = False: _topk_scores / _topk_keys / _unpack kernels + a fill) against the fast path
+(_topk_pass_kernel, at TOPK_WARPS 4 and 8), as CUDA-graph replays (launch gaps excluded, as in
+the decode graph).
+
+Rows: B in {1, 8, 64}, N (table width x block) in {4096, 16384, 65536}, n_valid in {128, 512,
+2048, 8192, N} (<= N): random scores, -inf from n_valid on in every row (the decode / prefill
+prefix). Each time (µs, median of 20 replays) is also shown as a fraction of the copy roofline
+(the B·N·4 score bytes read once, at the copy bandwidth measured in the same run; these kernels
+are latency-bound, so it stays small). `bad`: rows of sel that differ from torch
+(kernels.ref.topk_select_ref, a stable torch.sort) - must be 0 for every variant.
+Usage: python scripts/bench_topk.py [--out bench_topk.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from backfit.runtime.kernels import indexer, ref
+from gpu_timing import copy_bandwidth, graph_time  # noqa: E402
+
+K = 512
+VARIANTS = [("old", dict(fast=False), 4), ("fast w4", dict(fast=True), 4),
+            ("fast w8", dict(fast=True), 8)]
+
+
+def rows_for(quick: bool):
+    for B in (1, 8) if quick else (1, 8, 64):
+        for N in (4096, 16384) if quick else (4096, 16384, 65536):
+            for n_valid in sorted({v for v in (128, 512, 2048, 8192, N) if v <= N}):
+                yield B, N, n_valid
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_topk.json")
+    ap.add_argument("--quick", action="store_true", help="B 1, 8 and N 4096, 16384 only")
+    args = ap.parse_args()
+    t0 = time.time()
+    bw = copy_bandwidth()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out, warps0 = [], indexer.TOPK_WARPS
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; top-{K}; µs per call (roofline fraction)")
+    print(f"{'B':>3} {'N':>6} {'n_valid':>7} " + " ".join(f"{v[0]:>18}" for v in VARIANTS)
+          + "  bad")
+    for B, N, n_valid in rows_for(args.quick):
+        s = torch.randn(B, N, device="cuda", generator=gen)
+        s[:, n_valid:] = float("-inf")
+        want = ref.topk_select_ref(s, K)
+        row, cells, bad = dict(B=B, N=N, n_valid=n_valid), [], 0
+        for name, kw, warps in VARIANTS:
+            indexer.TOPK_WARPS = warps
+            sel = indexer.topk_select(s, K, **kw)
+            n_bad = int((sel != want).any(dim=1).sum())
+            bad += n_bad
+            us = graph_time(lambda s=s, kw=kw: indexer.topk_select(s, K, **kw), reps=20) * 1e6
+            frac = B * N * 4 / bw / (us * 1e-6)
+            row[name] = dict(us=us, roofline=frac, bad_rows=n_bad)
+            cells.append(f"{us:9.1f} ({frac:5.3f})")
+        indexer.TOPK_WARPS = warps0
+        out.append(row)
+        print(f"{B:>3} {N:>6} {n_valid:>7} " + " ".join(f"{c:>18}" for c in cells)
+              + f"  {bad}")
+    with open(args.out, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), copy_bw=bw, k=K, rows=out), f,
+                  indent=1)
+    print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
