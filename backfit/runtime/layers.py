@@ -200,6 +200,14 @@ class VocabParallelEmbedding(nn.Module):
         e = self.weight[local.clamp(0, self.part - 1)].to(dtype)       # [T, dim]
         return all_reduce(e.masked_fill(outside[:, None], 0))
 
+    def streams(self, ids: torch.Tensor, dtype: torch.dtype, S: int) -> torch.Tensor:
+        """The embedding as the S mHC streams [T, S, dim] (S plain copies); at tp 1 on the
+        triton path one launch (kernels.pointwise.embed_streams) for clamp, gather and repeat."""
+        if get_tp_info().size == 1 and kernel_path(self.weight):
+            from backfit.runtime.kernels.pointwise import embed_streams
+            return embed_streams(self.weight, ids, S, dtype)
+        return self(ids, dtype)[:, None, :].repeat(1, S, 1)
+
 
 class ParallelHead(nn.Module):
     """LM head, vocab rows split: logits_r = h @ W_r^T in FP32, all-gathered to [T, vocab]."""

@@ -1,5 +1,5 @@
-"""Small per-token kernels of the MoE block, one launch each instead of ~7 torch ops, SM80-safe,
-no host sync (runtime/model/moe.py on the triton backend):
+"""Small per-token kernels, one launch each instead of several torch ops, SM80-safe, no host
+sync: the MoE block's (runtime/model/moe.py on the triton backend) and the embedding's.
 
   swiglu(gu, limit)   gu [T, 2I] act dtype = the fused gate|up projection ->
                       h = silu(min(g, L)) · clamp(u, ±L) [T, I] in gu.dtype (FP32 math; the
@@ -12,6 +12,9 @@ no host sync (runtime/model/moe.py on the triton backend):
                       -> y [T, D] = Σ_j out[t·k+j] (FP32, j in order) + shared[t] (FP32 of the
                       bf16 shared-expert output), stored in `dtype` (bf16 at tp 1, FP32 before
                       the all-reduce): one launch for torch's cast, sum, add (and cast back).
+  embed_streams(weight, ids, S, dtype)   the tp-1 embedding straight into the mHC streams:
+                      X [T, S, d] = weight[clamp(ids, 0, V-1)] in `dtype`, S equal copies (torch:
+                      clamp, gather, repeat = 3 launches); exact (a copy).
 Triton's exp/log differ from torch's in the last bits: FP32 rounding, and a top-k order that
 can differ from torch's only between scores equal to FP32 rounding.
 """
@@ -22,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["swiglu", "route", "moe_combine"]
+__all__ = ["swiglu", "route", "moe_combine", "embed_streams"]
 
 
 @triton.jit
@@ -135,3 +138,31 @@ def route(logits: torch.Tensor, k: int, scale: float, bias: torch.Tensor | None 
                             K=k, HASH=hashed, BE=triton.next_power_of_2(E),
                             KP=triton.next_power_of_2(k), num_warps=4)
     return ids, w
+
+
+@triton.jit
+def _embed_kernel(W, IDS, X, V, D, S: tl.constexpr, BD: tl.constexpr):
+    t, db = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    row = tl.minimum(tl.maximum(tl.load(IDS + t).to(tl.int64), 0), V - 1)   # ids.clamp(0, V-1)
+    c = db * BD + tl.arange(0, BD)
+    ok = c < D
+    e = tl.load(W + row * D + c, mask=ok, other=0.0).to(X.dtype.element_ty)
+    for s in tl.static_range(S):
+        tl.store(X + (t * S + s) * D + c, e, mask=ok)
+
+
+def embed_streams(weight: torch.Tensor, ids: torch.Tensor, S: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """weight [V, d] (contiguous), ids [T] integer -> X [T, S, d] in `dtype`: S copies of the
+    rows weight[clamp(ids, 0, V-1)]."""
+    if weight.dim() != 2 or not weight.is_contiguous() or ids.dim() != 1 or S < 1 \
+            or ids.dtype.is_floating_point:
+        raise ValueError(f"embed_streams: contiguous weight [V, d], integer ids [T], S >= 1; got "
+                         f"{list(weight.shape)}, {ids.dtype}{list(ids.shape)}, S={S}")
+    V, D = weight.shape
+    X = torch.empty(ids.shape[0], S, D, dtype=dtype, device=weight.device)
+    if ids.shape[0]:
+        BD = min(1024, triton.next_power_of_2(D))
+        _embed_kernel[(ids.shape[0], triton.cdiv(D, BD))](weight, ids.contiguous(), X, V, D, S=S,
+                                                          BD=BD, num_warps=4)
+    return X

@@ -102,3 +102,21 @@ def test_moe_combine(T, k, D):
         m.moe_combine(out[:, :-1].t(), k)
     with pytest.raises(ValueError, match="shared must be"):
         m.moe_combine(out, k, shared[:, 1:])
+
+
+@pytest.mark.parametrize("T, V, D, S", [(1, 50, 4096, 4), (5, 7, 100, 4), (3, 9, 64, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_embed_streams(T, V, D, S, dtype):
+    """S copies of the clamped rows (ids below 0 and past V-1 included), bit for bit against
+    VocabParallelEmbedding's tp-1 torch expression and Transformer.hidden's repeat."""
+    m = kmod()
+    g = torch.Generator().manual_seed(T + V + D)
+    weight = torch.randn(V, D, generator=g).bfloat16().to(DEV)
+    ids = torch.randint(-3, V + 3, (T,), generator=g).to(DEV)
+    ids[0] = V + 5                                               # always one out of range
+    want = weight[ids.clamp(0, V - 1)].to(dtype)[:, None, :].repeat(1, S, 1)
+    got = m.embed_streams(weight, ids, S, dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(m.embed_streams(weight, ids.int(), S, dtype), want)   # int32 ids
+    with pytest.raises(ValueError, match="embed_streams"):
+        m.embed_streams(weight, ids.float(), S, dtype)
