@@ -1,16 +1,21 @@
 """Sorted fused-MoE tile configs (int8_mx32, real Flash dims: 256 experts 2048x4096, top-6) on the
 lent GPU, each config's time and error against the default config's output:
 
-    python3 scripts/sweep_moe_sorted.py
+    python3 scripts/sweep_moe_sorted.py [--m 1024,8192] [--proj both|up|down] [--out FILE]
 
 M = 32, 64 (batch-32/64 decode, CUDA-graph timed, % of copy bandwidth for the distinct experts'
 bytes) and M = 256 ... 8192 (prefill, CUDA events, TFLOP/s); configs (BM, BN, BK, warps, stages
 [, DEQ]). The session-8 figures in kernels.moe._sorted_config come from the first version of this
-sweep (M = 2048 and 8192, DEQ 0 only); the M = 32/64 and DEQ 1 rows have not run yet.
+sweep (M = 2048 and 8192, DEQ 0 only). --proj up / down: vary only the gate/up launch's tile
+(the down launch keeps the default's BN, BK, warps, stages) or only the down launch's ("down"
+dict of the config; BM stays the default's, the alignment both launches share): the two can
+then be picked apart.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -33,9 +38,22 @@ LARGE = [None, (64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (12
          (32, 128, 64, 4, 4, 1), (16, 64, 128, 4, 3, 1), (128, 128, 64, 8, 3, 1)]
 
 
-def config(c) -> dict | None:
+# per-projection candidates at prefill sizes (--proj up|down): (BN, BK, warps, stages[, DEQ])
+PROJ = [None, (64, 64, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 32, 8, 4),
+        (256, 64, 8, 3), (64, 128, 8, 2), (128, 128, 8, 2), (32, 64, 4, 4), (64, 64, 8, 4),
+        (128, 64, 8, 4), (64, 64, 8, 3, 1), (128, 64, 8, 3, 1)]
+
+
+def config(c, proj: str = "both", M: int = 0) -> dict | None:
     if c is None:
         return None
+    if proj != "both":                   # one launch's tile, the other keeps the default
+        t = dict(BN=c[0], BK=c[1], num_warps=c[2], num_stages=c[3], DEQ=c[4] if len(c) > 4 else 0)
+        if proj == "down":
+            return dict(down=t)
+        base = moe._sorted_config(M * K)
+        return dict(t, down=dict({k: base[k] for k in ("BN", "BK", "num_warps", "num_stages")},
+                                 DEQ=base.get("DEQ", 0)))
     cfg = dict(BM=c[0], BN=c[1], BK=c[2], num_warps=c[3], num_stages=c[4])
     if len(c) > 5:
         cfg["DEQ"] = c[5]
@@ -43,8 +61,14 @@ def config(c) -> dict | None:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--m", default="32,64,256,1024,2048,4096,8192", help="token counts")
+    ap.add_argument("--proj", default="both", choices=("both", "up", "down"))
+    ap.add_argument("--out", help="JSON of every row")
+    a = ap.parse_args()
+    rows = []
     st = (*bk.mx_stack(E, I, D), *bk.mx_stack(E, I, D), *bk.mx_stack(E, D, I))
-    for M in (32, 64, 256, 1024, 2048, 4096, 8192):
+    for M in (int(m) for m in a.m.split(",")):
         x = torch.randn(M, D, device="cuda").bfloat16()
         idx = torch.rand(M, E, device="cuda").argsort(1)[:, :K]
         w = torch.rand(M, K, device="cuda")
@@ -52,10 +76,11 @@ def main() -> None:
         nexp = int(idx.unique().numel())
         byts = nexp * 3 * I * D * (1 + 1 / 32)                     # codes + exponent bytes
         flops = 2 * M * K * 3 * I * D
-        for c in SMALL if M <= 64 else LARGE:
-            if c and M <= 1024 and c[0] > 64:
+        cands = SMALL if M <= 64 else LARGE if a.proj == "both" else PROJ
+        for c in cands:
+            if c and M <= 1024 and a.proj == "both" and c[0] > 64:
                 continue
-            cfg = config(c)
+            cfg = config(c, a.proj, M)
             fn = lambda cfg=cfg: moe.fused_moe(x, idx, w, *st, 10.0, path="sorted",  # noqa: E731
                                                config=cfg)
             try:
@@ -64,12 +89,16 @@ def main() -> None:
                     us = bk.graph_us([fn])
                     print(f"M={M} {c}: {us:8.1f} us  {byts / us / 1e6:6.0f} GB/s ({nexp} experts)"
                           f"  rel {err:.1e}", flush=True)
+                    rows.append(dict(M=M, proj=a.proj, config=c, us=us, rel=err))
                 else:
                     ms = bk.events_ms(fn, 5)
-                    print(f"M={M} {c}: {ms:7.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s  rel {err:.1e}",
-                          flush=True)
+                    print(f"M={M} {a.proj} {c}: {ms:7.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s  "
+                          f"rel {err:.1e}", flush=True)
+                    rows.append(dict(M=M, proj=a.proj, config=c, ms=ms, rel=err))
             except Exception as e:                                  # e.g. out of shared memory
                 print(f"M={M} {c}: {type(e).__name__} {str(e)[:80]}", flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

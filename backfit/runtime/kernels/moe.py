@@ -182,6 +182,19 @@ def _sorted_config(P: int) -> dict:
     return dict(BM=256, BN=64, BK=64, num_warps=8, num_stages=3)
 
 
+def _sorted_pair(P: int, config: dict | None) -> tuple[dict, dict]:
+    """(gate/up, down) tiles of the sorted path: _sorted_config(P), then `config`; a "down"
+    dict (in either) overrides BN, BK, warps, stages, DEQ of the down launch only (BM is the
+    alignment of both launches, so it cannot differ)."""
+    base = _sorted_config(P)
+    over = dict(config or {})
+    down = {**base.pop("down", {}), **over.pop("down", {})}
+    if "BM" in down:
+        raise ValueError("fused_moe: the down projection shares BM with gate/up (the alignment)")
+    up = {**base, **over}
+    return up, {**up, **down}
+
+
 _GEMV = dict(base=(_moe_gemv_kernel, {}),
              group=(_moe_gemv_group_kernel, dict(MODE=0, PREFETCH=False)),
              magic=(_moe_gemv_group_kernel, dict(MODE=1, PREFETCH=False)),
@@ -252,7 +265,7 @@ def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_ke
         _launch_decode(gemv, P, D, I, c2, (h, ids, rw, w2, s2, w2, s2, out, D, I, k),
                        GATED=False, LIMIT=lim)
     elif path == "sorted":
-        cfg = {**_sorted_config(P), **(config or {})}
+        cfg, c_down = _sorted_pair(P, config)
         sorted_ids, block_e = align(idx, E, cfg["BM"])
         nb = block_e.numel()
         h = torch.empty(nb * cfg["BM"], I, dtype=torch.bfloat16, device=x.device)
@@ -260,9 +273,9 @@ def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_ke
         sorted_kernel[(nb, triton.cdiv(I, cfg["BN"]))](
             x, sorted_ids, block_e, rw, w1, s1, w3, s3, h, I, K, k, P, E, GATED=True,
             LIMIT=lim, F32=f32, **sorted_kw[0], **dict(cfg, BK=_fit_bk(K, cfg["BK"])))
-        sorted_kernel[(nb, triton.cdiv(D, cfg["BN"]))](
+        sorted_kernel[(nb, triton.cdiv(D, c_down["BN"]))](
             h, sorted_ids, block_e, rw, w2, s2, w2, s2, out, D, I, k, P, E, GATED=False,
-            LIMIT=lim, F32=f32, **sorted_kw[1], **dict(cfg, BK=_fit_bk(I, cfg["BK"])))
+            LIMIT=lim, F32=f32, **sorted_kw[1], **dict(c_down, BK=_fit_bk(I, c_down["BK"])))
     else:
         raise ValueError(f"fused_moe: unknown path {path!r}")
     return moe_combine(out, k, shared, dtype)                   # FP32 sum over top-k (+ shared)

@@ -73,6 +73,12 @@ def test_sorted_dequant_modes_agree(kmoe):
             y1 = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="sorted", config=dict(cfg, DEQ=1))
             assert torch.equal(y0, y1), T
             assert rel(y1, ref.moe_routed_ref(x, idx, w, *st, LIMIT)) < TOL
+            # the down launch's own tile ("down": BN, warps; BK and the K order kept): same bits
+            y2 = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="sorted",
+                                config=dict(cfg, down=dict(BN=64, num_warps=2)))
+            assert torch.equal(y0, y2), T
+    with pytest.raises(ValueError, match="shares BM"):
+        kmoe.fused_moe(x, idx, w, *st, LIMIT, path="sorted", config=dict(cfg, down=dict(BM=32)))
 
 
 @pytest.mark.parametrize("variant", ["base", "group", "magic", "fma", "prefetch"])
