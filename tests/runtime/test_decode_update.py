@@ -69,3 +69,74 @@ def test_decode_update_equals_update(model_f32, kv_dtype):
             assert not pn.entries.data[others].any(), "decode_update wrote a block it does not own"
     # the completions really happened: the sequence from 0 has its first entries
     assert ref.layers[mods[0][0]].comp.entries.data[tables[0][0]].any()
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_decode_update_kernel_paths(model_f32, kv_dtype, monkeypatch):
+    """The triton path (CPU: the interpreter) of decode_update, fused (FUSED_DECODE, the raw z
+    with ape added in the kernel) and the previous chain, on twin pools: rows and entries bit
+    for bit equal; both within FP32-exp rounding of the torch path (bf16 / one int8 step).
+    12 steps from positions 0, 3, 17, 30: CSA's virtual block, CSA and HCA block ends."""
+    import copy
+    import os
+
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test (the GPU figures: scripts/bench_compress.py)")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from support import kernel_module
+
+    import backfit.runtime.kernels as kpkg
+    from backfit.runtime.model import compressor as cm
+    kernel_module("cache_ops", "_store_kernel", True)
+    kernel_module("rope_norm", "_rms_kernel", True)
+    cfg = model_f32.cfg
+    g = torch.Generator().manual_seed(11)
+    starts, slots, steps = [0, 3, 17, 30], [5, 0, 2, 7], 12
+    tables = _tables(len(starts), -(-(max(starts) + steps) // BLOCK), 40, seed=2)
+    pools = {k: PagedCache(cfg, 8, 40, BLOCK, torch.bfloat16, kv_dtype)
+             for k in ("ref", "old", "new")}
+    mods = []
+    for li, r in enumerate(cfg.compress_ratios[:cfg.num_hidden_layers]):
+        if r and not any(m[1] == r for m in mods):                    # one CSA, one HCA layer
+            attn = model_f32.layers[li].attn
+            ic = attn.indexer.compressor if attn.indexer is not None else None
+            for kind, c in (("comp", attn.compressor), ("index", ic)):
+                if c is not None:
+                    c = copy.deepcopy(c)
+                    c.ape.normal_(generator=g)                        # a real ape row to add
+                    mods.append((li, r, kind, c))
+    for step in range(steps):
+        pos = [s + step for s in starts]
+        batch = ForwardBatch.build([(i, [1], p) for i, p in enumerate(pos)], slots=slots,
+                                   block_tables=tables)
+        bound = {k: p.bind(batch) for k, p in pools.items()}
+        pos_t = torch.tensor(pos)
+        for li, _, kind, comp in mods:
+            width = comp.wkv.out_features
+            c = torch.randn(len(pos), width, generator=g)
+            z = torch.randn(len(pos), width, generator=g)
+            monkeypatch.setattr(kpkg, "_backend", "torch")
+            comp.decode_update(bound["ref"].layer(li), kind, *comp.with_ape(c, z, pos_t), pos_t,
+                               torch.bfloat16)
+            monkeypatch.setattr(kpkg, "_backend", "triton")
+            monkeypatch.setattr(kpkg, "_ANY_DEVICE", True)
+            monkeypatch.setattr(cm, "FUSED_DECODE", False)
+            comp.decode_update(bound["old"].layer(li), kind, *comp.with_ape(c, z, pos_t), pos_t,
+                               torch.bfloat16)
+            monkeypatch.setattr(cm, "FUSED_DECODE", True)
+            comp.decode_update(bound["new"].layer(li), kind, c, z, pos_t, torch.bfloat16,
+                               ape_added=False)
+            po, pn, pr = (bound[k].layer(li)._part(kind) for k in ("old", "new", "ref"))
+            assert torch.equal(po.c, pn.c) and torch.equal(po.z, pn.z)
+            assert torch.equal(pr.z, pn.z)                            # the same ape added
+            assert torch.equal(po.entries.data, pn.entries.data), (step, li, kind)
+            if pn.entries.scale is not None:
+                assert torch.equal(po.entries.scale, pn.entries.scale)
+    for li, _, kind, comp in mods:                                    # vs the torch path
+        pn, pr = (pools[k].layers[li] for k in ("new", "ref"))
+        en, er = (p.comp if kind == "comp" else p.index for p in (pn, pr))
+        used = sorted(b for t in tables for b in t)
+        deq = [e.entries.get((torch.tensor(used),)).float() for e in (en, er)]
+        assert deq[1].abs().amax() > 0, "no entry completed"
+        tol = 0.1 if en.entries.int8 else 0.04
+        torch.testing.assert_close(deq[0], deq[1], rtol=0.02, atol=tol)
