@@ -1,6 +1,7 @@
 """Where a step's time goes, on the lent GPU (4 real DeepSeek-V4-Flash layers, triton kernels):
 
-    python3 scripts/profile_step.py [--trace] [--host] [--prefill N] [--out file.txt]
+    python3 scripts/profile_step.py [--trace] [--host] [--prefill N] [--experts int8|mx4|both]
+                                    [--out file.txt]
 
   --trace    the ordered kernel list of one batch-1 CUDA-graph replay: start, gap to the previous
              kernel and duration in µs (torch.profiler), with the kernel count and GPU busy time
@@ -8,6 +9,8 @@
              the pinned staging rows, the one input copy, replay(), the logits clone), each with
              its sync, against the replay's GPU time (CUDA events)
   --prefill  the top kernels of one N-token prefill (eager)
+  --experts  the routed-expert scheme(s) traced (mx4: bench_model.to_mx4, the same values as
+             mx4_e2m1; both: the int8 run, then mx4 in the same process); default int8
 Built like scripts/bench_decode.py (random converted weights, random paged pools).
 """
 
@@ -46,10 +49,16 @@ def trace(r, log) -> None:
     t0 = prev = ev[0].time_range.start
     log(f"batch-1 graph step: {len(ev)} kernels, busy {sum(e.device_time for e in ev) / 1e3:.3f} ms, "
         f"span {(ev[-1].time_range.end - t0) / 1e3:.3f} ms")
+    tot: dict[str, list] = {}
     for e in ev:
         s = e.time_range.start
         log(f"{s - t0:9.1f} gap {s - prev:6.1f} dur {e.time_range.end - s:7.1f}  {e.name[:100]}")
         prev = e.time_range.end
+        t = tot.setdefault(e.name[:60], [0, 0.0])
+        t[0], t[1] = t[0] + 1, t[1] + e.device_time
+    log("by kernel (launches, us):")
+    for k, (n, us) in sorted(tot.items(), key=lambda kv: -kv[1][1]):
+        log(f"  {us:8.1f} {n:4d}x  {k}")
 
 
 def host(r, log) -> None:
@@ -107,6 +116,7 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--host", action="store_true")
     ap.add_argument("--prefill", type=int, default=0, metavar="N")
+    ap.add_argument("--experts", choices=("int8", "mx4", "both"), default="int8")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     lines = []
@@ -119,12 +129,17 @@ def main() -> None:
     bd.use_backend(r, "triton")
     if a.prefill:
         prefill(r, a.prefill, log)
-    if a.trace or a.host:
-        r.graphs = bd.capture_graphs(r)
-        if a.trace:
-            trace(r, log)
-        if a.host:
-            host(r, log)
+    for scheme in ("int8", "mx4") if a.experts == "both" else (a.experts,):
+        if scheme == "mx4":
+            r.graphs = None
+            log(f"experts -> mx4_e2m1: {bd.to_mx4(r)}")
+        if a.trace or a.host:
+            log(f"== experts {scheme}")
+            r.graphs = bd.capture_graphs(r)
+            if a.trace:
+                trace(r, log)
+            if a.host:
+                host(r, log)
     if a.out:
         Path(a.out).write_text("\n".join(lines) + "\n")
 
