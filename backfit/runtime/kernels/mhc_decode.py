@@ -31,12 +31,14 @@ import triton.language as tl
 
 from backfit.runtime.kernels import mhc
 
-__all__ = ["COLLAPSE_WARPS", "DECODE_FUSED", "hc_head", "hc_post", "hc_pre", "post_bd"]
+__all__ = ["COLLAPSE", "DECODE_FUSED", "hc_head", "hc_post", "hc_pre", "post_bd"]
 
 DECODE_FUSED = True     # False: the model's decode path falls back to mhc's 4 launches
-COLLAPSE_WARPS = 4      # warps of _collapse_norm_kernel (bench_mhc --decode sweeps 1 / 2 / 4)
-_BD_U = 256             # d block per warp of the collapse-norm kernel's u passes ([S, BD]
-                        # FP32 x: 32 registers a thread)
+# _collapse_norm_kernel's launch: warps, and the d block of its u passes (capped at d). One warp:
+# no barriers in the Sinkhorn chain (all reductions in-warp), but the u passes' loads are not
+# pipelined (one L2 round trip per block and pass); more warps: larger blocks, fewer round trips,
+# a bar.sync per Sinkhorn reduction. bench_mhc --decode sweeps the candidates; edit here.
+COLLAPSE = {"warps": 4, "bd": 1024}
 
 
 @triton.jit
@@ -138,7 +140,8 @@ def _check_norm(norm, d: int, device) -> None:
                          f"got {w.dtype}{list(w.shape)} on {w.device}")
 
 
-def _collapse_norm(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, norm, part, warps):
+def _collapse_norm(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, norm, part, warps,
+                   bd):
     T, S, d = X.shape
     n_out = fn.shape[0]
     NP = triton.next_power_of_2(n_out + 1)
@@ -157,37 +160,42 @@ def _collapse_norm(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, norm, 
         return u, post, M
     w, eps = norm if norm is not None else (scale, 0.0)          # W unread without NORM
     split = part.shape[1]
-    warps = COLLAPSE_WARPS if warps is None else warps
+    warps = COLLAPSE["warps"] if warps is None else warps
+    bd = min(COLLAPSE["bd"] if bd is None else bd, triton.next_power_of_2(d))
+    if bd & (bd - 1) or bd < 16 or warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"mhc_decode: bd must be a power of 2 >= 16, warps 1..16, got {bd}, "
+                         f"{warps}")
     _collapse_norm_kernel[(T,)](
         part, X, scale.contiguous(), base.contiguous(), w, u, post, M, split, d, S * d, iters,
         float(hc_eps), float(norm_eps), float(eps), S=S, NOUT=n_out, NP=NP,
-        SP=triton.next_power_of_2(split), BD=min(_BD_U * warps, triton.next_power_of_2(d)),
+        SP=triton.next_power_of_2(split), BD=bd,
         SINKHORN=sinkhorn, NORM=norm is not None, num_warps=warps)
     return u, post, M
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            iters: int, hc_eps: float, norm_eps: float, norm: tuple | None = None,
-           part: torch.Tensor | None = None, warps: int | None = None):
+           part: torch.Tensor | None = None, warps: int | None = None, bd: int | None = None):
     """As mhc.hc_pre -> (u [T, d] bf16, post, M); norm = (weight [d] fp32, eps): u replaced by
     RMSNorm(u) (layers.RMSNorm) in the same launch. part: PART [T, SPLIT, NP] from hc_post(...,
-    next_fn=fn) (else mhc._partials computes it, one more launch)."""
+    next_fn=fn) (else mhc._partials computes it, one more launch). warps, bd: override COLLAPSE."""
     S = X.shape[1] if X.dim() == 3 else 0
     mhc._check(X, fn, scale, base, (2 + S) * S, 3, "hc_pre")
     if iters < 1:
         raise ValueError(f"hc_pre: iters must be >= 1, got {iters}")
     return _collapse_norm(X.contiguous(), fn, scale, base, int(iters), hc_eps, norm_eps, True,
-                          norm, part, warps)
+                          norm, part, warps, bd)
 
 
 def hc_head(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
             hc_eps: float, norm_eps: float, norm: tuple | None = None,
-            part: torch.Tensor | None = None, warps: int | None = None) -> torch.Tensor:
-    """As mhc.hc_head -> h [T, d] bf16 (RMSNorm(h) with norm); part, warps as for hc_pre."""
+            part: torch.Tensor | None = None, warps: int | None = None,
+            bd: int | None = None) -> torch.Tensor:
+    """As mhc.hc_head -> h [T, d] bf16 (RMSNorm(h) with norm); part, warps, bd as for hc_pre."""
     S = X.shape[1] if X.dim() == 3 else 0
     mhc._check(X, fn, scale, base, S, 1, "hc_head")
     return _collapse_norm(X.contiguous(), fn, scale, base, 1, hc_eps, norm_eps, False, norm,
-                          part, warps)[0]
+                          part, warps, bd)[0]
 
 
 def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor,

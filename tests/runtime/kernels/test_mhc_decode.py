@@ -58,7 +58,7 @@ def same_or_close(a, b, name):
         assert rel_max(a, b) < (2e-5 if a.dtype == torch.float32 else 1e-2), name
 
 
-# warps 1: d blocks of 256, so d 600 takes three u passes (the last ragged)
+# warps 1, bd 256: d 600 takes three blocks a u pass (the last ragged)
 @pytest.mark.parametrize("T,d,warps", [(1, 64, None), (3, 256, None), (8, 100, None),
                                        (2, 600, 1)])
 def test_collapse_norm_matches_mhc_and_rmsnorm(mods, T, d, warps):
@@ -68,7 +68,8 @@ def test_collapse_norm_matches_mhc_and_rmsnorm(mods, T, d, warps):
     hfn, hscale, hbase = params(S, d, 1, gen)
     X = streams(T, d, gen)
     w = (torch.rand(d, generator=gen) + 0.5).to(DEV)
-    u, post, M = dec.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS, warps=warps)
+    u, post, M = dec.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS, warps=warps,
+                            bd=256 if warps else None)
     for a, b, name in zip((u, post, M), mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS),
                           ["u", "post", "M"]):
         same_or_close(a, b, name)
@@ -79,13 +80,14 @@ def test_collapse_norm_matches_mhc_and_rmsnorm(mods, T, d, warps):
     assert rel_max(post, post_ref) < 2e-5 and rel_max(M, M_ref) < 2e-5
     assert ulps(u, u32, mag) <= 1
     un, post_n, M_n = dec.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS, norm=(w, RMS_EPS),
-                                 warps=warps)
+                                 warps=warps, bd=256 if warps else None)
     assert torch.equal(post_n, post) and torch.equal(M_n, M)
     want = rms_ref(u, w)                                  # RMSNorm of the kernel's own bf16 u
     assert un.dtype == torch.bfloat16 and ulps(un, want, want.abs()) <= 1
     h = dec.hc_head(X, hfn, hscale, hbase, HC_EPS, NORM_EPS)
     same_or_close(h, mhc.hc_head(X, hfn, hscale, hbase, HC_EPS, NORM_EPS), "h")
-    hn = dec.hc_head(X, hfn, hscale, hbase, HC_EPS, NORM_EPS, norm=(w, RMS_EPS), warps=warps)
+    hn = dec.hc_head(X, hfn, hscale, hbase, HC_EPS, NORM_EPS, norm=(w, RMS_EPS), warps=warps,
+                     bd=256 if warps else None)
     want = rms_ref(h, w)
     assert ulps(hn, want, want.abs()) <= 1
 

@@ -64,12 +64,13 @@ def compile_all() -> list[dict]:
                             dict(S=4, NOUT=n_out, NP=max(2, 1 << n_out.bit_length()), BD=bd,
                                  HAS_FN=has_fn), warps, ("D", "K")))
     norm_types = dict(ctypes, W="*fp32", rms_eps="fp32")
-    for sinkhorn, norm, sp, w in ((True, True, 4096 // bd1, 1), (True, True, 4096 // bd1, 4),
-                                  (True, False, mhc.mix_split(1, 16384, A100_SMS), 2),
-                                  (False, True, 4096 // bd1, 4)):
+    for sinkhorn, norm, sp, w, bd in ((True, True, 4096 // bd1, 1, 1024),
+                                      (True, True, 4096 // bd1, 8, 4096),
+                                      (True, False, mhc.mix_split(1, 16384, A100_SMS), 2, 512),
+                                      (False, True, 4096 // bd1, 4, 1024)):
         out.append(_compile(mhc_decode._collapse_norm_kernel, norm_types,
                             dict(S=4, NOUT=24 if sinkhorn else 4, NP=32 if sinkhorn else 8, SP=sp,
-                                 BD=mhc_decode._BD_U * w, SINKHORN=sinkhorn, NORM=norm),
+                                 BD=bd, SINKHORN=sinkhorn, NORM=norm),
                             dict(num_warps=w, num_stages=1), ("D", "K")))
     a16 = dict(X="*bf16", W="*i8", S="*fp32", Y="*fp32", WS="*fp32", LOCK="*i32", M="i32",
                N="i32", K="i32", stride_xm="i32", K_SPLIT="i32")
