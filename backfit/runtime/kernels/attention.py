@@ -11,7 +11,8 @@ Scores s = (q·k)·D^-0.5 in FP32 (BF16 MMA: q and k are BF16 values, so every p
 p·V with p split into two BF16 halves (hi + lo, ~16 mantissa bits); online softmax with the
 sink only in the denominator: o = Σ e^(s-M) k / (Σ e^(s-M) + e^(sink-M)).
 Split-KV (small batches): each program handles one key range and writes (m, l, acc); a second
-kernel merges the splits and adds the sink. With one split the first kernel finishes alone.
+kernel merges the splits and adds the sink (decode_attention's out_rope: and applies the inverse
+RoPE of the output path, storing the act dtype). With one split the first kernel finishes alone.
 sparse_attention: the same kernel (PREFILL) for T queries of chunks (chunked prefill, mixed
 batches): query t of sequence seq[t] sees ring positions before its chunk's start and the
 chunk's own kv rows in flight (Attention._attend's keys), its HCA entries or CSA selection.
@@ -181,6 +182,43 @@ def _merge_kernel(PO, PM, PL, SINK, O, H, D: tl.constexpr, DP: tl.constexpr,
     tl.store(O + (b.to(tl.int64) * H + h) * D + dd, o, mask=dd < D)
 
 
+@triton.jit
+def _merge_rope_kernel(PO, PM, PL, SINK, POS, F, O, H, D: tl.constexpr, R: tl.constexpr,
+                       SPLIT: tl.constexpr, SP: tl.constexpr, DH: tl.constexpr):
+    """_merge_kernel, then the inverse RoPE of _output (rope_norm._rope_kernel, SIGN -1) on the
+    merged o, stored in O's dtype: o is merged as even / odd lanes [DH = D/2] so the rotation
+    pairs (2i, 2i+1) sit in registers; lanes before D - R are only rounded. Launched with FMA
+    contraction off, as the rope kernel (every product and sum rounded as torch does)."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    row = (b.to(tl.int64) * H + h) * SPLIT
+    ss = tl.arange(0, SP)
+    s_ok = ss < SPLIT
+    i = tl.arange(0, DH)                                                # pair index
+    m = tl.load(PM + row + ss, mask=s_ok, other=-1e30)
+    l = tl.load(PL + row + ss, mask=s_ok, other=0.0)
+    base = PO + (row + ss[:, None]) * D + 2 * i[None, :]
+    acc_e = tl.load(base, mask=s_ok[:, None], other=0.0)                # [SP, DH] lanes 2i
+    acc_o = tl.load(base + 1, mask=s_ok[:, None], other=0.0)            # lanes 2i + 1
+    sink = tl.load(SINK + h)
+    M = tl.maximum(tl.max(m, axis=0), sink)
+    a = tl.exp(m - M)
+    den = tl.sum(l * a, axis=0) + tl.exp(sink - M)
+    oe = tl.sum(acc_e * a[:, None], axis=0) / den
+    oo = tl.sum(acc_o * a[:, None], axis=0) / den
+    oe = oe.to(O.dtype.element_ty).to(tl.float32)                       # rope's rounded inputs
+    oo = oo.to(O.dtype.element_ty).to(tl.float32)
+    rot = i >= (D - R) // 2                                             # pairs of the last R dims
+    j = tl.where(rot, i - (D - R) // 2, 0)
+    ang = tl.load(POS + b).to(tl.float64) * tl.load(F + j, mask=rot, other=0.0)
+    cos = tl.where(rot, tl.cos(ang).to(tl.float32), 1.0)
+    sin = tl.where(rot, -tl.sin(ang).to(tl.float32), 0.0)              # inverse: by -pos·f
+    re = oe * cos - oo * sin
+    ro = oe * sin + oo * cos
+    out = O + (b.to(tl.int64) * H + h) * D + 2 * i
+    tl.store(out, tl.where(rot, re, oe).to(O.dtype.element_ty))
+    tl.store(out + 1, tl.where(rot, ro, oo).to(O.dtype.element_ty))
+
+
 def _interpreted() -> bool:
     return not isinstance(_decode_kernel, triton.runtime.jit.JITFunction)
 
@@ -204,13 +242,16 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 
 def decode_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode="window",
                      entries=None, entry_scale=None, tables=None, ratio=0, sel=None,
-                     split=None) -> torch.Tensor:
+                     split=None, out_rope=None) -> torch.Tensor:
     """q [B, H, D] act dtype, kv [B, D] (this token's, not yet read from the ring), pos [B],
     sink [H] FP32, ring [S, R, D] (+ ring_scale [S, R] if int8), slots [B]; mode "hca" / "csa":
     entries [NB, PB, D] (+ entry_scale), tables [B, nblk] int, ratio; csa: sel [B, k] (-1 unused).
-    -> o [B, H, D] FP32 (the torch path's _attend output)."""
+    -> o [B, H, D] FP32 (the torch path's _attend output). out_rope = (inv_freq FP64 [r/2], r,
+    dtype): o de-rotated by its position and rounded to dtype instead, = rope_norm.rope(o, pos,
+    inv_freq, r, inverse=True, out_dtype=dtype) (Attention._output's first step); with split KV
+    it runs inside the merge launch (one launch fewer), else as that rope launch."""
     return sparse_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode, entries,
-                            entry_scale, tables, ratio, sel, split=split)
+                            entry_scale, tables, ratio, sel, split=split, out_rope=out_rope)
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink: torch.Tensor,
@@ -219,11 +260,13 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
                      entry_scale: torch.Tensor | None = None, tables: torch.Tensor | None = None,
                      ratio: int = 0, sel: torch.Tensor | None = None,
                      seq: torch.Tensor | None = None, start: torch.Tensor | None = None,
-                     split: int | None = None) -> torch.Tensor:
+                     split: int | None = None, out_rope: tuple | None = None) -> torch.Tensor:
     """decode_attention for T queries of chunks (chunked prefill, mixed batches): q [T, H, D],
     kv [T, D] the chunks' own rows, pos [T], seq [T] the sequence (row of slots [NS], tables
     [NS, nblk]) and start [T] its chunk's first position; sel [T, k]. Rows of one sequence's
-    chunk are consecutive in q/kv. seq=None: one token per sequence (decode)."""
+    chunk are consecutive in q/kv. seq=None: one token per sequence (decode). out_rope (decode
+    only, see decode_attention): with split KV the merge de-rotates and rounds, with one split
+    the rope launch after the attention kernel does."""
     if q.dim() != 3 or kv.shape != (q.shape[0], q.shape[2]) or pos.shape != (q.shape[0],):
         raise ValueError(f"decode_attention: q [B, H, D], kv [B, D], pos [B]; got "
                          f"{list(q.shape)}, {list(kv.shape)}, {list(pos.shape)}")
@@ -283,6 +326,22 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
         EXACT=q.dtype == torch.float32, DT=_TL[q.dtype], PREFILL=seq is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
+    if out_rope is not None:
+        f, r, dt = out_rope
+        if seq is not None or f.dtype != torch.float64 or f.shape != (r // 2,) or r % 2 \
+                or r > D or D & (D - 1):
+            raise ValueError(f"decode_attention: out_rope = (FP64 inv_freq [r/2], even r <= D, "
+                             f"dtype), decode only, D a power of 2; got r={r}, D={D}")
+    if out_rope is not None and S == 1:             # no merge launch: the rope kernel's own
+        from backfit.runtime.kernels.rope_norm import rope
+        return rope(o, pos, f, r, inverse=True, out_dtype=dt)
+    if out_rope is not None:
+        rot = torch.empty(B, H, D, dtype=dt, device=dev)
+        _merge_rope_kernel[(B, H)](po, pm, pl, sink.float().contiguous(), pos.to(dev).contiguous(),
+                                   f.contiguous(), rot, H, D=D, R=r, SPLIT=S,
+                                   SP=triton.next_power_of_2(S), DH=D // 2,
+                                   enable_fp_fusion=False)
+        return rot
     if S > 1:
         _merge_kernel[(B, H)](po, pm, pl, sink.float().contiguous(), o, H, D=D,
                               DP=triton.next_power_of_2(D), SPLIT=S, SP=triton.next_power_of_2(S))

@@ -114,6 +114,42 @@ def test_decode_attention_sweep(attn, mode, ratio, int8):
             assert rel(got, want) < TOL, (mode, int8, B, split, c["pos"].tolist())
 
 
+def test_out_rope_equals_the_rope_launch_after(attn, monkeypatch):
+    """decode_attention(out_rope=...) = rope_norm.rope(o, pos, inverse, bf16) of its FP32 o: the
+    merge's de-rotation (split KV; counted: the fused merge really ran) and the plain rope
+    launch (one split). Interpreter: bit for bit; GPU: the merge runs without FMA contraction,
+    so o may differ by FP32 rounding, i.e. at most one bf16 ulp after the cast, in a few
+    elements."""
+    from backfit.runtime.kernels.rope_norm import rope
+    from backfit.runtime.layers import yarn_inv_freq
+    gen, rnd = torch.Generator().manual_seed(11), random.Random(5)
+    f = yarn_inv_freq(16, 10000.0, None).to(DEV)
+    fused, calls = attn._merge_rope_kernel, []
+
+    class Spy:                                   # counts the fused merge's launches
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return fused[grid]
+    monkeypatch.setattr(attn, "_merge_rope_kernel", Spy())
+    with one_thread():
+        for B, split, merged in ((1, None, 1), (3, 1, 0), (2, 2, 1)):
+            c = case(gen, rnd, B, "csa", False, ratio=4, k=40)      # 16 + 40 keys: 2 tiles
+            c["pos"] = torch.tensor([150, 37, 95][:B]).to(DEV)   # rotations that matter
+            want = rope(attn.decode_attention(**c, split=split), c["pos"], f, 16, inverse=True,
+                        out_dtype=torch.bfloat16)
+            n = len(calls)
+            got = attn.decode_attention(**c, split=split, out_rope=(f, 16, torch.bfloat16))
+            assert len(calls) - n == merged, (B, split)
+            assert got.dtype == torch.bfloat16 and got.shape == want.shape
+            ulp = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+            if INTERPRET or not merged:
+                assert torch.equal(got, want), (B, split)
+            else:
+                assert int(ulp.max()) <= 1 and float((ulp > 0).float().mean()) < 0.01, (B, split)
+    with pytest.raises(ValueError, match="out_rope"):
+        attn.decode_attention(**c, split=2, out_rope=(f.float(), 16, torch.bfloat16))
+
+
 @pytest.mark.parametrize("mode,ratio,int8", [("window", 0, True), ("hca", 8, False),
                                             ("csa", 4, True)])
 def test_chunked_prefill_sweep(attn, mode, ratio, int8):

@@ -44,6 +44,10 @@ def compile_all() -> list[dict]:
     out.append(_compile(attention._merge_kernel, dict(PO="*fp32", PM="*fp32", PL="*fp32",
                         SINK="*fp32", O="*fp32", H="i32"), dict(D=512, DP=512, SPLIT=20, SP=32),
                         dict(num_warps=4, num_stages=1), ("H",)))
+    out.append(_compile(attention._merge_rope_kernel, dict(PO="*fp32", PM="*fp32", PL="*fp32",
+                        SINK="*fp32", POS="*i64", F="*fp64", O="*bf16", H="i32"),
+                        dict(D=512, R=64, SPLIT=20, SP=32, DH=256),
+                        dict(num_warps=4, num_stages=1, enable_fp_fusion=False), ("H",)))
     out.append(_compile(indexer._score_kernel, dict(QI="*bf16", WI="*fp32", KEYS="*bf16",
                         TABLES="*i32", POS="*i32", OUT="*fp32", SEQ="*i32", H="i32", NC="i32",
                         stride_tb="i32"), dict(PB=32, DI=128, BH=64, BN=32, F32=False,
@@ -60,7 +64,7 @@ def compile_all() -> list[dict]:
 
 def test_attention_and_indexer_kernels_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 12
+    assert len(results) == 13
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
@@ -70,6 +74,8 @@ def test_attention_and_indexer_kernels_compile_for_sm80_within_shared_memory():
             assert r["mma"] == [BF16_MMA], name                      # q·k, p·v on tensor cores
         else:
             assert r["mma"] == [], name
+        if r["kernel"] == "_merge_rope_kernel":                      # the rope's torch rounding
+            assert not r["fma_f32"], f"{name}: FP32 FMA contraction in the de-rotation"
 
 
 if __name__ == "__main__":
