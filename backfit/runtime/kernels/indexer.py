@@ -18,8 +18,11 @@ table[b, j // PB], row j % PB of the pool keys [NB, PB, 128] (act dtype, never i
                   copies its first, already sorted, sub-chunk. Decode and prefill scores are
                   -inf past a prefix (j >= (p+1)//4), so only the chunk holding the boundary is
                   ranked; any other input still takes the full top-k (checked from the data, no
-                  assumption). The last pass writes sel itself (no unpack launch, no fill):
-                  1 launch for N <= C, 2 for N <= C·C/K. Results are bit-identical to the old path.
+                  assumption). Full reduction chunks (long contexts) are merged, not sorted
+                  (TOPK_MERGE): their K-wide sub-chunks are sorted, so a live key's rank is the
+                  sum of C/K binary searches. The last pass writes sel itself (no unpack launch,
+                  no fill): 1 launch for N <= C, 2 for N <= C·C/K. Results are bit-identical to
+                  the old path (keys are unique: j is in the low word).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ _LOW = 2 ** 31 - 1      # j -> _LOW - j in the low word: equal scores prefer the
 TOPK_FAST = True        # False: the old path (_topk_scores/_topk_keys/_unpack + a fill launch)
 TOPK_WARPS = 4          # num_warps of _topk_pass_kernel
 TOPK_BJ = 16            # keys compared per rank step: [K, BJ] int64 compares in registers
+TOPK_MERGE = True       # keys passes merge sorted sub-chunks (binary searches), no bitonic top-k
 
 
 @triton.jit
@@ -123,10 +127,14 @@ def _unpack(key, NEG_INF_KEY):
 
 @triton.jit
 def _topk_pass_kernel(IN, OUT, SEL, N, n_out, k, NEG_INF_KEY, K: tl.constexpr, C: tl.constexpr,
-                      BJ: tl.constexpr, SCORES: tl.constexpr, FINAL: tl.constexpr):
+                      BJ: tl.constexpr, SCORES: tl.constexpr, FINAL: tl.constexpr,
+                      MERGE: tl.constexpr = False, LK: tl.constexpr = 0):
     """Program (b, chunk) of one pass over IN[b, chunk·C, +C) (SCORES: FP32 scores, else packed
     keys whose K-wide sub-chunks are sorted, live first): its top K packed keys -> OUT[b, chunk]
-    (FINAL, one chunk: their j -> SEL[b, :k], -1 past the live ones). Live = score > -inf."""
+    (FINAL, one chunk: their j -> SEL[b, :k], -1 past the live ones). Live = score > -inf.
+    MERGE (keys pass, K = 2^LK): a chunk with live keys past its first sub-chunk is merged, not
+    sorted: each live key's rank = Σ over the C/K sorted sub-chunks of the keys above it there
+    (a binary search in each), and the live keys of rank < K are scattered to their rank."""
     b, c = tl.program_id(0), tl.program_id(1)
     row = b.to(tl.int64) * N
     i = tl.arange(0, C)
@@ -166,6 +174,29 @@ def _topk_pass_kernel(IN, OUT, SEL, N, n_out, k, NEG_INF_KEY, K: tl.constexpr, C
         else:
             out = OUT + b.to(tl.int64) * n_out + c * K
             tl.store(out + rank, kh, mask=lh)
+            tl.store(out + o, tl.full([K], -9223372036854775807 - 1, tl.int64), mask=o >= cnt)
+    elif MERGE and not SCORES:
+        live = key >> 32 > NEG_INF_KEY
+        rk = tl.zeros([C], dtype=tl.int32)     # rank (a name of its own: [C], not [K])
+        for a in tl.static_range(C // K):         # sub-chunk a: IN[b, c·C + a·K, +K), sorted
+            base = c * C + a * K
+            at = tl.zeros([C], dtype=tl.int32)    # #keys above `key` there, up to K-1 ...
+            for e in tl.static_range(LK):
+                q = base + at + (K >> (e + 1)) - 1
+                probe = tl.load(IN + row + q, mask=q < N, other=-9223372036854775807 - 1)
+                at += tl.where(probe > key, K >> (e + 1), 0)
+            q = base + at
+            probe = tl.load(IN + row + q, mask=q < N, other=-9223372036854775807 - 1)
+            rk += at + (probe > key).to(tl.int32)                     # ... then up to K
+        cnt = tl.sum(live.to(tl.int32), axis=0)
+        if FINAL:
+            tl.store(SEL + b.to(tl.int64) * k + rk, _unpack(key, NEG_INF_KEY),
+                     mask=live & (rk < k))
+            tl.store(SEL + b.to(tl.int64) * k + o, tl.full([K], -1, tl.int32),
+                     mask=(o >= cnt) & (o < k))
+        else:
+            out = OUT + b.to(tl.int64) * n_out + c * K
+            tl.store(out + rk, key, mask=live & (rk < K))
             tl.store(out + o, tl.full([K], -9223372036854775807 - 1, tl.int64), mask=o >= cnt)
     else:
         top = tl.topk(key, K)                     # as _topk_scores_kernel / _topk_keys_kernel
@@ -260,7 +291,8 @@ def _topk_fast(scores: torch.Tensor, k: int, KP: int, C: int) -> torch.Tensor:
                                             device=scores.device)
         _topk_pass_kernel[(B, n_chunks)](src, out, sel, n, n_chunks * KP, k, _neg_inf_key(),
                                          K=KP, C=C, BJ=min(TOPK_BJ, KP), SCORES=first,
-                                         FINAL=final, num_warps=TOPK_WARPS)
+                                         FINAL=final, MERGE=TOPK_MERGE and not first,
+                                         LK=KP.bit_length() - 1, num_warps=TOPK_WARPS)
         if final:
             return sel
         src, n, first = out, n_chunks * KP, False

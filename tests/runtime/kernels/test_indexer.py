@@ -144,7 +144,8 @@ def test_bad_inputs(idx):
 # TOPK_FAST: _topk_pass_kernel's paths. A chunk (scores pass) or a chunk of sorted sub-chunks
 # (keys pass) whose live keys (score > -inf) all lie in its first K is ranked / copied: live keys
 # sorted, then the empty fill I64_MIN; any other chunk takes the bitonic top-K of all its keys
-# (whose non-live tail keeps packed -inf keys). The fills tell the two paths apart.
+# (whose non-live tail keeps packed -inf keys), or in a keys pass with MERGE is merged (live
+# keys sorted, then the fill). The fills tell the paths apart.
 I64_MIN = -2 ** 63
 
 
@@ -154,55 +155,64 @@ def pack(s: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
     return (torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) << 32) | (2 ** 31 - 1 - j)
 
 
-def want_chunk(keys: torch.Tensor, K: int, neg: int) -> torch.Tensor:
+def want_chunk(keys: torch.Tensor, K: int, neg: int, merge: bool = False) -> torch.Tensor:
     live = (keys >> 32) > neg
-    if live[K:].any():                                              # the bitonic top-K
+    if live[K:].any() and not merge:                                # the bitonic top-K
         return keys.sort(descending=True).values[:K]
-    top = keys[live].sort(descending=True).values
+    top = keys[live].sort(descending=True).values[:K]
     return torch.cat((top, torch.full((K - len(top),), I64_MIN, dtype=torch.int64)))
 
 
-def run_pass(idx, src, scores: bool, K: int, C: int) -> torch.Tensor:
+def run_pass(idx, src, scores: bool, K: int, C: int, merge: bool = False) -> torch.Tensor:
     """One non-FINAL pass -> OUT [B, n_chunks·K] int64 (prefilled with 7, which no path writes)."""
     B, N = src.shape
     n_chunks = -(-N // C)
     out = torch.full((B, n_chunks * K), 7, dtype=torch.int64, device=DEV)
     idx._topk_pass_kernel[(B, n_chunks)](src, out, out, N, n_chunks * K, K, idx._neg_inf_key(),
-                                         K=K, C=C, BJ=4, SCORES=scores, FINAL=False)
+                                         K=K, C=C, BJ=4, SCORES=scores, FINAL=False,
+                                         MERGE=merge, LK=K.bit_length() - 1)
     return out
 
 
 def test_topk_pass_paths(idx):
     """Empty chunks, <= K live (prefix and not), exactly K, live past K (full), then the keys
-    pass: copy where only sub-chunk 0 is live, the full top-K where sub-chunk 1 is too."""
-    K, C, N = 8, 32, 64
+    pass: copy where only sub-chunk 0 is live, the full top-K or the merge where sub-chunk 1 is
+    too."""
+    K, C, N, R = 8, 32, 64, 7
     gen = torch.Generator().manual_seed(5)
-    s = torch.randn(6, N, generator=gen)
+    s = torch.randn(R, N, generator=gen)
     s[1, 3:6] = 0.5                                                  # ties
-    live = torch.zeros(6, N, dtype=torch.bool)
+    live = torch.zeros(R, N, dtype=torch.bool)
     live[1, :5] = True                                               # chunk 0 ranked, 1 empty
     live[2, [0, 20]] = True                                          # non-prefix: full, empty
     live[3, :40] = True                                              # chunk 0 full, 1: exactly K
     live[4, [1, 4, 6, 37, 39]] = True                                # holes within the first K
     live[5, 32:64] = True                                            # chunk 0 empty, 1 full
+    live[6, [0, 20, 40]] = True                                      # full, then ranked
     s = torch.where(live, s, float("-inf"))
     neg = idx._neg_inf_key()
-    keys = pack(s, torch.arange(N).expand(6, N))
+    keys = pack(s, torch.arange(N).expand(R, N))
     out = run_pass(idx, s.to(DEV), True, K, C).cpu()
-    for b in range(6):
+    for b in range(R):
         for c in range(N // C):
             assert torch.equal(out[b, c * K:(c + 1) * K],
                                want_chunk(keys[b, c * C:(c + 1) * C], K, neg)), (b, c)
     assert (out[0] == I64_MIN).all() and (out[2, :K] >> 32 == neg).any()  # both fills occur
     red = run_pass(idx, out.to(DEV), False, K, C).cpu()                 # 2 sub-chunks of K
-    for b in range(6):
+    merged = run_pass(idx, out.to(DEV), False, K, C, merge=True).cpu()
+    for b in range(R):
         assert torch.equal(red[b], want_chunk(out[b], K, neg)), b
+        assert torch.equal(merged[b], want_chunk(out[b], K, neg, merge=True)), b
+    assert (red[6, 3:] >> 32 == neg).all() and (merged[6, 3:] == I64_MIN).all()
+    assert torch.equal(red[:, :3], merged[:, :3]) and torch.equal(merged[2], red[2])
     assert torch.equal(red[2], torch.cat((out[2, :2], torch.full((6,), I64_MIN))))  # copied
     assert (red[5, 1:] >> 32 > neg).all() and ((red[5] >> 32) > neg).sum() == K  # full top-K
 
 
-@pytest.mark.parametrize("N,k,chunk", [(150, 12, 32), (64, 16, 64), (5, 16, 64), (60, 3, 8)])
-def test_topk_fast_rows_of_different_validity(idx, N, k, chunk):
+@pytest.mark.parametrize("N,k,chunk,merge", [(150, 12, 32, True), (150, 12, 32, False),
+                                             (64, 16, 64, True), (5, 16, 64, True),
+                                             (60, 3, 8, True), (60, 1, 8, True)])
+def test_topk_fast_rows_of_different_validity(idx, monkeypatch, N, k, chunk, merge):
     """Each row its own prefix (0, a few, exactly KP, KP+1, most, all) plus a tie-heavy row and a
     non-prefix row: the fast path, the old path and torch agree exactly."""
     gen = torch.Generator().manual_seed(N * k)
@@ -215,6 +225,7 @@ def test_topk_fast_rows_of_different_validity(idx, N, k, chunk):
     s[-2, N // 2:] = float("-inf")
     s[-1, torch.rand(N, generator=gen) < 0.7] = float("-inf")          # holes everywhere
     s = s.to(DEV)
+    monkeypatch.setattr(idx, "TOPK_MERGE", merge)
     with one_thread():
         want = ref.topk_select_ref(s, k)
         fast, old = idx.topk_select(s, k, chunk, fast=True), idx.topk_select(s, k, chunk,
