@@ -3,7 +3,8 @@
 Compressor.decode_update at DeepSeek-V4-Flash dims: (ratio 4 overlap, D 512) the CSA layer's
 compressor, (ratio 4 overlap, D 128) its indexer's, (ratio 128, D 512) the HCA layer's; batch
 1 / 8 / 64, bf16 entries and (D 512) int8 entries, 128-token blocks, positions at and between
-block ends. Per case, CUDA-graph replays (scripts/gpu_timing.graph_time: what the decode graph
+block ends; the indexer's case also forms the 64 head weights (Indexer.queries: round, upcast,
+scale; 3 launches old, inside the kernel new). Per case, CUDA-graph replays (scripts/gpu_timing.graph_time: what the decode graph
 pays, node gaps included) and eager calls of
   old  compressor.FUSED_DECODE = False: with_ape (3 launches), compress_decode, cast, rms_norm,
        rope, store_decode
@@ -31,6 +32,7 @@ from backfit.runtime.model import compressor as cm
 from gpu_timing import copy_bandwidth, cuda_time, graph_time  # noqa: E402
 
 BLOCK, ROLLBACK, ROPE = 128, 8, 64
+W_SCALE = 128 ** -0.5 * 64 ** -0.5       # Indexer.weight_scale
 CASES = [(4, True, 512), (4, True, 128), (128, False, 512)]
 DEV = "cuda"             # --dry: "cpu" under TRITON_INTERPRET (no timings: a check of the script)
 
@@ -85,6 +87,7 @@ def case(ratio, overlap, D, B, int8, bw):
     pos = torch.randint(ratio, nblk * BLOCK - 1, (B,), device=DEV)
     pos[::2] = (pos[::2] // ratio + 1) * ratio - 1                      # half complete a block
     caches = {"old": base.clone(), "new": base.clone()}
+    hw = torch.randn(B, 64, device=DEV) if D == 128 else None           # the indexer's case
 
     def run(name):
         cache = caches[name]
@@ -93,8 +96,13 @@ def case(ratio, overlap, D, B, int8, bw):
             cm.FUSED_DECODE = name == "new"
             if name == "old":                                          # ape added by torch
                 comp.decode_update(cache, "comp", *comp.with_ape(c, z, pos), pos, torch.bfloat16)
+                if hw is not None:                                     # Indexer.queries' w
+                    cache.w = hw.to(torch.bfloat16).float() * W_SCALE
             else:
-                comp.decode_update(cache, "comp", c, z, pos, torch.bfloat16, ape_added=False)
+                h = cm.HeadWeights(hw, torch.bfloat16, W_SCALE) if hw is not None else None
+                comp.decode_update(cache, "comp", c, z, pos, torch.bfloat16, ape_added=False,
+                                   head_w=h)
+                cache.w = h and h.tensor()
         return fn
     row = dict(ratio=ratio, overlap=overlap, D=D, batch=B, kv="int8" if int8 else "bf16")
     for name in ("old", "new"):                                       # results, then timings
@@ -102,6 +110,8 @@ def case(ratio, overlap, D, B, int8, bw):
     o, n = caches["old"], caches["new"]
     deq = (lambda k: k.data.float() * k.scale[..., None]) if int8 else (lambda k: k.data.float())
     row["max_diff"] = (deq(o) - deq(n)).abs().max().item()
+    if hw is not None:
+        row["w_equal"] = bool(torch.equal(o.w, n.w))
     row["entries_written"] = int(n.data.flatten(2).any(-1).sum().item())   # non-zero entries
     row["bytes_differ"] = int((o.data != n.data).sum().item()
                               + (o.c != n.c).sum().item() + (o.z != n.z).sum().item())
@@ -137,6 +147,8 @@ def main():
                 rows.append(case(ratio, overlap, D, B, int8, bw))
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)"
     print(f"device {name}  copy bandwidth {bw / 1e12:.2f} TB/s")
+    bad = [r for r in rows if r["bytes_differ"] or not r.get("w_equal", True)]
+    print(f"bit-equal old vs new: {'yes' if not bad else 'NO, ' + str(len(bad)) + ' cases'}")
     print("| ratio | D | batch | KV | old graph µs | new graph µs | old eager µs | new eager µs "
           "| % roofline (new) | max diff | bytes differ |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -167,15 +167,25 @@ def _entry_tail(EBUF, b, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scratch,
 
 @triton.jit
 def _fused_kernel(C, Z, sc_b, sz_b, APE, POS, SLOTS, RC, RZ, EBUF, CNT, NW, eps, F, TABLES,
-                  stride_tb, DATA, SCALE, scratch, R, D, WIDTH,
+                  stride_tb, DATA, SCALE, scratch, R, D, WIDTH, WRAW, sw_b, WI, H, w_scale,
                   M: tl.constexpr, OVERLAP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
                   BD: tl.constexpr, NBLK: tl.constexpr, HAS_APE: tl.constexpr,
                   DP: tl.constexpr, RR: tl.constexpr, BH: tl.constexpr, PB: tl.constexpr,
-                  INT8: tl.constexpr, BF16: tl.constexpr, RN: tl.constexpr):
+                  INT8: tl.constexpr, BF16: tl.constexpr, RN: tl.constexpr,
+                  HAS_W: tl.constexpr = False, BHW: tl.constexpr = 16):
     """Program (b, channel block), the grid of _compress_kernel: rows + pooling of the block
     -> EBUF; the last of row b's NBLK programs (an acq_rel counter, reset to 0 by it) runs the
-    entry tail on the whole row."""
+    entry tail on the whole row. HAS_W (the indexer's compressor): program (b, 0) also forms
+    the indexer head weights WI[b] = WRAW[b].to(act dtype).float() · w_scale [H] FP32."""
     b, db = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    if HAS_W:
+        if db == 0:                                                   # Indexer.queries' w
+            hw = tl.arange(0, BHW)
+            w_ok = hw < H
+            w = tl.load(WRAW + b * sw_b + hw, mask=w_ok, other=0.0)
+            if BF16:
+                w = _round_bf16(w)                                    # weights_proj's rounding
+            tl.store(WI + b * H + hw, w * w_scale, mask=w_ok)
     dd = db * BD + tl.arange(0, BD)
     p = tl.load(POS + b)
     slot = tl.load(SLOTS + b).to(tl.int64)
@@ -294,12 +304,14 @@ def compress_decode_fused(c: torch.Tensor, z: torch.Tensor, ape: torch.Tensor | 
                           ring_z: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                           inv_freq: torch.Tensor, rope_dim: int, data: torch.Tensor,
                           scale: torch.Tensor | None, tables: torch.Tensor, scratch: int,
-                          ratio: int, overlap: bool, D: int, dtype: torch.dtype) -> None:
+                          ratio: int, overlap: bool, D: int, dtype: torch.dtype,
+                          head_w: tuple | None = None) -> torch.Tensor | None:
     """Compressor.decode_update's kernel path in one launch: z += ape[pos % m] (ape [m, width]
     FP32, None: already added), compress_decode, E.to(dtype), RMSNorm (norm_weight [D] FP32,
     eps), RoPE of the last rope_dim dims at (pos // m)·m (inv_freq FP64), and the entry store
     into data [NB, PB, D] (+ scale iff INT8) as store_decode(tables=...) does. Same operations
-    in the same order as that chain, so the same entries bit for bit."""
+    in the same order as that chain, so the same entries bit for bit. head_w = (w [B, H] FP32,
+    scale): also -> w.to(dtype).float() * scale [B, H] FP32 (Indexer.queries' head weights)."""
     B, width = c.shape
     if z.shape != c.shape or c.dtype != torch.float32 or z.dtype != torch.float32 \
             or c.stride(1) != 1 or z.stride(1) != 1 or width != (2 if overlap else 1) * D:
@@ -324,8 +336,16 @@ def compress_decode_fused(c: torch.Tensor, z: torch.Tensor, ape: torch.Tensor | 
         raise ValueError(f"compress_decode_fused: data [NB, PB, {D}] contiguous in {dtype} (or "
                          f"INT8 with a scale), tables [{B}, nblk] int32; got "
                          f"{data.dtype}{list(data.shape)}, {tables.dtype}{list(tables.shape)}")
+    wI = None
+    if head_w is not None:
+        w_raw, w_scale = head_w
+        if w_raw.dim() != 2 or w_raw.shape[0] != B or w_raw.dtype != torch.float32 \
+                or w_raw.stride(1) != 1:
+            raise ValueError(f"compress_decode_fused: head weights [{B}, H] FP32, unit stride in "
+                             f"a row; got {w_raw.dtype}{list(w_raw.shape)}")
+        wI = torch.empty(w_raw.shape, dtype=torch.float32, device=c.device)
     if not B:
-        return
+        return wI
     n = 2 * ratio if overlap else ratio
     NP = triton.next_power_of_2(n)
     BD = min(128, triton.next_power_of_2(D), max(16, 4096 // NP))   # compress_decode's blocks
@@ -337,7 +357,12 @@ def compress_decode_fused(c: torch.Tensor, z: torch.Tensor, ape: torch.Tensor | 
         c, z, c.stride(0), z.stride(0), ape if ape is not None else c, pos.contiguous(),
         slots.contiguous(), ring_c, ring_z, ebuf, cnt, norm_weight, float(eps), inv_freq,
         tables, tables.stride(0), data, scale if int8 else data, scratch,
-        ring_c.shape[1], D, width, M=ratio, OVERLAP=overlap, N=n, NP=NP, BD=BD, NBLK=nblk,
+        ring_c.shape[1], D, width, w_raw if wI is not None else c,
+        w_raw.stride(0) if wI is not None else 0, wI if wI is not None else c,
+        wI.shape[1] if wI is not None else 0, float(w_scale) if wI is not None else 1.0,
+        M=ratio, OVERLAP=overlap, N=n, NP=NP, BD=BD, NBLK=nblk,
         HAS_APE=ape is not None, DP=triton.next_power_of_2(D), RR=rope_dim,
         BH=triton.next_power_of_2(max(D - rope_dim, 1)), PB=data.shape[1], INT8=int8,
-        BF16=dtype == torch.bfloat16, RN=not _interpreted(), num_warps=4)
+        BF16=dtype == torch.bfloat16, RN=not _interpreted(), HAS_W=wI is not None,
+        BHW=max(16, triton.next_power_of_2(wI.shape[1])) if wI is not None else 16, num_warps=4)
+    return wI

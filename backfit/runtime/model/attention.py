@@ -25,7 +25,7 @@ from backfit.runtime.kernels import get_kernel_backend, kernel_path
 from backfit.runtime.layers import (ColumnParallelLinear, FusedProjection, Linear, RMSNorm,
                                     RowParallelLinear, Rotary)
 from backfit.runtime.model import compressor as compressor_mod
-from backfit.runtime.model.compressor import Compressor, Indexer, ProjectedRows
+from backfit.runtime.model.compressor import Compressor, HeadWeights, Indexer, ProjectedRows
 
 __all__ = ["Attention", "layer_rotary"]
 
@@ -93,7 +93,8 @@ class Attention(nn.Module):
             comp = rows(self.compressor, out[0], out[1], pos)
             if self.indexer is not None:
                 icomp = rows(self.indexer.compressor, out[2], out[3], pos)
-                wraw = out[4].to(x.dtype)                             # as weights_proj(x) rounds
+                wraw = (HeadWeights(out[4], x.dtype, self.indexer.weight_scale)   # rounded later
+                        if compressor_mod.FUSED_DECODE else out[4].to(x.dtype))  # as weights_proj
         else:
             if self.compressor is not None:
                 comp = self.compressor.project(x, pos)
@@ -179,7 +180,9 @@ class Attention(nn.Module):
                 for mod, kind, rows in ((self.compressor, "comp", comp),
                                         (icompressor, "index", index and index[2])):
                     if isinstance(rows, ProjectedRows):                # ape added in the kernel
-                        rows.decode_update(cache, kind, pos, q.dtype)
+                        hw = index[1] if kind == "index" and isinstance(index[1], HeadWeights) \
+                            else None                                  # and the head weights
+                        rows.decode_update(cache, kind, pos, q.dtype, head_w=hw)
                     elif rows is not None:
                         mod.decode_update(cache, kind, rows[0], rows[1], pos, q.dtype)
             for s in batch.slices() if not decode else ():

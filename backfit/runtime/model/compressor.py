@@ -22,7 +22,7 @@ from backfit.runtime.distributed import all_reduce, get_tp_info
 from backfit.runtime.kernels import kernel_path
 from backfit.runtime.layers import ColumnParallelLinear, Linear, RMSNorm, Rotary
 
-__all__ = ["Compressor", "Indexer", "ProjectedRows", "FUSED_DECODE"]
+__all__ = ["Compressor", "Indexer", "ProjectedRows", "HeadWeights", "FUSED_DECODE"]
 
 # The decode kernel path of Compressor.decode_update: True = one launch per compressor
 # (kernels.cache_ops.compress_decode_fused: ape add, rows, pooling, cast, norm, RoPE, entry
@@ -48,8 +48,28 @@ class ProjectedRows:
             self._z = self.comp.with_ape(self.c, self.z_raw, self.pos)[1]
         return self._z
 
-    def decode_update(self, cache, kind: str, pos: torch.Tensor, dtype: torch.dtype) -> None:
-        self.comp.decode_update(cache, kind, self.c, self.z_raw, pos, dtype, ape_added=False)
+    def decode_update(self, cache, kind: str, pos: torch.Tensor, dtype: torch.dtype,
+                      head_w: "HeadWeights | None" = None) -> None:
+        self.comp.decode_update(cache, kind, self.c, self.z_raw, pos, dtype, ape_added=False,
+                                head_w=head_w)
+
+
+class HeadWeights:
+    """Indexer head weights w·weight_scale [T, Hl] FP32 from the fused projection's FP32
+    weights_proj output, not yet rounded to the act dtype (FUSED_DECODE): w[i] forms them on
+    first use (torch: round, upcast, scale); the decode step's indexer compressor kernel forms
+    them instead (Compressor.decode_update(head_w=...)), with no launch of their own."""
+
+    def __init__(self, raw: torch.Tensor, dtype: torch.dtype, scale: float):
+        self.raw, self.dtype, self.scale, self._w = raw, dtype, scale, None
+
+    def tensor(self) -> torch.Tensor:
+        if self._w is None:
+            self._w = self.raw.to(self.dtype).float() * self.scale
+        return self._w
+
+    def __getitem__(self, i) -> torch.Tensor:
+        return self.tensor()[i]
 
 
 class Compressor(nn.Module):
@@ -114,10 +134,12 @@ class Compressor(nn.Module):
         return cache.entries(i, kind, j1) if read else None
 
     def decode_update(self, cache, kind: str, c: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
-                      dtype: torch.dtype, ape_added: bool = True) -> None:
+                      dtype: torch.dtype, ape_added: bool = True,
+                      head_w: HeadWeights | None = None) -> None:
         """Decode, one token per sequence (c, z [B, width] at positions pos [B] on the device):
         `update` for the whole batch without a host sync or a branch (CUDA-graph safe).
-        ape_added=False: z is the raw projection, ape[pos mod m] is added here.
+        ape_added=False: z is the raw projection, ape[pos mod m] is added here. head_w (the
+        indexer's compressor): its weights are formed too, in the same launch when fused.
 
         Every row pools the m (CSA: 2m) rows ending at its position, as if it completed a block;
         entry j = pos // m is written only where (pos+1) % m == 0, the others go to the cache's
@@ -130,11 +152,15 @@ class Compressor(nn.Module):
         if kernel_path(c) and FUSED_DECODE and dtype in (torch.bfloat16, torch.float32):
             from backfit.runtime.kernels.cache_ops import compress_decode_fused
             data, scale = cache.entry_pool(kind)
-            compress_decode_fused(c, z, None if ape_added else self.ape, pos, cache.slot_ids(),
-                                  *cache.rows_pool(kind), self.norm.weight, self.norm.eps,
-                                  self.rope.inv_freq, self.rope.rope_dim, data, scale,
-                                  cache.block_table(), cache.bound.cache.scratch_block, m,
-                                  self.overlap, D, dtype)
+            wI = compress_decode_fused(
+                c, z, None if ape_added else self.ape, pos, cache.slot_ids(),
+                *cache.rows_pool(kind), self.norm.weight, self.norm.eps, self.rope.inv_freq,
+                self.rope.rope_dim, data, scale, cache.block_table(),
+                cache.bound.cache.scratch_block, m, self.overlap, D, dtype,
+                None if head_w is None or head_w._w is not None else
+                (head_w.raw, head_w.scale) if head_w.dtype == dtype else None)
+            if wI is not None:
+                head_w._w = wI
             return
         if not ape_added:
             z = z + self.ape[pos % m]
@@ -179,11 +205,13 @@ class Indexer(nn.Module):
     def queries(self, qr: torch.Tensor, w: torch.Tensor, pos: torch.Tensor):
         """qr [T, q_lora], w = weights_proj(x) [T, Hl] -> qI [T, Hl, 128] (rotated; FP32, on the
         kernel path the act dtype: kernels.indexer reads it so, no cast launches), head weights
-        [T, Hl] FP32."""
+        [T, Hl] FP32 (w a HeadWeights: itself, formed on use)."""
         qI = self.wq_b(qr).view(qr.shape[0], self.local_heads, self.head_dim)
         qI = self.rope(qI, pos)
         if not kernel_path(qI):
             qI = qI.float()
+        if isinstance(w, HeadWeights):                  # formed later (decode: in a kernel)
+            return qI, w
         return qI, w.float() * self.weight_scale
 
     def select(self, qI: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor):

@@ -121,7 +121,8 @@ def _old_chain(k, rn, c, z, ape, pos, slots, rc, rz, m, overlap, D, w, eps, inv_
     (8, False, 64, False, torch.float32)])
 def test_compress_decode_fused_equals_chain(m, overlap, D, int8, dtype):
     """Rows, entry pool (and scales) bit-equal to the old chain on twin pools; positions before
-    and at block ends, pos < m (CSA's virtual block), B = 4 different positions."""
+    and at block ends, pos < m (CSA's virtual block), B = 4 different positions; the indexer
+    head weights formed in the same launch equal torch's round, upcast, scale."""
     from backfit.runtime.layers import yarn_inv_freq
     k, rn = kmod(), kernel_module("rope_norm", "_rms_kernel", INTERPRET)
     g = torch.Generator().manual_seed(7 * m + D)
@@ -146,8 +147,11 @@ def test_compress_decode_fused_equals_chain(m, overlap, D, int8, dtype):
     (rc0, rz0, d0, s0), (rc1, rz1, d1, s1) = pools
     _old_chain(k, rn, c, z, ape, pos, slots, rc0, rz0, m, overlap, D, w, 1e-6, inv_freq, r,
                d0, s0, tables, NB, dtype)
-    k.compress_decode_fused(c, z, ape, pos, slots, rc1, rz1, w, 1e-6, inv_freq, r, d1, s1,
-                            tables, NB, m, overlap, D, dtype)
+    hw = torch.randn(4, 70, generator=g).to(DEV)[:, 3:67]            # [4, 64] strided rows
+    scale = 128 ** -0.5 * 64 ** -0.5
+    wI = k.compress_decode_fused(c, z, ape, pos, slots, rc1, rz1, w, 1e-6, inv_freq, r, d1, s1,
+                                 tables, NB, m, overlap, D, dtype, head_w=(hw, scale))
+    assert torch.equal(wI, hw.to(dtype).float() * scale)              # Indexer.queries' w
     assert torch.equal(rc0, rc1) and torch.equal(rz0, rz1)
     assert torch.equal(d0, d1)
     if int8:

@@ -1,7 +1,9 @@
 """The small decode kernels (kernels.rope_norm: RMSNorm, RoPE; kernels.cache_ops: compressor
-pooling, cache stores, the fused compressor decode update; kernels.pointwise: SwiGLU, router top-k, MoE combine) compile for sm_80 on this CPU machine (test_sm80.py's helper): shared
+pooling, cache stores, the fused compressor decode update; kernels.pointwise: SwiGLU, router
+top-k, MoE combine) compile for sm_80 on this CPU machine (test_sm80.py's helper): shared
 memory within 99 KB, no MMA (CUDA-core math), no FP8/FP4, and FMA contraction really off in
-RoPE (no fma.rn.f32 in its PTX: the torch path rounds every product). Real widths."""
+RoPE (no fma.rn.f32 in its PTX: the torch path rounds every product; the fused update's RoPE
+uses the 4 explicit mul.rn). Real widths."""
 
 from __future__ import annotations
 
@@ -11,6 +13,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_sm80 import SHARED_LIMIT, _compile, compile_in_subprocess  # noqa: E402
+
+
+_FUSED_TYPES = dict(
+    C="*fp32", Z="*fp32", sc_b="i32", sz_b="i32", APE="*fp32", POS="*i64", SLOTS="*i32",
+    RC="*fp32", RZ="*fp32", EBUF="*fp32", CNT="*i32", NW="*fp32", eps="fp32", F="*fp64",
+    TABLES="*i32", stride_tb="i32", DATA="*bf16", SCALE="*fp32", scratch="i32", R="i32", D="i32",
+    WIDTH="i32", WRAW="*fp32", sw_b="i32", WI="*fp32", H="i32", w_scale="fp32")
 
 
 def compile_all() -> list[dict]:
@@ -41,13 +50,11 @@ def compile_all() -> list[dict]:
                                     (128, False, 512, 32, True), (4, True, 128, 128, False)):
         n = 2 * m if overlap else m                  # compress_decode_fused: CSA, HCA, indexer
         out.append(_compile(cache_ops._fused_kernel, dict(
-            C="*fp32", Z="*fp32", sc_b="i32", sz_b="i32", APE="*fp32", POS="*i64", SLOTS="*i32",
-            RC="*fp32", RZ="*fp32", EBUF="*fp32", CNT="*i32", NW="*fp32", eps="fp32", F="*fp64",
-            TABLES="*i32", stride_tb="i32", DATA="*i8" if int8 else "*bf16", SCALE="*fp32",
-            scratch="i32", R="i32", D="i32", WIDTH="i32"), dict(
+            _FUSED_TYPES, DATA="*i8" if int8 else "*bf16"), dict(
             M=m, OVERLAP=overlap, N=n, NP=triton.next_power_of_2(n), BD=bd, NBLK=d // bd,
             HAS_APE=True, DP=d, RR=64, BH=triton.next_power_of_2(d - 64), PB=32, INT8=int8,
-            BF16=True, RN=True), dict(num_warps=4, num_stages=1), ("D",)))
+            BF16=True, RN=True, HAS_W=d == 128, BHW=64), dict(num_warps=4, num_stages=1),
+            ("D",)))
     for mode, int8 in ((0, False), (0, True), (1, True), (1, False)):
         out.append(_compile(cache_ops._store_kernel, dict(
             X="*bf16", sx_b="i32", POS="*i64", SLOTS="*i32", TABLES="*i32", stride_tb="i32",
@@ -65,7 +72,30 @@ def compile_all() -> list[dict]:
         out.append(_compile(pointwise._combine_kernel, dict(OUT="*bf16", SH="*bf16", Y=out_t,
                             D="i32"), dict(K=6, SHARED=True, BD=1024),
                             dict(num_warps=4, num_stages=1), ("D",)))
+    for r in out:
+        if r["kernel"] == "_fused_kernel":     # compiled again: a cache hit, for its PTX
+            r["mul_rn"] = _mul_rn_count(r)
     return out
+
+
+def _mul_rn_count(r: dict) -> int:
+    """mul.rn(.ftz).f32 instructions in the PTX of a compiled _fused_kernel result."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from backfit.runtime.kernels import cache_ops
+    fn = cache_ops._fused_kernel
+    sig = {a: _FUSED_TYPES.get(a, "constexpr") for a in fn.arg_names}
+    if r["config"]["INT8"]:
+        sig["DATA"] = "*i8"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if sig[a].startswith("*") or a == "D"}
+    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=r["config"], attrs=attrs),
+                       target=GPUTarget("cuda", 80, 32), options=r["opts"])
+    return len(re.findall(r"mul\.rn(?:\.ftz)?\.f32", c.asm["ptx"]))
 
 
 def test_small_kernels_compile_for_sm80():
@@ -78,6 +108,8 @@ def test_small_kernels_compile_for_sm80():
         assert not r["fp8"] and r["mma"] == [], name
         if r["kernel"] == "_rope_kernel":
             assert not r["fma_f32"], f"{name}: FP32 FMA contraction in RoPE"
+        if r["kernel"] == "_fused_kernel":         # its RoPE: explicit mul.rn / add.rn / sub.rn
+            assert r["mul_rn"] == 4, f"{name}: {r['mul_rn']} mul.rn.f32 (FMA-free RoPE)"
 
 
 if __name__ == "__main__":
