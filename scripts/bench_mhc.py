@@ -120,10 +120,12 @@ def case(kind, T, bw, gen, quick):
 
 PAIRS = 48                                  # 48 x 1.5 MB of fn: past the 50 MB L2 (H200)
 RMS_EPS = 1e-6
-# mhc_decode candidates: hc_post's d block (None = post_bd), the collapse-norm (warps, d block);
-# the first is mhc_decode's default (COLLAPSE)
-DECODE_CANDIDATES = [(None, 4, 1024), (None, 1, 256), (None, 1, 1024), (None, 2, 1024),
-                     (None, 8, 4096), (16, 4, 1024), (64, 4, 1024), (128, 4, 1024)]
+# mhc_decode candidates: hc_post's d block (None = post_bd), the collapse-norm (warps, d block,
+# scalar Sinkhorn); the first is mhc_decode's default (COLLAPSE)
+DECODE_CANDIDATES = [(None, 4, 1024, True), (None, 4, 1024, False), (None, 1, 256, True),
+                     (None, 1, 1024, True), (None, 2, 1024, True), (None, 8, 4096, True),
+                     (None, 8, 4096, False), (16, 4, 1024, True), (64, 4, 1024, True),
+                     (128, 4, 1024, True)]
 
 
 def decode_case(T, bw, gen, device="cuda", d=D, pairs=PAIRS, timer=graph_time):
@@ -148,13 +150,14 @@ def decode_case(T, bw, gen, device="cuda", d=D, pairs=PAIRS, timer=graph_time):
         u, p, M = mhc.hc_pre(Y, z["fn"], scale, base, ITERS, HC_EPS, NORM_EPS)
         return Y, rms_norm(u, w, RMS_EPS), p, M
 
-    def new(z, bd, warps, bd_u, fused=True):
+    def new(z, bd, warps, bd_u, scalar, fused=True):
         if fused:
             Y, part = mhc_decode.hc_post(z["f"], z["X"], z["post"], z["M"], next_fn=z["fn"], bd=bd)
         else:
             Y, part = mhc_decode.hc_post(z["f"], z["X"], z["post"], z["M"], bd=bd), None
         return (Y,) + mhc_decode.hc_pre(Y, z["fn"], scale, base, ITERS, HC_EPS, NORM_EPS,
-                                        norm=(w, RMS_EPS), part=part, warps=warps, bd=bd_u)
+                                        norm=(w, RMS_EPS), part=part, warps=warps, bd=bd_u,
+                                        scalar=scalar)
     z = sets[0]
     Y32 = (z["post"][:, :, None] * z["f"].float()[:, None, :]
            + torch.einsum("tjk,tjd->tkd", z["M"], z["X"].float()))
@@ -168,10 +171,11 @@ def decode_case(T, bw, gen, device="cuda", d=D, pairs=PAIRS, timer=graph_time):
     # bytes a pair must move: X read, Y written and read back, fn read, u written
     need = 3 * T * S * d * 2 + n_out * S * d * 4 + T * d * 2
     sms = mhc._num_sms(torch.device(device))
-    variants = [("old 4 launches", old), ("new 3 (no part)", lambda z: new(z, None, None, None, False))]
-    variants += [(f"new 2 bd {bd or mhc_decode.post_bd(T, d, sms)} warps {wp} bd_u {bu}",
-                  lambda z, bd=bd, wp=wp, bu=bu: new(z, bd, wp, bu))
-                 for bd, wp, bu in DECODE_CANDIDATES]
+    variants = [("old 4 launches", old), ("new 3 (no part)", lambda z: new(z, None, None, None, None, False))]
+    variants += [((f"new 2 bd {bd or mhc_decode.post_bd(T, d, sms)} warps {wp} bd_u {bu}"
+                   f"{' scalar' if sc else ''}"),
+                  lambda z, bd=bd, wp=wp, bu=bu, sc=sc: new(z, bd, wp, bu, sc))
+                 for bd, wp, bu, sc in DECODE_CANDIDATES]
     rows = []
     for name, call in variants:
         t0 = time.time()
@@ -180,7 +184,7 @@ def decode_case(T, bw, gen, device="cuda", d=D, pairs=PAIRS, timer=graph_time):
             t = timer(lambda call=call: [call(z) for z in sets]) / pairs
         except Exception as e:                      # a config that does not compile / fit
             rows.append(dict(kind="decode", T=T, path=name, error=f"{type(e).__name__}: {e}"[:300]))
-            print(f"decode  T {T:5d} {name:34s} FAILED {rows[-1]['error']}", flush=True)
+            print(f"decode  T {T:5d} {name:41s} FAILED {rows[-1]['error']}", flush=True)
             continue
         un32, post_ref, M_ref = pre_ref(out[0])
         r = dict(kind="decode", T=T, path=name, us=t * 1e6, roofline=need / t / bw,
@@ -189,7 +193,7 @@ def decode_case(T, bw, gen, device="cuda", d=D, pairs=PAIRS, timer=graph_time):
                  Y_same=same(out[0], today[0]), un_same=same(out[1], today[1]),
                  wall_s=time.time() - t0)
         rows.append(r)
-        print(f"decode  T {T:5d} {name:34s} {r['us']:7.2f} us/pair {100 * r['roofline']:5.1f}% "
+        print(f"decode  T {T:5d} {name:41s} {r['us']:7.2f} us/pair {100 * r['roofline']:5.1f}% "
               f"copy-bw  err Y {r['Y_err']:.1e} normed u {r['un_err']:.1e} post "
               f"{r['post_err']:.1e} M {r['M_err']:.1e}  same as today: Y {r['Y_same']:.3f} "
               f"normed u {r['un_same']:.3f}", flush=True)

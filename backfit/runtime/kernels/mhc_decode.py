@@ -38,7 +38,8 @@ DECODE_FUSED = True     # False: the model's decode path falls back to mhc's 4 l
 # no barriers in the Sinkhorn chain (all reductions in-warp), but the u passes' loads are not
 # pipelined (one L2 round trip per block and pass); more warps: larger blocks, fewer round trips,
 # a bar.sync per Sinkhorn reduction. bench_mhc --decode sweeps the candidates; edit here.
-COLLAPSE = {"warps": 4, "bd": 1024}
+# scalar: the Sinkhorn on per-thread scalars (S = 4 only; else [S, S] tensor reductions).
+COLLAPSE = {"warps": 4, "bd": 1024, "scalar": True}
 
 
 @triton.jit
@@ -74,12 +75,68 @@ def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT
 
 
 @triton.jit
+def _quarters(v):
+    """v [4] -> its four elements as scalars (per-thread values)."""
+    e, o = tl.split(tl.reshape(v, (2, 2)))                      # (v0, v2), (v1, v3)
+    a, c = tl.split(e)
+    b, d = tl.split(o)
+    return a, b, c, d
+
+
+@triton.jit
+def _softmax4(a, b, c, d, eps):
+    mx = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a, b, c, d = tl.exp(a - mx), tl.exp(b - mx), tl.exp(c - mx), tl.exp(d - mx)
+    s = a + b + c + d
+    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    s = a + b + c + d + eps
+    return a / s, b / s, c / s, d / s
+
+
+@triton.jit
+def _sinkhorn4(c, iters, hc_eps):
+    """C [4, 4] (j, k) -> M as 16 scalars m_jk (row-major tuple): hyper.hc_pre's row softmax +
+    eps, column normalise, iters - 1 (row, column) passes, every thread on its own copy (no
+    cross-thread reductions in the chain)."""
+    ce, co = tl.split(tl.reshape(c, (4, 2, 2)))                 # columns (0, 2), (1, 3)
+    k0, k2 = tl.split(ce)
+    k1, k3 = tl.split(co)                                        # [4(j)] each
+    a0, b0, c0, d0 = _quarters(k0)                               # a, b, c, d: rows j 0..3
+    a1, b1, c1, d1 = _quarters(k1)
+    a2, b2, c2, d2 = _quarters(k2)
+    a3, b3, c3, d3 = _quarters(k3)
+    a0, a1, a2, a3 = _softmax4(a0, a1, a2, a3, hc_eps)           # row softmax (over k)
+    b0, b1, b2, b3 = _softmax4(b0, b1, b2, b3, hc_eps)
+    c0, c1, c2, c3 = _softmax4(c0, c1, c2, c3, hc_eps)
+    d0, d1, d2, d3 = _softmax4(d0, d1, d2, d3, hc_eps)
+    a0, b0, c0, d0 = _norm4(a0, b0, c0, d0, hc_eps)              # column normalise (over j)
+    a1, b1, c1, d1 = _norm4(a1, b1, c1, d1, hc_eps)
+    a2, b2, c2, d2 = _norm4(a2, b2, c2, d2, hc_eps)
+    a3, b3, c3, d3 = _norm4(a3, b3, c3, d3, hc_eps)
+    for _ in range(iters - 1):
+        a0, a1, a2, a3 = _norm4(a0, a1, a2, a3, hc_eps)
+        b0, b1, b2, b3 = _norm4(b0, b1, b2, b3, hc_eps)
+        c0, c1, c2, c3 = _norm4(c0, c1, c2, c3, hc_eps)
+        d0, d1, d2, d3 = _norm4(d0, d1, d2, d3, hc_eps)
+        a0, b0, c0, d0 = _norm4(a0, b0, c0, d0, hc_eps)
+        a1, b1, c1, d1 = _norm4(a1, b1, c1, d1, hc_eps)
+        a2, b2, c2, d2 = _norm4(a2, b2, c2, d2, hc_eps)
+        a3, b3, c3, d3 = _norm4(a3, b3, c3, d3, hc_eps)
+    return (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3)
+
+
+@triton.jit
 def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, iters, hc_eps,
                           norm_eps, rms_eps, S: tl.constexpr, NOUT: tl.constexpr,
                           NP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
-                          SINKHORN: tl.constexpr, NORM: tl.constexpr):
+                          SINKHORN: tl.constexpr, NORM: tl.constexpr, SCALAR: tl.constexpr):
     """Token t: gates (and Sinkhorn M) from PART once, u[t] = Σ_s pre_s X[t, s] (bf16) over d;
-    NORM: U = rmsnorm(u)·W instead of u."""
+    NORM: U = rmsnorm(u)·W instead of u. SCALAR (S = 4): the Sinkhorn on 16 per-thread scalars
+    (_sinkhorn4) instead of [S, S] tensor reductions."""
     t = tl.program_id(0).to(tl.int64)
     rs = tl.arange(0, S)
     ri = tl.arange(0, SP)                                        # splits, padded to SP
@@ -97,14 +154,20 @@ def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, i
                             other=0.0), axis=0)                  # [S(j), S(k)]
         post = 2.0 * tl.sigmoid(lq * r * tl.load(SCALE + 1) + tl.load(BASE + S + rs))
         c = lc * r * tl.load(SCALE + 2) + tl.load(BASE + cjk)           # C[j, k]
-        e = tl.exp(c - tl.max(c, axis=1)[:, None])
-        m = e / tl.sum(e, axis=1)[:, None] + hc_eps                      # row softmax (over k)
-        m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)                    # column normalise
-        for _ in range(iters - 1):
-            m = m / (tl.sum(m, axis=1)[:, None] + hc_eps)
-            m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)
         tl.store(POST + t * S + rs, post)
-        tl.store(MOUT + t * S * S + rs[:, None] * S + rs[None, :], m)
+        if SCALAR:
+            tl.static_assert(S == 4, "SCALAR needs S = 4")
+            m = _sinkhorn4(c, iters, hc_eps)
+            for i in tl.static_range(16):
+                tl.store(MOUT + t * 16 + i, m[i])
+        else:
+            e = tl.exp(c - tl.max(c, axis=1)[:, None])
+            m = e / tl.sum(e, axis=1)[:, None] + hc_eps                  # row softmax (over k)
+            m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)                # column normalise
+            for _ in range(iters - 1):
+                m = m / (tl.sum(m, axis=1)[:, None] + hc_eps)
+                m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)
+            tl.store(MOUT + t * S * S + rs[:, None] * S + rs[None, :], m)
     xrow = X + (t * S + rs[:, None]) * D                         # [S] stream rows
     inv = 1.0
     if NORM:                                                     # pass 1: Σ u² of the bf16 u
@@ -141,7 +204,7 @@ def _check_norm(norm, d: int, device) -> None:
 
 
 def _collapse_norm(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, norm, part, warps,
-                   bd):
+                   bd, scalar=None):
     T, S, d = X.shape
     n_out = fn.shape[0]
     NP = triton.next_power_of_2(n_out + 1)
@@ -161,6 +224,7 @@ def _collapse_norm(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, norm, 
     w, eps = norm if norm is not None else (scale, 0.0)          # W unread without NORM
     split = part.shape[1]
     warps = COLLAPSE["warps"] if warps is None else warps
+    scalar = COLLAPSE["scalar"] if scalar is None else scalar
     bd = min(COLLAPSE["bd"] if bd is None else bd, triton.next_power_of_2(d))
     if bd & (bd - 1) or bd < 16 or warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"mhc_decode: bd must be a power of 2 >= 16, warps 1..16, got {bd}, "
@@ -169,22 +233,24 @@ def _collapse_norm(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, norm, 
         part, X, scale.contiguous(), base.contiguous(), w, u, post, M, split, d, S * d, iters,
         float(hc_eps), float(norm_eps), float(eps), S=S, NOUT=n_out, NP=NP,
         SP=triton.next_power_of_2(split), BD=bd,
-        SINKHORN=sinkhorn, NORM=norm is not None, num_warps=warps)
+        SINKHORN=sinkhorn, NORM=norm is not None, SCALAR=scalar and S == 4, num_warps=warps)
     return u, post, M
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            iters: int, hc_eps: float, norm_eps: float, norm: tuple | None = None,
-           part: torch.Tensor | None = None, warps: int | None = None, bd: int | None = None):
+           part: torch.Tensor | None = None, warps: int | None = None, bd: int | None = None,
+           scalar: bool | None = None):
     """As mhc.hc_pre -> (u [T, d] bf16, post, M); norm = (weight [d] fp32, eps): u replaced by
     RMSNorm(u) (layers.RMSNorm) in the same launch. part: PART [T, SPLIT, NP] from hc_post(...,
-    next_fn=fn) (else mhc._partials computes it, one more launch). warps, bd: override COLLAPSE."""
+    next_fn=fn) (else mhc._partials computes it, one more launch). warps, bd, scalar: override
+    COLLAPSE."""
     S = X.shape[1] if X.dim() == 3 else 0
     mhc._check(X, fn, scale, base, (2 + S) * S, 3, "hc_pre")
     if iters < 1:
         raise ValueError(f"hc_pre: iters must be >= 1, got {iters}")
     return _collapse_norm(X.contiguous(), fn, scale, base, int(iters), hc_eps, norm_eps, True,
-                          norm, part, warps, bd)
+                          norm, part, warps, bd, scalar)
 
 
 def hc_head(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

@@ -58,10 +58,11 @@ def same_or_close(a, b, name):
         assert rel_max(a, b) < (2e-5 if a.dtype == torch.float32 else 1e-2), name
 
 
-# warps 1, bd 256: d 600 takes three blocks a u pass (the last ragged)
-@pytest.mark.parametrize("T,d,warps", [(1, 64, None), (3, 256, None), (8, 100, None),
-                                       (2, 600, 1)])
-def test_collapse_norm_matches_mhc_and_rmsnorm(mods, T, d, warps):
+# warps 1, bd 256: d 600 takes three blocks a u pass (the last ragged); scalar False: the
+# [S, S] tensor Sinkhorn of mhc._collapse_kernel (M bit-identical to it under the interpreter)
+@pytest.mark.parametrize("T,d,warps,scalar", [(1, 64, None, None), (3, 256, None, False),
+                                              (8, 100, None, None), (2, 600, 1, True)])
+def test_collapse_norm_matches_mhc_and_rmsnorm(mods, T, d, warps, scalar):
     mhc, dec = mods
     gen = torch.Generator().manual_seed(T * 31 + d)
     fn, scale, base = params((2 + S) * S, d, 3, gen)
@@ -69,10 +70,13 @@ def test_collapse_norm_matches_mhc_and_rmsnorm(mods, T, d, warps):
     X = streams(T, d, gen)
     w = (torch.rand(d, generator=gen) + 0.5).to(DEV)
     u, post, M = dec.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS, warps=warps,
-                            bd=256 if warps else None)
-    for a, b, name in zip((u, post, M), mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS),
-                          ["u", "post", "M"]):
-        same_or_close(a, b, name)
+                            bd=256 if warps else None, scalar=scalar)
+    u_old, post_old, M_old = mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
+    same_or_close(u, u_old, "u")
+    same_or_close(post, post_old, "post")
+    if scalar is False:
+        same_or_close(M, M_old, "M")
+    assert rel_max(M, M_old) < 2e-5
     with one_thread():
         _, post_ref, M_ref = hyper.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
         pre = ref_pre_gates(X, fn, scale, base)

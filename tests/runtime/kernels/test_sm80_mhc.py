@@ -54,7 +54,8 @@ def compile_all() -> list[dict]:
     out.append(_compile(mhc._post_kernel, dict(F="*bf16", X="*bf16", POST="*fp32", MIX="*fp32",
                         OUT="*bf16", D="i32"), dict(S=4, BD=mhc._BD), warps, ("D",)))
     # mhc_decode (decode, d 4096): hc_post + the next hc_pre's / hc_head's partials at post_bd's
-    # T = 1 block and the largest, plain hc_post; collapse + RMSNorm at 1 / 4 warps, SP = the
+    # T = 1 block and the largest, plain hc_post; collapse + RMSNorm at 1 / 4 / 8 warps (scalar
+    # and [S, S] tensor Sinkhorn), SP = the
     # post kernel's d blocks (128 at BD 32) or mix_split's, hc_head (no Sinkhorn)
     post_types = dict(F="*bf16", X="*bf16", POST="*fp32", MIX="*fp32", OUT="*bf16", FN="*fp32",
                       PART="*fp32", D="i32", K="i32")
@@ -64,13 +65,15 @@ def compile_all() -> list[dict]:
                             dict(S=4, NOUT=n_out, NP=max(2, 1 << n_out.bit_length()), BD=bd,
                                  HAS_FN=has_fn), warps, ("D", "K")))
     norm_types = dict(ctypes, W="*fp32", rms_eps="fp32")
-    for sinkhorn, norm, sp, w, bd in ((True, True, 4096 // bd1, 1, 1024),
-                                      (True, True, 4096 // bd1, 8, 4096),
-                                      (True, False, mhc.mix_split(1, 16384, A100_SMS), 2, 512),
-                                      (False, True, 4096 // bd1, 4, 1024)):
+    for sinkhorn, norm, sp, w, bd, scalar in ((True, True, 4096 // bd1, 1, 1024, True),
+                                              (True, True, 4096 // bd1, 4, 1024, True),
+                                              (True, True, 4096 // bd1, 8, 4096, True),
+                                              (True, False, mhc.mix_split(1, 16384, A100_SMS),
+                                               2, 512, False),
+                                              (False, True, 4096 // bd1, 4, 1024, False)):
         out.append(_compile(mhc_decode._collapse_norm_kernel, norm_types,
                             dict(S=4, NOUT=24 if sinkhorn else 4, NP=32 if sinkhorn else 8, SP=sp,
-                                 BD=bd, SINKHORN=sinkhorn, NORM=norm),
+                                 BD=bd, SINKHORN=sinkhorn, NORM=norm, SCALAR=scalar),
                             dict(num_warps=w, num_stages=1), ("D", "K")))
     a16 = dict(X="*bf16", W="*i8", S="*fp32", Y="*fp32", WS="*fp32", LOCK="*i32", M="i32",
                N="i32", K="i32", stride_xm="i32", K_SPLIT="i32")
@@ -85,7 +88,7 @@ def compile_all() -> list[dict]:
 
 def test_mhc_and_fp32_output_linear_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 23
+    assert len(results) == 24
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
