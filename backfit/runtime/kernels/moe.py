@@ -206,15 +206,18 @@ def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Ten
               s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor,
               s2: torch.Tensor, limit: float, path: str | None = None,
               config: dict | None = None, shared: torch.Tensor | None = None,
-              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+              dtype: torch.dtype = torch.float32,
+              shared_ready: torch.cuda.Event | None = None) -> torch.Tensor:
     """x [T, K] bf16, idx [T, k], w [T, k] -> routed-expert sum [T, D] (+ shared [T, D], the
     shared expert's output) in `dtype` (FP32 sum either way: pointwise.moe_combine); path
     "decode"/"sorted" and config (tile overrides) replace the automatic choice (tests,
-    benchmarks). uint8 w1 [E, I, K/2] = mx4_e2m1 stacks: the same call runs kernels.moe_mx4."""
+    benchmarks). shared_ready: an event after which `shared` is written (it was computed on a
+    side stream): the current stream waits for it only before the combine, so the routed
+    launches overlap it. uint8 w1 [E, I, K/2] = mx4_e2m1 stacks: kernels.moe_mx4 runs."""
     if w1.dtype == torch.uint8:
         from backfit.runtime.kernels.moe_mx4 import fused_moe_mx4
         return fused_moe_mx4(x, idx, w, w1, s1, w3, s3, w2, s2, limit, path, config, shared,
-                             dtype)
+                             dtype, shared_ready)
     if x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"fused_moe: x must be bf16 [T, K], got {x.dtype}{list(x.shape)}")
     E, I, K = w1.shape
@@ -228,15 +231,17 @@ def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Ten
             raise ValueError(f"fused_moe: {name} must be contiguous {dt}{list(shape)}, "
                              f"got {t.dtype}{list(t.shape)}")
     return run_moe(x, idx, w, (w1, s1, w3, s3, w2, s2), (E, I, K, D), limit, path, config,
-                   _GEMV, DECODE_TABLE, _moe_sorted_kernel, ({}, {}), shared, dtype)
+                   _GEMV, DECODE_TABLE, _moe_sorted_kernel, ({}, {}), shared, dtype,
+                   shared_ready)
 
 
 def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_kernel,
-            sorted_kw, shared=None, dtype=torch.float32) -> torch.Tensor:
+            sorted_kw, shared=None, dtype=torch.float32, shared_ready=None) -> torch.Tensor:
     """The launch sequence both expert schemes share (their launchers check the stacks first):
     stacks (w1, s1, w3, s3, w2, s2), dims (E, I, K, D); gemv / table: the decode variants and
     DECODE_TABLE of the scheme, sorted_kernel with its extra constexprs for (gate/up, down);
-    the pairs' outputs summed (+ shared) in FP32 by one combine launch, stored in `dtype`."""
+    the pairs' outputs summed (+ shared, after shared_ready) in FP32 by one combine launch,
+    stored in `dtype`."""
     from backfit.runtime.kernels.pointwise import moe_combine
     E, I, K, D = dims
     w1, s1, w3, s3, w2, s2 = stacks
@@ -252,6 +257,8 @@ def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_ke
     rw = w.reshape(-1).float().contiguous()                                  # [P]
     out = torch.empty(P, D, dtype=torch.bfloat16, device=x.device)
     if P == 0:
+        if shared_ready is not None:
+            torch.cuda.current_stream(x.device).wait_event(shared_ready)
         return moe_combine(out, k, shared, dtype)
     lim = float(limit)
     if path is None:
@@ -278,6 +285,8 @@ def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_ke
             LIMIT=lim, F32=f32, **sorted_kw[1], **dict(c_down, BK=_fit_bk(I, c_down["BK"])))
     else:
         raise ValueError(f"fused_moe: unknown path {path!r}")
+    if shared_ready is not None:                                # the side stream's shared expert
+        torch.cuda.current_stream(x.device).wait_event(shared_ready)
     return moe_combine(out, k, shared, dtype)                   # FP32 sum over top-k (+ shared)
 
 

@@ -10,7 +10,9 @@ Experts and the shared expert are split by intermediate dim (docs/FORMAT.md): ev
 With the "triton" kernel backend (runtime.kernels) the routed experts run as one fused launch
 per projection over stacked weights (prepare_kernels), the router's top-k and the shared
 expert's SwiGLU are one launch each (kernels.pointwise), the shared gate|up one GEMV, and nothing
-syncs with the host.
+syncs with the host. On CUDA the shared expert (3 launches, latency-bound at decode) runs on a
+side stream while the router and the routed launches run (SHARED_STREAM; fork / join by events,
+which CUDA graphs capture as a parallel branch); the combine waits for it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,27 @@ from backfit.runtime.distributed import all_reduce, get_tp_info
 from backfit.runtime.kernels import get_kernel_backend, kernel_path
 from backfit.runtime.layers import ColumnParallelLinear, Linear, RowParallelLinear
 
-__all__ = ["Expert", "Gate", "MoE"]
+__all__ = ["Expert", "Gate", "MoE", "SHARED_STREAM"]
+
+SHARED_STREAM = True        # triton path on CUDA: the shared expert on a side stream
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _shared_on_side(expert: nn.Module, x: torch.Tensor):
+    """expert(x) on this device's side stream -> (output, event after it). Fork: the side stream
+    first waits for everything queued so far (x and every earlier reader of its buffers), so
+    its allocations never race the main stream's; join: the caller's consumer waits for the
+    event. Memory: `out` is read on the main stream only after the join and freed after it."""
+    main = torch.cuda.current_stream(x.device)
+    side = _SIDE.get(x.device)
+    if side is None:
+        side = _SIDE[x.device] = torch.cuda.Stream(x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out = expert(x)
+        done = torch.cuda.Event()
+        done.record(side)
+    return out, done
 
 
 class Expert(nn.Module):
@@ -114,13 +136,18 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """x [T, dim] (ffn_norm output), tokens [T] -> [T, dim] in x.dtype."""
-        idx, w = self.gate.route(x, tokens)
         if get_kernel_backend() == "triton" and x.dtype == torch.bfloat16 and self.prepare_kernels():
             from backfit.runtime.kernels.moe import fused_moe
             tp1 = get_tp_info().size == 1                             # FP32 for the all-reduce
-            y = fused_moe(x, idx, w, *self.stacked, self.shared_experts.limit,
-                          shared=self.shared_experts(x), dtype=x.dtype if tp1 else torch.float32)
+            if SHARED_STREAM and x.is_cuda:
+                shared, ready = _shared_on_side(self.shared_experts, x)
+            else:
+                shared, ready = self.shared_experts(x), None
+            idx, w = self.gate.route(x, tokens)
+            y = fused_moe(x, idx, w, *self.stacked, self.shared_experts.limit, shared=shared,
+                          dtype=x.dtype if tp1 else torch.float32, shared_ready=ready)
             return y if tp1 else all_reduce(y).to(x.dtype)
+        idx, w = self.gate.route(x, tokens)
         y = self.shared_experts(x).float()                            # FP32 accumulator
         flat = idx.flatten()
         for e in torch.unique(flat).tolist():                         # only experts with tokens
