@@ -1,7 +1,8 @@
 """Time the indexer's top-k (kernels.indexer.topk_select, top-512) on one GPU: the old path
 (TOPK_FAST = False: _topk_scores / _topk_keys / _unpack kernels + a fill) against the fast path
-(_topk_pass_kernel: TOPK_MERGE reduction passes at TOPK_WARPS 4 and 8, and bitonic reduction
-passes at 4 warps), as CUDA-graph replays (launch gaps excluded, as in the decode graph).
+(_topk_pass_kernel: TOPK_MERGE reduction passes at TOPK_WARPS 4 and 8, bitonic reduction
+passes at 4 warps, and 1024-wide scores chunks, TOPK_SCORES_CHUNK, at 8 warps), as CUDA-graph
+replays (launch gaps excluded, as in the decode graph).
 
 Rows: B in {1, 8, 64}, N (table width x block) in {4096, 16384, 65536}, n_valid in {128, 512,
 2048, 8192, N} (<= N): random scores, -inf from n_valid on in every row (the decode / prefill
@@ -24,9 +25,10 @@ from backfit.runtime.kernels import indexer, ref
 from gpu_timing import copy_bandwidth, graph_time  # noqa: E402
 
 K = 512
-# (name, TOPK_FAST, TOPK_MERGE, TOPK_WARPS)
-VARIANTS = [("old", False, False, 4), ("fast w4", True, True, 4), ("fast w8", True, True, 8),
-            ("fast bitonic w4", True, False, 4)]
+# (name, TOPK_FAST, TOPK_MERGE, TOPK_WARPS, TOPK_SCORES_CHUNK)
+VARIANTS = [("old", False, False, 4, 0), ("fast w4", True, True, 4, 0),
+            ("fast w8", True, True, 8, 0), ("fast bitonic w4", True, False, 4, 0),
+            ("fast w8 Cs1024", True, True, 8, 1024)]
 
 
 def rows_for(quick: bool):
@@ -44,7 +46,7 @@ def main() -> None:
     t0 = time.time()
     bw = copy_bandwidth()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    out, warps0, merge0 = [], indexer.TOPK_WARPS, indexer.TOPK_MERGE
+    out, saved = [], (indexer.TOPK_WARPS, indexer.TOPK_MERGE, indexer.TOPK_SCORES_CHUNK)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; top-{K}; µs per call (roofline fraction)")
     print(f"{'B':>3} {'N':>6} {'n_valid':>7} " + " ".join(f"{v[0]:>18}" for v in VARIANTS)
           + "  bad")
@@ -53,8 +55,8 @@ def main() -> None:
         s[:, n_valid:] = float("-inf")
         want = ref.topk_select_ref(s, K)
         row, cells, bad = dict(B=B, N=N, n_valid=n_valid), [], 0
-        for name, fast, merge, warps in VARIANTS:
-            indexer.TOPK_WARPS, indexer.TOPK_MERGE = warps, merge
+        for name, fast, merge, warps, cs in VARIANTS:
+            indexer.TOPK_WARPS, indexer.TOPK_MERGE, indexer.TOPK_SCORES_CHUNK = warps, merge, cs
             sel = indexer.topk_select(s, K, fast=fast)
             n_bad = int((sel != want).any(dim=1).sum())
             bad += n_bad
@@ -62,7 +64,7 @@ def main() -> None:
             frac = B * N * 4 / bw / (us * 1e-6)
             row[name] = dict(us=us, roofline=frac, bad_rows=n_bad)
             cells.append(f"{us:9.1f} ({frac:5.3f})")
-        indexer.TOPK_WARPS, indexer.TOPK_MERGE = warps0, merge0
+        indexer.TOPK_WARPS, indexer.TOPK_MERGE, indexer.TOPK_SCORES_CHUNK = saved
         out.append(row)
         print(f"{B:>3} {N:>6} {n_valid:>7} " + " ".join(f"{c:>18}" for c in cells)
               + f"  {bad}")

@@ -39,6 +39,7 @@ TOPK_FAST = True        # False: the old path (_topk_scores/_topk_keys/_unpack +
 TOPK_WARPS = 4          # num_warps of _topk_pass_kernel
 TOPK_BJ = 16            # keys compared per rank step: [K, BJ] int64 compares in registers
 TOPK_MERGE = True       # keys passes merge sorted sub-chunks (binary searches), no bitonic top-k
+TOPK_SCORES_CHUNK = 0   # > 0: the scores pass's chunk (power of 2, 2K .. C); 0: C as the others
 
 
 @triton.jit
@@ -245,6 +246,9 @@ def _neg_inf_key() -> int:
     return bits ^ 0x7FFFFFFF
 
 
+_NEG_INF_KEY = _neg_inf_key()
+
+
 def topk_select(scores: torch.Tensor, k: int, chunk: int = TOPK_CHUNK,
                 fast: bool | None = None) -> torch.Tensor:
     """scores [B, N] FP32 -> sel [B, k] int32: indices of the k largest, best first (ties: lower
@@ -284,13 +288,15 @@ def _topk_fast(scores: torch.Tensor, k: int, KP: int, C: int) -> torch.Tensor:
     if B == 0 or N == 0:
         return sel.fill_(-1)
     src, n, first = scores.contiguous(), N, True
+    CS = min(max(TOPK_SCORES_CHUNK, 2 * KP), C) if TOPK_SCORES_CHUNK else C
     while True:
-        n_chunks = triton.cdiv(n, C)
+        CC = CS if first else C
+        n_chunks = triton.cdiv(n, CC)
         final = n_chunks == 1                       # the grid depends on shapes only
         out = sel if final else torch.empty(B, n_chunks * KP, dtype=torch.int64,
                                             device=scores.device)
-        _topk_pass_kernel[(B, n_chunks)](src, out, sel, n, n_chunks * KP, k, _neg_inf_key(),
-                                         K=KP, C=C, BJ=min(TOPK_BJ, KP), SCORES=first,
+        _topk_pass_kernel[(B, n_chunks)](src, out, sel, n, n_chunks * KP, k, _NEG_INF_KEY,
+                                         K=KP, C=CC, BJ=min(TOPK_BJ, KP), SCORES=first,
                                          FINAL=final, MERGE=TOPK_MERGE and not first,
                                          LK=KP.bit_length() - 1, num_warps=TOPK_WARPS)
         if final:

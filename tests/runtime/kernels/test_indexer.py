@@ -209,10 +209,11 @@ def test_topk_pass_paths(idx):
     assert (red[5, 1:] >> 32 > neg).all() and ((red[5] >> 32) > neg).sum() == K  # full top-K
 
 
-@pytest.mark.parametrize("N,k,chunk,merge", [(150, 12, 32, True), (150, 12, 32, False),
-                                             (64, 16, 64, True), (5, 16, 64, True),
-                                             (60, 3, 8, True), (60, 1, 8, True)])
-def test_topk_fast_rows_of_different_validity(idx, monkeypatch, N, k, chunk, merge):
+@pytest.mark.parametrize("N,k,chunk,merge,cs", [(150, 12, 32, True, 0), (150, 12, 32, False, 0),
+                                                (150, 12, 64, True, 32), (64, 16, 64, True, 0),
+                                                (5, 16, 64, True, 0), (60, 3, 8, True, 0),
+                                                (60, 1, 8, True, 0)])
+def test_topk_fast_rows_of_different_validity(idx, monkeypatch, N, k, chunk, merge, cs):
     """Each row its own prefix (0, a few, exactly KP, KP+1, most, all) plus a tie-heavy row and a
     non-prefix row: the fast path, the old path and torch agree exactly."""
     gen = torch.Generator().manual_seed(N * k)
@@ -226,6 +227,7 @@ def test_topk_fast_rows_of_different_validity(idx, monkeypatch, N, k, chunk, mer
     s[-1, torch.rand(N, generator=gen) < 0.7] = float("-inf")          # holes everywhere
     s = s.to(DEV)
     monkeypatch.setattr(idx, "TOPK_MERGE", merge)
+    monkeypatch.setattr(idx, "TOPK_SCORES_CHUNK", cs)                 # 32: scores in 32s, then 64s
     with one_thread():
         want = ref.topk_select_ref(s, k)
         fast, old = idx.topk_select(s, k, chunk, fast=True), idx.topk_select(s, k, chunk,

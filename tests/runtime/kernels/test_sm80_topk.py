@@ -1,7 +1,7 @@
 """indexer._topk_pass_kernel (topk_select's TOPK_FAST path) compiles for sm_80 on this CPU
 machine (test_sm80.py's helper) in its variants (scores / keys pass, FINAL or not, keys passes
-merged or bitonic) at the real top-512 in 2048-wide chunks (and 8 warps, the sweep's other
-candidate): shared memory
+merged or bitonic) at the real top-512 in 2048-wide chunks (and the sweep's other candidates:
+8 warps, 1024-wide scores chunks): shared memory
 within 99 KB, no MMA (integer compares and a bitonic top-k), no FP8/FP4. The old path's kernels
 are compiled in test_sm80_attention.py. Compiled in a subprocess without TRITON_INTERPRET.
 """
@@ -15,20 +15,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from test_sm80 import SHARED_LIMIT, _compile, compile_in_subprocess  # noqa: E402
 
-VARIANTS = [(True, False, False, 4), (False, True, True, 4), (True, True, False, 4),
-            (False, False, True, 4), (False, False, False, 4), (True, False, False, 8),
-            (False, False, True, 8)]           # (SCORES, FINAL, MERGE, num_warps)
+C = 2048                                        # indexer.TOPK_CHUNK
+VARIANTS = [(True, False, False, 4, C), (False, True, True, 4, C), (True, True, False, 4, C),
+            (False, False, True, 4, C), (False, False, False, 4, C), (True, False, False, 8, C),
+            (False, False, True, 8, C), (True, False, False, 8, 1024)]
+# (SCORES, FINAL, MERGE, num_warps, C); C 1024: the sweep's TOPK_SCORES_CHUNK candidate
 
 
 def compile_all() -> list[dict]:
     from backfit.runtime.kernels import indexer
 
+    assert indexer.TOPK_CHUNK == C
     out = []
-    for scores, final, merge, warps in VARIANTS:
+    for scores, final, merge, warps, c in VARIANTS:
         types = dict(IN="*fp32" if scores else "*i64", OUT="*i32" if final else "*i64",
                      SEL="*i32", N="i32", n_out="i32", k="i32", NEG_INF_KEY="i32")
         out.append(_compile(indexer._topk_pass_kernel, types,
-                            dict(K=512, C=indexer.TOPK_CHUNK, BJ=indexer.TOPK_BJ, SCORES=scores,
+                            dict(K=512, C=c, BJ=indexer.TOPK_BJ, SCORES=scores,
                                  FINAL=final, MERGE=merge, LK=9),
                             dict(num_warps=warps, num_stages=1)))
     return out
