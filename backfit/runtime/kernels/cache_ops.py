@@ -11,6 +11,13 @@
                     "ring"  -> (slot[b], pos[b] % R)                  (the window ring)
                     "entry" -> (table[b, j // PB], j % PB), j = pos[b] // m, where the block
                                completes ((pos+1) % m == 0); the scratch block otherwise
+  compress_decode_fused  the whole decode update of a compressor in one launch: the ape add,
+                    compress_decode, the cast to the act dtype, RMSNorm, RoPE at the block start
+                    (pos // m)·m and the entry store ("entry" above), each with the operations
+                    of the kernel it replaces (rope_norm's _rms_kernel, _rope_kernel; RoPE's
+                    products explicitly rounded), so the same entries bit for bit; optionally the
+                    indexer head weights. Grid (B, D / BD) as compress_decode; the last program
+                    of a row (an acq_rel counter) runs the tail on the pooled row.
 Replaces ~35 small torch ops per compressor and ~5 per ring store. The pooling uses Triton's exp
 (not torch's), so entries agree with the torch path to FP32 rounding, not bit for bit; the store
 is exact (the same quantization arithmetic).
@@ -283,16 +290,17 @@ def store_decode(x: torch.Tensor, pos: torch.Tensor, data: torch.Tensor, scale: 
             num_warps=4 if D <= 512 else 8)
 
 
-_COUNTERS: dict = {}     # device -> int32 [n] zeros: the fused kernel's per-row block counters
+_COUNTERS: dict = {}     # device -> [int32 zeros]: the fused kernel's per-row block counters
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 [>= n] counters, kept per device (every launch leaves them 0 again); the
-    eager warm-up before a CUDA-graph capture allocates them outside the graph."""
-    cnt = _COUNTERS.get(device)
-    if cnt is None or cnt.numel() < n:
-        cnt = _COUNTERS[device] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
-    return cnt
+    """Zeroed int32 [>= n] counters, kept per device (every launch leaves them 0 again). A
+    larger batch adds a larger buffer; the smaller ones stay alive, as CUDA graphs captured
+    earlier hold their addresses."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 256), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def _interpreted() -> bool:

@@ -152,6 +152,8 @@ def test_compress_decode_fused_equals_chain(m, overlap, D, int8, dtype):
     wI = k.compress_decode_fused(c, z, ape, pos, slots, rc1, rz1, w, 1e-6, inv_freq, r, d1, s1,
                                  tables, NB, m, overlap, D, dtype, head_w=(hw, scale))
     assert torch.equal(wI, hw.to(dtype).float() * scale)              # Indexer.queries' w
+    if D // min(128, max(16, 4096 // (2 * m if overlap else m))) > 1:  # several blocks per row
+        assert not k._counters(c.device, 4).any(), "block counters not reset for the next call"
     assert torch.equal(rc0, rc1) and torch.equal(rz0, rz1)
     assert torch.equal(d0, d1)
     if int8:
