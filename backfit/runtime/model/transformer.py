@@ -91,6 +91,7 @@ class Transformer(nn.Module):
         add_hc_buffers(self, "hc_head", S, S, d)
         # checkpoint prefixes this model deliberately does not hold (the loader reports them)
         self.skipped_prefixes: tuple[str, ...] = ()
+        self._head_part = None    # (streams, their hc_head partials) of the last hidden()
         self.mtp = nn.ModuleList()
         if mtp and cfg.variant == "flash" and cfg.num_mtp_stages:
             from backfit.runtime.model.mtp import MTPBlock
@@ -121,21 +122,27 @@ class Transformer(nn.Module):
         X = e[:, None, :].repeat(1, self.cfg.hc_mult, 1)           # 4 plain copies, no gate
         # mhc_decode path: each layer's last hc_post also computes the next layer's hc_attn
         # partials (carried in hc); the torch path and prefill ignore hc
+        # partials (carried in hc), the last layer's those of hc_head, kept with the streams in
+        # _head_part for logits(X) of this very X; the torch path and prefill ignore hc
         hc = {"part": None} if decode_kernels(X) is not None else None
+        n = len(self.layers)
         for i, layer in enumerate(self.layers):
             if hc is not None:
-                hc["next_fn"] = self.layers[i + 1].hc_attn_fn if i + 1 < len(self.layers) else None
+                hc["next_fn"] = self.layers[i + 1].hc_attn_fn if i + 1 < n else self.hc_head_fn
             X = layer(X, batch, bound.layer(i), hc=hc)
+        self._head_part = (X, hc["part"]) if hc is not None else None
         bound.commit()
         return X
 
     def logits(self, X: torch.Tensor) -> torch.Tensor:
         """Streams [n, hc_mult, d] -> FP32 logits [n, vocab]."""
         c = self.cfg
-        if (k := decode_kernels(X)) is not None:                   # hc_head + norm, 2 launches
+        if (k := decode_kernels(X)) is not None:      # hc_head + norm: 1 launch (2 without part)
+            hp = getattr(self, "_head_part", None)
+            part = hp[1] if hp is not None and hp[0] is X else None   # X straight from hidden
             return self.head(k.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base,
-                                       c.hc_eps, c.rms_norm_eps, norm=(self.norm.weight,
-                                                                       self.norm.eps)))
+                                       c.hc_eps, c.rms_norm_eps, part=part,
+                                       norm=(self.norm.weight, self.norm.eps)))
         h = hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.hc_eps, c.rms_norm_eps)
         return self.head(self.norm(h))
 

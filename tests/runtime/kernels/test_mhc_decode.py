@@ -175,8 +175,9 @@ def test_decode_kernels_switch(mods, monkeypatch):
 @pytest.mark.skipif(not INTERPRET, reason="CPU model through the interpreted kernels")
 def test_tiny_model_forward_through_mhc_decode(mods, bf16_tp1, build_model, monkeypatch):
     """Transformer.hidden / Block / logits on the mhc_decode path (attention, MoE on torch) vs
-    the torch path, as test_mhc's tiny-model test: the partials carried layer to layer, so in
-    the whole forward only the first hc_pre and hc_head run _mix_partial_kernel."""
+    the torch path, as test_mhc's tiny-model test: the partials carried layer to layer and
+    into hc_head, so in the whole forward only the first hc_pre runs _mix_partial_kernel (and
+    hc_head with last_only, whose selected rows are not hidden()'s X)."""
     from backfit.runtime.batch import ForwardBatch
     from backfit.runtime.model import transformer
     mhc, dec = mods
@@ -186,8 +187,12 @@ def test_tiny_model_forward_through_mhc_decode(mods, bf16_tp1, build_model, monk
         want = model(ForwardBatch.single(tokens))
         launches, _ = _count_launches(monkeypatch, mhc, ("_mix_partial_kernel",))
         monkeypatch.setattr(transformer, "decode_kernels", lambda X: dec)
-        got = model(ForwardBatch.single(tokens))
-    assert launches == ["_mix_partial_kernel"] * 2 and model.cfg.num_hidden_layers >= 2
+        X = model.hidden(ForwardBatch.single(tokens))
+        got = model.logits(X)                                      # = model(batch)
+        assert launches == ["_mix_partial_kernel"] and model.cfg.num_hidden_layers >= 2
+        last = model.logits(X[-1:])                                # last_only's rows
+    assert launches == ["_mix_partial_kernel"] * 2
+    assert rel_max(last, got[-1:]) < 1e-2 and torch.equal(last.argmax(-1), got[-1:].argmax(-1))
     err = ((got.double() - want.double()).abs().amax(-1) / want.double().abs().amax(-1)).max()
     assert err < 3e-2 and torch.equal(got.argmax(-1), want.argmax(-1)), err.item()
 
