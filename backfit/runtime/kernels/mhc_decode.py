@@ -16,11 +16,14 @@ RMSNorm (kernels.rope_norm._rms_kernel): ~16.5 us for a few KB. Here:
                          hc_pre's u.to(X.dtype)); NORM: the following RMSNorm in the same
                          launch (layers.RMSNorm / rope_norm._rms_kernel: FP32 u·rsqrt(mean(u²)
                          + eps)·w, cast to bf16), u recomputed in a second pass over X (no
-                         scratch, no barrier). The first hc_pre of a step (and hc_head after a
-                         plain hc_post) gets its PART from mhc._partials (one more launch).
-The Block's attention / MoE then take the normed u directly (model.transformer). No host syncs;
-grids from shapes only (CUDA-graph safe). DECODE_FUSED = False: hyper.decode_kernels returns
-None and the model runs today's 4-launch path.
+                         scratch, no barrier). COLLAPSE: warps, u block, and the Sinkhorn on
+                         16 per-thread scalars (S = 4) or on [S, S] tensors. The first hc_pre of
+                         a step (and hc_head of rows other than hidden()'s streams) gets its
+                         PART from mhc._partials (one more launch).
+Per decode step of L layers: 4L + 2 launches for mHC and the RMSNorms after it (today 8L + 3:
+6L + 2 mHC, 2L + 1 RMSNorm). The Block's attention / MoE take the normed u directly (model.transformer).
+No host syncs; grids from shapes only (CUDA-graph safe). DECODE_FUSED = False: hyper.
+decode_kernels returns None and the model runs today's path (4 launches per pair).
 """
 
 from __future__ import annotations
