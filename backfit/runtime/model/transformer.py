@@ -121,7 +121,6 @@ class Transformer(nn.Module):
         e = self.embed(batch.tokens, self.dtype)                    # [T, d]
         X = e[:, None, :].repeat(1, self.cfg.hc_mult, 1)           # 4 plain copies, no gate
         # mhc_decode path: each layer's last hc_post also computes the next layer's hc_attn
-        # partials (carried in hc); the torch path and prefill ignore hc
         # partials (carried in hc), the last layer's those of hc_head, kept with the streams in
         # _head_part for logits(X) of this very X; the torch path and prefill ignore hc
         hc = {"part": None} if decode_kernels(X) is not None else None
