@@ -115,27 +115,24 @@ def _old_chain(k, rn, c, z, ape, pos, slots, rc, rz, m, overlap, D, w, eps, inv_
     k.store_decode(E, pos, data, scale, tables=tables, ratio=m, scratch=scratch)
 
 
-@pytest.mark.parametrize("m, overlap, D, int8, dtype", [
-    (4, True, 512, False, torch.bfloat16), (4, True, 512, True, torch.bfloat16),
-    (4, True, 128, False, torch.bfloat16), (128, False, 512, True, torch.bfloat16),
-    (8, False, 64, False, torch.float32)])
-def test_compress_decode_fused_equals_chain(m, overlap, D, int8, dtype):
-    """Rows, entry pool (and scales) bit-equal to the old chain on twin pools; positions before
-    and at block ends, pos < m (CSA's virtual block), B = 4 different positions; the indexer
-    head weights formed in the same launch equal torch's round, upcast, scale."""
+def _fused_case(m, overlap, D, int8, dtype, B=4):
+    """Inputs of one fused update: (args before the pools, twin pools, tables, NB, hw). B = 4:
+    positions 1, m-1, 3m-1 (block 2 done), 9m+2; larger B: random positions, half at ends."""
     from backfit.runtime.layers import yarn_inv_freq
-    k, rn = kmod(), kernel_module("rope_norm", "_rms_kernel", INTERPRET)
-    g = torch.Generator().manual_seed(7 * m + D)
+    g = torch.Generator().manual_seed(7 * m + D + B)
     width = (2 if overlap else 1) * D
-    S, R, PB, NB, r = 5, (2 * m if overlap else m) + 8, 4, 12, 64
-    pos = torch.tensor([1, m - 1, 3 * m - 1, 9 * m + 2], device=DEV)   # 3 * m - 1: block 2 done
-    slots = torch.tensor([4, 0, 2, 1], dtype=torch.int32, device=DEV)
-    tables = torch.tensor([[3, 7, 1], [0, 5, 9], [8, 2, 6], [11, 4, 10]], dtype=torch.int32,
-                          device=DEV)
+    S, R, PB, NB, r = B + 1, (2 * m if overlap else m) + 8, 4, 3 * B, 64
+    if B == 4:
+        pos = torch.tensor([1, m - 1, 3 * m - 1, 9 * m + 2])
+    else:
+        pos = torch.randint(0, 12 * m - 1, (B,), generator=g)
+        pos[::2] = (pos[::2] // m + 1) * m - 1
+    slots = torch.randperm(S, generator=g)[:B].int().to(DEV)
+    tables = torch.randperm(NB, generator=g).int().view(B, 3).to(DEV)
     rc = torch.randn(S, R, width, generator=g).to(DEV)
     rz = torch.randn(S, R, width, generator=g).to(DEV)
     ape = torch.randn(m, width, generator=g).to(DEV)
-    both = torch.randn(4, 2, width, generator=g).to(DEV)
+    both = torch.randn(B, 2, width, generator=g).to(DEV)
     c, z = both[:, 0], both[:, 1]                                     # strided rows
     w = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV)
     inv_freq = yarn_inv_freq(r, 160000.0, None).to(DEV)
@@ -144,14 +141,29 @@ def test_compress_decode_fused_equals_chain(m, overlap, D, int8, dtype):
         data = torch.zeros(NB + 1, PB, D, dtype=torch.int8 if int8 else dtype, device=DEV)
         pools.append((rc.clone(), rz.clone(), data,
                       torch.ones(NB + 1, PB, device=DEV) if int8 else None))
+    hw = torch.randn(B, 70, generator=g).to(DEV)[:, 3:67]            # [B, 64] strided rows
+    return (c, z, ape, pos.to(DEV), slots), (w, 1e-6, inv_freq, r), pools, tables, NB, hw
+
+
+W_SCALE = 128 ** -0.5 * 64 ** -0.5
+
+
+@pytest.mark.parametrize("m, overlap, D, int8, dtype", [
+    (4, True, 512, False, torch.bfloat16), (4, True, 512, True, torch.bfloat16),
+    (4, True, 128, False, torch.bfloat16), (128, False, 512, True, torch.bfloat16),
+    (8, False, 64, False, torch.float32)])
+def test_compress_decode_fused_equals_chain(m, overlap, D, int8, dtype):
+    """Rows, entry pool (and scales) bit-equal to the old chain on twin pools; positions before
+    and at block ends, pos < m (CSA's virtual block), B = 4 different positions; the indexer
+    head weights formed in the same launch equal torch's round, upcast, scale."""
+    k, rn = kmod(), kernel_module("rope_norm", "_rms_kernel", INTERPRET)
+    (c, z, ape, pos, slots), norm, pools, tables, NB, hw = _fused_case(m, overlap, D, int8, dtype)
     (rc0, rz0, d0, s0), (rc1, rz1, d1, s1) = pools
-    _old_chain(k, rn, c, z, ape, pos, slots, rc0, rz0, m, overlap, D, w, 1e-6, inv_freq, r,
-               d0, s0, tables, NB, dtype)
-    hw = torch.randn(4, 70, generator=g).to(DEV)[:, 3:67]            # [4, 64] strided rows
-    scale = 128 ** -0.5 * 64 ** -0.5
-    wI = k.compress_decode_fused(c, z, ape, pos, slots, rc1, rz1, w, 1e-6, inv_freq, r, d1, s1,
-                                 tables, NB, m, overlap, D, dtype, head_w=(hw, scale))
-    assert torch.equal(wI, hw.to(dtype).float() * scale)              # Indexer.queries' w
+    _old_chain(k, rn, c, z, ape, pos, slots, rc0, rz0, m, overlap, D, *norm, d0, s0, tables, NB,
+               dtype)
+    wI = k.compress_decode_fused(c, z, ape, pos, slots, rc1, rz1, *norm, d1, s1, tables, NB, m,
+                                 overlap, D, dtype, head_w=(hw, W_SCALE))
+    assert torch.equal(wI, hw.to(dtype).float() * W_SCALE)            # Indexer.queries' w
     if D // min(128, max(16, 4096 // (2 * m if overlap else m))) > 1:  # several blocks per row
         assert not k._counters(c.device, 4).any(), "block counters not reset for the next call"
     assert torch.equal(rc0, rc1) and torch.equal(rz0, rz1)
@@ -160,7 +172,42 @@ def test_compress_decode_fused_equals_chain(m, overlap, D, int8, dtype):
         assert torch.equal(s0, s1)
     assert d1[tables[1, 0]].any() and d1[NB].any()                   # a done entry, the scratch
     if m <= 8:                                                        # rows 1 and 2 complete too
-        assert d1[tables[2, (3 * m - 1) // m // PB]].any()
+        assert d1[tables[2, (3 * m - 1) // m // 4]].any()
     with pytest.raises(ValueError, match="compress_decode_fused"):
-        k.compress_decode_fused(c, z, ape, pos, slots, rc1, rz1, w, 1e-6, inv_freq, r, d1, s1,
-                                tables.long(), NB, m, overlap, D, dtype)
+        k.compress_decode_fused(c, z, ape, pos, slots, rc1, rz1, *norm, d1, s1, tables.long(),
+                                NB, m, overlap, D, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("m, overlap, int8", [(4, True, False), (128, False, True)])
+def test_compress_decode_fused_cuda_graph(m, overlap, int8):
+    """GPU: no host sync; captured in a CUDA graph and replayed 3 times (the block counters
+    must be 0 again each time) from the same state, it writes what the old chain writes;
+    B = 64 at random positions, half of them completing an entry."""
+    from moe_support import without_host_sync
+    k, rn = kmod(), kernel_module("rope_norm", "_rms_kernel", False)
+    D, dt = 512, torch.bfloat16
+    (c, z, ape, pos, slots), norm, pools, tables, NB, hw = _fused_case(m, overlap, D, int8, dt,
+                                                                       B=64)
+    (rc0, rz0, d0, s0), (rc1, rz1, d1, s1) = pools
+    _old_chain(k, rn, c, z, ape, pos, slots, rc0, rz0, m, overlap, D, *norm, d0, s0, tables, NB,
+               dt)
+    state = [t.clone() for t in (rc1, rz1, d1) + ((s1,) if int8 else ())]
+
+    def fn():
+        k.compress_decode_fused(c, z, ape, pos, slots, rc1, rz1, *norm, d1, s1, tables, NB, m,
+                                overlap, D, dt)
+    without_host_sync(fn)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        for t, t0 in zip((rc1, rz1, d1) + ((s1,) if int8 else ()), state):
+            t.copy_(t0)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(rc0, rc1) and torch.equal(rz0, rz1)
+        assert torch.equal(d0[:NB], d1[:NB])           # (rows racing for the scratch: either)
+        if int8:
+            assert torch.equal(s0[:NB], s1[:NB])
