@@ -79,7 +79,9 @@ class Attention(nn.Module):
 
     def _project(self, x: torch.Tensor, pos: torch.Tensor):
         """x [T, d] -> wq_a x, wkv x (act dtype), compressor (c, z), indexer compressor (c, z)
-        and weights_proj x (bf16-rounded, FP32), the last three None where the layer has none."""
+        and weights_proj x (bf16-rounded, FP32), the last three None where the layer has none.
+        Fused projections with compressor.FUSED_DECODE: (c, z) are ProjectedRows and the weights
+        a HeadWeights, formed on use or inside the decode step's compressor kernels."""
         fused = kernel_path(x) and x.dtype == torch.bfloat16
         if fused and self.fused_a is not None:
             qa, kvx = self.fused_a(x)

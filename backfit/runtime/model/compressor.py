@@ -146,7 +146,7 @@ class Compressor(nn.Module):
         scratch block. Same operations in the same order as `update`, so the same entries. On
         the triton backend it is one kernel (FUSED_DECODE; kernels.cache_ops, Triton's exp, so
         FP32 rounding away from the torch path), else rows + pooling, then cast, norm, RoPE and
-        the entry store as separate launches.
+        the entry store as separate launches (bit for bit the fused kernel's entries).
         """
         m, D = self.ratio, self.head_dim
         if kernel_path(c) and FUSED_DECODE and dtype in (torch.bfloat16, torch.float32):
