@@ -145,9 +145,12 @@ class Attention(nn.Module):
         return self._output(o, pos, x.dtype)
 
     def _output(self, o: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """o [T, Hl, D] FP32 -> inverse RoPE, grouped wo_a, wo_b -> [T, d]."""
+        """o [T, Hl, D] FP32 -> inverse RoPE, grouped wo_a, wo_b -> [T, d]. An o already in
+        `dtype` (not FP32) comes de-rotated from the decode kernels (decode_attention out_rope)."""
         T = o.shape[0]
-        if kernel_path(o):                                             # rounds to dtype inside
+        if o.dtype != torch.float32:
+            pass                                                       # done by the decode merge
+        elif kernel_path(o):                                           # rounds to dtype inside
             from backfit.runtime.kernels.rope_norm import rope
             o = rope(o, pos, self.rope.inv_freq, self.rope.rope_dim, inverse=True, out_dtype=dtype)
         else:
@@ -208,8 +211,10 @@ class Attention(nn.Module):
                 mode, sel = "csa", sels[0] if len(sels) == 1 else torch.cat(sels)
         args = (q, kv, pos, self.attn_sink, ring, ring_scale, cache.slot_ids(), self.window, mode,
                 ent, ent_scale, tables, self.ratio, sel)
-        if decode:
-            o = decode_attention(*args)
+        if decode:          # bf16: de-rotated and rounded in the merge launch (_output skips it)
+            r = self.rope
+            o = decode_attention(*args, out_rope=None if q.dtype == torch.float32 else
+                                 (r.inv_freq, r.rope_dim, q.dtype))
             cache.write_window_tokens(pos, kv)                        # after the kernel read it
         else:
             from backfit.runtime.kernels.attention_prefill import sparse_attention_prefill

@@ -118,8 +118,7 @@ class Transformer(nn.Module):
         """
         cache = cache if cache is not None else self.new_state()
         bound = cache.bind(batch)
-        e = self.embed(batch.tokens, self.dtype)                    # [T, d]
-        X = e[:, None, :].repeat(1, self.cfg.hc_mult, 1)           # 4 plain copies, no gate
+        X = self.embed.streams(batch.tokens, self.dtype, self.cfg.hc_mult)   # [T, 4, d]: copies
         # mhc_decode path: each layer's last hc_post also computes the next layer's hc_attn
         # partials (carried in hc), the last layer's those of hc_head, kept with the streams in
         # _head_part for logits(X) of this very X; the torch path and prefill ignore hc
