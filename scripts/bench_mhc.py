@@ -121,7 +121,7 @@ def case(kind, T, bw, gen, quick):
 PAIRS = 48                                  # 48 x 1.5 MB of fn: past the 50 MB L2 (H200)
 RMS_EPS = 1e-6
 # mhc_decode candidates: hc_post's d block (None = post_bd), the collapse-norm (warps, d block,
-# scalar Sinkhorn); the first is mhc_decode's default (COLLAPSE)
+# scalar Sinkhorn); mhc_decode's defaults: collapse_config(T)
 DECODE_CANDIDATES = [(None, 4, 1024, True), (None, 4, 1024, False), (None, 1, 256, True),
                      (None, 1, 1024, True), (None, 2, 1024, True), (None, 8, 4096, True),
                      (None, 8, 4096, False), (16, 4, 1024, True), (64, 4, 1024, True),
@@ -170,9 +170,8 @@ def decode_case(T, bw, gen, device="cuda", d=D, pairs=PAIRS, timer=graph_time):
         return uf * torch.rsqrt(uf.square().mean(-1, keepdim=True) + RMS_EPS) * w, post, M
     # bytes a pair must move: X read, Y written and read back, fn read, u written
     need = 3 * T * S * d * 2 + n_out * S * d * 4 + T * d * 2
-    sms = mhc._num_sms(torch.device(device))
     variants = [("old 4 launches", old), ("new 3 (no part)", lambda z: new(z, None, None, None, None, False))]
-    variants += [((f"new 2 bd {bd or mhc_decode.post_bd(T, d, sms)} warps {wp} bd_u {bu}"
+    variants += [((f"new 2 bd {bd or mhc_decode.post_bd(T, d)} warps {wp} bd_u {bu}"
                    f"{' scalar' if sc else ''}"),
                   lambda z, bd=bd, wp=wp, bu=bu, sc=sc: new(z, bd, wp, bu, sc))
                  for bd, wp, bu, sc in DECODE_CANDIDATES]

@@ -34,15 +34,24 @@ import triton.language as tl
 
 from backfit.runtime.kernels import mhc
 
-__all__ = ["COLLAPSE", "DECODE_FUSED", "hc_head", "hc_post", "hc_pre", "post_bd"]
+__all__ = ["COLLAPSE", "DECODE_FUSED", "collapse_config", "hc_head", "hc_post", "hc_pre",
+           "post_bd"]
 
 DECODE_FUSED = True     # False: the model's decode path falls back to mhc's 4 launches
-# _collapse_norm_kernel's launch: warps, and the d block of its u passes (capped at d). One warp:
-# no barriers in the Sinkhorn chain (all reductions in-warp), but the u passes' loads are not
-# pipelined (one L2 round trip per block and pass); more warps: larger blocks, fewer round trips,
-# a bar.sync per Sinkhorn reduction. bench_mhc --decode sweeps the candidates; edit here.
-# scalar: the Sinkhorn on per-thread scalars (S = 4 only; else [S, S] tensor reductions).
-COLLAPSE = {"warps": 4, "bd": 1024, "scalar": True}
+# _collapse_norm_kernel's launch by token count: (largest T, warps, d block of the u passes
+# (capped at d), scalar Sinkhorn (S = 4 only: 16 per-thread values instead of [S, S] tensor
+# reductions)). One warp: no barriers in the Sinkhorn chain, but the u passes' loads are not
+# pipelined; more warps: larger blocks, fewer round trips, a bar.sync per reduction.
+# H200, bench_mhc --decode (2026-12-01), µs per mHC pair: T = 1: 4 warps / 1024 12.9 (scalar
+# 13.0, 8 / 4096 14.0-14.4, 1 warp 17-18; today's 4 launches 14.1); T = 8: 8 / 4096 16.0
+# (4 / 1024 17.7-18.2; 4 launches 22.0); T = 63 (post_bd 256): 8 / 4096 68.7, 4 / 1024 70.2.
+COLLAPSE = ((4, dict(warps=4, bd=1024, scalar=False)),
+            (None, dict(warps=8, bd=4096, scalar=False)))
+
+
+def collapse_config(T: int) -> dict:
+    """COLLAPSE's row for T tokens."""
+    return next(c for t, c in COLLAPSE if t is None or T <= t)
 
 
 @triton.jit
@@ -192,11 +201,11 @@ def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, i
         tl.store(U + t * D + rd, u.to(U.dtype.element_ty), mask=d_ok)
 
 
-def post_bd(T: int, d: int, sms: int) -> int:
-    """d block of _post_mix_kernel: >= ~2 programs per SM where d allows, 32..256 (the [NP, BD]
-    fn_next tile stays <= 64 registers a thread at 4 warps)."""
-    want = max(1, T * d // (2 * sms))                          # d / BD >= 2·sms / T
-    return max(32, min(256, 1 << (want.bit_length() - 1), triton.next_power_of_2(d)))
+def post_bd(T: int, d: int) -> int:
+    """d block of _post_mix_kernel (its grid: T x d / BD programs, each streaming a [NP, S·BD]
+    fn_next slice). H200, bench_mhc --decode, µs per mHC pair: T = 1: 32 12.9 (16 13.5, 64
+    16.8, 128 17.2); T = 8: 64 16.0 (16 17.3); T = 63: 64 37.1 (16 49.1, 128 44.3, 256 70.2)."""
+    return min(32 if T <= 4 else 64, triton.next_power_of_2(d))
 
 
 def _check_norm(norm, d: int, device) -> None:
@@ -226,9 +235,10 @@ def _collapse_norm(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, norm, 
         return u, post, M
     w, eps = norm if norm is not None else (scale, 0.0)          # W unread without NORM
     split = part.shape[1]
-    warps = COLLAPSE["warps"] if warps is None else warps
-    scalar = COLLAPSE["scalar"] if scalar is None else scalar
-    bd = min(COLLAPSE["bd"] if bd is None else bd, triton.next_power_of_2(d))
+    cfg = collapse_config(T)
+    warps = cfg["warps"] if warps is None else warps
+    scalar = cfg["scalar"] if scalar is None else scalar
+    bd = min(cfg["bd"] if bd is None else bd, triton.next_power_of_2(d))
     if bd & (bd - 1) or bd < 16 or warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"mhc_decode: bd must be a power of 2 >= 16, warps 1..16, got {bd}, "
                          f"{warps}")
@@ -288,7 +298,7 @@ def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, M: torch.Tenso
                                 or next_fn.shape[1] != S * d or next_fn.device != X.device):
         raise ValueError(f"hc_post: next_fn must be fp32 [n_out, {S * d}] on {X.device}, "
                          f"got {next_fn.dtype}{list(next_fn.shape)}")
-    BD = bd or post_bd(T, d, mhc._num_sms(X.device))
+    BD = bd or post_bd(T, d)
     if BD & (BD - 1) or not 16 <= BD or triton.cdiv(d, BD) > mhc.MAX_SPLIT:
         raise ValueError(f"hc_post: bd must be a power of 2 >= 16 with d/bd <= {mhc.MAX_SPLIT}, "
                          f"got {BD} for d {d}")

@@ -59,13 +59,17 @@ def compile_all() -> list[dict]:
     # post kernel's d blocks (128 at BD 32) or mix_split's, hc_head (no Sinkhorn)
     post_types = dict(F="*bf16", X="*bf16", POST="*fp32", MIX="*fp32", OUT="*bf16", FN="*fp32",
                       PART="*fp32", D="i32", K="i32")
-    bd1 = mhc_decode.post_bd(1, 4096, A100_SMS)
+    bd1 = mhc_decode.post_bd(1, 4096)
     for n_out, bd, has_fn in ((24, bd1, True), (24, 256, True), (4, 64, True), (1, bd1, False)):
         out.append(_compile(mhc_decode._post_mix_kernel, post_types,
                             dict(S=4, NOUT=n_out, NP=max(2, 1 << n_out.bit_length()), BD=bd,
                                  HAS_FN=has_fn), warps, ("D", "K")))
     norm_types = dict(ctypes, W="*fp32", rms_eps="fp32")
-    for sinkhorn, norm, sp, w, bd, scalar in ((True, True, 4096 // bd1, 1, 1024, True),
+    bd8 = mhc_decode.post_bd(8, 4096)
+    # the two COLLAPSE defaults (T <= 4: 4 warps / 1024; else 8 / 4096, tensor Sinkhorn) first
+    for sinkhorn, norm, sp, w, bd, scalar in ((True, True, 4096 // bd1, 4, 1024, False),
+                                              (True, True, 4096 // bd8, 8, 4096, False),
+                                              (True, True, 4096 // bd1, 1, 1024, True),
                                               (True, True, 4096 // bd1, 4, 1024, True),
                                               (True, True, 4096 // bd1, 8, 4096, True),
                                               (True, False, mhc.mix_split(1, 16384, A100_SMS),
@@ -88,7 +92,7 @@ def compile_all() -> list[dict]:
 
 def test_mhc_and_fp32_output_linear_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 24
+    assert len(results) == 26
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
