@@ -51,7 +51,7 @@ def config(c, proj: str = "both", M: int = 0) -> dict | None:
         t = dict(BN=c[0], BK=c[1], num_warps=c[2], num_stages=c[3], DEQ=c[4] if len(c) > 4 else 0)
         if proj == "down":
             return dict(down=t)
-        base = moe._sorted_config(M * K)
+        base = moe._sorted_pair(M * K, None)[1]                  # the default down tile
         return dict(t, down=dict({k: base[k] for k in ("BN", "BK", "num_warps", "num_stages")},
                                  DEQ=base.get("DEQ", 0)))
     cfg = dict(BM=c[0], BN=c[1], BK=c[2], num_warps=c[3], num_stages=c[4])

@@ -169,24 +169,31 @@ def _launch_decode(kernels: dict, grid_p: int, N: int, K: int, cfg: dict, args: 
     kern[(grid_p, triton.cdiv(N, cfg["BN"]))](*args, **consts, **extra, **cfg)
 
 
-def _sorted_config(P: int) -> dict:
-    """Tiles of the sorted path for P pairs. H200, session 8 (.whl/moe_prefill.py, events):
-    T = 2048 (P = 12288) 7.07 ms -> 5.42 with BM 64 x BN 128, 4 stages; T = 8192 (P = 49152)
-    14.9 -> 12.8 ms with BM 256 x BN 64, 8 warps (it loses at T = 2048: 10.6 ms)."""
+def _sorted_config(P: int, down: bool = True) -> dict:
+    """Tiles of the sorted path for P pairs ("down": the down launch's own BN / stages; down
+    False: without it, the mx4 scheme, whose tiles were not swept). H200, session 8
+    (.whl/moe_prefill.py, events): T = 2048 (P = 12288) 7.07 ms -> 5.42 with BM 64 x BN 128,
+    4 stages; T = 8192 (P = 49152) 14.9 -> 12.8 ms with BM 256 x BN 64, 8 warps (it loses at
+    T = 2048: 10.6 ms). Session 9 (scripts/sweep_moe_sorted.py --m 8192 --proj up / down, one
+    layer, ms): down BN 128 x BK 64, 8 warps, 3 stages 11.3 (BN 64: 12.9, 4 stages 11.8, BN
+    256 24); gate/up stays (3 stages 12.4-12.6; 4 stages 12.2 needs 128 KB of shared memory on
+    sm_80, past the 99 KB that keeps two blocks an SM; BN 128 13.6-19.6)."""
     if P <= 1024:
         return dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3)
     if P <= 8192:
         return dict(BM=32, BN=128, BK=64, num_warps=4, num_stages=3)
     if P <= 32768:
         return dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4)
-    return dict(BM=256, BN=64, BK=64, num_warps=8, num_stages=3)
+    if not down:
+        return dict(BM=256, BN=64, BK=64, num_warps=8, num_stages=3)
+    return dict(BM=256, BN=64, BK=64, num_warps=8, num_stages=3, down=dict(BN=128))
 
 
-def _sorted_pair(P: int, config: dict | None) -> tuple[dict, dict]:
-    """(gate/up, down) tiles of the sorted path: _sorted_config(P), then `config`; a "down"
-    dict (in either) overrides BN, BK, warps, stages, DEQ of the down launch only (BM is the
-    alignment of both launches, so it cannot differ)."""
-    base = _sorted_config(P)
+def _sorted_pair(P: int, config: dict | None, down: bool = True) -> tuple[dict, dict]:
+    """(gate/up, down) tiles of the sorted path: _sorted_config(P, down), then `config`; a
+    "down" dict (in either) overrides BN, BK, warps, stages, DEQ of the down launch only (BM is
+    the alignment of both launches, so it cannot differ)."""
+    base = _sorted_config(P, down)
     over = dict(config or {})
     down = {**base.pop("down", {}), **over.pop("down", {})}
     if "BM" in down:
@@ -236,12 +243,13 @@ def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Ten
 
 
 def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_kernel,
-            sorted_kw, shared=None, dtype=torch.float32, shared_ready=None) -> torch.Tensor:
+            sorted_kw, shared=None, dtype=torch.float32, shared_ready=None,
+            down_tile: bool = True) -> torch.Tensor:
     """The launch sequence both expert schemes share (their launchers check the stacks first):
     stacks (w1, s1, w3, s3, w2, s2), dims (E, I, K, D); gemv / table: the decode variants and
     DECODE_TABLE of the scheme, sorted_kernel with its extra constexprs for (gate/up, down);
     the pairs' outputs summed (+ shared, after shared_ready) in FP32 by one combine launch,
-    stored in `dtype`."""
+    stored in `dtype`. down_tile: the sorted down launch's own tile (_sorted_config)."""
     from backfit.runtime.kernels.pointwise import moe_combine
     E, I, K, D = dims
     w1, s1, w3, s3, w2, s2 = stacks
@@ -272,7 +280,7 @@ def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_ke
         _launch_decode(gemv, P, D, I, c2, (h, ids, rw, w2, s2, w2, s2, out, D, I, k),
                        GATED=False, LIMIT=lim)
     elif path == "sorted":
-        cfg, c_down = _sorted_pair(P, config)
+        cfg, c_down = _sorted_pair(P, config, down_tile)
         sorted_ids, block_e = align(idx, E, cfg["BM"])
         nb = block_e.numel()
         h = torch.empty(nb * cfg["BM"], I, dtype=torch.bfloat16, device=x.device)

@@ -147,7 +147,8 @@ def fused_moe_mx4(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch
         _check(name, t, shape)
     return run_moe(x, idx, w, (w1, s1, w3, s3, w2, s2), (E, I, K, D), limit, path, config,
                    _GEMV4, DECODE_TABLE, _mx4_sorted_kernel,
-                   (dict(BY_SLOT=False), dict(BY_SLOT=True)), shared, dtype, shared_ready)
+                   (dict(BY_SLOT=False), dict(BY_SLOT=True)), shared, dtype, shared_ready,
+                   down_tile=False)                         # mx4's tiles were not swept
 
 
 def mx4_linear_pairs(a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, s: torch.Tensor,
@@ -168,7 +169,7 @@ def mx4_linear_pairs(a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, s: tor
         _launch_decode(_GEMV4, P, N, K, c, (a, ids.to(torch.int32).contiguous(), one, w, s, w, s,
                                             out, N, K, 1), GATED=False, LIMIT=0.0)
     elif path == "sorted":
-        cfg = {**_sorted_config(P), **(config or {})}
+        cfg = {**_sorted_config(P, down=False), **(config or {})}
         sorted_ids, block_e = align(ids[:, None], E, cfg["BM"])
         _mx4_sorted_kernel[(block_e.numel(), triton.cdiv(N, cfg["BN"]))](
             a, sorted_ids, block_e, one, w, s, w, s, out, N, K, 1, P, E, GATED=False,

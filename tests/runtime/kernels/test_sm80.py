@@ -89,7 +89,7 @@ def compile_all() -> list[dict]:
             out.append(_compile(kern, mtypes, dict(cfg, **extra, GATED=gated, LIMIT=10.0), opts,
                                 ("N", "K")))
         for p in (384, 6144, 12288, 8192 * 6):
-            cfg, opts = _split(moe._sorted_config(p))
+            cfg, opts = _split(moe._sorted_pair(p, None)[0 if gated else 1])
             out.append(_compile(moe._moe_sorted_kernel, mtypes,
                                 dict(cfg, GATED=gated, LIMIT=10.0, F32=False), opts, ("N", "K")))
     return out

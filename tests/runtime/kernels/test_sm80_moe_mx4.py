@@ -47,7 +47,7 @@ def compile_all() -> list[dict]:
         out.append(compile_one(kern, types, dict(cfg, **extra, GATED=gated, LIMIT=10.0),
                                opts, ("N", "K")))
         for p in (384, 6144, 12288, 8192 * 6):
-            cfg, opts = _split(moe._sorted_config(p))
+            cfg, opts = _split(moe._sorted_pair(p, None, False)[0 if gated else 1])
             out.append(compile_one(moe_mx4._mx4_sorted_kernel, types,
                                 dict(cfg, GATED=gated, BY_SLOT=not gated, LIMIT=10.0, F32=False),
                                 opts, ("N", "K")))
