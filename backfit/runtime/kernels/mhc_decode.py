@@ -20,8 +20,12 @@ RMSNorm (kernels.rope_norm._rms_kernel): ~16.5 us for a few KB. Here:
                          16 per-thread scalars (S = 4) or on [S, S] tensors. The first hc_pre of
                          a step (and hc_head of rows other than hidden()'s streams) gets its
                          PART from mhc._partials (one more launch).
-Per decode step of L layers: 4L + 2 launches for mHC and the RMSNorms after it (today 8L + 3:
-6L + 2 mHC, 2L + 1 RMSNorm). The Block's attention / MoE take the normed u directly (model.transformer).
+hc_pre_async (the Block's): the same kernel as two launches on one PART, gates + u + RMSNorm on
+the critical path and post + M (the Sinkhorn chain) on a side stream, joined by the hc_post
+after the sub-layer (the only reader of post / M).
+Per decode step of L layers: 4L + 2 launches on the critical path for mHC and the RMSNorms
+after it, + 2L Sinkhorn launches beside it (today 8L + 3: 6L + 2 mHC, 2L + 1 RMSNorm). The
+Block's attention / MoE take the normed u directly (model.transformer).
 No host syncs; grids from shapes only (CUDA-graph safe). DECODE_FUSED = False: hyper.
 decode_kernels returns None and the model runs today's path (4 launches per pair).
 """
@@ -34,10 +38,11 @@ import triton.language as tl
 
 from backfit.runtime.kernels import mhc
 
-__all__ = ["COLLAPSE", "DECODE_FUSED", "collapse_config", "hc_head", "hc_post", "hc_pre",
-           "post_bd"]
+__all__ = ["COLLAPSE", "DECODE_FUSED", "SINKHORN_STREAM", "collapse_config", "hc_head",
+           "hc_post", "hc_pre", "hc_pre_async", "post_bd"]
 
 DECODE_FUSED = True     # False: the model's decode path falls back to mhc's 4 launches
+SINKHORN_STREAM = True  # hc_pre_async on CUDA: post / M on a side stream (False: in order)
 # _collapse_norm_kernel's launch by token count: (largest T, warps, d block of the u passes
 # (capped at d), scalar Sinkhorn (S = 4 only: 16 per-thread values instead of [S, S] tensor
 # reductions)). One warp: no barriers in the Sinkhorn chain, but the u passes' loads are not
@@ -145,7 +150,8 @@ def _sinkhorn4(c, iters, hc_eps):
 def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, iters, hc_eps,
                           norm_eps, rms_eps, S: tl.constexpr, NOUT: tl.constexpr,
                           NP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
-                          SINKHORN: tl.constexpr, NORM: tl.constexpr, SCALAR: tl.constexpr):
+                          SINKHORN: tl.constexpr, NORM: tl.constexpr, SCALAR: tl.constexpr,
+                          UOUT: tl.constexpr = True):
     """Token t: gates (and Sinkhorn M) from PART once, u[t] = Σ_s pre_s X[t, s] (bf16) over d;
     NORM: U = rmsnorm(u)·W instead of u. SCALAR (S = 4): the Sinkhorn on 16 per-thread scalars
     (_sinkhorn4) instead of [S, S] tensor reductions."""
@@ -180,25 +186,26 @@ def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, i
                 m = m / (tl.sum(m, axis=1)[:, None] + hc_eps)
                 m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)
             tl.store(MOUT + t * S * S + rs[:, None] * S + rs[None, :], m)
-    xrow = X + (t * S + rs[:, None]) * D                         # [S] stream rows
-    inv = 1.0
-    if NORM:                                                     # pass 1: Σ u² of the bf16 u
-        ss = tl.zeros((BD,), dtype=tl.float32)
+    if UOUT:                                                     # False: post and M only
+        xrow = X + (t * S + rs[:, None]) * D                     # [S] stream rows
+        inv = 1.0
+        if NORM:                                                 # pass 1: Σ u² of the bf16 u
+            ss = tl.zeros((BD,), dtype=tl.float32)
+            for d0 in range(0, D, BD):
+                rd = d0 + tl.arange(0, BD)
+                x = tl.load(xrow + rd[None, :], mask=(rd < D)[None, :], other=0.0).to(tl.float32)
+                u = tl.sum(pre[:, None] * x, axis=0).to(U.dtype.element_ty).to(tl.float32)
+                ss += u * u
+            inv = tl.math.rsqrt(tl.sum(ss, axis=0) / D + rms_eps)
         for d0 in range(0, D, BD):
             rd = d0 + tl.arange(0, BD)
-            x = tl.load(xrow + rd[None, :], mask=(rd < D)[None, :], other=0.0).to(tl.float32)
-            u = tl.sum(pre[:, None] * x, axis=0).to(U.dtype.element_ty).to(tl.float32)
-            ss += u * u
-        inv = tl.math.rsqrt(tl.sum(ss, axis=0) / D + rms_eps)
-    for d0 in range(0, D, BD):
-        rd = d0 + tl.arange(0, BD)
-        d_ok = rd < D
-        x = tl.load(xrow + rd[None, :], mask=d_ok[None, :], other=0.0).to(tl.float32)  # [S, BD]
-        u = tl.sum(pre[:, None] * x, axis=0)
-        if NORM:
-            u = u.to(U.dtype.element_ty).to(tl.float32) * inv
-            u = u * tl.load(W + rd, mask=d_ok, other=0.0)
-        tl.store(U + t * D + rd, u.to(U.dtype.element_ty), mask=d_ok)
+            d_ok = rd < D
+            x = tl.load(xrow + rd[None, :], mask=d_ok[None, :], other=0.0).to(tl.float32)
+            u = tl.sum(pre[:, None] * x, axis=0)                 # [BD] from [S, BD]
+            if NORM:
+                u = u.to(U.dtype.element_ty).to(tl.float32) * inv
+                u = u * tl.load(W + rd, mask=d_ok, other=0.0)
+            tl.store(U + t * D + rd, u.to(U.dtype.element_ty), mask=d_ok)
 
 
 def post_bd(T: int, d: int) -> int:
@@ -216,7 +223,9 @@ def _check_norm(norm, d: int, device) -> None:
 
 
 def _collapse_norm(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, norm, part, warps,
-                   bd, scalar=None):
+                   bd, scalar=None, uout=True, outs=None):
+    """One _collapse_norm_kernel launch -> (u, post, M); outs: those tensors to write into
+    (hc_pre_async's two launches share them), uout False: post and M only."""
     T, S, d = X.shape
     n_out = fn.shape[0]
     NP = triton.next_power_of_2(n_out + 1)
@@ -228,9 +237,9 @@ def _collapse_norm(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, norm, 
                          f"{NP}], got {part.dtype}{list(part.shape)}")
     if norm is not None:
         _check_norm(norm, d, X.device)
-    u = torch.empty(T, d, dtype=X.dtype, device=X.device)
-    post = torch.empty(T, S, dtype=torch.float32, device=X.device)
-    M = torch.empty(T, S, S, dtype=torch.float32, device=X.device)
+    u, post, M = outs or (torch.empty(T, d, dtype=X.dtype, device=X.device),
+                          torch.empty(T, S, dtype=torch.float32, device=X.device),
+                          torch.empty(T, S, S, dtype=torch.float32, device=X.device))
     if T == 0:
         return u, post, M
     w, eps = norm if norm is not None else (scale, 0.0)          # W unread without NORM
@@ -246,8 +255,46 @@ def _collapse_norm(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, norm, 
         part, X, scale.contiguous(), base.contiguous(), w, u, post, M, split, d, S * d, iters,
         float(hc_eps), float(norm_eps), float(eps), S=S, NOUT=n_out, NP=NP,
         SP=triton.next_power_of_2(split), BD=bd,
-        SINKHORN=sinkhorn, NORM=norm is not None, SCALAR=scalar and S == 4, num_warps=warps)
+        SINKHORN=sinkhorn, NORM=norm is not None, SCALAR=scalar and S == 4, UOUT=uout,
+        num_warps=warps)
     return u, post, M
+
+
+def hc_pre_async(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                 iters: int, hc_eps: float, norm_eps: float, norm: tuple | None = None,
+                 part: torch.Tensor | None = None):
+    """hc_pre with the Sinkhorn off the critical path -> (u, post, M, pending). Two launches of
+    _collapse_norm_kernel on the same PART: gates + u (+ RMSNorm) on the current stream, what
+    the sub-layer needs next, and post + M (the 20-pass Sinkhorn chain, ~4-5 µs of latency at
+    T = 1) on the "mhc" side stream (runtime/streams.py) when SINKHORN_STREAM and X is on
+    CUDA; only the hc_post after the sub-layer reads post / M: hc_post(..., wait=pending)
+    joins there. Each output comes from the same ops as hc_pre's (bit for bit). Elsewhere
+    (CPU, the interpreter) the two launches run in order and pending is None."""
+    S = X.shape[1] if X.dim() == 3 else 0
+    mhc._check(X, fn, scale, base, (2 + S) * S, 3, "hc_pre")
+    if iters < 1:
+        raise ValueError(f"hc_pre: iters must be >= 1, got {iters}")
+    X = X.contiguous()
+    T, S, d = X.shape
+    if part is None:                                            # both launches read it
+        part = mhc._partials(X, fn.contiguous(), triton.next_power_of_2(fn.shape[0] + 1), None)
+    outs = (torch.empty(T, d, dtype=X.dtype, device=X.device),
+            torch.empty(T, S, dtype=torch.float32, device=X.device),
+            torch.empty(T, S, S, dtype=torch.float32, device=X.device))
+    args = (X, fn, scale, base, int(iters), hc_eps, norm_eps)
+    side = None
+    if SINKHORN_STREAM and X.is_cuda and T:
+        from backfit.runtime.streams import fork
+        side = fork(X.device, "mhc")                            # PART is queued: fork here
+    _collapse_norm(*args, False, norm, part, None, None, outs=outs)          # gates + u
+    if side is None:
+        _collapse_norm(*args, True, None, part, None, None, uout=False, outs=outs)
+        return (*outs, None)
+    with torch.cuda.stream(side):
+        _collapse_norm(*args, True, None, part, None, None, uout=False, outs=outs)
+        done = torch.cuda.Event()
+        done.record(side)
+    return (*outs, (done, part))              # part, post, M stay referenced until the join
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -278,10 +325,13 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 
 def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor,
-            next_fn: torch.Tensor | None = None, bd: int | None = None):
+            next_fn: torch.Tensor | None = None, bd: int | None = None, wait=None):
     """As mhc.hc_post -> out [T, S, d] bf16; next_fn [n_out, S·d] fp32 (the next hc_pre's or
     hc_head's fn): -> (out, PART [T, cdiv(d, BD), NP] for that call's part=), one launch.
-    bd: d block (default post_bd)."""
+    bd: d block (default post_bd). wait: hc_pre_async's pending (post / M from the side
+    stream): the current stream waits for it first."""
+    if wait is not None:
+        torch.cuda.current_stream(X.device).wait_event(wait[0])
     if X.dim() != 3 or X.dtype != torch.bfloat16 or X.shape[1] & (X.shape[1] - 1):
         raise ValueError(f"hc_post: X must be bf16 [T, S, d] with S a power of 2, "
                          f"got {X.dtype}{list(X.shape)}")

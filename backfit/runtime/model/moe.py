@@ -11,8 +11,8 @@ With the "triton" kernel backend (runtime.kernels) the routed experts run as one
 per projection over stacked weights (prepare_kernels), the router's top-k and the shared
 expert's SwiGLU are one launch each (kernels.pointwise), the shared gate|up one GEMV, and nothing
 syncs with the host. On CUDA the shared expert (3 launches, latency-bound at decode) runs on a
-side stream while the router and the routed launches run (SHARED_STREAM; fork / join by events,
-which CUDA graphs capture as a parallel branch); the combine waits for it.
+side stream while the router and the routed launches run (SHARED_STREAM, runtime/streams.py;
+CUDA graphs capture it as a parallel branch); the combine waits for it.
 """
 
 from __future__ import annotations
@@ -29,19 +29,13 @@ from backfit.runtime.layers import ColumnParallelLinear, Linear, RowParallelLine
 __all__ = ["Expert", "Gate", "MoE", "SHARED_STREAM"]
 
 SHARED_STREAM = True        # triton path on CUDA: the shared expert on a side stream
-_SIDE: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _shared_on_side(expert: nn.Module, x: torch.Tensor):
-    """expert(x) on this device's side stream -> (output, event after it). Fork: the side stream
-    first waits for everything queued so far (x and every earlier reader of its buffers), so
-    its allocations never race the main stream's; join: the caller's consumer waits for the
-    event. Memory: `out` is read on the main stream only after the join and freed after it."""
-    main = torch.cuda.current_stream(x.device)
-    side = _SIDE.get(x.device)
-    if side is None:
-        side = _SIDE[x.device] = torch.cuda.Stream(x.device)
-    side.wait_stream(main)
+    """expert(x) on the "moe" side stream (runtime/streams.py) -> (output, event after it); the
+    combine waits for the event, and `out` is read on the main stream only after that."""
+    from backfit.runtime.streams import fork
+    side = fork(x.device, "moe")
     with torch.cuda.stream(side):
         out = expert(x)
         done = torch.cuda.Event()

@@ -55,18 +55,22 @@ class Block(nn.Module):
         return hc_post(self.ffn(self.ffn_norm(u), batch.tokens), X, post, M)
 
     def _forward_decode(self, k, X: torch.Tensor, batch: ForwardBatch, cache, hc: dict):
-        """kernels.mhc_decode: each hc_pre with its RMSNorm (1 launch), each hc_post with the
-        next hc_pre's partials (1 launch); same math as forward's torch path."""
+        """kernels.mhc_decode: each hc_pre with its RMSNorm (1 launch on the critical path, its
+        Sinkhorn beside it), each hc_post with the next hc_pre's partials (1 launch); same math
+        as forward's torch path."""
         c = self.cfg
 
-        def pre(which, X, norm, part):
-            return k.hc_pre(X, getattr(self, f"hc_{which}_fn"), getattr(self, f"hc_{which}_scale"),
-                            getattr(self, f"hc_{which}_base"), c.hc_sinkhorn_iters, c.hc_eps,
-                            c.rms_norm_eps, norm=(norm.weight, norm.eps), part=part)
-        u, post, M = pre("attn", X, self.attn_norm, hc.get("part"))   # u = attn_norm(u) [T, d]
-        X, part = k.hc_post(self.attn(u, batch, cache), X, post, M, next_fn=self.hc_ffn_fn)
-        u, post, M = pre("ffn", X, self.ffn_norm, part)
-        out = k.hc_post(self.ffn(u, batch.tokens), X, post, M, next_fn=hc.get("next_fn"))
+        def pre(which, X, norm, part):          # the Sinkhorn (post, M) on a side stream
+            return k.hc_pre_async(X, getattr(self, f"hc_{which}_fn"),
+                                  getattr(self, f"hc_{which}_scale"),
+                                  getattr(self, f"hc_{which}_base"), c.hc_sinkhorn_iters, c.hc_eps,
+                                  c.rms_norm_eps, norm=(norm.weight, norm.eps), part=part)
+        u, post, M, wait = pre("attn", X, self.attn_norm, hc.get("part"))   # u = attn_norm(u)
+        X, part = k.hc_post(self.attn(u, batch, cache), X, post, M, next_fn=self.hc_ffn_fn,
+                            wait=wait)
+        u, post, M, wait = pre("ffn", X, self.ffn_norm, part)
+        out = k.hc_post(self.ffn(u, batch.tokens), X, post, M, next_fn=hc.get("next_fn"),
+                        wait=wait)
         if hc.get("next_fn") is None:
             hc["part"] = None
             return out

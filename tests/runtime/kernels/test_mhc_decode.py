@@ -158,6 +158,27 @@ def test_two_launches_per_pair_and_bad_input(mods, monkeypatch):
         dec.hc_post(f, X, post, M, next_fn=fn, bd=24)
 
 
+@pytest.mark.parametrize("T,d", [(1, 64), (5, 256)])
+def test_pre_async_equals_pre(mods, T, d):
+    """hc_pre_async's two launches (gates + u + norm; post + M) write what hc_pre's one writes,
+    bit for bit (the same ops per output); off CUDA nothing is pending."""
+    _, dec = mods
+    gen = torch.Generator().manual_seed(T + d)
+    fn, scale, base = params((2 + S) * S, d, 3, gen)
+    X = streams(T, d, gen)
+    w = (torch.rand(d, generator=gen) + 0.5).to(DEV)
+    f = torch.randn(T, d, generator=gen).bfloat16().to(DEV)
+    post0, M0 = torch.rand(T, S, generator=gen).to(DEV), torch.rand(T, S, S, generator=gen).to(DEV)
+    with one_thread():
+        Y, part = dec.hc_post(f, X, post0, M0, next_fn=fn)
+        for norm, p in (((w, RMS_EPS), part), (None, None)):
+            want = dec.hc_pre(Y, fn, scale, base, ITERS, HC_EPS, NORM_EPS, norm=norm, part=p)
+            *got, wait = dec.hc_pre_async(Y, fn, scale, base, ITERS, HC_EPS, NORM_EPS, norm=norm,
+                                          part=p)
+            assert wait is None
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), norm is None
+
+
 def test_decode_kernels_switch(mods, monkeypatch):
     import backfit.runtime.kernels as pkg
     _, dec = mods
@@ -216,18 +237,32 @@ def test_gpu_decode_pair_real_shapes_graph_capturable(mods):
             Y, part = dec.hc_post(f, X, post, M, next_fn=fn)
             return (Y,) + dec.hc_pre(Y, fn, scale, base, ITERS, HC_EPS, NORM_EPS,
                                      norm=(w, RMS_EPS), part=part)
+
+        def step_async(f=f, X=X, post=post, M=M):     # Sinkhorn on the side stream, joined
+            Y, part = dec.hc_post(f, X, post, M, next_fn=fn)
+            u, p, m, wait = dec.hc_pre_async(Y, fn, scale, base, ITERS, HC_EPS, NORM_EPS,
+                                             norm=(w, RMS_EPS), part=part)
+            assert wait is not None
+            Y2 = dec.hc_post(f, Y, p, m, wait=wait)   # the next hc_post reads post / M
+            return Y, u, p, m, Y2
         torch.cuda.set_sync_debug_mode("error")
         try:
-            eager = step()
-            graph = torch.cuda.CUDAGraph()
+            eager, eager_a = step(), step_async()
+            graph, graph_a = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             torch.cuda.synchronize()
             with torch.cuda.graph(graph):
                 out = step()
+            with torch.cuda.graph(graph_a):
+                out_a = step_async()
         finally:
             torch.cuda.set_sync_debug_mode("default")
         graph.replay()
+        graph_a.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(out, eager)), T
+        assert all(torch.equal(a, b) for a, b in zip(out_a, eager_a)), T
+        assert all(torch.equal(a, b) for a, b in zip(eager_a[:4], eager)), T      # = hc_pre
+        assert torch.equal(eager_a[4], dec.hc_post(f, eager[0], eager[2], eager[3])), T
         Y = eager[0]
         u_ref, post_ref, M_ref = hyper.hc_pre(Y, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
         assert rel_max(eager[2], post_ref) < 2e-5 and rel_max(eager[3], M_ref) < 2e-5, T

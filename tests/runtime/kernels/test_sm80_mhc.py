@@ -79,6 +79,12 @@ def compile_all() -> list[dict]:
                             dict(S=4, NOUT=24 if sinkhorn else 4, NP=32 if sinkhorn else 8, SP=sp,
                                  BD=bd, SINKHORN=sinkhorn, NORM=norm, SCALAR=scalar),
                             dict(num_warps=w, num_stages=1), ("D", "K")))
+    # hc_pre_async's two launches at T = 1: gates + u + norm (no Sinkhorn), post + M (no u)
+    for sinkhorn, norm, uout in ((False, True, True), (True, False, False)):
+        out.append(_compile(mhc_decode._collapse_norm_kernel, norm_types,
+                            dict(S=4, NOUT=24, NP=32, SP=4096 // bd1, BD=1024, SINKHORN=sinkhorn,
+                                 NORM=norm, SCALAR=False, UOUT=uout),
+                            dict(num_warps=4, num_stages=1), ("D", "K")))
     a16 = dict(X="*bf16", W="*i8", S="*fp32", Y="*fp32", WS="*fp32", LOCK="*i32", M="i32",
                N="i32", K="i32", stride_xm="i32", K_SPLIT="i32")
     # head (bf16 weight, vocab shard x 4096) at decode; router / compressor sizes, int8 at prefill
@@ -92,7 +98,7 @@ def compile_all() -> list[dict]:
 
 def test_mhc_and_fp32_output_linear_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 26
+    assert len(results) == 28
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name

@@ -1,0 +1,39 @@
+"""Side CUDA streams: short chains of a step that nothing waits on right away run beside the main
+stream, and CUDA graphs capture them as parallel branches (the decode step is latency-bound:
+most of its kernels fill a few SMs for 2-10 µs, so two chains overlap almost for free).
+
+Users (triton path on CUDA only; the torch path and CPU never fork):
+  model.moe       the shared expert (3 launches) beside the router and the routed launches;
+                  the combine joins it (kernels.moe.fused_moe shared_ready)
+  kernels.mhc_decode  the Sinkhorn of hc_pre (post, M: read only by the hc_post after the
+                  sub-layer) beside the critical u + RMSNorm launch; hc_post joins it
+Rules that keep the caching allocator safe without record_stream (which graph capture does not
+track): fork with side.wait_stream(main) AFTER the side chain's inputs are queued; every tensor
+the side chain reads or writes that main allocated stays referenced until main has waited on
+the chain's event; what the side chain allocates is read by main only after that wait. A later
+fork orders the side stream after everything main queued before it, so a block main frees and
+reallocates can never be written by an earlier side launch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["side_stream", "fork"]
+
+_SIDE: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device, name: str) -> torch.cuda.Stream:
+    """The side stream `name` of `device` (one per name, created on first use)."""
+    key = (torch.device(device), name)
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(key[0])
+    return _SIDE[key]
+
+
+def fork(device: torch.device, name: str) -> torch.cuda.Stream:
+    """side_stream(device, name), made to wait for everything queued on the current stream."""
+    side = side_stream(device, name)
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
