@@ -16,7 +16,7 @@
 #          texts must be equal; then `backfit serve --device cuda` answers one chat completion
 #   verify `backfit verify --device cuda --kernels triton --activations bfloat16` (the kernels'
 #          dtype, judged against the reference's own BF16 noise) on the tiny checkpoint: prefill chunks
-#          of 256, decode (chunks of 1), int8 KV, and --long-context $LONG (default 65536)
+#          of 256, decode (chunks of 1), int8 KV, and --long-context $LONG (default 65536; 0 skips)
 #   bench  scripts/bench_decode.py $BENCH_ARGS (default: 4 real Flash layers, TP1)
 #   sweep  scripts/bench_kernels.py --moe-decode-sweep (fused-MoE decode variants and tiles)
 #   sweeps the other kernel sweeps: bench_gemv.py, bench_mhc.py, bench_attention_prefill.py,
@@ -92,8 +92,9 @@ for s in "${steps[@]}"; do
             $PY -m backfit.cli convert $d/orig $d/conv --tp 1 --quiet || exit 1
             V='$PY -m backfit.cli verify $d/orig $d/conv --device cuda --kernels triton --activations bfloat16'
             st=0
-            for a in '' '--chunk 1 --max-positions 256' '--kv-cache-dtype int8' \
-                     '--long-context ${LONG:-65536} --chunk 2048 --reference-device cuda'; do
+            set -- '' '--chunk 1 --max-positions 256' '--kv-cache-dtype int8'
+            [ '${LONG:-65536}' = 0 ] || set -- \"\$@\" '--long-context ${LONG:-65536} --chunk 2048 --reference-device cuda'
+            for a in \"\$@\"; do
                 echo \"-- verify \$a\"
                 \$V \$a > $d/v.log 2>&1; s=\$?; [ \$s -eq 0 ] || st=1
                 tail -n 12 $d/v.log; echo \"exit \$s\"
