@@ -164,18 +164,23 @@ def a16_config(M: int, N: int, K: int, quant: bool, sms: int, split_k: int | Non
                 num_warps=warps, num_stages=stages)
 
 
-_WORKSPACE: dict = {}        # device -> (fp32 split-K tiles, int32 tile counters), grown on demand
+_WORKSPACE: dict = {}        # (device, stream) -> (fp32 split-K tiles, int32 tile counters)
 _RETIRED: list = []          # outgrown workspaces stay alive: a captured CUDA graph may use them
 
 
 def _workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ws, lock = _WORKSPACE.get(device, (None, None))
+    """The split-K workspace of the current stream, grown on demand. One per stream: launches
+    on side streams (runtime/streams.py: the shared expert beside the router) run concurrently
+    with the main stream's, and a shared buffer would mix their partial tiles and counters."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    ws, lock = _WORKSPACE.get(key, (None, None))
     if ws is None or ws.numel() < floats or lock.numel() < tiles:
         if ws is not None:
             _RETIRED.append((ws, lock))
         ws = torch.empty(max(floats, 1 << 20), dtype=torch.float32, device=device)
         lock = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)   # counters: 0
-        _WORKSPACE[device] = (ws, lock)
+        _WORKSPACE[key] = (ws, lock)
     return ws, lock
 
 
@@ -208,7 +213,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
     automatic path is a16 at every M (BF16 x BF16 and BF16 x INT8 products are exact in FP32, so
     the result is F.linear(x.float(), W.float()) up to summation order; W8A8 would round x).
     path "a16"/"w8a8", split_k and config (tile overrides) replace the automatic choice (tests,
-    benchmarks). Split-K uses a per-device workspace: one stream at a time. M <= 8 rows at a
+    benchmarks). Split-K uses a per-stream workspace (_workspace). M <= 8 rows at a
     shape of kernels.gemv's GEMV_TABLE (measured faster than a16 on the H200) go to kernels.gemv.
     """
     if x.dtype != torch.bfloat16:

@@ -258,7 +258,7 @@ def topk_select(scores: torch.Tensor, k: int, chunk: int = TOPK_CHUNK,
         raise ValueError(f"topk_select: scores [B, N] FP32 and k >= 1, got "
                          f"{scores.dtype}{list(scores.shape)}, k={k}")
     B, N = scores.shape
-    KP = triton.next_power_of_2(k)
+    KP = max(2, triton.next_power_of_2(k))      # tl.topk(x, 1) does not compile (Triton 3.6)
     C = max(min(chunk, triton.next_power_of_2(N)), 2 * KP)            # no wider than needed
     if chunk & (chunk - 1):
         raise ValueError(f"topk_select: chunk {chunk} must be a power of two")
