@@ -127,6 +127,24 @@ def _unpack(key, NEG_INF_KEY):
 
 
 @triton.jit
+def _scatter_ranked(SEL, OUT, b, c, k, n_out, key, live, rank, NEG_INF_KEY, K: tl.constexpr,
+                    FINAL: tl.constexpr):
+    """The live keys of a chunk to their ranks (unique, < K kept), the other K slots empty
+    (slots [#live, K)): FINAL -> their j in SEL[b, :k] (-1 empty), else the keys in OUT[b,
+    chunk c] (the smallest int64 empty)."""
+    o = tl.arange(0, K)
+    cnt = tl.sum(live.to(tl.int32), axis=0)
+    if FINAL:
+        tl.store(SEL + b.to(tl.int64) * k + rank, _unpack(key, NEG_INF_KEY), mask=live & (rank < k))
+        tl.store(SEL + b.to(tl.int64) * k + o, tl.full([K], -1, tl.int32),
+                 mask=(o >= cnt) & (o < k))
+    else:
+        out = OUT + b.to(tl.int64) * n_out + c * K
+        tl.store(out + rank, key, mask=live & (rank < K))
+        tl.store(out + o, tl.full([K], -9223372036854775807 - 1, tl.int64), mask=o >= cnt)
+
+
+@triton.jit
 def _topk_pass_kernel(IN, OUT, SEL, N, n_out, k, NEG_INF_KEY, K: tl.constexpr, C: tl.constexpr,
                       BJ: tl.constexpr, SCORES: tl.constexpr, FINAL: tl.constexpr,
                       MERGE: tl.constexpr = False, LK: tl.constexpr = 0):
@@ -166,16 +184,7 @@ def _topk_pass_kernel(IN, OUT, SEL, N, n_out, k, NEG_INF_KEY, K: tl.constexpr, C
             kh = tl.load(IN + row + jo, mask=jo < N, other=-9223372036854775807 - 1)
             lh = kh >> 32 > NEG_INF_KEY
             rank = o
-        cnt = tl.sum(lh.to(tl.int32), axis=0)     # slots [cnt, K) get the empty fill
-        if FINAL:
-            tl.store(SEL + b.to(tl.int64) * k + rank, _unpack(kh, NEG_INF_KEY),
-                     mask=lh & (rank < k))
-            tl.store(SEL + b.to(tl.int64) * k + o, tl.full([K], -1, tl.int32),
-                     mask=(o >= cnt) & (o < k))
-        else:
-            out = OUT + b.to(tl.int64) * n_out + c * K
-            tl.store(out + rank, kh, mask=lh)
-            tl.store(out + o, tl.full([K], -9223372036854775807 - 1, tl.int64), mask=o >= cnt)
+        _scatter_ranked(SEL, OUT, b, c, k, n_out, kh, lh, rank, NEG_INF_KEY, K, FINAL)
     elif MERGE and not SCORES:
         live = key >> 32 > NEG_INF_KEY
         rk = tl.zeros([C], dtype=tl.int32)     # rank (a name of its own: [C], not [K])
@@ -189,16 +198,7 @@ def _topk_pass_kernel(IN, OUT, SEL, N, n_out, k, NEG_INF_KEY, K: tl.constexpr, C
             q = base + at
             probe = tl.load(IN + row + q, mask=q < N, other=-9223372036854775807 - 1)
             rk += at + (probe > key).to(tl.int32)                     # ... then up to K
-        cnt = tl.sum(live.to(tl.int32), axis=0)
-        if FINAL:
-            tl.store(SEL + b.to(tl.int64) * k + rk, _unpack(key, NEG_INF_KEY),
-                     mask=live & (rk < k))
-            tl.store(SEL + b.to(tl.int64) * k + o, tl.full([K], -1, tl.int32),
-                     mask=(o >= cnt) & (o < k))
-        else:
-            out = OUT + b.to(tl.int64) * n_out + c * K
-            tl.store(out + rk, key, mask=live & (rk < K))
-            tl.store(out + o, tl.full([K], -9223372036854775807 - 1, tl.int64), mask=o >= cnt)
+        _scatter_ranked(SEL, OUT, b, c, k, n_out, key, live, rk, NEG_INF_KEY, K, FINAL)
     else:
         top = tl.topk(key, K)                     # as _topk_scores_kernel / _topk_keys_kernel
         if FINAL:

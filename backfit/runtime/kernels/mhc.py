@@ -2,33 +2,20 @@
 signatures and results, FP32 math on CUDA cores, SM80-safe, no host syncs (CUDA-graph safe).
 
 X [T, S, d] bf16 streams (S = hc_mult = 4), fn [n_out, S*d] FP32, n_out = (2+S)·S (pre, post,
-comb) or S (head). Launches per call at T < MIX_TORCH_T: hc_pre 2, hc_head 2, hc_post 1 (torch
-~140, ~6, ~14).
+comb) or S (head). Launches at T < MIX_TORCH_T: hc_pre 2, hc_head 2, hc_post 1 (torch ~140).
   _mix_partial_kernel  program (token t, K split i): over flattened K range i of x = X[t]
                        the n_out dots fn·x and Σx², FP32, to PART[t, i, :NP] (dots at 0..n_out-1,
-                       Σx² at n_out). Split so that >= ~2 programs per SM stream fn at T = 1
-                       (24 x 16384 x 4 B = 1.5 MB). T >= MIX_TORCH_T (prefill): the torch FP32
-                       matmul x @ fn.T fills PART[t, 0] instead (one split), simpler and faster
-                       than re-streaming fn per token.
-  _collapse_kernel     program (t, d block): sums the splits (one [splits, .] gather, a fixed
-                       reduction tree: run-to-run deterministic, no atomics), m = dots ·
-                       rsqrt(Σx²/K + eps), the sigmoid gates and (SINKHORN) the row softmax
-                       + eps, column normalise and iters-1 x (row, column) passes on the S x S
-                       matrix in registers, in hyper.hc_pre's order; writes u[t, block] =
-                       Σ_s pre_s X_s (bf16); the d-block-0 program writes post and M. Every d
-                       block recomputes the tiny S x S part (no second launch).
+                       Σx² at n_out), >= ~2 programs per SM streaming fn (1.5 MB) at T = 1.
+  _collapse_kernel     program (t, d block): the gates (_pre_gates) and (SINKHORN) post and M
+                       (_post_comb, _sinkhorn: hyper.hc_pre's order; shared with mhc_decode),
+                       u[t, block] = Σ_s pre_s X_s (bf16); d block 0 writes post and M.
   _post_kernel         out[t, k, block] = post[t,k]·f[t, block] + Σ_j M[t,j,k]·X[t,j, block].
-Tiled prefill path (PREFILL = "tiled", T >= MIX_TORCH_T; the default stays "torch" until the
-lead flips it), 2 launches, no FP32 copy of X:
+Prefill (T >= MIX_TORCH_T): PREFILL = "torch" (FP32 matmul partials) or "tiled" (default):
   _mix_tile_kernel     program (BT tokens, K split): X read once in bf16, the [BK, NP] fnᵀ tile
-                       from L2 for BT tokens, the dots and Σx² to PART as above. MMA3: fn as
-                       b1 + b2 + b3 (bf16 pieces, exact) through the bf16 mma (exact products,
-                       FP32 sums; the mma's own adds span one BK step, then FP32 adds); else
-                       FP32 FMA dots. Either changes the dots' summation order against cuBLAS:
-                       H200, T 8192, post / M 3.9e-6 / 3.7e-6 from the torch reference (today's
-                       path 1.8e-7 / 3.0e-7), u bit-identical on >= 99.9 %.
-  _collapse_tile_kernel  program (BTU tokens): gates and Sinkhorn once per token, then u
-                       streamed over d (X read a second time).
+                       from L2, dots and Σx² to PART. MMA3: fn = b1 + b2 + b3 (exact bf16
+                       pieces) through the bf16 mma; else FP32 FMA dots. H200, T 8192: post / M
+                       3.9e-6 / 3.7e-6 from the torch reference, u bit-identical on >= 99.9 %.
+  _collapse_tile_kernel  program (BTU tokens): gates and Sinkhorn once a token, u over d.
 """
 
 from __future__ import annotations
@@ -74,6 +61,40 @@ def _mix_partial_kernel(X, FN, PART, K, K_SPLIT, SPLIT,
 
 
 @triton.jit
+def _pre_gates(part, i_ok, rs, SCALE, BASE, K, hc_eps, norm_eps, NOUT: tl.constexpr):
+    """The split rows part [SP] (live where i_ok) -> (pre [S], r): one gather per logit group,
+    summed over the splits by a fixed-shape tree (deterministic); r = rsqrt(mean(x²) + eps)."""
+    lp = tl.sum(tl.load(part[:, None] + rs[None, :], mask=i_ok[:, None], other=0.0), axis=0)
+    sq = tl.sum(tl.load(part + NOUT, mask=i_ok, other=0.0), axis=0)
+    r = 1.0 / tl.sqrt_rn(sq / K + norm_eps)
+    return tl.sigmoid(lp * r * tl.load(SCALE) + tl.load(BASE + rs)) + hc_eps, r
+
+
+@triton.jit
+def _post_comb(part, i_ok, rs, r, SCALE, BASE, S: tl.constexpr):
+    """-> (post [S], C [S(j), S(k)]); the S x S comb block is read [j, k] at logit index
+    2S + S·j + k (hyper.hc_pre's view)."""
+    cjk = 2 * S + rs[:, None] * S + rs[None, :]
+    lq = tl.sum(tl.load(part[:, None] + S + rs[None, :], mask=i_ok[:, None], other=0.0), 0)
+    lc = tl.sum(tl.load(part[:, None, None] + cjk[None, :, :], mask=i_ok[:, None, None],
+                        other=0.0), axis=0)
+    post = 2.0 * tl.sigmoid(lq * r * tl.load(SCALE + 1) + tl.load(BASE + S + rs))
+    return post, lc * r * tl.load(SCALE + 2) + tl.load(BASE + cjk)
+
+
+@triton.jit
+def _sinkhorn(c, iters, hc_eps):
+    """C [S, S] -> M: row softmax + eps, column normalise, iters - 1 (row, column) passes."""
+    e = tl.exp(c - tl.max(c, axis=1)[:, None])
+    m = e / tl.sum(e, axis=1)[:, None] + hc_eps                          # row softmax (over k)
+    m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)                        # column normalise
+    for _ in range(iters - 1):
+        m = m / (tl.sum(m, axis=1)[:, None] + hc_eps)
+        m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)
+    return m
+
+
+@triton.jit
 def _collapse_kernel(PART, X, SCALE, BASE, U, POST, MOUT, SPLIT, D, K, iters, hc_eps, norm_eps,
                      S: tl.constexpr, NOUT: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
                      BD: tl.constexpr, SINKHORN: tl.constexpr):
@@ -83,25 +104,10 @@ def _collapse_kernel(PART, X, SCALE, BASE, U, POST, MOUT, SPLIT, D, K, iters, hc
     ri = tl.arange(0, SP)                                        # splits, padded to SP
     i_ok = ri < SPLIT
     part = PART + t * SPLIT * NP + ri * NP                       # [SP] split rows
-    # one gather per logit group, summed over the splits by a fixed-shape tree (deterministic);
-    # the S x S comb block is read [j, k] at logit index 2S + S·j + k (hyper.hc_pre's view)
-    cjk = 2 * S + rs[:, None] * S + rs[None, :]
-    lp = tl.sum(tl.load(part[:, None] + rs[None, :], mask=i_ok[:, None], other=0.0), axis=0)
-    sq = tl.sum(tl.load(part + NOUT, mask=i_ok, other=0.0), axis=0)
-    r = 1.0 / tl.sqrt_rn(sq / K + norm_eps)                      # rsqrt(mean(x²) + eps)
-    pre = tl.sigmoid(lp * r * tl.load(SCALE) + tl.load(BASE + rs)) + hc_eps
+    pre, r = _pre_gates(part, i_ok, rs, SCALE, BASE, K, hc_eps, norm_eps, NOUT)
     if SINKHORN:
-        lq = tl.sum(tl.load(part[:, None] + S + rs[None, :], mask=i_ok[:, None], other=0.0), 0)
-        lc = tl.sum(tl.load(part[:, None, None] + cjk[None, :, :], mask=i_ok[:, None, None],
-                            other=0.0), axis=0)                  # [S(j), S(k)]
-        post = 2.0 * tl.sigmoid(lq * r * tl.load(SCALE + 1) + tl.load(BASE + S + rs))
-        c = lc * r * tl.load(SCALE + 2) + tl.load(BASE + cjk)           # C[j, k]
-        e = tl.exp(c - tl.max(c, axis=1)[:, None])
-        m = e / tl.sum(e, axis=1)[:, None] + hc_eps                      # row softmax (over k)
-        m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)                    # column normalise
-        for _ in range(iters - 1):
-            m = m / (tl.sum(m, axis=1)[:, None] + hc_eps)
-            m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)
+        post, c = _post_comb(part, i_ok, rs, r, SCALE, BASE, S)
+        m = _sinkhorn(c, iters, hc_eps)
         first = (tl.zeros((S,), dtype=tl.int32) + b) == 0               # d block 0 writes them
         tl.store(POST + t * S + rs, post, mask=first)
         tl.store(MOUT + t * S * S + rs[:, None] * S + rs[None, :], m, mask=first[:, None])

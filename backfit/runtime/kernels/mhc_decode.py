@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from backfit.runtime.kernels import mhc
+from backfit.runtime.kernels.mhc import _post_comb, _pre_gates, _sinkhorn
 
 __all__ = ["COLLAPSE", "DECODE_FUSED", "SINKHORN_STREAM", "collapse_config", "hc_head",
            "hc_post", "hc_pre", "hc_pre_async", "post_bd"]
@@ -160,18 +161,9 @@ def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, i
     ri = tl.arange(0, SP)                                        # splits, padded to SP
     i_ok = ri < SPLIT
     part = PART + t * SPLIT * NP + ri * NP                       # [SP] split rows
-    # as mhc._collapse_kernel: one gather per logit group, a fixed-shape tree over the splits
-    cjk = 2 * S + rs[:, None] * S + rs[None, :]
-    lp = tl.sum(tl.load(part[:, None] + rs[None, :], mask=i_ok[:, None], other=0.0), axis=0)
-    sq = tl.sum(tl.load(part + NOUT, mask=i_ok, other=0.0), axis=0)
-    r = 1.0 / tl.sqrt_rn(sq / K + norm_eps)                      # rsqrt(mean(x²) + eps)
-    pre = tl.sigmoid(lp * r * tl.load(SCALE) + tl.load(BASE + rs)) + hc_eps
+    pre, r = _pre_gates(part, i_ok, rs, SCALE, BASE, K, hc_eps, norm_eps, NOUT)  # as mhc's
     if SINKHORN:
-        lq = tl.sum(tl.load(part[:, None] + S + rs[None, :], mask=i_ok[:, None], other=0.0), 0)
-        lc = tl.sum(tl.load(part[:, None, None] + cjk[None, :, :], mask=i_ok[:, None, None],
-                            other=0.0), axis=0)                  # [S(j), S(k)]
-        post = 2.0 * tl.sigmoid(lq * r * tl.load(SCALE + 1) + tl.load(BASE + S + rs))
-        c = lc * r * tl.load(SCALE + 2) + tl.load(BASE + cjk)           # C[j, k]
+        post, c = _post_comb(part, i_ok, rs, r, SCALE, BASE, S)
         tl.store(POST + t * S + rs, post)
         if SCALAR:
             tl.static_assert(S == 4, "SCALAR needs S = 4")
@@ -179,12 +171,7 @@ def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, i
             for i in tl.static_range(16):
                 tl.store(MOUT + t * 16 + i, m[i])
         else:
-            e = tl.exp(c - tl.max(c, axis=1)[:, None])
-            m = e / tl.sum(e, axis=1)[:, None] + hc_eps                  # row softmax (over k)
-            m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)                # column normalise
-            for _ in range(iters - 1):
-                m = m / (tl.sum(m, axis=1)[:, None] + hc_eps)
-                m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)
+            m = _sinkhorn(c, iters, hc_eps)
             tl.store(MOUT + t * S * S + rs[:, None] * S + rs[None, :], m)
     if UOUT:                                                     # False: post and M only
         xrow = X + (t * S + rs[:, None]) * D                     # [S] stream rows
