@@ -286,12 +286,9 @@ def _partials(X: torch.Tensor, fn: torch.Tensor, NP: int, split: int | None) -> 
 
 
 def tile_config(T: int, K: int, sms: int) -> dict:
-    """Launch config of the tiled prefill path: partials BT tokens x BK per step (bf16 mma x 3),
-    K split for ~2 programs per SM but >= 8 BK steps a split (the collapse sums the splits in
-    a loop); collapse BTU tokens a program, BD per step. H200 sweep (scripts/bench_mhc.py),
-    hc_pre / hc_head, two runs (+-10 us): T 8192 192-216 / 173-208 us at split 4-5 (5 here),
-    198 / 173 at 8; T 1024 35 / 27 us at 32 (as here), 91 / 76 at 3; FP32 FMA dots (MMA3
-    False) 1524-1642 / 909-974 us at T 8192; today's path 2507 / 2240 us."""
+    """Tiled prefill launch config: partials BT tokens x BK a step, K split for ~2 programs an SM
+    but >= 8 BK steps a split; collapse BTU tokens a program. H200 (bench_mhc.py), hc_pre /
+    hc_head: T 8192 192-216 / 173-208 us at split 5 (torch path 2507 / 2240); T 1024 35 / 27."""
     BT, BK = 128, 64
     split = max(1, min(triton.cdiv(K, BK) // 8, triton.cdiv(2 * sms, triton.cdiv(T, BT))))
     return dict(BT=BT, BK=BK, split=split, warps=8, MMA3=True, BTU=2, BD=1024, warps_u=4)
@@ -377,9 +374,7 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
                      tile)[0]
 
 
-def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
-    """f [T, d], X [T, S, d] bf16, post [T, S], M [T, S, S] fp32 -> [T, S, d] bf16, as
-    hyper.hc_post."""
+def check_post(f, X, post, M) -> None:                  # hc_post's inputs (and mhc_decode's)
     if X.dim() != 3 or X.dtype != torch.bfloat16 or X.shape[1] & (X.shape[1] - 1):
         raise ValueError(f"hc_post: X must be bf16 [T, S, d] with S a power of 2, "
                          f"got {X.dtype}{list(X.shape)}")
@@ -391,6 +386,12 @@ def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, M: torch.Tenso
                          f"{M.dtype}{list(M.shape)}")
     if not (f.device == X.device == post.device == M.device):
         raise ValueError("hc_post: f, X, post, M on different devices")
+
+
+def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """f [T, d], X [T, S, d] bf16, post [T, S], M [T, S, S] fp32 -> [T, S, d] bf16 (hc_post)."""
+    check_post(f, X, post, M)
+    T, S, d = X.shape
     out = torch.empty(T, S, d, dtype=X.dtype, device=X.device)
     if T == 0:
         return out

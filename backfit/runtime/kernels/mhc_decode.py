@@ -319,17 +319,8 @@ def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, M: torch.Tenso
     stream): the current stream waits for it first."""
     if wait is not None:
         torch.cuda.current_stream(X.device).wait_event(wait[0])
-    if X.dim() != 3 or X.dtype != torch.bfloat16 or X.shape[1] & (X.shape[1] - 1):
-        raise ValueError(f"hc_post: X must be bf16 [T, S, d] with S a power of 2, "
-                         f"got {X.dtype}{list(X.shape)}")
+    mhc.check_post(f, X, post, M)
     T, S, d = X.shape
-    if tuple(f.shape) != (T, d) or tuple(post.shape) != (T, S) or tuple(M.shape) != (T, S, S) \
-            or post.dtype != torch.float32 or M.dtype != torch.float32:
-        raise ValueError(f"hc_post: need f [{T}, {d}], post fp32 [{T}, {S}], M fp32 "
-                         f"[{T}, {S}, {S}], got {list(f.shape)}, {post.dtype}{list(post.shape)}, "
-                         f"{M.dtype}{list(M.shape)}")
-    if not (f.device == X.device == post.device == M.device):
-        raise ValueError("hc_post: f, X, post, M on different devices")
     n_out = next_fn.shape[0] if next_fn is not None else 1
     if next_fn is not None and (next_fn.dtype != torch.float32 or next_fn.dim() != 2
                                 or next_fn.shape[1] != S * d or next_fn.device != X.device):
