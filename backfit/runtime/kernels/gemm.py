@@ -216,31 +216,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
     benchmarks). Split-K uses a per-stream workspace (_workspace). M <= 8 rows at a
     shape of kernels.gemv's GEMV_TABLE (measured faster than a16 on the H200) go to kernels.gemv.
     """
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"linear kernel: activations must be bfloat16, got {x.dtype}")
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"linear kernel: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    quant = gemv.check_linear("linear kernel", x, weight, scale, scheme, out_dtype,
+                              fp32_weight=True)
     N, K = weight.shape
-    if x.shape[-1] != K:
-        raise ValueError(f"linear kernel: x has {x.shape[-1]} inputs, weight {list(weight.shape)}")
-    if x.device != weight.device:
-        raise ValueError(f"linear kernel: x on {x.device}, weight on {weight.device}")
-    quant = scheme == "int8_g128"
-    if quant:
-        if weight.dtype != torch.int8 or scale is None or scale.dtype != torch.float32 \
-                or tuple(scale.shape) != (N, K // INT8_GROUP) or K % INT8_GROUP:
-            raise ValueError(f"linear kernel: int8_g128 needs int8 [N, K], fp32 [N, K/128] scales, "
-                             f"got {weight.dtype}{list(weight.shape)} / "
-                             f"{None if scale is None else (scale.dtype, list(scale.shape))}")
-        scale = scale.contiguous()
-    elif scheme in ("bf16", "copy"):
-        if weight.dtype not in (torch.bfloat16, torch.float32) or scale is not None:
-            raise ValueError(f"linear kernel: {scheme} needs a bf16/fp32 weight and no scale")
-        if out_dtype == torch.float32 and weight.dtype == torch.float32:
-            raise ValueError("linear kernel: FP32 output with an FP32 weight is the torch path "
-                             "(the kernel would round the weight to BF16)")
-    else:
-        raise ValueError(f"linear kernel: scheme {scheme!r} not supported")
+    scale = scale.contiguous() if quant else scale
     weight = weight.contiguous()
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
@@ -250,7 +229,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sc
     if path is None and config is None and split_k is None and 0 < M <= gemv.GEMV_MAX_M \
             and weight.dtype in (torch.int8, torch.bfloat16) \
             and gemv.gemv_lookup(M, N, K, quant) is not None:     # a measured win (H200 sweep)
-        return gemv.gemv(x2, weight, scale, scheme, out_dtype=out_dtype).reshape(*lead, N)
+        return gemv.launch(x2, weight, scale, quant, out_dtype).reshape(*lead, N)
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return y.reshape(*lead, N)

@@ -31,7 +31,8 @@ import triton.language as tl
 
 from backfit.formats import INT8_GROUP
 
-__all__ = ["GEMV_CANDIDATES", "GEMV_MAX_M", "GEMV_TABLE", "gemv", "gemv_config", "gemv_lookup"]
+__all__ = ["GEMV_CANDIDATES", "GEMV_MAX_M", "GEMV_TABLE", "check_linear", "gemv", "gemv_config",
+           "gemv_lookup", "launch"]
 
 GEMV_MAX_M = 8                 # rows handled in one program (M <= 8: decode at small batch)
 _MAGIC_I = tl.constexpr(0x4B400000)            # bits of 1.5·2^23
@@ -247,48 +248,66 @@ def gemv_config(M: int, N: int, K: int, quant: bool) -> dict:
     return dict(variant="cuda", BN=1, BK=4096, MAGIC=False, num_warps=8, num_stages=1)
 
 
+def check_linear(who: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                 scheme: str, out_dtype: torch.dtype, fp32_weight: bool = False) -> bool:
+    """The argument checks of a linear kernel (gemm.linear, gemv), one-line errors prefixed by
+    `who`; fp32_weight: bf16/copy may also be FP32 weights (not with an FP32 output: that is the
+    torch path, the kernel would round the weight). -> whether the scheme is int8_g128."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"{who}: activations must be bfloat16, got {x.dtype}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"{who}: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"{who}: weight must be [N, K], got {list(weight.shape)}")
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"{who}: x has {x.shape[-1]} inputs, weight {list(weight.shape)}")
+    if x.device != weight.device:
+        raise ValueError(f"{who}: x on {x.device}, weight on {weight.device}")
+    if scheme == "int8_g128":
+        if weight.dtype != torch.int8 or scale is None or scale.dtype != torch.float32 \
+                or K % INT8_GROUP or tuple(scale.shape) != (N, K // INT8_GROUP):
+            raise ValueError(f"{who}: int8_g128 needs int8 [N, K] (K % 128 == 0), fp32 [N, K/128] "
+                             f"scales, got {weight.dtype}{list(weight.shape)} / "
+                             f"{None if scale is None else (scale.dtype, list(scale.shape))}")
+        return True
+    if scheme not in ("bf16", "copy"):
+        raise ValueError(f"{who}: scheme {scheme!r} not supported")
+    dtypes = (torch.bfloat16, torch.float32) if fp32_weight else (torch.bfloat16,)
+    if weight.dtype not in dtypes or scale is not None:
+        raise ValueError(f"{who}: {scheme} needs a {'bf16/fp32' if fp32_weight else 'bf16'} "
+                         f"weight and no scale, got {weight.dtype}, scale "
+                         f"{None if scale is None else scale.dtype}")
+    if out_dtype == torch.float32 and weight.dtype == torch.float32:
+        raise ValueError(f"{who}: FP32 output with an FP32 weight is the torch path "
+                         "(the kernel would round the weight to BF16)")
+    return False
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scheme: str,
          config: dict | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [..., K] bf16 (M = prod(...) <= GEMV_MAX_M rows) @ weight [N, K]^T -> [..., N] out_dtype,
     for scheme int8_g128 | bf16 | copy (bf16 weight); the semantics of gemm.linear's a16 path.
     config: overrides of gemv_config (variant, BN, BK, MAGIC, num_warps, num_stages; cuda: V8,
     PREFETCH); BK is capped at K rounded up to a power of two."""
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"gemv: activations must be bfloat16, got {x.dtype}")
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"gemv: out_dtype must be bfloat16 or float32, got {out_dtype}")
-    if weight.dim() != 2:
-        raise ValueError(f"gemv: weight must be [N, K], got {list(weight.shape)}")
-    N, K = weight.shape
-    if x.shape[-1] != K:
-        raise ValueError(f"gemv: x has {x.shape[-1]} inputs, weight {list(weight.shape)}")
-    if x.device != weight.device:
-        raise ValueError(f"gemv: x on {x.device}, weight on {weight.device}")
-    quant = scheme == "int8_g128"
-    if quant:
-        if weight.dtype != torch.int8 or scale is None or scale.dtype != torch.float32 \
-                or K % INT8_GROUP or tuple(scale.shape) != (N, K // INT8_GROUP):
-            raise ValueError(f"gemv: int8_g128 needs int8 [N, K] (K % 128 == 0), fp32 [N, K/128] "
-                             f"scales, got {weight.dtype}{list(weight.shape)} / "
-                             f"{None if scale is None else (scale.dtype, list(scale.shape))}")
-        scale = scale.contiguous()
-    elif scheme in ("bf16", "copy"):
-        if weight.dtype != torch.bfloat16 or scale is not None:
-            raise ValueError(f"gemv: {scheme} needs a bf16 weight and no scale, got "
-                             f"{weight.dtype}, scale {None if scale is None else scale.dtype}")
-    else:
-        raise ValueError(f"gemv: scheme {scheme!r} not supported")
-    weight = weight.contiguous()
-    lead = x.shape[:-1]
+    quant = check_linear("gemv", x, weight, scale, scheme, out_dtype)
+    K = weight.shape[1]
     x2 = x.reshape(-1, K)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
+    return launch(x2 if x2.stride(1) == 1 else x2.contiguous(), weight.contiguous(),
+                  scale.contiguous() if quant else None, quant, out_dtype,
+                  config).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, quant: bool,
+           out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+    """gemv on checked arguments (check_linear; gemm.linear's route here): x2 [M, K] with unit
+    stride in K, contiguous weight (and scale) -> [M, N]."""
+    M, (N, K) = x2.shape[0], weight.shape
     if M > GEMV_MAX_M:
         raise ValueError(f"gemv: at most {GEMV_MAX_M} rows, got {M} (use gemm.linear)")
-    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    y = torch.empty(M, N, dtype=out_dtype, device=x2.device)
     if M == 0 or N == 0:
-        return y.reshape(*lead, N)
+        return y
     cfg = {**gemv_config(M, N, K, quant), **(config or {})}
     variant = cfg.get("variant", "cuda")
     opts = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1))
@@ -310,4 +329,4 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sche
                            PREFETCH=bool(cfg.get("PREFETCH", False)) and K % bk == 0, **opts)
     else:
         _gemv_fma_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), **const, **opts)
-    return y.reshape(*lead, N)
+    return y
