@@ -129,6 +129,11 @@ class _PagedLayer:
         """[B, max blocks] int32 block tables on the pools' device, padded with block 0."""
         return self.bound.device_tables()[1]
 
+    @property
+    def scratch_block(self) -> int:
+        """The block no sequence owns: decode writes of incomplete entries go there."""
+        return self.bound.cache.scratch_block
+
     # Decode (one token per sequence, positions pos [B] on the device): batched and branchless, so
     # the step has no host sync and can be captured in a CUDA graph (Compressor.decode_update).
     def write_rows_tokens(self, kind: str, pos: torch.Tensor, c: torch.Tensor,
@@ -151,12 +156,12 @@ class _PagedLayer:
         if _kernels(E):
             from backfit.runtime.kernels.cache_ops import store_decode
             store_decode(E, pos, p.entries.data, p.entries.scale, tables=tables, ratio=p.ratio,
-                         scratch=self.bound.cache.scratch_block)
+                         scratch=self.scratch_block)
             return
         j, done = pos // p.ratio, (pos + 1) % p.ratio == 0
         col = torch.where(done, j // p.per_block, 0).clamp_max(tables.shape[1] - 1)
         blk = tables.gather(1, col[:, None].long())[:, 0].long()
-        blk = torch.where(done, blk, self.bound.cache.scratch_block)
+        blk = torch.where(done, blk, self.scratch_block)
         p.entries.put((blk, j % p.per_block), E)
 
     def rows_pool(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -156,7 +156,7 @@ class Compressor(nn.Module):
                 c, z, None if ape_added else self.ape, pos, cache.slot_ids(),
                 *cache.rows_pool(kind), self.norm.weight, self.norm.eps, self.rope.inv_freq,
                 self.rope.rope_dim, data, scale, cache.block_table(),
-                cache.bound.cache.scratch_block, m, self.overlap, D, dtype,
+                cache.scratch_block, m, self.overlap, D, dtype,
                 None if head_w is None or head_w._w is not None else
                 (head_w.raw, head_w.scale) if head_w.dtype == dtype else None)
             if wI is not None:
