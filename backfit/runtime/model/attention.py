@@ -148,12 +148,10 @@ class Attention(nn.Module):
         """o [T, Hl, D] FP32 -> inverse RoPE, grouped wo_a, wo_b -> [T, d]. An o already in
         `dtype` (not FP32) comes de-rotated from the decode kernels (decode_attention out_rope)."""
         T = o.shape[0]
-        if o.dtype != torch.float32:
-            pass                                                       # done by the decode merge
-        elif kernel_path(o):                                           # rounds to dtype inside
+        if o.dtype == torch.float32 and kernel_path(o):               # rounds to dtype inside
             from backfit.runtime.kernels.rope_norm import rope
             o = rope(o, pos, self.rope.inv_freq, self.rope.rope_dim, inverse=True, out_dtype=dtype)
-        else:
+        elif o.dtype == torch.float32:
             o = self.rope(o.to(dtype), pos, inverse=True)             # de-rotate by query position
         o = o.view(T, self.local_groups, self.heads_per_group * self.cfg.head_dim)  # g*hpg ..
         wa = self.wo_a.dequantized(dtype).view(self.local_groups, self.cfg.o_lora_rank, -1)
