@@ -27,7 +27,7 @@ import triton.language as tl
 from backfit.runtime.kernels.gemm import dot_bf16, interpreted
 
 __all__ = ["hc_pre", "hc_post", "hc_head", "MIX_TORCH_T", "MAX_SPLIT", "mix_split", "PREFILL",
-           "tile_config"]
+           "tile_config", "check_pre", "check_post"]
 
 MIX_TORCH_T = 64        # tokens from which the prefill path (PREFILL) replaces the split kernel
 _BK = 128               # flattened-K step of the partial kernel: [NP, 128] FP32 fn tile
@@ -262,6 +262,13 @@ def _check(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
         raise ValueError(f"{name}: X, fn, scale, base on different devices")
 
 
+def check_pre(X, fn, scale, base, iters: int) -> None:   # hc_pre's inputs (and mhc_decode's)
+    S = X.shape[1] if X.dim() == 3 else 0
+    _check(X, fn, scale, base, (2 + S) * S, 3, "hc_pre")
+    if iters < 1:
+        raise ValueError(f"hc_pre: iters must be >= 1, got {iters}")
+
+
 def _partials(X: torch.Tensor, fn: torch.Tensor, NP: int, split: int | None) -> torch.Tensor:
     """PART [T, SPLIT, NP] FP32: per split the n_out dots (0..n_out-1) and Σx² (slot n_out)."""
     T = X.shape[0]
@@ -355,10 +362,7 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     """X [T, S, d] bf16 -> (u [T, d] bf16, post [T, S] fp32, M [T, S, S] fp32), as hyper.hc_pre.
     split (tests) forces the K-split kernel with that many splits, at any T. prefill (default
     PREFILL) picks the T >= MIX_TORCH_T path; tile overrides tile_config() keys of "tiled"."""
-    S = X.shape[1] if X.dim() == 3 else 0
-    _check(X, fn, scale, base, (2 + S) * S, 3, "hc_pre")
-    if iters < 1:
-        raise ValueError(f"hc_pre: iters must be >= 1, got {iters}")
+    check_pre(X, fn, scale, base, iters)
     return _collapse(X.contiguous(), fn, scale, base, int(iters), hc_eps, norm_eps, True, split,
                      prefill, tile)
 

@@ -257,10 +257,7 @@ def hc_pre_async(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     CUDA; only the hc_post after the sub-layer reads post / M: hc_post(..., wait=pending)
     joins there. Each output comes from the same ops as hc_pre's (bit for bit). Elsewhere
     (CPU, the interpreter) the two launches run in order and pending is None."""
-    S = X.shape[1] if X.dim() == 3 else 0
-    mhc._check(X, fn, scale, base, (2 + S) * S, 3, "hc_pre")
-    if iters < 1:
-        raise ValueError(f"hc_pre: iters must be >= 1, got {iters}")
+    mhc.check_pre(X, fn, scale, base, iters)
     X = X.contiguous()
     T, S, d = X.shape
     if part is None:                                            # both launches read it
@@ -292,10 +289,7 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     RMSNorm(u) (layers.RMSNorm) in the same launch. part: PART [T, SPLIT, NP] from hc_post(...,
     next_fn=fn) (else mhc._partials computes it, one more launch). warps, bd, scalar: override
     COLLAPSE."""
-    S = X.shape[1] if X.dim() == 3 else 0
-    mhc._check(X, fn, scale, base, (2 + S) * S, 3, "hc_pre")
-    if iters < 1:
-        raise ValueError(f"hc_pre: iters must be >= 1, got {iters}")
+    mhc.check_pre(X, fn, scale, base, iters)
     return _collapse_norm(X.contiguous(), fn, scale, base, int(iters), hc_eps, norm_eps, True,
                           norm, part, warps, bd, scalar)
 

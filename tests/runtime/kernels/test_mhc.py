@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from support import one_thread
+from support import kernel_module, one_thread
 from torch.utils._python_dispatch import TorchDispatchMode
 
 if not torch.cuda.is_available():
@@ -153,12 +153,15 @@ def test_deterministic_and_bad_input(mhc):
     a = mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
     b = mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
-    for call, msg in ((lambda: mhc.hc_pre(X.float(), fn, scale, base, 20, 1e-6, 1e-6), "bf16"),
-                      (lambda: mhc.hc_pre(X, fn[:4], scale, base, 20, 1e-6, 1e-6), "fn must"),
-                      (lambda: mhc.hc_pre(X, fn, scale[:1], base, 20, 1e-6, 1e-6), "scale"),
-                      (lambda: mhc.hc_pre(X, fn, scale, base, 0, 1e-6, 1e-6), "iters"),
-                      (lambda: mhc.hc_post(X[:, 0], X, a[1][:, :2], a[2]), "post fp32"),
-                      (lambda: mhc.hc_post(X[:, 0], X, a[1].to("meta"), a[2]), "devices")):
+    dec = kernel_module("mhc_decode", "_post_mix_kernel", INTERPRET)
+    calls = [(lambda: mhc.hc_post(X[:, 0], X, a[1][:, :2], a[2]), "post fp32"),
+             (lambda: mhc.hc_post(X[:, 0], X, a[1].to("meta"), a[2]), "devices")]
+    for pre in (mhc.hc_pre, dec.hc_pre, dec.hc_pre_async):        # one check_pre for all three
+        calls += [(lambda pre=pre: pre(X.float(), fn, scale, base, 20, 1e-6, 1e-6), "bf16"),
+                  (lambda pre=pre: pre(X, fn[:4], scale, base, 20, 1e-6, 1e-6), "fn must"),
+                  (lambda pre=pre: pre(X, fn, scale[:1], base, 20, 1e-6, 1e-6), "scale"),
+                  (lambda pre=pre: pre(X, fn, scale, base, 0, 1e-6, 1e-6), "iters")]
+    for call, msg in calls:
         with pytest.raises(ValueError, match=msg):
             call()
 
