@@ -64,9 +64,10 @@ def max_err(y: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def label(c: dict) -> str:
-    """e.g. cuda_BN4_BK2048_w4_magic"""
+    """e.g. cuda_BN4_BK2048_w4_magic (_S3: STAGES)"""
     return f"{c['variant']}_BN{c['BN']}_BK{c['BK']}_w{c['num_warps']}" + (
-        "_magic" if c.get("MAGIC") else "")
+        "_magic" if c.get("MAGIC") else "") + (f"_S{c['STAGES']}" if c.get("STAGES", 1) > 1
+                                                else "")
 
 
 def bench_shape(name: str, N: int, K: int, kind: str, Ms, cands, bw: float, rows: list) -> None:
@@ -129,6 +130,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="write the rows and winners as JSON")
     ap.add_argument("--ms", default="1,2,4,8", help="rows M to time (<= 8)")
     ap.add_argument("--quick", action="store_true", help="M = 1 only, first two candidates")
+    ap.add_argument("--pipe", action="store_true",
+                    help="the shipped config and the cp.async-pipelined candidates only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gemv: needs CUDA")
@@ -141,6 +144,11 @@ def main() -> None:
     rows: list = []
     for name, N, K, kind in SHAPES:
         cands = gemv.GEMV_CANDIDATES[kind][:2 if args.quick else None]
+        if args.pipe:       # the shipped config per timed M (dedup), then the STAGES > 1 ones
+            cands = [c for i, c in enumerate(gemv.gemv_config(m, N, K, kind == "int8")
+                                             for m in Ms)
+                     if c not in [gemv.gemv_config(m, N, K, kind == "int8") for m in Ms][:i]]
+            cands += [c for c in gemv.GEMV_CANDIDATES[kind] if c.get("STAGES", 1) > 1]
         bench_shape(name, N, K, kind, Ms, cands, bw, rows)
     table = winners(rows)
     print("\nGEMV_TABLE = [")

@@ -257,12 +257,39 @@ _MX4_TILES = dict(                                 # BK counts inputs (BK/2 byte
     word=((16, 1024, 4, 2), (16, 1024, 8, 2), (16, 2048, 8, 2), (16, 512, 4, 2)))
 
 
+# --pipe: the K loop as a cp.async pipeline (config STAGES, kernels/moe_decode.py) over tiles
+# with more, shorter K steps; (variant, BN, BK, warps, num_stages, STAGES). The shipped
+# DECODE_TABLE configs run first in the same process (the baseline of the comparison).
+_PIPE_TILES = {
+    "int8_mx32": (("magic", 16, 256, 4, 3, 3), ("magic", 16, 256, 4, 4, 4),
+                  ("magic", 16, 128, 4, 4, 4), ("magic", 8, 256, 4, 4, 4),
+                  ("magic", 32, 128, 4, 4, 4), ("magic", 16, 512, 4, 3, 3),
+                  ("magic", 8, 512, 4, 3, 3), ("base", 16, 256, 4, 4, 4),
+                  ("base", 16, 512, 4, 3, 3), ("base", 32, 256, 4, 3, 3),
+                  ("fma", 8, 256, 4, 4, 4), ("magic", 32, 256, 8, 3, 3)),
+    "mx4_e2m1": (("mma", 32, 512, 2, 3, 3), ("mma", 32, 256, 2, 4, 4), ("mma", 64, 256, 4, 3, 3),
+                 ("mma", 32, 512, 4, 3, 3), ("mma", 16, 512, 1, 3, 3), ("word", 16, 1024, 4, 3, 3),
+                 ("word", 16, 512, 4, 4, 4), ("base", 16, 512, 4, 4, 4),
+                 ("base", 8, 1024, 4, 3, 3))}
+
 ERR_OK = 1e-2                 # rel err vs the torch path above which a config is not a candidate
 
 
-def decode_grid(scheme: str) -> list[dict]:
+def decode_grid(scheme: str, pipe: bool = False) -> list[dict]:
     """int8_mx32: 26 configs over moe.DECODE_VARIANTS; mx4_e2m1: 16 over moe_mx4's (the
-    shipped tile, then mma, word, prefetch, the rest of base: a spent budget skips the last)."""
+    shipped tile, then mma, word, prefetch, the rest of base: a spent budget skips the last).
+    pipe: the shipped DECODE_TABLE configs (down tiles split out as configs of their own), then
+    _PIPE_TILES."""
+    if pipe:
+        table = (moe_mx4 if scheme == "mx4_e2m1" else moe).DECODE_TABLE
+        shipped = []
+        for _, c in table:
+            c = dict(c)
+            for d in (c.pop("down", None), c):
+                if d is not None and d not in shipped:
+                    shipped.append(d)
+        return shipped + [dict(variant=v, BN=b, BK=k, num_warps=w, num_stages=n, STAGES=st)
+                          for v, b, k, w, n, st in _PIPE_TILES[scheme]]
     if scheme == "mx4_e2m1":
         assert set(_MX4_TILES) == set(moe_mx4.DECODE_VARIANTS), moe_mx4.DECODE_VARIANTS
         order = ("mma", "word", "prefetch")
@@ -313,7 +340,8 @@ def decode_launches(scheme: str, st: tuple, x, idx, w, cfg: dict) -> tuple:
 
 
 def moe_decode_sweep(ceil: dict, budget_s: float, t0: float, Ms=(1, 2, 4, 8), E: int = 256,
-                     D: int = 4096, I: int = 2048, k: int = 6, rot: int = 4) -> dict:
+                     D: int = 4096, I: int = 2048, k: int = 6, rot: int = 4,
+                     pipe: bool = False) -> dict:
     """Every decode variant x tile at M tokens, both schemes: graph-timed µs per call over `rot`
     routings (other experts each call: weights stream from HBM), GB/s of the distinct experts'
     bytes, % of the copy bandwidth, rel err vs the torch path; best per (scheme, M)."""
@@ -332,7 +360,7 @@ def moe_decode_sweep(ceil: dict, budget_s: float, t0: float, Ms=(1, 2, 4, 8), E:
             byts = n_exp * per_expert + M * D * 2 * 2 + M * k * I * 4      # x, y, h (w, r)
             cases[M] = (xs, idxs, ws, byts, refn(xs[0], idxs[0], ws[0], *st, 10.0))
         stop = t0 + budget_s * (0.62 if scheme == "int8_mx32" else 1.0)    # mx4 gets its share
-        for cfg in decode_grid(scheme):
+        for cfg in decode_grid(scheme, pipe):
             if time.time() > stop:
                 print(f"  budget {budget_s:.0f} s spent: {scheme} {cfg} skipped", flush=True)
                 continue
@@ -352,7 +380,8 @@ def moe_decode_sweep(ceil: dict, budget_s: float, t0: float, Ms=(1, 2, 4, 8), E:
                 rows.append(dict(scheme=scheme, config=cfg, M=M, us=t, GBps=gbs, up_us=t_up,
                                  down_us=t_dn, frac_copy=gbs / 1e3 / ceil["copy_TBps"],
                                  rel_err=err))
-                tile = "BN{BN:<3d} BK{BK:<5d} w{num_warps} s{num_stages}".format(**cfg)
+                tile = "BN{BN:<3d} BK{BK:<5d} w{num_warps} s{num_stages}".format(**cfg) + (
+                    f" S{cfg['STAGES']}" if "STAGES" in cfg else "")
                 print(f"{scheme:9s} {cfg['variant']:8s} {tile} M={M} {t:8.1f} us "
                       f"{gbs:6.0f} GB/s {rows[-1]['frac_copy']:6.1%}  err {err:.1e}  "
                       f"(gate/up {t_up:.1f} + down {t_dn:.1f} us alone)", flush=True)
@@ -392,6 +421,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time tile configs instead")
     ap.add_argument("--moe-decode-sweep", action="store_true",
                     help="MoE decode GEMV variants x tiles, M = 1-8, int8_mx32 and mx4_e2m1")
+    ap.add_argument("--pipe", action="store_true",
+                    help="--moe-decode-sweep over the shipped tiles + the cp.async-pipelined ones")
     ap.add_argument("--budget-s", type=float, default=115.0,
                     help="--moe-decode-sweep: skip the configs left after this many seconds")
     args = ap.parse_args()
@@ -401,7 +432,7 @@ def main() -> None:
           f"bf16 {ceil['bf16_TFLOPs']:.0f} TFLOP/s  int8 {ceil['int8_TOPs']:.0f} TOP/s", flush=True)
     if args.moe_decode_sweep:
         res = dict(device=torch.cuda.get_device_name(), triton=__import__("triton").__version__,
-                   ceilings=ceil, **moe_decode_sweep(ceil, args.budget_s, t0))
+                   ceilings=ceil, **moe_decode_sweep(ceil, args.budget_s, t0, pipe=args.pipe))
         Path(args.out).write_text(json.dumps(dict(res, seconds=time.time() - t0), indent=1))
         print(f"done in {time.time() - t0:.0f} s -> {args.out}")
         return

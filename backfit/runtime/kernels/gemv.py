@@ -84,7 +84,13 @@ GEMV_CANDIDATES = {
              # not yet timed on a GPU: V8 / PREFETCH forms of the M = 1 winners
              dict(variant=_C, BN=4, BK=2048, num_warps=4, MAGIC=True, V8=True),
              dict(variant=_C, BN=4, BK=1024, num_warps=4, MAGIC=True, PREFETCH=True),
-             dict(variant=_C, BN=8, BK=1024, num_warps=4, MAGIC=True, V8=True, PREFETCH=True)],
+             dict(variant=_C, BN=8, BK=1024, num_warps=4, MAGIC=True, V8=True, PREFETCH=True),
+             # not yet timed: the K loop as a cp.async pipeline STAGES deep, more shorter steps
+             # (bench_gemv.py --pipe times these against the shipped config)
+             *(dict(variant=v, BN=bn, BK=bk, num_warps=4, MAGIC=True, STAGES=st)
+               for v, bn, bk, st in ((_C, 4, 512, 3), (_C, 4, 512, 4), (_C, 4, 1024, 3),
+                                     (_C, 8, 512, 3), (_C, 2, 1024, 3), (_C, 16, 256, 4),
+                                     (_F, 8, 256, 4)))],
     "bf16": [dict(variant=_C, BN=1, BK=4096, num_warps=4),
              dict(variant=_C, BN=1, BK=4096, num_warps=8),
              dict(variant=_C, BN=8, BK=512, num_warps=4),
@@ -92,7 +98,10 @@ GEMV_CANDIDATES = {
              dict(variant=_F, BN=1, BK=1024, num_warps=4),
              dict(variant=_F, BN=1, BK=4096, num_warps=8),
              dict(variant=_F, BN=8, BK=256, num_warps=4),
-             dict(variant=_C, BN=1, BK=2048, num_warps=8, PREFETCH=True)],       # not yet timed
+             dict(variant=_C, BN=1, BK=2048, num_warps=8, PREFETCH=True),        # not yet timed
+             *(dict(variant=v, BN=bn, BK=bk, num_warps=4, STAGES=st)         # (as above)
+               for v, bn, bk, st in ((_C, 1, 1024, 3), (_C, 1, 512, 4), (_C, 2, 512, 4),
+                                     (_F, 1, 512, 4), (_F, 1, 1024, 3)))],
 }
 
 
@@ -100,7 +109,8 @@ GEMV_CANDIDATES = {
 def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
                  QUANT: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
                  MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 V8: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                 V8: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                 STAGES: tl.constexpr = 1):
     """Rows [pid·BN, +BN) of y [M, N] = x [M, K] @ W [N, K]^T over all K, all M (<= MP) rows.
     V8: 8-element column runs (x and an int8 W tile in one layout, no shared-memory layout
     change; 8 B int8 loads). PREFETCH (EVEN_K only): the next K step's weights are loaded
@@ -119,7 +129,7 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
     rm = tl.arange(0, MP)
     acc = tl.zeros((MP, BN), dtype=tl.float32)
     q_next = tl.load(w_ptr) if PREFETCH else None   # step 0 (PREFETCH implies EVEN_K)
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         k_ok = (k0 + kofs) < K                                               # [G, 128]
         if PREFETCH:                     # the last step re-loads itself (an L1 hit), unused
             q = q_next
@@ -171,7 +181,8 @@ def _row_out(Y, acc, m: tl.constexpr, M, N, rn, n_ok):
 @triton.jit
 def _gemv_fma_kernel(X, W, S, Y, M, N, K, stride_xm,
                      QUANT: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
-                     MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     STAGES: tl.constexpr = 1):
     """_gemv_kernel's contract; per-thread accumulators [BN, G, 128] per row (MP <= 8), reduced
     once after the K loop: no shuffles, barriers or layout changes inside it. The 128 columns
     are 8-element runs (8 B int8 / 16 B bf16 loads) so x and W tiles share one layout."""
@@ -188,7 +199,7 @@ def _gemv_fma_kernel(X, W, S, Y, M, N, K, stride_xm,
     x_ptr = X + kofs
     a0 = tl.zeros((BN, G, 128), dtype=tl.float32)
     a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0   # rows >= MP: dead, dropped
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         k_ok = (k0 + kofs) < K
         if EVEN_K:
             q = tl.load(w_ptr + k0)
@@ -288,8 +299,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sche
          config: dict | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [..., K] bf16 (M = prod(...) <= GEMV_MAX_M rows) @ weight [N, K]^T -> [..., N] out_dtype,
     for scheme int8_g128 | bf16 | copy (bf16 weight); the semantics of gemm.linear's a16 path.
-    config: overrides of gemv_config (variant, BN, BK, MAGIC, num_warps, num_stages; cuda: V8,
-    PREFETCH); BK is capped at K rounded up to a power of two."""
+    config: overrides of gemv_config (variant, BN, BK, MAGIC, num_warps, num_stages, STAGES: the
+    K loop's cp.async depth, 1 = none; cuda: V8, PREFETCH); BK is capped at K rounded up to a
+    power of two."""
     quant = check_linear("gemv", x, weight, scale, scheme, out_dtype)
     K = weight.shape[1]
     x2 = x.reshape(-1, K)
@@ -322,7 +334,8 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, q
     if cfg.get("MAGIC") and not quant:
         raise ValueError("gemv: MAGIC is the int8 conversion (int8_g128 weights only)")
     const = dict(QUANT=quant, MAGIC=bool(cfg.get("MAGIC", False)), EVEN_K=K % bk == 0,
-                 MP=triton.next_power_of_2(M), BN=cfg["BN"], BK=bk)
+                 MP=triton.next_power_of_2(M), BN=cfg["BN"], BK=bk,
+                 STAGES=cfg.get("STAGES", 1))
     if variant == "cuda":                # PREFETCH needs whole K steps (no masks)
         _gemv_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), **const,
                            V8=bool(cfg.get("V8", False)),

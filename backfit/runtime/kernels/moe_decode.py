@@ -30,8 +30,10 @@ def _swiglu(g, u, wr, LIMIT: tl.constexpr):
 
 @triton.jit
 def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
-                     GATED: tl.constexpr, LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Pair p, rows [pid_n·BN, +BN) of expert idx[p]: GATED -> h [P, N], else out [P, N] (bf16)."""
+                     GATED: tl.constexpr, LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     STAGES: tl.constexpr = 1):
+    """Pair p, rows [pid_n·BN, +BN) of expert idx[p]: GATED -> h [P, N], else out [P, N] (bf16).
+    STAGES > 1: the K loop's loads go through a cp.async pipeline that deep (see STAGES below)."""
     p, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(IDX + p).to(tl.int64)
     arow = p // TOPK if GATED else p                        # gate/up read x[t], down reads h[p]
@@ -44,7 +46,7 @@ def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
     s_off = e * N * KG + rn[:, None] * KG
     acc1 = tl.zeros((BN,), dtype=tl.float32)
     acc3 = tl.zeros((BN,), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         a = tl.load(A + arow * K + k0 + rk).to(tl.float32)                   # [BK]
         q = tl.load(W1 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
         s = tl.load(S1 + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
@@ -73,6 +75,11 @@ def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
 #   prefetch  magic + the next K tile's loads issued before this tile's math (double-buffered in
 #             registers; a CUDA-core GEMV gets no cp.async pipelining).
 # FP32 accumulation in all; the same bf16 roundings (only the summation order moves).
+# STAGES (config key, every variant): the K loop as tl.range(num_stages=STAGES). Triton pipelines
+# loads through shared memory (cp.async, STAGES - 1 tiles in flight) only for loads feeding a
+# tl.dot or for a loop that asks: with a plain range (STAGES = 1) every K step of these CUDA-core
+# GEMVs waits for its own loads, and bytes in flight are bounded by the resident programs
+# (the sm_80 PTX of the launch option num_stages = 3 alone has no cp.async). Same math.
 _MAGIC_I = tl.constexpr(0x4B400000)            # bits of 1.5·2^23
 _MAGIC_F = tl.constexpr(12582912.0)            # 1.5·2^23
 
@@ -112,9 +119,9 @@ def _acc_rows(acc, MODE: tl.constexpr):
 @triton.jit
 def _moe_gemv_group_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
                            LIMIT: tl.constexpr, MODE: tl.constexpr, PREFETCH: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr):
+                           BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr = 1):
     """_moe_gemv_kernel's contract, tiles [BN, BK/32, 32] (variants group / magic / fma /
-    prefetch). Prefetched codes are carried as int32 (an int8 loop-carried tile costs byte
+    prefetch; STAGES as there). Prefetched codes are carried as int32 (an int8 loop-carried tile costs byte
     repacking instructions)."""
     G: tl.constexpr = BK // 32
     p, pid_n = tl.program_id(0), tl.program_id(1)
@@ -141,7 +148,7 @@ def _moe_gemv_group_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: t
         if GATED:
             q3 = tl.load(W3 + w_off, mask=m3, other=0).to(tl.int32)
             s3 = tl.load(S3 + s_off, mask=m2, other=0)
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         a = tl.load(A + a_off + k0).to(tl.float32)[None, :, :]                 # [1, G, 32]
         nk = tl.minimum(k0 + BK, K - BK) if PREFETCH else k0   # last prefetch: itself (L1)
         q1n = tl.load(W1 + w_off + nk, mask=m3, other=0)

@@ -64,7 +64,8 @@ def _gemv_groups(W, S, w_off, s_off, k0, n_ok, a_lo, a_hi):
 
 @triton.jit
 def _mx4_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
-                     GATED: tl.constexpr, LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     GATED: tl.constexpr, LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     STAGES: tl.constexpr = 1):
     """Pair p, rows [pid_n·BN, +BN) of expert idx[p]: GATED -> h [P, N], else out [P, N] (bf16).
     GATED reads x[p // TOPK], else A[p]. Tiles [BN, BK/32, 16] bytes (one 16-byte vector per
     row and group), group sums accumulated [BN, BK/32] across K, one cross-group sum at the end."""
@@ -83,7 +84,7 @@ def _mx4_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
     a_off = arow * K + rg[:, None] * 32 + 2 * rj[None, :]   # [G, 16] even inputs
     acc1 = tl.zeros((BN, G), dtype=tl.float32)
     acc3 = tl.zeros((BN, G), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         a_lo = tl.load(A + a_off + k0).to(tl.float32) * _TWO63
         a_hi = tl.load(A + a_off + k0 + 1).to(tl.float32) * _TWO63
         acc1 += _gemv_groups(W1, S1, w_off, s_off, k0, n_ok, a_lo, a_hi)
@@ -105,7 +106,8 @@ def _mx4_groups(b, s, a_lo, a_hi):
 
 @triton.jit
 def _mx4_gemv_prefetch_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
-                              LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                              LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                              STAGES: tl.constexpr = 1):
     """_mx4_gemv_kernel (variant "prefetch", as kernels.moe's): the next K tile's bytes and
     exponents are loaded (as int32) before this tile's math; the last tile reloads itself."""
     G: tl.constexpr = BK // 32
@@ -129,7 +131,7 @@ def _mx4_gemv_prefetch_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED
     if GATED:
         b3 = tl.load(W3 + w_off, mask=m3, other=0).to(tl.int32)
         s3 = tl.load(S3 + s_off, mask=m2, other=0)
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         a_lo = tl.load(A + a_off + k0).to(tl.float32) * _TWO63
         a_hi = tl.load(A + a_off + k0 + 1).to(tl.float32) * _TWO63
         nk = tl.minimum(k0 + BK, K - BK)                    # next tile (inputs)
@@ -194,7 +196,8 @@ def _nib_pair(w, q: tl.constexpr):
 
 @triton.jit
 def _mx4_gemv_word_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
-                          LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                          LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          STAGES: tl.constexpr = 1):
     """_mx4_gemv_kernel's contract (variant "word", CUDA cores): tiles [BN, BK/32, 4] int32
     words, each nibble decoded from the word by _nib_f32, FP32 products with x_(8j+i)·2^63,
     group sums times 2^63·2^(e-127) as in _gemv_groups."""
@@ -213,7 +216,7 @@ def _mx4_gemv_word_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl
     W1w, W3w = W1.to(tl.pointer_type(tl.int32)), W3.to(tl.pointer_type(tl.int32))
     acc1 = tl.zeros((BN, G), dtype=tl.float32)
     acc3 = tl.zeros((BN, G), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         w1 = tl.load(W1w + w_off + k0 // 8, mask=n_ok[:, None, None], other=0)
         w3 = w1
         if GATED:
@@ -295,7 +298,8 @@ def _mma_rows(x, R: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def _mx4_gemv_mma_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
                          LIMIT: tl.constexpr, F32: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr):
+                         BK: tl.constexpr,
+                         STAGES: tl.constexpr = 1):
     """_mx4_gemv_kernel's contract on the tensor cores (variant "mma"): per K tile BF16 dots
     [R, BK] x [BK, BN] (four, one per nibble pair), R = max(16, BK/32) rows, row r holding
     x·2^63 on group r's 32 inputs only (zero elsewhere), so row r of the FP32 product is group
@@ -317,7 +321,7 @@ def _mx4_gemv_mma_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.
     W1w, W3w = W1.to(tl.pointer_type(tl.int32)), W3.to(tl.pointer_type(tl.int32))
     acc1 = tl.zeros((R, BN), dtype=tl.float32)
     acc3 = tl.zeros((R, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         a0, a1, a2, a3 = _mma_rows(tl.load(A + a_off + k0), R, BK)
         acc1 += _mma_groups(W1w, S1, w_off, s_off, k0, n_ok, g_ok, a0, a1, a2, a3, F32, R, BN,
                             BK)

@@ -62,6 +62,8 @@ CASES = [
     (12, 512, dict(BN=4, BK=256, PREFETCH=True, MAGIC=True)),   # 2 steps double-buffered
     (20, 384, dict(variant="fma", BN=8, BK=256, MAGIC=True)),   # per-thread accumulators
     (7, 640, dict(variant="fma", BN=2, BK=128, num_warps=2)),
+    (20, 640, dict(BN=4, BK=128, STAGES=3, MAGIC=True)),        # 5 steps as a cp.async pipeline
+    (7, 384, dict(variant="fma", BN=2, BK=128, STAGES=4)),      # (a depth past the step count)
 ]
 
 

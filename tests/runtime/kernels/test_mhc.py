@@ -93,21 +93,35 @@ CASES = [(1, 64, None), (3, 256, None), (3, 256, 1), (17, 64, None), (17, 256, 3
          (3, 100, None), (130, 64, None), (130, 64, 3), (1, 4096, None), (1, 4096, 128)]
 
 
-@pytest.mark.parametrize("T,d,split", CASES)
-def test_hc_pre_matches_torch_reference(mhc, T, d, split):
-    gen = torch.Generator().manual_seed(T * 1000 + d)
+def pre_case(T: int, d: int, seed: int):
+    """hc_pre's inputs (X [T, S, d], fn, scale, base) and the torch reference's (post, M, u's
+    FP32 value before the bf16 cast, Σ|terms| of u)."""
+    gen = torch.Generator().manual_seed(seed)
     fn, scale, base = params((2 + S) * S, d, 3, gen)
     X = streams(T, d, gen)
     with one_thread():
         _, post_ref, M_ref = hyper.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
         pre = ref_pre_gates(X, fn, scale, base)
         u32, mag = ref_u_fp32(X, pre), ref_u_fp32(X.abs(), pre.abs())
-    u, post, M = mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS, split=split)
+    return (X, fn, scale, base), (post_ref, M_ref, u32, mag)
+
+
+def assert_pre_close(got, want) -> None:
+    """hc_pre's (u, post, M) against pre_case's reference: shapes, dtypes, test_mhc's bounds."""
+    (u, post, M), (post_ref, M_ref, u32, mag) = got, want
+    T, d = u32.shape
     assert u.shape == (T, d) and u.dtype == torch.bfloat16
     assert post.shape == (T, S) and M.shape == (T, S, S) and M.dtype == torch.float32
     assert rel_max(post, post_ref) < 2e-5, (T, d, rel_max(post, post_ref))
     assert rel_max(M, M_ref) < 2e-5, (T, d, rel_max(M, M_ref))
     assert ulps(u, u32, mag) <= 1, (T, d, ulps(u, u32, mag))
+
+
+@pytest.mark.parametrize("T,d,split", CASES)
+def test_hc_pre_matches_torch_reference(mhc, T, d, split):
+    args, want = pre_case(T, d, T * 1000 + d)
+    u, post, M = mhc.hc_pre(*args, ITERS, HC_EPS, NORM_EPS, split=split)
+    assert_pre_close((u, post, M), want)
     # M is (close to) doubly stochastic after 20 passes: a real property, not only a copy
     assert (M.sum(-2) - 1).abs().max() < 1e-4
 
@@ -175,22 +189,13 @@ TILED = [(200, 64, None), (130, 100, dict(BT=16, BK=16, split=3, BTU=4, BD=32)),
 
 @pytest.mark.parametrize("T,d,tile", TILED)
 def test_tiled_prefill_matches_torch_reference(mhc, T, d, tile):
-    gen = torch.Generator().manual_seed(T * 31 + d)
-    fn, scale, base = params((2 + S) * S, d, 3, gen)
-    X = streams(T, d, gen)
-    with one_thread():
-        _, post_ref, M_ref = hyper.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
-        pre = ref_pre_gates(X, fn, scale, base)
-        u32, mag = ref_u_fp32(X, pre), ref_u_fp32(X.abs(), pre.abs())
+    args, want = pre_case(T, d, T * 31 + d)
+    X, fn, scale, base = args
+    with one_thread():                                  # hc_head's reference: the first S rows
         m = hyper._mix_logits(X, fn[:S], NORM_EPS)
         pre_h = torch.sigmoid(m * scale[0] + base[:S]) + HC_EPS
         h32, hmag = ref_u_fp32(X, pre_h), ref_u_fp32(X.abs(), pre_h.abs())
-    u, post, M = mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS, prefill="tiled",
-                            tile=tile)
-    assert u.shape == (T, d) and post.shape == (T, S) and M.shape == (T, S, S)
-    assert rel_max(post, post_ref) < 2e-5, (T, d, rel_max(post, post_ref))
-    assert rel_max(M, M_ref) < 2e-5, (T, d, rel_max(M, M_ref))
-    assert ulps(u, u32, mag) <= 1, (T, d, ulps(u, u32, mag))
+    assert_pre_close(mhc.hc_pre(*args, ITERS, HC_EPS, NORM_EPS, prefill="tiled", tile=tile), want)
     h = mhc.hc_head(X, fn[:S].contiguous(), scale[:1], base[:S].contiguous(), HC_EPS, NORM_EPS,
                     prefill="tiled", tile=tile)
     assert h.shape == (T, d) and ulps(h, h32, hmag) <= 1, (T, d, ulps(h, h32, hmag))

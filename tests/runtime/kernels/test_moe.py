@@ -84,12 +84,15 @@ def test_sorted_dequant_modes_agree(kmoe):
 @pytest.mark.parametrize("variant", ["base", "group", "magic", "fma", "prefetch"])
 def test_decode_variants_match_reference(kmoe, variant):
     """Every decode GEMV variant (config "variant") at two tiles: a partial N block (D = 192 in
-    BN = 128 rows), BK fitted below the request (K = 192 -> 64, I = 64), 2 and 4 warps."""
+    BN = 128 rows), BK fitted below the request (K = 192 -> 64, I = 64), 2 and 4 warps, and
+    the K loop as a cp.async pipeline (STAGES 3: same math, the interpreter ignores the depth;
+    test_sm80.py compiles it)."""
     assert variant in kmoe.DECODE_VARIANTS
     E, D, I, k = 8, 192, 64, 4
     st, gen = experts(E, D, I, seed=21)
     with one_thread():
-        for T, cfg in ((1, dict(BN=32, BK=64)), (2, dict(BN=128, BK=256, num_warps=2))):
+        for T, cfg in ((1, dict(BN=32, BK=64)), (2, dict(BN=128, BK=256, num_warps=2)),
+                       (3, dict(BN=16, BK=64, STAGES=3))):            # K loop as a pipeline
             x = (torch.randn(T, D, generator=gen) * 4).bfloat16().to(DEV)
             idx, w = routing(T, k, E, gen)
             want = ref.moe_routed_ref(x, idx, w, *st, LIMIT)

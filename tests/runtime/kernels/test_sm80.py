@@ -78,10 +78,12 @@ def compile_all() -> list[dict]:
                   OUT="*bf16", N="i32", K="i32", TOPK="i32", SORTED="*i32", BLOCK_E="*i32",
                   P="i32", E="i32")
     # decode GEMV: the shipped config, and each variant at the default tile and at the sweep
-    # grid's most weights per thread (scripts/bench_kernels.py --moe-decode-sweep)
+    # grid's most weights per thread (scripts/bench_kernels.py --moe-decode-sweep), and a
+    # K loop pipelined 3 deep (STAGES, its cp.async buffers within the shared-memory bound)
     decode = [moe._decode_config(4096)] + [
-        dict(variant=v, BN=bn, BK=bk, num_warps=wp, num_stages=ns) for v in moe.DECODE_VARIANTS
-        for bn, bk, wp, ns in ((16, 512, 4, 2), (32, 512, 4, 2))]
+        dict(variant=v, BN=bn, BK=bk, num_warps=wp, num_stages=ns, STAGES=st)
+        for v in moe.DECODE_VARIANTS
+        for bn, bk, wp, ns, st in ((16, 512, 4, 2, 1), (32, 512, 4, 2, 1), (16, 256, 4, 3, 3))]
     for gated in (True, False):
         for dc in decode:
             kern, extra = moe._GEMV[dc["variant"]]
@@ -97,7 +99,7 @@ def compile_all() -> list[dict]:
 
 def test_every_kernel_config_compiles_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 18 + 2 * (1 + 2 * 5)            # 5 decode variants x 2 tiles
+    assert len(results) == 18 + 2 * (1 + 3 * 5)            # 5 decode variants x 3 tiles
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name

@@ -51,7 +51,7 @@ def compile_all() -> list[dict]:
         opts = dict(num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
         fn = gemv._gemv_kernel if cfg["variant"] == "cuda" else gemv._gemv_fma_kernel
         const = dict(QUANT=quant, MAGIC=bool(cfg.get("MAGIC")), EVEN_K=True, MP=mp,
-                     BN=cfg["BN"], BK=cfg["BK"])
+                     BN=cfg["BN"], BK=cfg["BK"], STAGES=cfg.get("STAGES", 1))
         if cfg["variant"] == "cuda":
             const.update(V8=bool(cfg.get("V8")), PREFETCH=bool(cfg.get("PREFETCH")))
         r = _compile(fn, types, const, opts, ("N", "K", "stride_xm"))
@@ -76,9 +76,11 @@ def test_gemv_compiles_for_sm80():
         assert r["shared"] <= SHARED_LIMIT, f"{name}: {r['shared']} B shared"
         assert not r["fp8"], name
         assert r["mma"] == [], name
-        if r["kernel"] == "_gemv_fma_kernel" or r["config"].get("V8") and r["config"]["QUANT"]:
+        if (r["kernel"] == "_gemv_fma_kernel" or r["config"].get("V8") and r["config"]["QUANT"]) \
+                and r["config"]["STAGES"] == 1:
             # only the cross-warp reduction scratch: 1 KB under Triton 3.9 (CI), 2 KB under the
             # device's 3.6 (H200 run, 2026-12-01); more would mean the weight tile went to smem
+            # (STAGES > 1 puts it there on purpose: cp.async buffers, bounded above)
             assert r["shared"] <= 2048, f"{name}: {r['shared']} B shared (a layout change?)"
         if r["config"]["QUANT"] and r["config"]["MAGIC"]:
             assert r["i2f"] == 0, f"{name}: MAGIC still converts with cvt"
