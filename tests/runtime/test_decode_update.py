@@ -128,8 +128,8 @@ def test_decode_update_kernel_paths(model_f32, kv_dtype, monkeypatch):
             comp.decode_update(bound["new"].layer(li), kind, c, z, pos_t, torch.bfloat16,
                                ape_added=False, head_w=hw if kind == "index" else None)
             if kind == "index":                                       # formed in the kernel
-                assert hw._w is not None
-                assert torch.equal(hw._w, hw.raw.to(torch.bfloat16).float() * 0.01)
+                assert hw.pending(torch.bfloat16) is None
+                assert torch.equal(hw.tensor(), hw.raw.to(torch.bfloat16).float() * 0.01)
             po, pn, pr = (bound[k].layer(li)._part(kind) for k in ("old", "new", "ref"))
             assert torch.equal(po.c, pn.c) and torch.equal(po.z, pn.z)
             assert torch.equal(pr.z, pn.z)                            # the same ape added

@@ -56,12 +56,22 @@ class ProjectedRows:
 
 class HeadWeights:
     """Indexer head weights w·weight_scale [T, Hl] FP32 from the fused projection's FP32
-    weights_proj output, not yet rounded to the act dtype (FUSED_DECODE): w[i] forms them on
-    first use (torch: round, upcast, scale); the decode step's indexer compressor kernel forms
-    them instead (Compressor.decode_update(head_w=...)), with no launch of their own."""
+    weights_proj output, not yet rounded to the act dtype (FUSED_DECODE). The decode step's
+    indexer compressor kernel forms them with no launch of their own (pending -> the kernel ->
+    formed, in Compressor.decode_update(head_w=...)); else w[i] forms them on first use (torch:
+    round, upcast, scale). Either way the same bits."""
 
     def __init__(self, raw: torch.Tensor, dtype: torch.dtype, scale: float):
         self.raw, self.dtype, self.scale, self._w = raw, dtype, scale, None
+
+    def pending(self, dtype: torch.dtype) -> tuple[torch.Tensor, float] | None:
+        """(raw [T, Hl] FP32, scale) for a kernel that rounds to `dtype` to form the weights;
+        None where that kernel may not: formed already, or `dtype` is not theirs."""
+        return None if self._w is not None or dtype != self.dtype else (self.raw, self.scale)
+
+    def formed(self, w: torch.Tensor) -> None:
+        """The kernel's result for pending()'s arguments: w [T, Hl] FP32, used from now on."""
+        self._w = w
 
     def tensor(self) -> torch.Tensor:
         if self._w is None:
@@ -157,10 +167,9 @@ class Compressor(nn.Module):
                 *cache.rows_pool(kind), self.norm.weight, self.norm.eps, self.rope.inv_freq,
                 self.rope.rope_dim, data, scale, cache.block_table(),
                 cache.scratch_block, m, self.overlap, D, dtype,
-                None if head_w is None or head_w._w is not None else
-                (head_w.raw, head_w.scale) if head_w.dtype == dtype else None)
+                None if head_w is None else head_w.pending(dtype))
             if wI is not None:
-                head_w._w = wI
+                head_w.formed(wI)
             return
         if not ape_added:
             z = z + self.ape[pos % m]
