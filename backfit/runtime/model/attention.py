@@ -180,12 +180,12 @@ class Attention(nn.Module):
         if comp is not None:
             if decode:                        # batched, no host sync (CUDA graphs)
                 icompressor = self.indexer.compressor if index is not None else None
-                for mod, kind, rows in ((self.compressor, "comp", comp),
-                                        (icompressor, "index", index and index[2])):
-                    if isinstance(rows, ProjectedRows):                # ape added in the kernel
-                        hw = index[1] if kind == "index" and isinstance(index[1], HeadWeights) \
-                            else None                                  # and the head weights
-                        rows.decode_update(cache, kind, pos, q.dtype, head_w=hw)
+                hw = index[1] if index is not None and isinstance(index[1], HeadWeights) else None
+                for mod, kind, rows, head_w in ((self.compressor, "comp", comp, None),
+                                                (icompressor, "index", index and index[2], hw)):
+                    if isinstance(rows, ProjectedRows):     # ape (and hw) formed in the kernel
+                        mod.decode_update(cache, kind, rows.c, rows.z_raw, pos, q.dtype,
+                                          ape_added=False, head_w=head_w)
                     elif rows is not None:
                         mod.decode_update(cache, kind, rows[0], rows[1], pos, q.dtype)
             for s in batch.slices() if not decode else ():

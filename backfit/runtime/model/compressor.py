@@ -34,7 +34,7 @@ FUSED_DECODE = True
 class ProjectedRows:
     """(c, z) of Attention's fused projection with the ape row still to add (FUSED_DECODE):
     rows[0] = c, rows[1] = z + ape[pos mod m] (formed on first use: prefill, mixed batches);
-    the decode step hands c and the raw z to decode_update(ape_added=False) instead."""
+    the decode step hands c and the raw z to Compressor.decode_update(ape_added=False) instead."""
 
     def __init__(self, comp: "Compressor", c: torch.Tensor, z_raw: torch.Tensor, pos: torch.Tensor):
         self.comp, self.c, self.z_raw, self.pos, self._z = comp, c, z_raw, pos, None
@@ -47,11 +47,6 @@ class ProjectedRows:
         if self._z is None:
             self._z = self.comp.with_ape(self.c, self.z_raw, self.pos)[1]
         return self._z
-
-    def decode_update(self, cache, kind: str, pos: torch.Tensor, dtype: torch.dtype,
-                      head_w: "HeadWeights | None" = None) -> None:
-        self.comp.decode_update(cache, kind, self.c, self.z_raw, pos, dtype, ape_added=False,
-                                head_w=head_w)
 
 
 class HeadWeights:
