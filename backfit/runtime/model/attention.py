@@ -77,11 +77,12 @@ class Attention(nn.Module):
                     self.indexer.weights_proj]
         self.fused_f32 = FusedProjection.fuse(f32) if f32 else None
 
-    def _project(self, x: torch.Tensor, pos: torch.Tensor):
+    def _project(self, x: torch.Tensor, pos: torch.Tensor, decode_step: bool = False):
         """x [T, d] -> wq_a x, wkv x (act dtype), compressor (c, z), indexer compressor (c, z)
         and weights_proj x (bf16-rounded, FP32), the last three None where the layer has none.
-        Fused projections with compressor.FUSED_DECODE: (c, z) are ProjectedRows and the weights
-        a HeadWeights, formed on use or inside the decode step's compressor kernels."""
+        decode_step (the paged kernels' decode step follows) with fused projections and
+        compressor.FUSED_DECODE: (c, z) are ProjectedRows (z without its ape row) and the weights
+        a HeadWeights, both formed inside the decode step's compressor kernels."""
         fused = kernel_path(x) and x.dtype == torch.bfloat16
         if fused and self.fused_a is not None:
             qa, kvx = self.fused_a(x)
@@ -90,13 +91,14 @@ class Attention(nn.Module):
         comp = icomp = wraw = None
         if fused and self.fused_f32 is not None:
             out = self.fused_f32(x, torch.float32)
-            rows = (ProjectedRows if compressor_mod.FUSED_DECODE       # ape: in the decode kernel
-                    else lambda m, c, z, p: m.with_ape(c, z, p))
-            comp = rows(self.compressor, out[0], out[1], pos)
+            defer = decode_step and compressor_mod.FUSED_DECODE      # ape, weights: in the kernel
+            rows = ((lambda m, c, z: ProjectedRows(c, z)) if defer
+                    else lambda m, c, z: m.with_ape(c, z, pos))
+            comp = rows(self.compressor, out[0], out[1])
             if self.indexer is not None:
-                icomp = rows(self.indexer.compressor, out[2], out[3], pos)
-                wraw = (HeadWeights(out[4], x.dtype, self.indexer.weight_scale)   # rounded later
-                        if compressor_mod.FUSED_DECODE else out[4].to(x.dtype))  # as weights_proj
+                icomp = rows(self.indexer.compressor, out[2], out[3])
+                wraw = (HeadWeights(out[4], x.dtype, self.indexer.weight_scale) if defer
+                        else out[4].to(x.dtype))                     # as weights_proj(x)
         else:
             if self.compressor is not None:
                 comp = self.compressor.project(x, pos)
@@ -109,7 +111,8 @@ class Attention(nn.Module):
         """x [T, d] (normed attention input) -> [T, d]; cache: this layer's, bound to the batch."""
         T, pos = x.shape[0], batch.positions
         Hl, D = self.local_heads, self.cfg.head_dim
-        qa, kvx, comp, icomp, wraw = self._project(x, pos)
+        paged = get_kernel_backend() == "triton" and hasattr(cache, "block_table")  # paged pools
+        qa, kvx, comp, icomp, wraw = self._project(x, pos, paged and T == len(batch.seq_lens))
         qr = self.q_norm(qa)                                          # [T, q_lora]; indexer input too
         q = self.wq_b(qr).view(T, Hl, D)
         if kernel_path(q):              # norm + RoPE in one launch each (kernels.rope_norm)
@@ -125,7 +128,7 @@ class Attention(nn.Module):
             kv = self.rope(self.kv_norm(kvx), pos)                    # [T, D]
         if self.indexer is not None:
             qI, wI = self.indexer.queries(qr, wraw, pos)
-        if get_kernel_backend() == "triton" and hasattr(cache, "block_table"):  # paged pools
+        if paged:
             o = self._kernels(q, kv, pos, batch, cache, comp,
                               (qI, wI, icomp) if self.indexer is not None else None)
             return self._output(o, pos, x.dtype)

@@ -32,29 +32,20 @@ FUSED_DECODE = True
 
 
 class ProjectedRows:
-    """(c, z) of Attention's fused projection with the ape row still to add (FUSED_DECODE):
-    rows[0] = c, rows[1] = z + ape[pos mod m] (formed on first use: prefill, mixed batches);
-    the decode step hands c and the raw z to Compressor.decode_update(ape_added=False) instead."""
+    """(c, z) of Attention's fused projection for the decode step (FUSED_DECODE): c and the raw
+    z [B, width] FP32, ape[pos mod m] still to add; Compressor.decode_update(ape_added=False)
+    adds it inside its kernel. A marker, not (c, z): z_raw is not the z that `update` takes."""
 
-    def __init__(self, comp: "Compressor", c: torch.Tensor, z_raw: torch.Tensor, pos: torch.Tensor):
-        self.comp, self.c, self.z_raw, self.pos, self._z = comp, c, z_raw, pos, None
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        if i == 0:
-            return self.c
-        if i != 1:
-            raise IndexError(f"ProjectedRows: index {i} (0 = c, 1 = z)")
-        if self._z is None:
-            self._z = self.comp.with_ape(self.c, self.z_raw, self.pos)[1]
-        return self._z
+    def __init__(self, c: torch.Tensor, z_raw: torch.Tensor):
+        self.c, self.z_raw = c, z_raw
 
 
 class HeadWeights:
     """Indexer head weights w·weight_scale [T, Hl] FP32 from the fused projection's FP32
-    weights_proj output, not yet rounded to the act dtype (FUSED_DECODE). The decode step's
-    indexer compressor kernel forms them with no launch of their own (pending -> the kernel ->
-    formed, in Compressor.decode_update(head_w=...)); else w[i] forms them on first use (torch:
-    round, upcast, scale). Either way the same bits."""
+    weights_proj output, not yet rounded to the act dtype (FUSED_DECODE, the decode step): the
+    indexer compressor's kernel forms them with no launch of their own (pending -> the kernel ->
+    formed, in Compressor.decode_update(head_w=...)); where no kernel did, w[i] forms them on
+    first use (torch: round, upcast, scale). Either way the same bits."""
 
     def __init__(self, raw: torch.Tensor, dtype: torch.dtype, scale: float):
         self.raw, self.dtype, self.scale, self._w = raw, dtype, scale, None

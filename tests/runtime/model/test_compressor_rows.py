@@ -1,9 +1,11 @@
 """The fused projection's deferred compressor inputs (model.compressor.ProjectedRows, HeadWeights)
-and how the decode step hands them on: Compressor.decode_update passes HeadWeights.pending() to
-kernels.cache_ops.compress_decode_fused and gives the kernel's weights back through formed();
-Attention._kernels passes the raw rows (ape_added=False) and the indexer's head weights to it.
-The kernel itself is stubbed here (its values: tests/runtime/test_decode_update.py,
-tests/runtime/kernels/test_cache_ops.py); these tests check what is passed, in plain torch.
+and how the decode step hands them on. Attention._project defers them on the paged decode step
+only (prefill and mixed batches get z + ape and the rounded weights at once, the same bits);
+Attention._kernels passes the raw rows (ape_added=False) and the indexer's head weights to
+Compressor.decode_update, which passes HeadWeights.pending() to
+kernels.cache_ops.compress_decode_fused and gives the kernel's weights back through formed().
+Projections and the kernel are stubbed here (the kernel's values: tests/runtime/
+test_decode_update.py, tests/runtime/kernels/test_cache_ops.py): what is passed, in plain torch.
 """
 
 from __future__ import annotations
@@ -41,16 +43,65 @@ def test_head_weights_pending_formed_and_torch_forming():
     assert lazy.pending(torch.bfloat16) is None and lazy.tensor() is lazy.tensor()
 
 
-def test_projected_rows_add_ape_once_on_use():
-    comp = cm.Compressor(16, 8, 4, True, 1e-6, Rotary(4, 10000.0, None))
-    comp.ape.normal_(generator=torch.Generator().manual_seed(2))
-    c, z, pos = torch.randn(5, 16), torch.randn(5, 16), torch.tensor([0, 3, 4, 9, 30])
-    rows = cm.ProjectedRows(comp, c, z, pos)
-    assert rows[0] is c
-    assert torch.equal(rows[1], comp.with_ape(c, z, pos)[1]) and rows[1] is rows[1]
-    assert not torch.equal(rows[1], z)                        # the ape row was really added
-    with pytest.raises(IndexError, match="0 = c, 1 = z"):
-        rows[2]
+def _csa_attention(monkeypatch):
+    """A CSA (ratio 4) Attention of the tiny config on the triton path (CPU tensors admitted),
+    its fused projections stubbed: fixed outputs, no kernel. -> (attn, fused FP32 outputs)."""
+    monkeypatch.setattr(kpkg, "_backend", "triton")
+    monkeypatch.setattr(kpkg, "_ANY_DEVICE", True)          # CPU tensors stand for CUDA ones
+    attn = Attention(ModelConfig.from_dict(tiny_config_dict()), 4)
+    g = torch.Generator().manual_seed(3)
+    for comp in (attn.compressor, attn.indexer.compressor):
+        comp.ape.normal_(generator=g)
+    widths = [attn.compressor.wkv.out_features] * 2 + [attn.indexer.compressor.wkv.out_features] \
+        * 2 + [attn.indexer.weights_proj.out_features]
+    out = tuple(torch.randn(2, n, generator=g) for n in widths)
+    qa = torch.randn(2, attn.wq_a.out_features, generator=g).bfloat16()
+    kvx = torch.randn(2, attn.wkv.out_features, generator=g).bfloat16()
+    iq = attn.indexer.wq_b                                    # Indexer.queries' projection
+    iq.load("copy", torch.zeros(iq.out_features, iq.in_features))
+    attn.fused_a = lambda x: (qa, kvx)
+    attn.fused_f32 = lambda x, dtype: out
+    return attn, out
+
+
+def test_project_defers_ape_and_head_weights_to_the_decode_step_only(tp1_process, monkeypatch):
+    """decode_step: the raw rows and weights (ProjectedRows, HeadWeights); else (prefill, mixed
+    batches, FUSED_DECODE off) the ape row added and the weights rounded at once, the same bits
+    as the deferred forms give when torch forms them."""
+    attn, out = _csa_attention(monkeypatch)
+    x, pos = torch.zeros(2, attn.cfg.hidden_size, dtype=torch.bfloat16), torch.tensor([6, 13])
+    _, _, comp, icomp, w = attn._project(x, pos, decode_step=True)
+    assert isinstance(comp, cm.ProjectedRows) and isinstance(icomp, cm.ProjectedRows)
+    assert comp.c is out[0] and comp.z_raw is out[1] and icomp.c is out[2] and icomp.z_raw is out[3]
+    assert isinstance(w, cm.HeadWeights) and w.raw is out[4] and w.dtype == torch.bfloat16
+    assert w.scale == attn.indexer.weight_scale
+    for step, fused_decode in ((False, True), (True, False)):
+        monkeypatch.setattr(cm, "FUSED_DECODE", fused_decode)
+        _, _, comp, icomp, wraw = attn._project(x, pos, decode_step=step)
+        for rows, mod, c, z in ((comp, attn.compressor, out[0], out[1]),
+                                (icomp, attn.indexer.compressor, out[2], out[3])):
+            assert rows[0] is c and torch.equal(rows[1], mod.with_ape(c, z, pos)[1])
+            assert not torch.equal(rows[1], z)                # the ape row was really added
+        _, wI = attn.indexer.queries(torch.zeros(2, attn.cfg.q_lora_rank), wraw, pos)
+        assert torch.equal(wI, cm.HeadWeights(out[4], torch.bfloat16, w.scale).tensor())
+
+
+@pytest.mark.parametrize("lens,paged,want", [([1, 1], True, True), ([2], True, False),
+                                             ([1, 1], False, False)])
+def test_forward_asks_for_the_deferred_forms_on_the_paged_decode_step(
+        tp1_process, monkeypatch, lens, paged, want):
+    attn, _ = _csa_attention(monkeypatch)
+    asked = []
+
+    def project(x, pos, decode_step=False):
+        asked.append(decode_step)
+        raise _Stop
+    monkeypatch.setattr(attn, "_project", project)
+    batch = type("B", (), {"positions": torch.tensor([4, 9]), "seq_lens": lens})()
+    cache = _RingCache() if not paged else type("P", (_RingCache,), {"block_table": None})()
+    with pytest.raises(_Stop):
+        attn.forward(torch.zeros(2, attn.cfg.hidden_size, dtype=torch.bfloat16), batch, cache)
+    assert asked == [want]
 
 
 class _Cache:
@@ -125,8 +176,7 @@ def test_attention_decode_step_hands_on_raw_rows_and_head_weights(tp1_process, m
     pos = torch.tensor([5, 9])
     c, z, ic, iz, w = (torch.randn(2, 4) for _ in range(5))
     if fused:
-        comp = cm.ProjectedRows(attn.compressor, c, z, pos)
-        icomp = cm.ProjectedRows(attn.indexer.compressor, ic, iz, pos)
+        comp, icomp = cm.ProjectedRows(c, z), cm.ProjectedRows(ic, iz)
         wI = cm.HeadWeights(w, torch.bfloat16, SCALE)
     else:
         comp, icomp, wI = (c, z), (ic, iz), w
