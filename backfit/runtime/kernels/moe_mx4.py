@@ -110,8 +110,12 @@ def _mx4_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
 # fused best mma BN32 BK512 w2 s2 57.4 us (M=2/4/8 101.5/163.3/312.2 vs int8 106.4/191.7/365.0);
 # split M<=2 word BN16 BK1024 w4 s2 gate/up + mma BN32 BK512 w2 s2 down 56.1 us. The fused mma
 # tile is the default since session 8 (one config for both launches, every M measured faster
-# than int8's best; the old base tiles: 79.4 us at M = 1).
-DECODE_TABLE = ((DECODE_PAIRS, dict(variant="mma", BN=32, BK=512, num_warps=2, num_stages=2)),)
+# than int8's best; the old base tiles: 79.4 us at M = 1). Session 10 (`bench_kernels.py
+# --moe-decode-sweep --pipe`, H200, Triton 3.6): the same tile with its K loop as a 3-deep cp.async
+# pipeline (STAGES 3, num_stages 3) 63.7 -> 54.9 us at M = 1, 118.7 / 187.7 / 355.3 -> 95.8 /
+# 160.1 / 301.6 at M = 2 / 4 / 8, against int8's best 59.4 / 105.4 / 192.9 / 362.8 in that run.
+DECODE_TABLE = ((DECODE_PAIRS, dict(variant="mma", BN=32, BK=512, num_warps=2, num_stages=3,
+                                    STAGES=3)),)
 DECODE_VARIANTS = ("base", "prefetch", "word", "mma")
 
 

@@ -65,7 +65,8 @@ def compile_all() -> list[dict]:
                                 (False, 512, "mma", (64, 256, 4, 3))):
         dc = dict(moe_mx4._decode_config(k), variant=var)
         if tile:
-            dc.update(BN=tile[0], BK=tile[1], num_warps=tile[2], num_stages=tile[3])
+            dc.update(BN=tile[0], BK=tile[1], num_warps=tile[2], num_stages=tile[3],
+                      STAGES=1)                 # the sweep grid's tiles: plain K loops
         kern, extra = moe_mx4._GEMV4[var]
         extra = {**extra, **({"F32": False} if "F32" in extra else {})}   # compiled: BF16 MMA
         cfg, opts = _split(dc)
