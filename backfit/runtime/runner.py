@@ -76,7 +76,8 @@ class StepInput:
 
 @dataclass
 class StepOutput:
-    logits: torch.Tensor | None              # [num sample seqs, V] FP32, in step order
+    logits: torch.Tensor | None              # [num sample seqs, V] FP32, in step order (a graph
+    #                                          replay: a view, valid until the next forward)
     all_logits: dict[int, torch.Tensor] = field(default_factory=dict)   # seq_id -> [n, V]
 
 

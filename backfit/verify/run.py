@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -176,15 +177,23 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
                  kv_cache_dtype, "kernels": kernels, "chunk": chunk}
         print(f"runtime on paged pools: kv cache {paged['kv_cache_dtype']}, kernels "
               f"{kernels or 'torch'}, prefill chunks of {chunk}", file=out)
-    ref = _reference_pass(original, seqs, torch.float32, reference_device)
-    got = run_on_ranks(_runtime_pass, tp, (str(converted), seqs, activations, device, paged),
-                       device)
+    def timed(what: str, fn, *a):                  # long runs say where the time goes
+        t = time.perf_counter()
+        r = fn(*a)
+        print(f"  {what}: {time.perf_counter() - t:.1f} s", file=out, flush=True)
+        return r
+
+    ref = timed(f"reference pass (float32, {reference_device})", _reference_pass, original,
+                seqs, torch.float32, reference_device)
+    got = timed(f"runtime pass ({activations}, {device}, tp {tp})", run_on_ranks, _runtime_pass,
+                tp, (str(converted), seqs, activations, device, paged), device)
     lossless = manifest["schemes"]["linears"] == manifest["schemes"]["experts"] == "bf16" \
         and (paged is None or paged["kv_cache_dtype"] != "int8")
     kind = "precision" if activations == "bfloat16" else ("semantics" if lossless else "conversion")
     floor, floor_rel = None, None
     if kind == "precision":
-        ref16 = _reference_pass(original, seqs, torch.bfloat16, reference_device)
+        ref16 = timed(f"reference pass (bfloat16, {reference_device})", _reference_pass,
+                      original, seqs, torch.bfloat16, reference_device)
         floor = logit_metrics(ref16["logits"], ref["logits"])
         floor_rel = [tensor_metrics(h, r)["rel"] for h, r in zip(ref16["hidden"], ref["hidden"])]
     rows = [(f"layer {i}", tensor_metrics(g, r)) for i, (g, r) in enumerate(zip(got["hidden"], ref["hidden"]))]
