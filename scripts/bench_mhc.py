@@ -30,6 +30,7 @@ import json
 import time
 
 import torch
+import triton
 
 from backfit.runtime.kernels import mhc
 from backfit.runtime.model import hyper
@@ -199,18 +200,63 @@ def decode_case(T, bw, gen, device="cuda", d=D, pairs=PAIRS, timer=graph_time):
     return rows
 
 
+# --collapse: hc_pre_async's critical launch alone (gates + u + RMSNorm from a ready PART, no
+# Sinkhorn) at (warps, d block); bd >= d is the one-pass form. mhc_decode.COLLAPSE_U holds the
+# default, collapse_config(T) (4 warps / 1024 at T <= 4) the tile it had before session 10.
+COLLAPSE_CANDIDATES = [(4, 1024), (4, 2048), (8, 2048), (2, 4096), (4, 4096), (8, 4096),
+                       (16, 4096)]
+
+
+def collapse_case(T, gen, device="cuda", d=D, pairs=PAIRS, timer=graph_time):
+    """Rows: µs per critical collapse at T tokens for each candidate, and the normed u's error
+    against the torch reference (hyper.hc_pre + RMSNorm in FP32)."""
+    from backfit.runtime.kernels import mhc_decode
+    n_out = (2 + S) * S
+    scale = torch.randn(3, generator=gen).to(device)
+    base = torch.randn(n_out, generator=gen).to(device)
+    w = torch.rand(d, generator=gen).to(device) + 0.5
+    sets = []
+    for _ in range(pairs):
+        X = (torch.randn(T, S, d, device=device) * 3).bfloat16()
+        fn = torch.randn(n_out, S * d, device=device) * 0.02
+        part = mhc._partials(X, fn, triton.next_power_of_2(n_out + 1), None)
+        outs = (torch.empty(T, d, dtype=X.dtype, device=device),
+                torch.empty(T, S, device=device), torch.empty(T, S, S, device=device))
+        sets.append((X, fn, part, outs))
+    X, fn = sets[0][:2]
+    u, _, _ = hyper.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
+    uf = u.float()
+    want = uf * torch.rsqrt(uf.square().mean(-1, keepdim=True) + RMS_EPS) * w
+    rows = []
+    for warps, bd in COLLAPSE_CANDIDATES:
+        def call(z, warps=warps, bd=bd):
+            X, fn, part, outs = z
+            return mhc_decode._collapse_norm(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS, False,
+                                             (w, RMS_EPS), part, warps, bd, outs=outs)[0]
+        err = rel_max(call(sets[0]), want)
+        t = timer(lambda call=call: [call(z) for z in sets]) / pairs
+        rows.append(dict(kind="collapse", T=T, warps=warps, bd=bd, us=t * 1e6, un_err=err))
+        print(f"collapse T {T:3d} warps {warps:2d} bd {bd:5d}{' one pass' if bd >= d else ''}"
+              f" {t * 1e6:7.2f} us  normed u err {err:.1e}", flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_mhc.json")
     ap.add_argument("--quick", action="store_true", help="three tiled candidates only")
     ap.add_argument("--decode", action="store_true",
                     help="the decode pair (old 4 launches vs mhc_decode's 2) instead of prefill")
+    ap.add_argument("--collapse", action="store_true",
+                    help="hc_pre_async's critical collapse launch alone, at T = 1, 2, 4, 8")
     args = ap.parse_args()
     t0 = time.time()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s on {torch.cuda.get_device_name()}", flush=True)
     gen = torch.Generator().manual_seed(0)
-    if args.decode:
+    if args.collapse:
+        rows = [r for T in (1, 2, 4, 8) for r in collapse_case(T, gen)]
+    elif args.decode:
         rows = [r for T in (1, 8, 63) for r in decode_case(T, bw, gen)]
     else:
         rows = [r for T in (128, 1024, 8192) for kind in ("hc_pre", "hc_head")

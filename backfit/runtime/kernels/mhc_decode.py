@@ -39,7 +39,7 @@ import triton.language as tl
 from backfit.runtime.kernels import mhc
 from backfit.runtime.kernels.mhc import _post_comb, _pre_gates, _sinkhorn
 
-__all__ = ["COLLAPSE", "DECODE_FUSED", "SINKHORN_STREAM", "collapse_config", "hc_head",
+__all__ = ["COLLAPSE", "COLLAPSE_U", "DECODE_FUSED", "SINKHORN_STREAM", "collapse_config", "hc_head",
            "hc_post", "hc_pre", "hc_pre_async", "post_bd"]
 
 DECODE_FUSED = True     # False: the model's decode path falls back to mhc's 4 launches
@@ -55,9 +55,17 @@ COLLAPSE = ((4, dict(warps=4, bd=1024, scalar=False)),
             (None, dict(warps=8, bd=4096, scalar=False)))
 
 
-def collapse_config(T: int) -> dict:
-    """COLLAPSE's row for T tokens."""
-    return next(c for t, c in COLLAPSE if t is None or T <= t)
+# hc_pre_async's critical launch (gates + u + RMSNorm, no Sinkhorn) by token count: (largest T,
+# warps, d block); bd >= d runs one pass (ONE_PASS: X[t] loaded once). Session 10 prediction
+# for T = 1 (the Sinkhorn chain, whose barriers made more warps lose, is on the side launch):
+# 8 warps, one [4, 4096] tile, 6.4 -> ~4.5 us (bench_mhc.py --collapse measures it).
+COLLAPSE_U = ((4, dict(warps=8, bd=4096)),
+              (None, dict(warps=8, bd=4096)))
+
+
+def collapse_config(T: int, table=COLLAPSE) -> dict:
+    """COLLAPSE's (or `table`'s) row for T tokens."""
+    return next(c for t, c in table if t is None or T <= t)
 
 
 @triton.jit
@@ -152,10 +160,12 @@ def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, i
                           norm_eps, rms_eps, S: tl.constexpr, NOUT: tl.constexpr,
                           NP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
                           SINKHORN: tl.constexpr, NORM: tl.constexpr, SCALAR: tl.constexpr,
-                          UOUT: tl.constexpr = True):
+                          UOUT: tl.constexpr = True, ONE_PASS: tl.constexpr = False):
     """Token t: gates (and Sinkhorn M) from PART once, u[t] = Σ_s pre_s X[t, s] (bf16) over d;
     NORM: U = rmsnorm(u)·W instead of u. SCALAR (S = 4): the Sinkhorn on 16 per-thread scalars
-    (_sinkhorn4) instead of [S, S] tensor reductions."""
+    (_sinkhorn4) instead of [S, S] tensor reductions. ONE_PASS (BD >= D): X[t] is one tile,
+    loaded once and kept for the output (the same ops as the two passes at that BD, so the same
+    bits; the second pass's loads were a dependent round trip on the critical path)."""
     t = tl.program_id(0).to(tl.int64)
     rs = tl.arange(0, S)
     ri = tl.arange(0, SP)                                        # splits, padded to SP
@@ -173,7 +183,18 @@ def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, i
         else:
             m = _sinkhorn(c, iters, hc_eps)
             tl.store(MOUT + t * S * S + rs[:, None] * S + rs[None, :], m)
-    if UOUT:                                                     # False: post and M only
+    if UOUT and ONE_PASS:
+        rd = tl.arange(0, BD)
+        d_ok = rd < D
+        x = tl.load(X + (t * S + rs[:, None]) * D + rd[None, :], mask=d_ok[None, :],
+                    other=0.0).to(tl.float32)
+        u = tl.sum(pre[:, None] * x, axis=0)                     # [BD] from [S, BD]
+        if NORM:
+            u = u.to(U.dtype.element_ty).to(tl.float32)
+            u = u * tl.math.rsqrt(tl.sum(u * u, axis=0) / D + rms_eps)
+            u = u * tl.load(W + rd, mask=d_ok, other=0.0)
+        tl.store(U + t * D + rd, u.to(U.dtype.element_ty), mask=d_ok)
+    elif UOUT:                                                   # False: post and M only
         xrow = X + (t * S + rs[:, None]) * D                     # [S] stream rows
         inv = 1.0
         if NORM:                                                 # pass 1: Σ u² of the bf16 u
@@ -243,7 +264,7 @@ def _collapse_norm(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, norm, 
         float(hc_eps), float(norm_eps), float(eps), S=S, NOUT=n_out, NP=NP,
         SP=triton.next_power_of_2(split), BD=bd,
         SINKHORN=sinkhorn, NORM=norm is not None, SCALAR=scalar and S == 4, UOUT=uout,
-        num_warps=warps)
+        ONE_PASS=bd >= d, num_warps=warps)
     return u, post, M
 
 
@@ -270,7 +291,8 @@ def hc_pre_async(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     if SINKHORN_STREAM and X.is_cuda and T:
         from backfit.runtime.streams import fork
         side = fork(X.device, "mhc")                            # PART is queued: fork here
-    _collapse_norm(*args, False, norm, part, None, None, outs=outs)          # gates + u
+    cu = collapse_config(T, COLLAPSE_U)
+    _collapse_norm(*args, False, norm, part, cu["warps"], cu["bd"], outs=outs)  # gates + u
     if side is None:
         _collapse_norm(*args, True, None, part, None, None, uout=False, outs=outs)
         return (*outs, None)

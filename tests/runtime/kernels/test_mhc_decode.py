@@ -160,9 +160,9 @@ def test_two_launches_per_pair_and_bad_input(mods, monkeypatch):
 
 @pytest.mark.parametrize("T,d", [(1, 64), (5, 256)])
 def test_pre_async_equals_pre(mods, T, d):
-    """hc_pre_async's two launches (gates + u + norm; post + M) write what hc_pre's one writes,
-    bit for bit (the same ops per output); on CUDA post / M come from the side stream (joined
-    here), elsewhere nothing is pending."""
+    """hc_pre_async's two launches (gates + u + norm at COLLAPSE_U's tile; post + M) write what
+    hc_pre's one writes at those tiles, bit for bit (the same ops per output); on CUDA post / M
+    come from the side stream (joined here), elsewhere nothing is pending."""
     _, dec = mods
     gen = torch.Generator().manual_seed(T + d)
     fn, scale, base = params((2 + S) * S, d, 3, gen)
@@ -172,14 +172,18 @@ def test_pre_async_equals_pre(mods, T, d):
     post0, M0 = torch.rand(T, S, generator=gen).to(DEV), torch.rand(T, S, S, generator=gen).to(DEV)
     with one_thread():
         Y, part = dec.hc_post(f, X, post0, M0, next_fn=fn)
+        cu = dec.collapse_config(T, dec.COLLAPSE_U)          # the critical launch's own tile
         for norm, p in (((w, RMS_EPS), part), (None, None)):
             want = dec.hc_pre(Y, fn, scale, base, ITERS, HC_EPS, NORM_EPS, norm=norm, part=p)
+            want_u = dec.hc_pre(Y, fn, scale, base, ITERS, HC_EPS, NORM_EPS, norm=norm, part=p,
+                                warps=cu["warps"], bd=cu["bd"])[0]
             *got, wait = dec.hc_pre_async(Y, fn, scale, base, ITERS, HC_EPS, NORM_EPS, norm=norm,
                                           part=p)
             assert (wait is None) == (DEV == "cpu")
             if wait is not None:
                 torch.cuda.current_stream().wait_event(wait[0])
-            assert all(torch.equal(a, b) for a, b in zip(got, want)), norm is None
+            assert torch.equal(got[0], want_u), norm is None
+            assert all(torch.equal(a, b) for a, b in zip(got[1:], want[1:])), norm is None
 
 
 def test_decode_kernels_switch(mods, monkeypatch):
@@ -264,7 +268,12 @@ def test_gpu_decode_pair_real_shapes_graph_capturable(mods):
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(out, eager)), T
         assert all(torch.equal(a, b) for a, b in zip(out_a, eager_a)), T
-        assert all(torch.equal(a, b) for a, b in zip(eager_a[:4], eager)), T      # = hc_pre
+        cu = dec.collapse_config(T, dec.COLLAPSE_U)            # = hc_pre (u at its own tile)
+        _, part = dec.hc_post(f, X, post, M, next_fn=fn)
+        assert torch.equal(eager_a[1], dec.hc_pre(eager[0], fn, scale, base, ITERS, HC_EPS,
+                                                  NORM_EPS, norm=(w, RMS_EPS), part=part,
+                                                  warps=cu["warps"], bd=cu["bd"])[0]), T
+        assert all(torch.equal(eager_a[i], eager[i]) for i in (0, 2, 3)), T
         assert torch.equal(eager_a[4], dec.hc_post(f, eager[0], eager[2], eager[3])), T
         Y = eager[0]
         u_ref, post_ref, M_ref = hyper.hc_pre(Y, fn, scale, base, ITERS, HC_EPS, NORM_EPS)

@@ -77,14 +77,18 @@ def compile_all() -> list[dict]:
                                               (False, True, 4096 // bd1, 4, 1024, False)):
         out.append(_compile(mhc_decode._collapse_norm_kernel, norm_types,
                             dict(S=4, NOUT=24 if sinkhorn else 4, NP=32 if sinkhorn else 8, SP=sp,
-                                 BD=bd, SINKHORN=sinkhorn, NORM=norm, SCALAR=scalar),
+                                 BD=bd, SINKHORN=sinkhorn, NORM=norm, SCALAR=scalar,
+                                 ONE_PASS=bd >= 4096),
                             dict(num_warps=w, num_stages=1), ("D", "K")))
-    # hc_pre_async's two launches at T = 1: gates + u + norm (no Sinkhorn), post + M (no u)
-    for sinkhorn, norm, uout in ((False, True, True), (True, False, False)):
+    # hc_pre_async's two launches at T = 1: gates + u + norm (no Sinkhorn) at COLLAPSE_U's tile,
+    # post + M (no u) at COLLAPSE's
+    cu, cp = mhc_decode.collapse_config(1, mhc_decode.COLLAPSE_U), mhc_decode.collapse_config(1)
+    for sinkhorn, norm, uout, c in ((False, True, True, cu), (True, False, False, cp)):
         out.append(_compile(mhc_decode._collapse_norm_kernel, norm_types,
-                            dict(S=4, NOUT=24, NP=32, SP=4096 // bd1, BD=1024, SINKHORN=sinkhorn,
-                                 NORM=norm, SCALAR=False, UOUT=uout),
-                            dict(num_warps=4, num_stages=1), ("D", "K")))
+                            dict(S=4, NOUT=24, NP=32, SP=4096 // bd1, BD=c["bd"],
+                                 SINKHORN=sinkhorn, NORM=norm, SCALAR=False, UOUT=uout,
+                                 ONE_PASS=uout and c["bd"] >= 4096),
+                            dict(num_warps=c["warps"], num_stages=1), ("D", "K")))
     a16 = dict(X="*bf16", W="*i8", S="*fp32", Y="*fp32", WS="*fp32", LOCK="*i32", M="i32",
                N="i32", K="i32", stride_xm="i32", K_SPLIT="i32")
     # head (bf16 weight, vocab shard x 4096) at decode; router / compressor sizes, int8 at prefill
