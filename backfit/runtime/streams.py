@@ -5,6 +5,9 @@ most of its kernels fill a few SMs for 2-10 µs, so two chains overlap almost fo
 Users (triton path on CUDA only; the torch path and CPU never fork):
   model.moe       the shared expert (3 launches) beside the router and the routed launches;
                   the combine joins it (kernels.moe.fused_moe shared_ready)
+  model.attention the decode step's compressor update ("comp", HCA / CSA) and the CSA indexer
+                  chain ("index": queries, its compressor, scores, top-k) beside the query
+                  path (q_norm, wq_b, RoPE); decode attention joins both
   kernels.mhc_decode  the Sinkhorn of hc_pre (post, M: read only by the hc_post after the
                   sub-layer) beside the critical u + RMSNorm launch; hc_post joins it
 Rules that keep the caching allocator safe without record_stream (which graph capture does not
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["side_stream", "fork"]
+__all__ = ["beside", "fork", "side_stream"]
 
 _SIDE: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
@@ -37,3 +40,15 @@ def fork(device: torch.device, name: str) -> torch.cuda.Stream:
     side = side_stream(device, name)
     side.wait_stream(torch.cuda.current_stream(device))
     return side
+
+
+def beside(device: torch.device, name: str, fn):
+    """fn() queued on the side stream `name` after everything the current stream has queued ->
+    (its result, an event recorded after it). The caller waits for the event before it reads the
+    result or anything fn wrote (the rules above)."""
+    side = fork(device, name)
+    with torch.cuda.stream(side):
+        out = fn()
+        done = torch.cuda.Event()
+        done.record(side)
+    return out, done

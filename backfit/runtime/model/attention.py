@@ -27,7 +27,11 @@ from backfit.runtime.layers import (ColumnParallelLinear, FusedProjection, Linea
 from backfit.runtime.model import compressor as compressor_mod
 from backfit.runtime.model.compressor import Compressor, HeadWeights, Indexer, ProjectedRows
 
-__all__ = ["Attention", "layer_rotary"]
+__all__ = ["Attention", "SIDE_STREAMS", "layer_rotary"]
+
+# The paged decode step on CUDA (triton path): the compressor update and the CSA indexer chain
+# run on side streams beside the query path (runtime/streams.py); False: all in order.
+SIDE_STREAMS = True
 
 
 def layer_rotary(cfg: ModelConfig, ratio: int) -> Rotary:
@@ -112,8 +116,19 @@ class Attention(nn.Module):
         T, pos = x.shape[0], batch.positions
         Hl, D = self.local_heads, self.cfg.head_dim
         paged = get_kernel_backend() == "triton" and hasattr(cache, "block_table")  # paged pools
-        qa, kvx, comp, icomp, wraw = self._project(x, pos, paged and T == len(batch.seq_lens))
+        decode_step = paged and T == len(batch.seq_lens)
+        qa, kvx, comp, icomp, wraw = self._project(x, pos, decode_step)
+        side = None                     # (events, sel) of the chains queued beside the q path
+        if decode_step and SIDE_STREAMS and comp is not None and x.is_cuda and kernel_path(x):
+            from backfit.runtime.streams import beside
+            _, ev = beside(x.device, "comp", lambda: self._decode_compress(
+                self.compressor, "comp", comp, None, cache, pos, x.dtype))
+            side = ([ev], None)
         qr = self.q_norm(qa)                                          # [T, q_lora]; indexer input too
+        if side is not None and self.indexer is not None:             # from qr on, beside wq_b
+            sel, ev = beside(x.device, "index", lambda: self._decode_select(
+                qr, wraw, icomp, pos, cache, x.dtype))
+            side = (side[0] + [ev], sel)
         q = self.wq_b(qr).view(T, Hl, D)
         if kernel_path(q):              # norm + RoPE in one launch each (kernels.rope_norm)
             from backfit.runtime.kernels.rope_norm import rope
@@ -126,11 +141,11 @@ class Attention(nn.Module):
             q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
             q = self.rope(q, pos)                                     # [T, Hl, D]
             kv = self.rope(self.kv_norm(kvx), pos)                    # [T, D]
-        if self.indexer is not None:
+        if self.indexer is not None and side is None:
             qI, wI = self.indexer.queries(qr, wraw, pos)
         if paged:
-            o = self._kernels(q, kv, pos, batch, cache, comp,
-                              (qI, wI, icomp) if self.indexer is not None else None)
+            o = self._kernels(q, kv, pos, batch, cache, comp, None if side is not None or
+                              self.indexer is None else (qI, wI, icomp), side)
             return self._output(o, pos, x.dtype)
         o = torch.empty(T, Hl, D, dtype=torch.float32, device=x.device)
         for s in batch.slices():
@@ -161,13 +176,43 @@ class Attention(nn.Module):
         zg = torch.einsum("tgi,goi->tgo", o, wa)                      # [T, Gl, o_lora]
         return self.wo_b(zg.flatten(1))                               # all-reduce over ranks
 
-    def _kernels(self, q, kv, pos, batch: ForwardBatch, cache, comp, index):
+    def _decode_compress(self, mod: Compressor, kind: str, rows, head_w, cache, pos, dtype):
+        """The decode step's batched compressor update (no host sync, CUDA graphs) of `kind`
+        from rows (ProjectedRows: ape (and head_w) formed in the kernel, else (c, z))."""
+        if isinstance(rows, ProjectedRows):
+            mod.decode_update(cache, kind, rows.c, rows.z_raw, pos, dtype, ape_added=False,
+                              head_w=head_w)
+        elif rows is not None:
+            mod.decode_update(cache, kind, rows[0], rows[1], pos, dtype)
+
+    def _select(self, qI, wI, cache, pos, seq=None) -> torch.Tensor:
+        """CSA: the indexer's top-k entries per query over the paged index pool -> sel [T, k]."""
+        from backfit.runtime.kernels.indexer import indexer_scores, topk_select
+        keys, _ = cache.entry_pool("index")
+        sels = []
+        for a in range(0, qI.shape[0], self.q_chunk):                 # bounds [n, NC] scores
+            b = min(qI.shape[0], a + self.q_chunk)
+            sc = indexer_scores(qI[a:b], wI[a:b], keys, cache.block_table(), pos[a:b],
+                                None if seq is None else seq[a:b])
+            sels.append(topk_select(all_reduce(sc), self.indexer.topk))
+        return sels[0] if len(sels) == 1 else torch.cat(sels)
+
+    def _decode_select(self, qr, wraw, icomp, pos, cache, dtype) -> torch.Tensor:
+        """The decode step's CSA indexer chain: queries, its compressor update, scores, top-k."""
+        qI, wI = self.indexer.queries(qr, wraw, pos)
+        self._decode_compress(self.indexer.compressor, "index", icomp,
+                              wI if isinstance(wI, HeadWeights) else None, cache, pos, dtype)
+        return self._select(qI, wI, cache, pos)
+
+    def _kernels(self, q, kv, pos, batch: ForwardBatch, cache, comp, index, side=None):
         """The attention core on the Triton kernels, reading the paged pools in place.
 
         Same order as the torch path: the compressors pool (and write) the entries this batch
         completes (per sequence, torch), the kernels attend to ring positions before each chunk,
         the chunk's own kv in flight and the entries, then the chunks' kv go to the rings.
         Decode (one token per sequence) and chunked prefill / mixed batches. -> o [T, Hl, D] FP32.
+        side: (events, sel) when forward queued the decode step's compressor update and the CSA
+        selection on side streams (SIDE_STREAMS): waited for here, before the attention reads.
         """
         from backfit.runtime.kernels.attention import decode_attention
         T, lens = q.shape[0], batch.seq_lens
@@ -181,16 +226,16 @@ class Attention(nn.Module):
         ring, ring_scale = cache.ring_pool()
         mode, ent, ent_scale, tables, sel = "window", None, None, None, None
         if comp is not None:
-            if decode:                        # batched, no host sync (CUDA graphs)
-                icompressor = self.indexer.compressor if index is not None else None
-                hw = index[1] if index is not None and isinstance(index[1], HeadWeights) else None
-                for mod, kind, rows, head_w in ((self.compressor, "comp", comp, None),
-                                                (icompressor, "index", index and index[2], hw)):
-                    if isinstance(rows, ProjectedRows):     # ape (and hw) formed in the kernel
-                        mod.decode_update(cache, kind, rows.c, rows.z_raw, pos, q.dtype,
-                                          ape_added=False, head_w=head_w)
-                    elif rows is not None:
-                        mod.decode_update(cache, kind, rows[0], rows[1], pos, q.dtype)
+            if side is not None:              # queued beside the query path by forward
+                for ev in side[0]:
+                    torch.cuda.current_stream(q.device).wait_event(ev)
+                sel = side[1]
+            elif decode:                      # batched, no host sync (CUDA graphs)
+                self._decode_compress(self.compressor, "comp", comp, None, cache, pos, q.dtype)
+                if index is not None:
+                    self._decode_compress(self.indexer.compressor, "index", index[2],
+                                          index[1] if isinstance(index[1], HeadWeights) else
+                                          None, cache, pos, q.dtype)
             for s in batch.slices() if not decode else ():
                 r = slice(s.lo, s.hi)
                 self.compressor.update(cache, s.index, "comp", comp[0][r], comp[1][r], s.start,
@@ -201,15 +246,9 @@ class Attention(nn.Module):
             mode, tables = "hca", cache.block_table()
             ent, ent_scale = cache.entry_pool("comp")
             if index is not None:                                     # CSA: indexer top-k
-                from backfit.runtime.kernels.indexer import indexer_scores, topk_select
-                keys, _ = cache.entry_pool("index")
-                sels = []
-                for a in range(0, T, self.q_chunk):                   # bounds [n, NC] scores
-                    b = min(T, a + self.q_chunk)
-                    sc = indexer_scores(index[0][a:b], index[1][a:b], keys, tables, pos[a:b],
-                                        None if seq is None else seq[a:b])
-                    sels.append(topk_select(all_reduce(sc), self.indexer.topk))
-                mode, sel = "csa", sels[0] if len(sels) == 1 else torch.cat(sels)
+                sel = self._select(index[0], index[1], cache, pos, seq)
+            if sel is not None:
+                mode = "csa"
         args = (q, kv, pos, self.attn_sink, ring, ring_scale, cache.slot_ids(), self.window, mode,
                 ent, ent_scale, tables, self.ratio, sel)
         if decode:          # bf16: de-rotated and rounded in the merge launch (_output skips it)

@@ -34,13 +34,8 @@ SHARED_STREAM = True        # triton path on CUDA: the shared expert on a side s
 def _shared_on_side(expert: nn.Module, x: torch.Tensor):
     """expert(x) on the "moe" side stream (runtime/streams.py) -> (output, event after it); the
     combine waits for the event, and `out` is read on the main stream only after that."""
-    from backfit.runtime.streams import fork
-    side = fork(x.device, "moe")
-    with torch.cuda.stream(side):
-        out = expert(x)
-        done = torch.cuda.Event()
-        done.record(side)
-    return out, done
+    from backfit.runtime.streams import beside
+    return beside(x.device, "moe", lambda: expert(x))
 
 
 class Expert(nn.Module):

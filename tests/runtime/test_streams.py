@@ -1,0 +1,55 @@
+"""Side streams of the decode step (runtime/streams.py) change no bit, on a GPU (marker gpu):
+twin eager runners on the triton kernels, one with every side stream on (the compressor update
+and the CSA indexer chain beside the query path, the shared expert, the Sinkhorn), one with all
+of them off (everything in order on one stream), fed the same prefill and decode steps. The
+graphed path runs with them on and is held to the eager one by tests/runtime/test_graphs.py."""
+
+import pytest
+import torch
+
+SWITCHES = (("backfit.runtime.model.attention", "SIDE_STREAMS"),
+            ("backfit.runtime.model.moe", "SHARED_STREAM"),
+            ("backfit.runtime.kernels.mhc_decode", "SINKHORN_STREAM"))
+
+
+def test_switches_exist_and_default_on():
+    import importlib
+    for mod, name in SWITCHES:
+        assert getattr(importlib.import_module(mod), name) is True, (mod, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_side_streams_equal_in_order(tiny_converted, tp1_process, monkeypatch):
+    import importlib
+
+    from backfit.runtime import kernels as kpkg
+    from backfit.runtime.runner import ModelRunner, RunnerConfig, StepInput, StepSeq
+    if kpkg._backend not in (None, "triton"):
+        pytest.skip("this process already runs the torch backend")
+    conv = tiny_converted(1, "int8")
+    rc = RunnerConfig(str(conv), device="cuda", kernels="triton", max_num_seqs=4,
+                      max_model_len=256, block_size=16, num_blocks=72, enforce_eager=True)
+    on, off = ModelRunner(rc), ModelRunner(rc)
+    ratios = {layer.attn.ratio for layer in on.model.layers}
+    assert 0 in ratios and 4 in ratios and max(ratios) > 4, ratios   # window, CSA, HCA layers
+
+    def forward(runner, step, flag: bool) -> torch.Tensor:
+        for mod, name in SWITCHES:
+            monkeypatch.setattr(importlib.import_module(mod), name, flag)
+        return runner.forward(step).logits
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 3):
+        tables = [tuple(range(16 * i, 16 * i + 16)) for i in range(n)]
+        prompts = [torch.randint(3, 500, (118 + 7 * i,), generator=g).tolist() for i in range(n)]
+        first = StepInput(tuple(StepSeq(i, i, tables[i], 0, tuple(p), True)
+                                for i, p in enumerate(prompts)))
+        assert torch.equal(forward(on, first, True), forward(off, first, False))
+        starts = [len(p) for p in prompts]
+        for _ in range(16):                       # crosses CSA (4) and HCA (8) entries
+            toks = torch.randint(3, 500, (n,), generator=g).tolist()
+            step = StepInput(tuple(StepSeq(i, i, tables[i], starts[i], (toks[i],), True)
+                                   for i in range(n)))
+            got, want = forward(on, step, True), forward(off, step, False)
+            assert torch.equal(got, want), (n, starts)
+            starts = [s + 1 for s in starts]
