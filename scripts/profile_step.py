@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_model as bd  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from backfit.runtime.cache.layout import default_block_size  # noqa: E402
 from backfit.runtime.distributed import set_tp_info  # noqa: E402
 from backfit.runtime.graphs import pad_decode_inputs  # noqa: E402
 
@@ -43,11 +44,11 @@ def cuda_events(fn, n: int):
                   key=lambda e: e.time_range.start)
 
 
-def trace(r, log) -> None:
-    st = bd.step_input(r, 1, 512)
+def trace(r, log, ctx: int = 512) -> None:
+    st = bd.step_input(r, 1, ctx)
     ev = cuda_events(lambda: r.forward(st), 1)
     t0 = prev = ev[0].time_range.start
-    log(f"batch-1 graph step: {len(ev)} kernels, busy {sum(e.device_time for e in ev) / 1e3:.3f} ms, "
+    log(f"batch-1 graph step at context {ctx}: {len(ev)} kernels, busy {sum(e.device_time for e in ev) / 1e3:.3f} ms, "
         f"span {(ev[-1].time_range.end - t0) / 1e3:.3f} ms")
     tot: dict[str, list] = {}
     for e in ev:
@@ -117,6 +118,7 @@ def main() -> None:
     ap.add_argument("--host", action="store_true")
     ap.add_argument("--prefill", type=int, default=0, metavar="N")
     ap.add_argument("--experts", choices=("int8", "mx4", "both"), default="int8")
+    ap.add_argument("--ctx", type=int, default=512, help="--trace: the step's context length")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     lines = []
@@ -125,7 +127,9 @@ def main() -> None:
         print(m, flush=True)
         lines.append(m)
     set_tp_info(0, 1)
-    r = bd.build_runner(bd.raw_config(4, False), "cuda", 8, 8 * 160, 8200 + 16)
+    max_len = max(8200, a.ctx + 16, a.prefill + 16)
+    bs = default_block_size(bd.ModelConfig.from_dict(bd.raw_config(4, False)))
+    r = bd.build_runner(bd.raw_config(4, False), "cuda", 8, 8 * (max_len // bs + 2), max_len)
     bd.use_backend(r, "triton")
     if a.prefill:
         prefill(r, a.prefill, log)
@@ -137,7 +141,7 @@ def main() -> None:
             log(f"== experts {scheme}")
             r.graphs = bd.capture_graphs(r)
             if a.trace:
-                trace(r, log)
+                trace(r, log, a.ctx)
             if a.host:
                 host(r, log)
     if a.out:

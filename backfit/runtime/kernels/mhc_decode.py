@@ -56,10 +56,12 @@ COLLAPSE = ((4, dict(warps=4, bd=1024, scalar=False)),
 
 
 # hc_pre_async's critical launch (gates + u + RMSNorm, no Sinkhorn) by token count: (largest T,
-# warps, d block); bd >= d runs one pass (ONE_PASS: X[t] loaded once). Session 10 prediction
-# for T = 1 (the Sinkhorn chain, whose barriers made more warps lose, is on the side launch):
-# 8 warps, one [4, 4096] tile, 6.4 -> ~4.5 us (bench_mhc.py --collapse measures it).
-COLLAPSE_U = ((4, dict(warps=8, bd=4096)),
+# warps, d block); bd >= d runs one pass (ONE_PASS: X[t] loaded once). H200, `bench_mhc.py
+# --collapse` (session 10; the Sinkhorn chain, whose barriers made more warps lose, is on the
+# side launch), µs at T = 1 / 2 / 4 / 8: COLLAPSE's 4 warps / 1024 5.65 / 5.87 / 6.01 / 5.70;
+# one pass 8 warps 3.68 / 3.75 / 3.03 / 2.86, 16 warps 3.42 / 3.43 / 3.34 / 3.06 (prediction
+# for 8 warps at T = 1 was ~4.5).
+COLLAPSE_U = ((2, dict(warps=16, bd=4096)),
               (None, dict(warps=8, bd=4096)))
 
 
