@@ -5,9 +5,10 @@ most of its kernels fill a few SMs for 2-10 µs, so two chains overlap almost fo
 Users (triton path on CUDA only; the torch path and CPU never fork):
   model.moe       the shared expert (3 launches) beside the router and the routed launches;
                   the combine joins it (kernels.moe.fused_moe shared_ready)
-  model.attention the decode step's compressor update ("comp", HCA / CSA) and the CSA indexer
-                  chain ("index": queries, its compressor, scores, top-k) beside the query
-                  path (q_norm, wq_b, RoPE); decode attention joins both
+  model.attention the decode step's FP32 projections and compressor update ("comp", HCA /
+                  CSA) and the CSA indexer chain ("index", after those projections: queries,
+                  its compressor, scores, top-k) beside the query path (wq_a|wkv, q_norm,
+                  wq_b, RoPE); decode attention joins both
   kernels.mhc_decode  the Sinkhorn of hc_pre (post, M: read only by the hc_post after the
                   sub-layer) beside the critical u + RMSNorm launch; hc_post joins it
 Rules that keep the caching allocator safe without record_stream (which graph capture does not

@@ -87,11 +87,17 @@ class Attention(nn.Module):
         decode_step (the paged kernels' decode step follows) with fused projections and
         compressor.FUSED_DECODE: (c, z) are ProjectedRows (z without its ape row) and the weights
         a HeadWeights, both formed inside the decode step's compressor kernels."""
+        return (*self._project_a(x), *self._project_f32(x, pos, decode_step))
+
+    def _project_a(self, x: torch.Tensor):
+        """x [T, d] -> (wq_a x, wkv x), act dtype (one fused launch on the kernel path)."""
+        if kernel_path(x) and x.dtype == torch.bfloat16 and self.fused_a is not None:
+            return self.fused_a(x)
+        return self.wq_a(x), self.wkv(x)
+
+    def _project_f32(self, x: torch.Tensor, pos: torch.Tensor, decode_step: bool = False):
+        """x [T, d] -> _project's compressor rows, indexer compressor rows, weights_proj x."""
         fused = kernel_path(x) and x.dtype == torch.bfloat16
-        if fused and self.fused_a is not None:
-            qa, kvx = self.fused_a(x)
-        else:
-            qa, kvx = self.wq_a(x), self.wkv(x)
         comp = icomp = wraw = None
         if fused and self.fused_f32 is not None:
             out = self.fused_f32(x, torch.float32)
@@ -109,7 +115,7 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 icomp = self.indexer.compressor.project(x, pos)
                 wraw = self.indexer.weights_proj(x)
-        return qa, kvx, comp, icomp, wraw
+        return comp, icomp, wraw
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         """x [T, d] (normed attention input) -> [T, d]; cache: this layer's, bound to the batch."""
@@ -117,17 +123,20 @@ class Attention(nn.Module):
         Hl, D = self.local_heads, self.cfg.head_dim
         paged = get_kernel_backend() == "triton" and hasattr(cache, "block_table")  # paged pools
         decode_step = paged and T == len(batch.seq_lens)
-        qa, kvx, comp, icomp, wraw = self._project(x, pos, decode_step)
         side = None                     # (events, sel) of the chains queued beside the q path
-        if decode_step and SIDE_STREAMS and comp is not None and x.is_cuda and kernel_path(x):
+        if decode_step and SIDE_STREAMS and self.compressor is not None and x.is_cuda \
+                and kernel_path(x):    # the FP32 projections + the compressor on "comp"
             from backfit.runtime.streams import beside
-            _, ev = beside(x.device, "comp", lambda: self._decode_compress(
-                self.compressor, "comp", comp, None, cache, pos, x.dtype))
+            (comp, icomp, wraw, proj), ev = beside(x.device, "comp", lambda: self._comp_chain(
+                x, pos, cache))
+            qa, kvx = self._project_a(x)
             side = ([ev], None)
+        else:
+            qa, kvx, comp, icomp, wraw = self._project(x, pos, decode_step)
         qr = self.q_norm(qa)                                          # [T, q_lora]; indexer input too
         if side is not None and self.indexer is not None:             # from qr on, beside wq_b
             sel, ev = beside(x.device, "index", lambda: self._decode_select(
-                qr, wraw, icomp, pos, cache, x.dtype))
+                qr, wraw, icomp, pos, cache, x.dtype, proj))
             side = (side[0] + [ev], sel)
         q = self.wq_b(qr).view(T, Hl, D)
         if kernel_path(q):              # norm + RoPE in one launch each (kernels.rope_norm)
@@ -197,8 +206,21 @@ class Attention(nn.Module):
             sels.append(topk_select(all_reduce(sc), self.indexer.topk))
         return sels[0] if len(sels) == 1 else torch.cat(sels)
 
-    def _decode_select(self, qr, wraw, icomp, pos, cache, dtype) -> torch.Tensor:
-        """The decode step's CSA indexer chain: queries, its compressor update, scores, top-k."""
+    def _comp_chain(self, x, pos, cache):
+        """The "comp" side chain of the decode step: the FP32 projections, then the compressor
+        update -> (comp, icomp, wraw, an event after the projections: the indexer chain's
+        start)."""
+        comp, icomp, wraw = self._project_f32(x, pos, True)
+        proj = torch.cuda.Event()
+        proj.record()
+        self._decode_compress(self.compressor, "comp", comp, None, cache, pos, x.dtype)
+        return comp, icomp, wraw, proj
+
+    def _decode_select(self, qr, wraw, icomp, pos, cache, dtype, after=None) -> torch.Tensor:
+        """The decode step's CSA indexer chain: queries, its compressor update, scores, top-k
+        (after: an event to wait for first, the projections of its rows and weights)."""
+        if after is not None:
+            torch.cuda.current_stream(qr.device).wait_event(after)
         qI, wI = self.indexer.queries(qr, wraw, pos)
         self._decode_compress(self.indexer.compressor, "index", icomp,
                               wI if isinstance(wI, HeadWeights) else None, cache, pos, dtype)
