@@ -61,6 +61,7 @@ def _runtime_pass(converted: str, seqs: list[list[int]], dtype: str, device: str
     engine's path: PagedCache pools (kv_cache_dtype auto|int8), every sequence in prefill chunks
     of paged["chunk"] tokens, Triton kernels when paged["kernels"] is "triton" (CUDA)."""
     from backfit.runtime.batch import ForwardBatch
+    from backfit.runtime.distributed import get_tp_info
     from backfit.runtime.loader import load_model
     from backfit.runtime.model.transformer import Transformer
 
@@ -89,8 +90,12 @@ def _runtime_pass(converted: str, seqs: list[list[int]], dtype: str, device: str
         table = list(range(first, first + need[i]))[::-1]         # reversed: tables must be read
         first += need[i]
         for a in range(0, len(s), n):
+            t = time.perf_counter()
             b = ForwardBatch.build([(i, s[a:a + n], a)], device, slots=[i], block_tables=[table])
             logits.append(model(b, cache).float().cpu())
+            if len(s) > 4 * n and get_tp_info().rank == 0:     # long context: say where it is
+                print(f"  runtime: tokens {a}-{min(a + n, len(s))} of {len(s)} in "
+                      f"{time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     return {"logits": torch.cat(logits), "hidden": [torch.cat(c) for c in captured]}
 
 
