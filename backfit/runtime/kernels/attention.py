@@ -186,14 +186,16 @@ def _merge_kernel(PO, PM, PL, SINK, O, H, D: tl.constexpr, DP: tl.constexpr,
 def _merge_rope_kernel(PO, PM, PL, SINK, POS, F, O, H, D: tl.constexpr, R: tl.constexpr,
                        SPLIT: tl.constexpr, SP: tl.constexpr, DH: tl.constexpr):
     """_merge_kernel, then the inverse RoPE of _output (rope_norm._rope_kernel, SIGN -1) on the
-    merged o, stored in O's dtype: o is merged as even / odd lanes [DH = D/2] so the rotation
-    pairs (2i, 2i+1) sit in registers; lanes before D - R are only rounded. Launched with FMA
-    contraction off, as the rope kernel (every product and sum rounded as torch does)."""
+    merged o, stored in O's dtype: o is merged as even / odd lanes so the rotation pairs (2i,
+    2i+1) sit in registers; lanes before D - R are only rounded. Program (b, h, pair block):
+    DH pairs of the D/2 (a [SP, DH] tile per lane parity: at 20+ splits, the CSA layer's, a
+    whole head's [SP, D/2] spilled). Launched with FMA contraction off, as the rope kernel
+    (every product and sum rounded as torch does)."""
     b, h = tl.program_id(0), tl.program_id(1)
     row = (b.to(tl.int64) * H + h) * SPLIT
     ss = tl.arange(0, SP)
     s_ok = ss < SPLIT
-    i = tl.arange(0, DH)                                                # pair index
+    i = tl.program_id(2) * DH + tl.arange(0, DH)                       # pair index
     m = tl.load(PM + row + ss, mask=s_ok, other=-1e30)
     l = tl.load(PL + row + ss, mask=s_ok, other=0.0)
     base = PO + (row + ss[:, None]) * D + 2 * i[None, :]
@@ -221,6 +223,9 @@ def _merge_rope_kernel(PO, PM, PL, SINK, POS, F, O, H, D: tl.constexpr, R: tl.co
 
 def _interpreted() -> bool:
     return not isinstance(_decode_kernel, triton.runtime.jit.JITFunction)
+
+
+MERGE_PAIRS = 64      # _merge_rope_kernel: rotation pairs per program (D = 512: 4 programs a head)
 
 
 def decode_config(B: int, H: int, n_keys: int, sms: int, split: int | None = None,
@@ -337,10 +342,11 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
         return rope(o, pos, f, r, inverse=True, out_dtype=dt)
     if out_rope is not None:
         rot = torch.empty(B, H, D, dtype=dt, device=dev)
-        _merge_rope_kernel[(B, H)](po, pm, pl, sink.float().contiguous(), pos.to(dev).contiguous(),
-                                   f.contiguous(), rot, H, D=D, R=r, SPLIT=S,
-                                   SP=triton.next_power_of_2(S), DH=D // 2,
-                                   enable_fp_fusion=False)
+        dh = min(D // 2, MERGE_PAIRS)                # D a power of 2: dh divides D / 2
+        _merge_rope_kernel[(B, H, D // 2 // dh)](
+            po, pm, pl, sink.float().contiguous(), pos.to(dev).contiguous(), f.contiguous(),
+            rot, H, D=D, R=r, SPLIT=S, SP=triton.next_power_of_2(S), DH=dh,
+            enable_fp_fusion=False)
         return rot
     if S > 1:
         _merge_kernel[(B, H)](po, pm, pl, sink.float().contiguous(), o, H, D=D,

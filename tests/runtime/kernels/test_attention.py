@@ -114,7 +114,8 @@ def test_decode_attention_sweep(attn, mode, ratio, int8):
             assert rel(got, want) < TOL, (mode, int8, B, split, c["pos"].tolist())
 
 
-def test_out_rope_equals_the_rope_launch_after(attn, monkeypatch):
+@pytest.mark.parametrize("pairs", [None, 4])          # 4: several pair blocks a head
+def test_out_rope_equals_the_rope_launch_after(attn, monkeypatch, pairs):
     """decode_attention(out_rope=...) = rope_norm.rope(o, pos, inverse, bf16) of its FP32 o: the
     merge's de-rotation (split KV; counted: the fused merge really ran) and the plain rope
     launch (one split). Interpreter: bit for bit; GPU: the merge runs without FMA contraction,
@@ -131,6 +132,8 @@ def test_out_rope_equals_the_rope_launch_after(attn, monkeypatch):
             calls.append(grid)
             return fused[grid]
     monkeypatch.setattr(attn, "_merge_rope_kernel", Spy())
+    if pairs:
+        monkeypatch.setattr(attn, "MERGE_PAIRS", pairs)
     with one_thread():
         for B, split, merged in ((1, None, 1), (3, 1, 0), (2, 2, 1)):
             c = case(gen, rnd, B, "csa", False, ratio=4, k=40)      # 16 + 40 keys: 2 tiles

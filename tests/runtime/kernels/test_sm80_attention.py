@@ -46,7 +46,7 @@ def compile_all() -> list[dict]:
                         dict(num_warps=4, num_stages=1), ("H",)))
     out.append(_compile(attention._merge_rope_kernel, dict(PO="*fp32", PM="*fp32", PL="*fp32",
                         SINK="*fp32", POS="*i64", F="*fp64", O="*bf16", H="i32"),
-                        dict(D=512, R=64, SPLIT=20, SP=32, DH=256),
+                        dict(D=512, R=64, SPLIT=20, SP=32, DH=attention.MERGE_PAIRS),
                         dict(num_warps=4, num_stages=1, enable_fp_fusion=False), ("H",)))
     out.append(_compile(indexer._score_kernel, dict(QI="*bf16", WI="*fp32", KEYS="*bf16",
                         TABLES="*i32", POS="*i32", OUT="*fp32", SEQ="*i32", H="i32", NC="i32",
