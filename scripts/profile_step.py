@@ -48,7 +48,8 @@ def trace(r, log, ctx: int = 512) -> None:
     st = bd.step_input(r, 1, ctx)
     ev = cuda_events(lambda: r.forward(st), 1)
     t0 = prev = ev[0].time_range.start
-    log(f"batch-1 graph step at context {ctx}: {len(ev)} kernels, busy {sum(e.device_time for e in ev) / 1e3:.3f} ms, "
+    log(f"batch-1 graph step at context {ctx}: {len(ev)} kernels, "
+        f"busy {sum(e.device_time for e in ev) / 1e3:.3f} ms, "
         f"span {(ev[-1].time_range.end - t0) / 1e3:.3f} ms")
     tot: dict[str, list] = {}
     for e in ev:

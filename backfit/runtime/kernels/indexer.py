@@ -36,10 +36,15 @@ __all__ = ["TOPK_CHUNK", "TOPK_FAST", "indexer_scores", "topk_select"]
 TOPK_CHUNK = 2048       # candidates per top-k program (int64 keys in registers: 16 KB)
 _LOW = 2 ** 31 - 1      # j -> _LOW - j in the low word: equal scores prefer the lower j
 TOPK_FAST = True        # False: the old path (_topk_scores/_topk_keys/_unpack + a fill launch)
-TOPK_WARPS = 4          # num_warps of _topk_pass_kernel
+# num_warps of _topk_pass_kernel, and the scores pass's chunk (> 0: a power of 2, 2K .. C; 0: C
+# as the other passes). H200, `bench_topk.py --quick` (session 10), µs at B = 1, N = 16384 for
+# n_valid 128 / 512 / 2048 / 8192 / 16384: 4 warps, C 19.9 / 52.4 / 27.8 / 45.1 / 61.1 (the
+# previous default); 16 warps, 1024 17.5 / 43.0 / 19.5 / 25.3 / 25.9 (best or within ~15 % of
+# the best candidate in every row of B 1, 8 x N 4096, 8192, 16384)
+TOPK_WARPS = 16
 TOPK_BJ = 16            # keys compared per rank step: [K, BJ] int64 compares in registers
 TOPK_MERGE = True       # keys passes merge sorted sub-chunks (binary searches), no bitonic top-k
-TOPK_SCORES_CHUNK = 0   # > 0: the scores pass's chunk (power of 2, 2K .. C); 0: C as the others
+TOPK_SCORES_CHUNK = 1024
 
 
 @triton.jit

@@ -39,8 +39,8 @@ import triton.language as tl
 from backfit.runtime.kernels import mhc
 from backfit.runtime.kernels.mhc import _post_comb, _pre_gates, _sinkhorn
 
-__all__ = ["COLLAPSE", "COLLAPSE_U", "DECODE_FUSED", "SINKHORN_STREAM", "collapse_config", "hc_head",
-           "hc_post", "hc_pre", "hc_pre_async", "post_bd"]
+__all__ = ["COLLAPSE", "COLLAPSE_U", "DECODE_FUSED", "SINKHORN_STREAM", "collapse_config",
+           "hc_head", "hc_post", "hc_pre", "hc_pre_async", "post_bd"]
 
 DECODE_FUSED = True     # False: the model's decode path falls back to mhc's 4 launches
 SINKHORN_STREAM = True  # hc_pre_async on CUDA: post / M on a side stream (False: in order)

@@ -18,8 +18,9 @@ from test_sm80 import SHARED_LIMIT, _compile, compile_in_subprocess  # noqa: E40
 C = 2048                                        # indexer.TOPK_CHUNK
 VARIANTS = [(True, False, False, 4, C), (False, True, True, 4, C), (True, True, False, 4, C),
             (False, False, True, 4, C), (False, False, False, 4, C), (True, False, False, 8, C),
-            (False, False, True, 8, C), (True, False, False, 8, 1024)]
-# (SCORES, FINAL, MERGE, num_warps, C); C 1024: the sweep's TOPK_SCORES_CHUNK candidate
+            (False, False, True, 8, C), (True, False, False, 8, 1024),
+            (True, False, False, 16, 1024), (False, False, True, 16, C), (False, True, True, 16, C), (True, True, False, 16, 1024)]
+# (SCORES, FINAL, MERGE, num_warps, C); C 1024: TOPK_SCORES_CHUNK; 16 warps: TOPK_WARPS
 
 
 def compile_all() -> list[dict]:
