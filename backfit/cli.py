@@ -50,14 +50,14 @@ def main() -> None:
                    "int8 = INT8 with per-(row, 32) power-of-two scales; mx4 = the packed 4-bit "
                    "MXFP4 bytes kept as they are, half the expert bytes. Both run the Triton "
                    "fused MoE, which decodes the weights to BF16 in registers for BF16 MMA. "
-                   "Measured on an H200 (docs/PERFORMANCE.md): 8K prefill alike; decode at "
-                   "batch 8-64 3-10 % more tokens/s with mx4 (half the expert bytes); a single "
-                   "stream 4 % slower with mx4 (its 4-bit decode is instruction-bound); and mx4 "
+                   "Measured on an H200 (docs/PERFORMANCE.md, session 10): decode faster with "
+                   "mx4 at every batch (batch 1 1-3 %, batch 8 ~12 %, batch 64 17 % more "
+                   "tokens/s: half the expert bytes); 8K prefill ~14 % slower with mx4; and mx4 "
                    "leaves ~9x the KV pool at TP4 on 80 GiB cards (Capacity: 1M-token "
                    "contexts; with int8 no KV fits at --gpu-memory-utilization 0.90). Better "
-                   "choice: mx4 for serving (concurrent chat, long contexts, 80 GiB cards); "
-                   "int8 for the lowest single-stream latency on cards with room. bf16 = 2x "
-                   "the int8 bytes (verification / big machines).")
+                   "choice: mx4 for decode-heavy serving (chat, agents, long contexts, 80 GiB "
+                   "cards); int8 for prefill-heavy work (long prompts, short answers) on cards "
+                   "with room. bf16 = 2x the int8 bytes (verification / big machines).")
 @click.option("--force", is_flag=True, help="Replace DST if it exists (only once the new one is complete).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def convert(src: str, dst: str, tp: str, linears: str, experts: str, force: bool, quiet: bool) -> None:
