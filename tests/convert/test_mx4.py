@@ -148,8 +148,8 @@ def test_convert_help_says_which_scheme_suits_what():
     out = CliRunner().invoke(main, ["convert", "--help"], terminal_width=200).output
     out = " ".join(out.split())                                   # help text re-wrapped
     assert "[int8|mx4|bf16]" in out and "Both run the Triton fused MoE" in out
-    assert "half the expert bytes" in out and "mx4 for serving" in out
-    assert "int8 for the lowest single-stream latency" in out
+    assert "half the expert bytes" in out and "mx4 for decode-heavy serving" in out
+    assert "int8 for prefill-heavy work" in out
 
 
 def test_verify_passes_on_mx4(tiny_flash, mx4_tp2, tmp_path):
