@@ -20,7 +20,8 @@
 #   bench  scripts/bench_decode.py $BENCH_ARGS (default: 4 real Flash layers, TP1)
 #   sweep  scripts/bench_kernels.py --moe-decode-sweep (fused-MoE decode variants and tiles)
 #   sweeps the other kernel sweeps: bench_gemv.py, bench_mhc.py, bench_attention_prefill.py,
-#          sweep_moe_sorted.py (each prints its table; JSON where the script writes one)
+#          sweep_moe_sorted.py, bench_mhc.py --collapse, bench_topk.py --quick (each prints its
+#          table; JSON where the script writes one)
 #   profile scripts/profile_step.py --trace --host --prefill 8192 (where a step's time goes)
 # Logs and JSON go under $OUT (the device tool's folder; ./gpu_out otherwise); each step's
 # tail is printed. Exit status 1 if any step failed.
@@ -111,7 +112,11 @@ for s in "${steps[@]}"; do
         run_step mhc_sweep "${SWEEP_S:-280}" $PY scripts/bench_mhc.py --out "$OUT/mhc.json"
         run_step attn_prefill_sweep "${SWEEP_S:-280}" $PY scripts/bench_attention_prefill.py \
             --out "$OUT/attention_prefill.json"
-        run_step moe_sorted_sweep "${SWEEP_S:-280}" $PY scripts/sweep_moe_sorted.py ;;
+        run_step moe_sorted_sweep "${SWEEP_S:-280}" $PY scripts/sweep_moe_sorted.py
+        run_step collapse_sweep "${SWEEP_S:-280}" $PY scripts/bench_mhc.py --collapse \
+            --out "$OUT/collapse.json"
+        run_step topk_sweep "${SWEEP_S:-280}" $PY scripts/bench_topk.py --quick \
+            --out "$OUT/topk.json" ;;
     profile)
         run_step profile "${PROFILE_S:-300}" $PY scripts/profile_step.py --trace --host \
             --prefill 8192 --out "$OUT/profile.txt" ;;
