@@ -85,8 +85,9 @@ GEMV_CANDIDATES = {
              dict(variant=_C, BN=4, BK=2048, num_warps=4, MAGIC=True, V8=True),
              dict(variant=_C, BN=4, BK=1024, num_warps=4, MAGIC=True, PREFETCH=True),
              dict(variant=_C, BN=8, BK=1024, num_warps=4, MAGIC=True, V8=True, PREFETCH=True),
-             # not yet timed: the K loop as a cp.async pipeline STAGES deep, more shorter steps
-             # (bench_gemv.py --pipe times these against the shipped config)
+             # the K loop as a cp.async pipeline STAGES deep over more, shorter steps
+             # (bench_gemv.py --pipe): H200, session 10, slower than the shipped tile on all
+             # 9 shapes at M = 1 (e.g. wo_b 15.6-18.5 vs 14.7 us): kept for the next sweep
              *(dict(variant=v, BN=bn, BK=bk, num_warps=4, MAGIC=True, STAGES=st)
                for v, bn, bk, st in ((_C, 4, 512, 3), (_C, 4, 512, 4), (_C, 4, 1024, 3),
                                      (_C, 8, 512, 3), (_C, 2, 1024, 3), (_C, 16, 256, 4),
