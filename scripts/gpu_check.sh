@@ -16,7 +16,8 @@
 #          texts must be equal; then `backfit serve --device cuda` answers one chat completion
 #   verify `backfit verify --device cuda --kernels triton --activations bfloat16` (the kernels'
 #          dtype, judged against the reference's own BF16 noise) on the tiny checkpoint: prefill chunks
-#          of 256, decode (chunks of 1), int8 KV, and --long-context $LONG (default 65536; 0 skips)
+#          of 256, decode (chunks of 1), int8 KV, and --long-context 4096 then $LONG (default
+#          65536; 0 skips both), each long-context chunk's time printed (VERIFY_S: give it 500+)
 #   bench  scripts/bench_decode.py $BENCH_ARGS (default: 4 real Flash layers, TP1)
 #   sweep  scripts/bench_kernels.py --moe-decode-sweep (fused-MoE decode variants and tiles)
 #   sweeps the other kernel sweeps: bench_gemv.py, bench_mhc.py, bench_attention_prefill.py,
@@ -88,16 +89,19 @@ for s in "${steps[@]}"; do
             echo; kill \$srv; wait \$srv || true" ;;
     verify)
         d=$(mktemp -d)
-        run_step verify "${VERIFY_S:-420}" bash -c "
+        run_step verify "${VERIFY_S:-600}" bash -c "
             $PY scripts/make_tiny_checkpoint.py $d/orig --small-vocab >/dev/null || exit 1
             $PY -m backfit.cli convert $d/orig $d/conv --tp 1 --quiet || exit 1
             V='$PY -m backfit.cli verify $d/orig $d/conv --device cuda --kernels triton --activations bfloat16'
             st=0
             set -- '' '--chunk 1 --max-positions 256' '--kv-cache-dtype int8'
-            [ '${LONG:-65536}' = 0 ] || set -- \"\$@\" '--long-context ${LONG:-65536} --chunk 2048 --reference-device cuda'
+            # long context: 4096 first (its chunk times: the T = 2048 compiles vs a chunk's cost)
+            L='--chunk 2048 --reference-device cuda --long-context'
+            [ '${LONG:-65536}' = 0 ] || set -- \"\$@\" \"\$L 4096\" \"\$L ${LONG:-65536}\"
             for a in \"\$@\"; do
                 echo \"-- verify \$a\"
                 \$V \$a > $d/v.log 2>&1; s=\$?; [ \$s -eq 0 ] || st=1
+                grep -E '^  (reference|runtime)' $d/v.log | head -n 8   # pass and chunk times
                 tail -n 12 $d/v.log; echo \"exit \$s\"
             done
             exit \$st" ;;
