@@ -17,7 +17,7 @@
 #   verify `backfit verify --device cuda --kernels triton --activations bfloat16` (the kernels'
 #          dtype, judged against the reference's own BF16 noise) on the tiny checkpoint: prefill chunks
 #          of 256, decode (chunks of 1), int8 KV, and --long-context 4096 then $LONG (default
-#          65536; 0 skips both), each long-context chunk's time printed (VERIFY_S: give it 500+)
+#          65536; 0 skips both), each long-context chunk's time printed (VERIFY_S, default 540: a call of its own)
 #   bench  scripts/bench_decode.py $BENCH_ARGS (default: 4 real Flash layers, TP1)
 #   sweep  scripts/bench_kernels.py --moe-decode-sweep (fused-MoE decode variants and tiles)
 #   sweeps the other kernel sweeps: bench_gemv.py, bench_mhc.py, bench_attention_prefill.py,
@@ -89,7 +89,7 @@ for s in "${steps[@]}"; do
             echo; kill \$srv; wait \$srv || true" ;;
     verify)
         d=$(mktemp -d)
-        run_step verify "${VERIFY_S:-600}" bash -c "
+        run_step verify "${VERIFY_S:-540}" bash -c "
             $PY scripts/make_tiny_checkpoint.py $d/orig --small-vocab >/dev/null || exit 1
             $PY -m backfit.cli convert $d/orig $d/conv --tp 1 --quiet || exit 1
             V='$PY -m backfit.cli verify $d/orig $d/conv --device cuda --kernels triton --activations bfloat16'
