@@ -17,7 +17,8 @@
 #   verify `backfit verify --device cuda --kernels triton --activations bfloat16` (the kernels'
 #          dtype, judged against the reference's own BF16 noise) on the tiny checkpoint: prefill chunks
 #          of 256, decode (chunks of 1), int8 KV, and --long-context 4096 then $LONG (default
-#          65536; 0 skips both), each long-context chunk's time printed (VERIFY_S, default 540: a call of its own)
+#          65536; 0 skips both), each long-context chunk's time printed (VERIFY_S, default
+#          540 s: a device call of its own)
 #   bench  scripts/bench_decode.py $BENCH_ARGS (default: 4 real Flash layers, TP1)
 #   sweep  scripts/bench_kernels.py --moe-decode-sweep (fused-MoE decode variants and tiles)
 #   sweeps the other kernel sweeps: bench_gemv.py, bench_mhc.py, bench_attention_prefill.py,
