@@ -120,15 +120,22 @@ def _collapse_kernel(PART, X, SCALE, BASE, U, POST, MOUT, SPLIT, D, K, iters, hc
 
 
 @triton.jit
-def _post_kernel(F, X, POST, MIX, OUT, D, S: tl.constexpr, BD: tl.constexpr):
-    """out[t, k, block] = post[t, k]·f[t, block] + Σ_j M[t, j, k]·X[t, j, block], FP32 math."""
+def _post_inputs(F, X, D, S: tl.constexpr, BD: tl.constexpr):
+    """Program (t, d block) -> (t, rs, rd, d_ok, X[t, :, block] [S, BD], f[t, block] [BD] FP32)."""
     t, b = tl.program_id(0).to(tl.int64), tl.program_id(1)
     rs = tl.arange(0, S)
     rd = b * BD + tl.arange(0, BD)
     d_ok = rd < D
     x = tl.load(X + (t * S + rs[:, None]) * D + rd[None, :], mask=d_ok[None, :],
-                other=0.0).to(tl.float32)                                # [S(j), BD]
-    f = tl.load(F + t * D + rd, mask=d_ok, other=0.0).to(tl.float32)    # [BD]
+                other=0.0).to(tl.float32)
+    f = tl.load(F + t * D + rd, mask=d_ok, other=0.0).to(tl.float32)
+    return t, rs, rd, d_ok, x, f
+
+
+@triton.jit
+def _post_kernel(F, X, POST, MIX, OUT, D, S: tl.constexpr, BD: tl.constexpr):
+    """out[t, k, block] = post[t, k]·f[t, block] + Σ_j M[t, j, k]·X[t, j, block], FP32 math."""
+    t, rs, rd, d_ok, x, f = _post_inputs(F, X, D, S, BD)
     m = tl.load(MIX + t * S * S + rs[:, None] * S + rs[None, :])         # [S(j), S(k)]
     post = tl.load(POST + t * S + rs)                                    # [S(k)]
     mixed = tl.sum(m[:, :, None] * x[:, None, :], axis=0)               # [S(k), BD]

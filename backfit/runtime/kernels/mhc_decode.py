@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from backfit.runtime.kernels import mhc
-from backfit.runtime.kernels.mhc import _post_comb, _pre_gates, _sinkhorn
+from backfit.runtime.kernels.mhc import _post_comb, _post_inputs, _pre_gates, _sinkhorn
 
 __all__ = ["COLLAPSE", "COLLAPSE_U", "DECODE_FUSED", "SINKHORN_STREAM", "collapse_config",
            "hc_head", "hc_post", "hc_pre", "hc_pre_async", "post_bd"]
@@ -75,13 +75,8 @@ def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT
                      NP: tl.constexpr, BD: tl.constexpr, HAS_FN: tl.constexpr):
     """out[t, k, block] = post[t, k]·f[t, block] + Σ_j M[t, j, k]·X[t, j, block] (bf16); HAS_FN:
     PART[t, b] = fn·out[t, :, block] (NOUT dots) and Σ out² from the bf16-rounded out."""
-    t, b = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    rs = tl.arange(0, S)
-    rd = b * BD + tl.arange(0, BD)
-    d_ok = rd < D
-    x = tl.load(X + (t * S + rs[:, None]) * D + rd[None, :], mask=d_ok[None, :],
-                other=0.0).to(tl.float32)                                # [S(j), BD]
-    f = tl.load(F + t * D + rd, mask=d_ok, other=0.0).to(tl.float32)    # [BD]
+    t, rs, rd, d_ok, x, f = _post_inputs(F, X, D, S, BD)             # x [S(j), BD], f [BD]
+    b = tl.program_id(1)
     rn = tl.arange(0, NP)
     n_ok = rn < NOUT
     acc = tl.zeros((NP,), dtype=tl.float32)
