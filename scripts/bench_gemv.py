@@ -144,10 +144,11 @@ def main() -> None:
     rows: list = []
     for name, N, K, kind in SHAPES:
         cands = gemv.GEMV_CANDIDATES[kind][:2 if args.quick else None]
-        if args.pipe:       # the shipped config per timed M (dedup), then the STAGES > 1 ones
-            cands = [c for i, c in enumerate(gemv.gemv_config(m, N, K, kind == "int8")
-                                             for m in Ms)
-                     if c not in [gemv.gemv_config(m, N, K, kind == "int8") for m in Ms][:i]]
+        if args.pipe:       # the shipped config per timed M (once each), then STAGES > 1 ones
+            cands = []
+            for c in [gemv.gemv_config(m, N, K, kind == "int8") for m in Ms]:
+                if c not in cands:
+                    cands.append(c)
             cands += [c for c in gemv.GEMV_CANDIDATES[kind] if c.get("STAGES", 1) > 1]
         bench_shape(name, N, K, kind, Ms, cands, bw, rows)
     table = winners(rows)
