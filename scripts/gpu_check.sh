@@ -99,11 +99,12 @@ for s in "${steps[@]}"; do
             # long context: 4096 first (its chunk times: the T = 2048 compiles vs a chunk's cost)
             L='--chunk 2048 --reference-device cuda --long-context'
             [ '${LONG:-65536}' = 0 ] || set -- \"\$@\" \"\$L 4096\" \"\$L ${LONG:-65536}\"
+            n=0   # each run's log under \$OUT (a run cut off by the limit keeps its chunk times)
             for a in \"\$@\"; do
-                echo \"-- verify \$a\"
-                \$V \$a > $d/v.log 2>&1; s=\$?; [ \$s -eq 0 ] || st=1
-                grep -E '^  (reference|runtime)' $d/v.log | head -n 8   # pass and chunk times
-                tail -n 12 $d/v.log; echo \"exit \$s\"
+                n=\$((n + 1)); echo \"-- verify \$a\"
+                \$V \$a > $OUT/verify_\$n.log 2>&1; s=\$?; [ \$s -eq 0 ] || st=1
+                grep -E '^  (reference|runtime)' $OUT/verify_\$n.log | head -n 8   # pass, chunk times
+                tail -n 12 $OUT/verify_\$n.log; echo \"exit \$s\"
             done
             exit \$st" ;;
     bench)
