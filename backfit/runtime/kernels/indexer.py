@@ -44,6 +44,10 @@ TOPK_FAST = True        # False: the old path (_topk_scores/_topk_keys/_unpack +
 TOPK_WARPS = 16
 TOPK_BJ = 16            # keys compared per rank step: [K, BJ] int64 compares in registers
 TOPK_MERGE = True       # keys passes merge sorted sub-chunks (binary searches), no bitonic top-k
+# at most this many sub-chunks (C // K) per merge; wider chunks take the bitonic top-k. The merge
+# unrolls C/K x (log2 K + 1) gathers of C keys: the tiny checkpoint's top-16 at C = 2048 (128 x 5)
+# took 55 s to compile on a CPU and ~250 s in the 65K verify's first chunk on the H200's host
+TOPK_MERGE_WAYS = 16
 TOPK_SCORES_CHUNK = 1024
 
 
@@ -294,15 +298,16 @@ def _topk_fast(scores: torch.Tensor, k: int, KP: int, C: int) -> torch.Tensor:
         return sel.fill_(-1)
     src, n, first = scores.contiguous(), N, True
     CS = min(max(TOPK_SCORES_CHUNK, 2 * KP), C) if TOPK_SCORES_CHUNK else C
-    while True:
-        CC = CS if first else C
+    while True:                 # keys passes: no wider than their n keys need (C at most)
+        CC = CS if first else max(min(C, triton.next_power_of_2(n)), 2 * KP)
         n_chunks = triton.cdiv(n, CC)
         final = n_chunks == 1                       # the grid depends on shapes only
         out = sel if final else torch.empty(B, n_chunks * KP, dtype=torch.int64,
                                             device=scores.device)
+        merge = TOPK_MERGE and not first and CC // KP <= TOPK_MERGE_WAYS
         _topk_pass_kernel[(B, n_chunks)](src, out, sel, n, n_chunks * KP, k, _NEG_INF_KEY,
                                          K=KP, C=CC, BJ=min(TOPK_BJ, KP), SCORES=first,
-                                         FINAL=final, MERGE=TOPK_MERGE and not first,
+                                         FINAL=final, MERGE=merge,
                                          LK=KP.bit_length() - 1, num_warps=TOPK_WARPS)
         if final:
             return sel

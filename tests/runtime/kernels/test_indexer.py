@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
 
+import triton  # noqa: E402  (after TRITON_INTERPRET)
 from support import one_thread
 
 from backfit.runtime.kernels import ref
@@ -233,6 +234,40 @@ def test_topk_fast_rows_of_different_validity(idx, monkeypatch, N, k, chunk, mer
         fast, old = idx.topk_select(s, k, chunk, fast=True), idx.topk_select(s, k, chunk,
                                                                              fast=False)
     assert torch.equal(fast.cpu(), want.cpu()) and torch.equal(old.cpu(), want.cpu())
+
+
+class _Recorder:
+    """Stands in for _topk_pass_kernel: records each launch's (n keys in, C, K, MERGE)."""
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(src, out, sel, n, *args, **meta):
+            self.calls.append((n, meta["C"], meta["K"], meta["MERGE"], meta["SCORES"]))
+            return self.kernel[grid](src, out, sel, n, *args, **meta)
+        return launch
+
+
+@pytest.mark.parametrize("N,k", [(16384, 16), (4096, 16), (2048, 512), (16384, 512)])
+def test_topk_keys_passes_no_wider_than_needed(idx, monkeypatch, N, k):
+    """A keys pass is no wider than its keys need and merges at most TOPK_MERGE_WAYS sorted
+    sub-chunks (the tiny checkpoint's top-16 at the 65K verify: 16 chunk winners of 16 each had
+    run through a 2048-wide, 128-way merge whose compile took minutes); sel is still exact."""
+    rec = _Recorder(idx._topk_pass_kernel)
+    monkeypatch.setattr(idx, "_topk_pass_kernel", rec)
+    gen = torch.Generator().manual_seed(N + k)
+    s = torch.randn(1, N, generator=gen)
+    s[0, N // 3:] = float("-inf")
+    with one_thread():
+        got = idx.topk_select(s.to(DEV), k)
+    assert torch.equal(got.cpu(), ref.topk_select_ref(s, k))
+    KP = max(2, 1 << (k - 1).bit_length())
+    keys = [c for c in rec.calls if not c[4]]
+    assert rec.calls[0][4] and keys, rec.calls                       # scores, then keys passes
+    for n, C, K, merge, _ in keys:
+        assert C <= max(triton.next_power_of_2(n), 2 * KP), rec.calls
+        assert not merge or C // K <= idx.TOPK_MERGE_WAYS, rec.calls
+    assert any(m for *_, m, _ in keys) == idx.TOPK_MERGE, rec.calls   # the merge still runs
 
 
 @pytest.mark.gpu
