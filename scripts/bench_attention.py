@@ -9,6 +9,8 @@ disjoint slots and blocks (so the working set exceeds L2), against the bytes the
   indexer    per sequence: the L/4 keys (128·2 bytes) + scores written and read (L/4·4·2)
 and the copy bandwidth measured in the same run (read + write of a 2 GiB copy).
 Usage: python scripts/bench_attention.py [--out bench_attention.json]
+       python scripts/bench_attention.py --merge --contexts 512,32768 --batches 1,8  (the
+       decode step's merge + inverse RoPE launch: split count x attention.MERGE_PAIRS)
 """
 
 from __future__ import annotations
@@ -66,6 +68,55 @@ def attention_case(mode, L, B, int8, bw):
                 rot=rot)
 
 
+def merge_case(mode, L, B, split, pairs):
+    """decode_attention with out_rope (the decode step's call: split KV, merge + inverse RoPE in
+    one launch) at one split count and attention.MERGE_PAIRS -> µs a call (graph replays)."""
+    from backfit.runtime.kernels import attention as A
+    ratio = {"window": 0, "hca": 128, "csa": 4}[mode]
+    nblk = (L + BLOCK - 1) // BLOCK
+    ring, _ = store(1, W + RB, False, None)
+    ent = tabs = sel = None
+    if ratio:
+        ent, _ = store(nblk, BLOCK // ratio, False, None)
+        tabs = torch.arange(nblk, device="cuda").int().view(1, nblk).expand(B, nblk)
+    if mode == "csa":
+        k = min(TOPK, L // 4)
+        sel = torch.full((B, TOPK), -1, dtype=torch.int32, device="cuda")
+        sel[:, :k] = torch.rand(B, L // 4, device="cuda").topk(k).indices.int()
+    slots = torch.zeros(B, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, H, D, device="cuda").bfloat16()
+    kv = torch.randn(B, D, device="cuda").bfloat16()
+    pos = torch.full((B,), L - 1, dtype=torch.int64, device="cuda")
+    sink = torch.randn(H, device="cuda")
+    f = 1.0 / 10000 ** (torch.arange(0, 64, 2, dtype=torch.float64, device="cuda") / 64)
+    old, A.MERGE_PAIRS = A.MERGE_PAIRS, pairs
+    try:
+        t = graph_time(lambda: decode_attention(q, kv, pos, sink, ring, None, slots, W, mode,
+                                                ent, None, tabs, ratio, sel, split=split,
+                                                out_rope=(f, 64, torch.bfloat16)))
+    finally:
+        A.MERGE_PAIRS = old
+    return dict(kind="merge", mode=mode, context=L, batch=B, split=split, pairs=pairs,
+                us=t * 1e6)
+
+
+def merge_sweep(contexts, batches):
+    """--merge: decode + merge/inverse-RoPE at the auto split and at forced ones, by pairs."""
+    rows = []
+    for mode in ("window", "hca", "csa"):
+        for L in contexts:
+            for B in batches:
+                for split in (None, 1, 2, 4, 8, 16):
+                    for pairs in (16, 64, 256):
+                        if split == 1 and pairs != 64:
+                            continue                # one split: no merge launch
+                        rows.append(merge_case(mode, L, B, split, pairs))
+                        r = rows[-1]
+                        print(f"merge {mode:6s} L {L:6d} B {B:2d} split {str(split):4s} "
+                              f"pairs {pairs:3d}: {r['us']:7.1f} us", flush=True)
+    return rows
+
+
 def indexer_case(L, B, bw):
     nc = L // 4
     per_seq = nc * (DI * 2 + 8) + HI * (DI + 1) * 4
@@ -95,8 +146,17 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--contexts", default="1024,8192,65536")
     ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--merge", action="store_true",
+                    help="only the decode merge sweep (split count x MERGE_PAIRS)")
     a = ap.parse_args()
     torch.manual_seed(0)
+    if a.merge:
+        rows = merge_sweep([int(x) for x in a.contexts.split(",")],
+                           [int(x) for x in a.batches.split(",")])
+        if a.out:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), open(a.out, "w"),
+                      indent=1)
+        return
     bw = copy_bandwidth()
     rows = []
     ctxs = [int(x) for x in a.contexts.split(",")]
