@@ -226,6 +226,11 @@ def _interpreted() -> bool:
 
 
 MERGE_PAIRS = 64      # _merge_rope_kernel: rotation pairs per program (D = 512: 4 programs a head)
+# most KV splits a decode program row gets: the merge's [SP, DH] tiles at SP = next_pow2(split).
+# H200 (bench_attention.py --merge, batch 1, session 11): the CSA layer's 20 splits (SP 32) cost
+# decode + merge 31.0 / 33.7 us at ctx 512 / 32K (the merge 19.5 us of it in the step's trace);
+# capped at 16 (-> 10 splits of 64 keys, SP 16) 20.5 / 21.1 us; window / HCA rows within noise
+MAX_SPLIT = 16
 
 
 def decode_config(B: int, H: int, n_keys: int, sms: int, split: int | None = None,
@@ -236,7 +241,7 @@ def decode_config(B: int, H: int, n_keys: int, sms: int, split: int | None = Non
     progs = B * triton.cdiv(H, BH)
     steps = max(1, triton.cdiv(n_keys, BN))
     if split is None:
-        split = max(1, min(32, steps, triton.cdiv(2 * sms, progs)))
+        split = max(1, min(MAX_SPLIT, steps, triton.cdiv(2 * sms, progs)))
     chunk = triton.cdiv(steps, split) * BN
     return dict(BH=BH, BN=BN, SPLIT=triton.cdiv(max(n_keys, 1), chunk), CHUNK=chunk,
                 num_warps=4, num_stages=2)

@@ -182,6 +182,16 @@ def test_chunked_prefill_sweep(attn, mode, ratio, int8):
             assert rel(attn.sparse_attention(**c, **extra, split=split), want) < TOL, split
 
 
+@pytest.mark.parametrize("B,n_keys", [(1, 640), (1, 128 + 256), (2, 640), (8, 640), (1, 20000)])
+def test_decode_split_is_capped_and_covers_the_keys(attn, B, n_keys):
+    """The split count stays <= MAX_SPLIT (the CSA layer's 640 keys at batch 1 had 20 splits, a
+    merge of 32-row tiles that cost ~10 us more on the H200) and the splits cover every key."""
+    c = attn.decode_config(B, 64, n_keys, 132)
+    assert 1 <= c["SPLIT"] <= attn.MAX_SPLIT, c
+    assert c["SPLIT"] * c["CHUNK"] >= n_keys > (c["SPLIT"] - 1) * c["CHUNK"], c
+    assert c["CHUNK"] % c["BN"] == 0, c
+
+
 def test_heads_past_a_block_non_pow2_dim_and_fp32(attn):
     """H = 20 (two head blocks, one partial), D = 80 (padded to 128), FP32 act dtype (ieee)."""
     gen, rnd = torch.Generator().manual_seed(5), random.Random(5)
