@@ -8,7 +8,8 @@ Users (triton path on CUDA only; the torch path and CPU never fork):
   model.attention the decode step's FP32 projections and compressor update ("comp", HCA /
                   CSA) and the CSA indexer chain ("index", after those projections: queries,
                   its compressor, scores, top-k) beside the query path (wq_a|wkv, q_norm,
-                  wq_b, RoPE); decode attention joins both
+                  wq_b, RoPE); decode attention joins both. Every layer: the token's kv
+                  (kv_norm + RoPE + ring store, "kv") beside q_norm / wq_b / the query RoPE
   kernels.mhc_decode  the Sinkhorn of hc_pre (post, M: read only by the hc_post after the
                   sub-layer) beside the critical u + RMSNorm launch; hc_post joins it
 Rules that keep the caching allocator safe without record_stream (which graph capture does not

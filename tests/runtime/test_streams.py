@@ -1,13 +1,15 @@
 """Side streams of the decode step (runtime/streams.py) change no bit, on a GPU (marker gpu):
-twin eager runners on the triton kernels, one with every side stream on (the compressor update
-and the CSA indexer chain beside the query path, the shared expert, the Sinkhorn), one with all
-of them off (everything in order on one stream), fed the same prefill and decode steps. The
+twin eager runners on the triton kernels, one with every side stream on (the compressor update,
+the CSA indexer chain and the kv chain (norm, RoPE, ring store) beside the query path, the
+shared expert, the Sinkhorn), one with all of them off (everything in order on one stream), fed
+the same prefill and decode steps. The
 graphed path runs with them on and is held to the eager one by tests/runtime/test_graphs.py."""
 
 import pytest
 import torch
 
 SWITCHES = (("backfit.runtime.model.attention", "SIDE_STREAMS"),
+            ("backfit.runtime.model.attention", "KV_BESIDE"),
             ("backfit.runtime.model.moe", "SHARED_STREAM"),
             ("backfit.runtime.kernels.mhc_decode", "SINKHORN_STREAM"))
 

@@ -26,12 +26,16 @@ from backfit.runtime.layers import (ColumnParallelLinear, FusedProjection, Linea
                                     RowParallelLinear, Rotary)
 from backfit.runtime.model import compressor as compressor_mod
 from backfit.runtime.model.compressor import Compressor, HeadWeights, Indexer, ProjectedRows
+from backfit.runtime.streams import beside
 
-__all__ = ["Attention", "SIDE_STREAMS", "layer_rotary"]
+__all__ = ["Attention", "KV_BESIDE", "SIDE_STREAMS", "layer_rotary"]
 
 # The paged decode step on CUDA (triton path): the compressor update and the CSA indexer chain
 # run on side streams beside the query path (runtime/streams.py); False: all in order.
 SIDE_STREAMS = True
+# The paged decode step on CUDA (any layer): kv_norm + RoPE of the token's kv and its ring store on
+# a side stream ("kv") beside q_norm / wq_b / the query RoPE; decode attention joins it.
+KV_BESIDE = True
 
 
 def layer_rotary(cfg: ModelConfig, ratio: int) -> Rotary:
@@ -126,13 +130,15 @@ class Attention(nn.Module):
         side = None                     # (events, sel) of the chains queued beside the q path
         if decode_step and SIDE_STREAMS and self.compressor is not None and x.is_cuda \
                 and kernel_path(x):    # the FP32 projections + the compressor on "comp"
-            from backfit.runtime.streams import beside
             (comp, icomp, wraw, proj), ev = beside(x.device, "comp", lambda: self._comp_chain(
                 x, pos, cache))
             qa, kvx = self._project_a(x)
             side = ([ev], None)
         else:
             qa, kvx, comp, icomp, wraw = self._project(x, pos, decode_step)
+        kv = kv_ready = None            # kv_ready: the event of the kv chain queued beside
+        if decode_step and KV_BESIDE and x.is_cuda and kernel_path(x):
+            kv, kv_ready = beside(x.device, "kv", lambda: self._kv_stored(kvx, pos, cache))
         qr = self.q_norm(qa)                                          # [T, q_lora]; indexer input too
         if side is not None and self.indexer is not None:             # from qr on, beside wq_b
             sel, ev = beside(x.device, "index", lambda: self._decode_select(
@@ -143,8 +149,9 @@ class Attention(nn.Module):
             from backfit.runtime.kernels.rope_norm import rope
             r = self.rope
             q = rope(q, pos, r.inv_freq, r.rope_dim, norm=(None, self.eps))     # per-head RMS
-            kv = rope(kvx, pos, r.inv_freq, r.rope_dim, norm=(self.kv_norm.weight,
-                                                              self.kv_norm.eps))
+            if kv is None:
+                kv = rope(kvx, pos, r.inv_freq, r.rope_dim, norm=(self.kv_norm.weight,
+                                                                  self.kv_norm.eps))
         else:
             qf = q.float()
             q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
@@ -154,7 +161,7 @@ class Attention(nn.Module):
             qI, wI = self.indexer.queries(qr, wraw, pos)
         if paged:
             o = self._kernels(q, kv, pos, batch, cache, comp, None if side is not None or
-                              self.indexer is None else (qI, wI, icomp), side)
+                              self.indexer is None else (qI, wI, icomp), side, kv_ready)
             return self._output(o, pos, x.dtype)
         o = torch.empty(T, Hl, D, dtype=torch.float32, device=x.device)
         for s in batch.slices():
@@ -170,6 +177,16 @@ class Attention(nn.Module):
                     extra = (entries, (qI[r], wI[r], keys))
             o[r] = self._attend(q[r], kv[r], pos[r], s, cache, extra)
         return self._output(o, pos, x.dtype)
+
+    def _kv_stored(self, kvx: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
+        """Decode step (kernels, paged pools): kv = RoPE(kv_norm(kvx)) [B, D], stored in the
+        rings at pos right away. The row it replaces holds position p - R, no key of p's window
+        (R >= W) nor of a rollback's, and decode attention reads p's own kv from `kv`."""
+        from backfit.runtime.kernels.rope_norm import rope
+        r = self.rope
+        kv = rope(kvx, pos, r.inv_freq, r.rope_dim, norm=(self.kv_norm.weight, self.kv_norm.eps))
+        cache.write_window_tokens(pos, kv)
+        return kv
 
     def _output(self, o: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """o [T, Hl, D] FP32 -> inverse RoPE, grouped wo_a, wo_b -> [T, d]. An o already in
@@ -226,7 +243,8 @@ class Attention(nn.Module):
                               wI if isinstance(wI, HeadWeights) else None, cache, pos, dtype)
         return self._select(qI, wI, cache, pos)
 
-    def _kernels(self, q, kv, pos, batch: ForwardBatch, cache, comp, index, side=None):
+    def _kernels(self, q, kv, pos, batch: ForwardBatch, cache, comp, index, side=None,
+                 kv_ready=None):
         """The attention core on the Triton kernels, reading the paged pools in place.
 
         Same order as the torch path: the compressors pool (and write) the entries this batch
@@ -235,6 +253,7 @@ class Attention(nn.Module):
         Decode (one token per sequence) and chunked prefill / mixed batches. -> o [T, Hl, D] FP32.
         side: (events, sel) when forward queued the decode step's compressor update and the CSA
         selection on side streams (SIDE_STREAMS): waited for here, before the attention reads.
+        kv_ready: the event of forward's kv chain (KV_BESIDE: kv normed, rotated and stored).
         """
         from backfit.runtime.kernels.attention import decode_attention
         T, lens = q.shape[0], batch.seq_lens
@@ -245,6 +264,8 @@ class Attention(nn.Module):
             seq = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), n)
             start = torch.repeat_interleave(torch.tensor(batch.starts, dtype=torch.int32), n)
             seq, start = seq.to(q.device), start.to(q.device)
+        if kv_ready is not None:
+            torch.cuda.current_stream(q.device).wait_event(kv_ready)
         ring, ring_scale = cache.ring_pool()
         mode, ent, ent_scale, tables, sel = "window", None, None, None, None
         if comp is not None:
@@ -277,7 +298,8 @@ class Attention(nn.Module):
             r = self.rope
             o = decode_attention(*args, out_rope=None if q.dtype == torch.float32 else
                                  (r.inv_freq, r.rope_dim, q.dtype))
-            cache.write_window_tokens(pos, kv)                        # after the kernel read it
+            if kv_ready is None:                                      # else stored beside
+                cache.write_window_tokens(pos, kv)                    # after the kernel read it
         else:
             from backfit.runtime.kernels.attention_prefill import sparse_attention_prefill
             o = sparse_attention_prefill(*args, seq=seq, start=start)    # query-blocked
