@@ -1,6 +1,7 @@
 """Where a step's time goes, on the lent GPU (4 real DeepSeek-V4-Flash layers, triton kernels):
 
-    python3 scripts/profile_step.py [--trace] [--host] [--prefill N] [--experts int8|mx4|both]
+    python3 scripts/profile_step.py [--trace] [--host] [--prefill N [--syncs]]
+                                    [--experts int8|mx4|both]
                                     [--out file.txt]
 
   --trace    the ordered kernel list of one batch-1 CUDA-graph replay: start, gap to the previous
@@ -8,7 +9,9 @@
   --host     the host part of a batch-1 and a batch-8 graph step, piece by piece (padding into
              the pinned staging rows, the one input copy, replay(), the logits clone), each with
              its sync, against the replay's GPU time (CUDA events)
-  --prefill  the top kernels of one N-token prefill (eager)
+  --prefill  the top kernels of one N-token prefill (eager), its wall time against the GPU's
+             busy time, and (--syncs) every host sync it makes (torch.cuda sync debug mode),
+             counted by the backfit source line that made it
   --experts  the routed-expert scheme(s) traced (mx4: bench_model.to_mx4, the same values as
              mx4_e2m1; both: the int8 run, then mx4 in the same process); default int8
 Built like scripts/bench_decode.py (random converted weights, random paged pools).
@@ -101,14 +104,54 @@ def host(r, log) -> None:
             log(f"  {k:28s} {v:9.1f} us")
 
 
-def prefill(r, n: int, log) -> None:
+def sync_sites(fn) -> list[tuple[str, int]]:
+    """fn() under torch.cuda's sync debug mode: each synchronizing call's innermost backfit
+    frames (file:line function) -> [(site, count)], most frequent first."""
+    import traceback
+    import warnings
+    sites: dict[str, int] = {}
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        fr = [f for f in traceback.extract_stack()[:-1] if "/backfit/" in f.filename]
+        key = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in fr[::-1][:3])
+        key = key or f"{filename}:{lineno}"
+        sites[key] = sites.get(key, 0) + 1
+    torch.cuda.synchronize()
+    old = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = old
+    return sorted(sites.items(), key=lambda kv: -kv[1])
+
+
+def prefill(r, n: int, log, syncs: bool = False) -> None:
     st = bd.step_input(r, 1, 0, n=n)
     ev = cuda_events(lambda: r.forward(st), 2)
     tot, cnt = {}, {}
     for e in ev:
         tot[e.name] = tot.get(e.name, 0) + e.device_time / 2 / 1e3
         cnt[e.name] = cnt.get(e.name, 0) + 0.5
-    log(f"prefill {n}: {len(ev) / 2:.0f} kernels, GPU busy {sum(tot.values()):.2f} ms")
+    walls = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        r.forward(st)
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t) * 1e3)
+    log(f"prefill {n}: {len(ev) / 2:.0f} kernels, GPU busy {sum(tot.values()):.2f} ms, "
+        f"wall {statistics.median(walls):.2f} ms (median of 3)")
+    if syncs:
+        for site, k in sync_sites(lambda: r.forward(st)):
+            log(f"  sync {k:4d}x  {site}")
     for k, v in sorted(tot.items(), key=lambda kv: -kv[1])[:25]:
         log(f"  {v:8.3f} ms {cnt[k]:6.0f}x  {k[:100]}")
 
@@ -118,6 +161,7 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--host", action="store_true")
     ap.add_argument("--prefill", type=int, default=0, metavar="N")
+    ap.add_argument("--syncs", action="store_true", help="--prefill: list its host syncs")
     ap.add_argument("--experts", choices=("int8", "mx4", "both"), default="int8")
     ap.add_argument("--ctx", type=int, default=512, help="--trace: the step's context length")
     ap.add_argument("--out", default=None)
@@ -133,7 +177,7 @@ def main() -> None:
     r = bd.build_runner(bd.raw_config(4, False), "cuda", 8, 8 * (max_len // bs + 2), max_len)
     bd.use_backend(r, "triton")
     if a.prefill:
-        prefill(r, a.prefill, log)
+        prefill(r, a.prefill, log, a.syncs)
     for scheme in ("int8", "mx4") if a.experts == "both" else (a.experts,):
         if scheme == "mx4":
             r.graphs = None
