@@ -13,11 +13,22 @@ compressed entries of positions i*block_size ...); the plain DecodeState ignores
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator, Sequence
 
 import torch
 
-__all__ = ["ForwardBatch", "SeqSlice"]
+__all__ = ["ForwardBatch", "SeqSlice", "to_device"]
+
+
+def to_device(data, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """Host data (list, tuple, CPU tensor) -> a tensor on `device` without a host sync: on CUDA
+    through pinned memory and a non_blocking copy (a pageable copy waits for the stream to
+    drain; PyTorch's caching host allocator keeps the pinned block until the copy is done)."""
+    t = torch.as_tensor(data, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -69,7 +80,8 @@ class ForwardBatch:
             t = torch.as_tensor(t, dtype=torch.int64).reshape(-1)
             toks.append(t)
             pos.append(torch.arange(start, start + t.numel(), dtype=torch.int64))
-        return cls(torch.cat(toks).to(device), torch.cat(pos).to(device),
+        both = to_device(torch.stack((torch.cat(toks), torch.cat(pos))), torch.int64, device)
+        return cls(both[0], both[1],
                    tuple(int(s[0]) for s in seqs), tuple(int(t.numel()) for t in toks),
                    tuple(int(s[2]) for s in seqs),
                    None if slots is None else tuple(int(x) for x in slots),
@@ -91,7 +103,24 @@ class ForwardBatch:
             yield SeqSlice(i, sid, lo, lo + n, start)
             lo += n
 
+    def last_rows_host(self) -> list[int]:
+        """Each sequence's last token's row in the flattened batch (host ints)."""
+        ends, lo = [], 0
+        for n in self.seq_lens:
+            lo += n
+            ends.append(lo - 1)
+        return ends
+
     def last_rows(self) -> torch.Tensor:
-        """[num_seqs] index of each sequence's last token in the flattened batch."""
-        ends = torch.tensor(self.seq_lens, dtype=torch.int64).cumsum(0) - 1
-        return ends.to(self.tokens.device)
+        """[num_seqs] last_rows_host on the tokens' device (no host sync)."""
+        return to_device(self.last_rows_host(), torch.int64, self.tokens.device)
+
+    @cached_property
+    def token_seq_start(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token: its sequence's index in the batch and its chunk's first position, int32
+        [T] each on the tokens' device; built once per batch (one copy, no host sync)."""
+        n = torch.tensor(self.seq_lens)
+        seq = torch.repeat_interleave(torch.arange(len(self.seq_lens), dtype=torch.int32), n)
+        start = torch.repeat_interleave(torch.tensor(self.starts, dtype=torch.int32), n)
+        both = to_device(torch.stack((seq, start)), torch.int32, self.tokens.device)
+        return both[0], both[1]

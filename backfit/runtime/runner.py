@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from backfit.config import ModelConfig
-from backfit.runtime.batch import ForwardBatch
+from backfit.runtime.batch import ForwardBatch, to_device
 from backfit.runtime.cache.layout import default_block_size
 from backfit.runtime.cache.paged import PagedCache, check_block_size
 
@@ -202,10 +202,10 @@ class ModelRunner:
                                    [s.block_table for s in seqs])
         X = self.model.hidden(batch, self.cache)                  # [T, hc, d]
         out = StepOutput(None)
-        ends = batch.last_rows()
-        rows = [int(ends[i]) for i, s in enumerate(seqs) if s.sample]
+        ends = batch.last_rows_host()                             # host ints: no sync
+        rows = [ends[i] for i, s in enumerate(seqs) if s.sample]
         if rows:
-            out.logits = self.model.logits(X[torch.tensor(rows, device=X.device)])
+            out.logits = self.model.logits(X[to_device(rows, torch.int64, X.device)])
         lo = 0
         for s in seqs:
             if s.all_logits:

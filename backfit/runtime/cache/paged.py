@@ -22,7 +22,7 @@ import math
 import torch
 
 from backfit.config import ModelConfig
-from backfit.runtime.batch import ForwardBatch
+from backfit.runtime.batch import ForwardBatch, to_device
 
 __all__ = ["ROLLBACK", "PagedCache", "ring_rows", "check_block_size"]
 
@@ -202,23 +202,22 @@ class _PagedLayer:
         r = pos[-keep:] % p.rows_n
         p.c[self.slots[i], r], p.z[self.slots[i], r] = c[-keep:], z[-keep:]
 
-    def _where(self, i: int, p: _Compressed, j: torch.Tensor):
-        blk = j // p.per_block
+    def _where(self, i: int, p: _Compressed, j0: int, j1: int, device):
+        """(block, row in block) of entries j0 .. j1-1 of sequence i; checked on the host."""
         table = self.tables[i]
-        if j.numel() and int(blk[-1]) >= table.shape[0]:
-            raise IndexError(f"entry {int(j[-1])} needs block {int(blk[-1])} of a sequence with "
-                             f"{table.shape[0]} blocks")
-        return table[blk], j % p.per_block
+        if j1 > j0 and (j1 - 1) // p.per_block >= table.shape[0]:
+            raise IndexError(f"entry {j1 - 1} needs block {(j1 - 1) // p.per_block} of a "
+                             f"sequence with {table.shape[0]} blocks")
+        j = torch.arange(j0, j1, device=device)
+        return table[j // p.per_block], j % p.per_block
 
     def write_entries(self, i, kind, j0: int, E: torch.Tensor) -> None:
         p = self._part(kind)
-        j = torch.arange(j0, j0 + E.shape[0], device=E.device)
-        p.entries.put(self._where(i, p, j), E)
+        p.entries.put(self._where(i, p, j0, j0 + E.shape[0], E.device), E)
 
     def entries(self, i, kind, n: int) -> torch.Tensor:
         p = self._part(kind)
-        j = torch.arange(n, device=p.c.device)
-        return p.entries.get(self._where(i, p, j))
+        return p.entries.get(self._where(i, p, 0, n, p.c.device))
 
 
 class _BoundPaged:
@@ -233,8 +232,7 @@ class _BoundPaged:
         if batch.slots is None or batch.block_tables is None:
             raise ValueError("a PagedCache batch needs slots and block tables")
         self.slots = list(batch.slots)
-        self.tables = [torch.tensor(t, dtype=torch.int64, device=cache.device)
-                       for t in batch.block_tables]
+        self.tables = [to_device(t, torch.int64, cache.device) for t in batch.block_tables]
         self._host_tables = batch.block_tables
 
     def bind(self, batch: ForwardBatch) -> "_BoundPaged":
@@ -246,8 +244,8 @@ class _BoundPaged:
         if self._device is None:
             n = max(1, max(len(t) for t in self._host_tables))      # host tuples: no sync
             rows = [list(t) + [0] * (n - len(t)) for t in self._host_tables]
-            self._device = (torch.tensor(self.slots, dtype=torch.int32, device=self.cache.device),
-                            torch.tensor(rows, dtype=torch.int32, device=self.cache.device))
+            self._device = (to_device(self.slots, torch.int32, self.cache.device),
+                            to_device(rows, torch.int32, self.cache.device))
         return self._device
 
     def layer(self, l: int) -> _PagedLayer:

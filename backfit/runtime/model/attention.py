@@ -259,11 +259,8 @@ class Attention(nn.Module):
         T, lens = q.shape[0], batch.seq_lens
         decode = T == len(lens)
         seq = start = None
-        if not decode:                        # per query: its sequence, its chunk's start (host)
-            n = torch.tensor(lens)
-            seq = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), n)
-            start = torch.repeat_interleave(torch.tensor(batch.starts, dtype=torch.int32), n)
-            seq, start = seq.to(q.device), start.to(q.device)
+        if not decode:                        # per query: its sequence, its chunk's start
+            seq, start = batch.token_seq_start
         if kv_ready is not None:
             torch.cuda.current_stream(q.device).wait_event(kv_ready)
         ring, ring_scale = cache.ring_pool()
