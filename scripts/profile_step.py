@@ -149,6 +149,14 @@ def prefill(r, n: int, log, syncs: bool = False) -> None:
         walls.append((time.perf_counter() - t) * 1e3)
     log(f"prefill {n}: {len(ev) / 2:.0f} kernels, GPU busy {sum(tot.values()):.2f} ms, "
         f"wall {statistics.median(walls):.2f} ms (median of 3)")
+    first = ev[:len(ev) // 2]                         # the first of the two profiled runs
+    gaps, end = [], first[0].time_range.end if first else 0
+    for prev, e in zip(first, first[1:]):
+        end = max(end, prev.time_range.end)
+        gaps.append((e.time_range.start - end, prev.name[:50], e.name[:50]))
+    log(f"  GPU idle between kernels {sum(g for g, *_ in gaps if g > 0) / 1e3:.2f} ms; largest:")
+    for g, a, b in sorted(gaps, reverse=True)[:12]:
+        log(f"  idle {g:8.1f} us  after {a}  before {b}")
     if syncs:
         for site, k in sync_sites(lambda: r.forward(st)):
             log(f"  sync {k:4d}x  {site}")
