@@ -274,15 +274,24 @@ _PIPE_TILES = {
                  ("word", 16, 512, 4, 4, 4), ("base", 16, 512, 4, 4, 4),
                  ("base", 8, 1024, 4, 3, 3))}
 
+# --occ (int8_mx32, M = 1-2): the shipped tiles, then tiles with fewer weights per program (BN·BK)
+# so more programs fit an SM. At M = 1 gate/up runs 6 x 2048/BN programs of ~95 registers a
+# thread (5 an SM at 4 warps, 660 on 132 SMs): BN 16 gives 768, 1.16 waves, and BN 8 the same
+# in rows (its half-size program fits twice as often); smaller BK cuts the registers, not the rows
+_OCC_TILES = (("magic", 16, 128, 4, 2), ("magic", 16, 128, 2, 2), ("magic", 8, 256, 2, 2),
+              ("magic", 8, 128, 2, 2), ("magic", 32, 128, 4, 2), ("magic", 16, 64, 2, 2),
+              ("magic", 8, 128, 1, 2), ("base", 16, 128, 4, 2), ("base", 16, 256, 2, 2),
+              ("base", 8, 256, 2, 2), ("fma", 8, 128, 2, 2), ("fma", 16, 128, 4, 2))
+
 ERR_OK = 1e-2                 # rel err vs the torch path above which a config is not a candidate
 
 
-def decode_grid(scheme: str, pipe: bool = False) -> list[dict]:
+def decode_grid(scheme: str, pipe: bool = False, occ: bool = False) -> list[dict]:
     """int8_mx32: 26 configs over moe.DECODE_VARIANTS; mx4_e2m1: 16 over moe_mx4's (the
     shipped tile, then mma, word, prefetch, the rest of base: a spent budget skips the last).
     pipe: the shipped DECODE_TABLE configs (down tiles split out as configs of their own), then
-    _PIPE_TILES."""
-    if pipe:
+    _PIPE_TILES. occ (int8_mx32): the shipped configs, then _OCC_TILES."""
+    if pipe or occ:
         table = (moe_mx4 if scheme == "mx4_e2m1" else moe).DECODE_TABLE
         shipped = []
         for _, c in table:
@@ -290,6 +299,9 @@ def decode_grid(scheme: str, pipe: bool = False) -> list[dict]:
             for d in (c.pop("down", None), c):
                 if d is not None and d not in shipped:
                     shipped.append(d)
+        if occ:
+            return shipped + [dict(variant=v, BN=b, BK=k, num_warps=w, num_stages=n)
+                              for v, b, k, w, n in _OCC_TILES]
         return shipped + [dict(variant=v, BN=b, BK=k, num_warps=w, num_stages=n, STAGES=st)
                           for v, b, k, w, n, st in _PIPE_TILES[scheme]]
     if scheme == "mx4_e2m1":
@@ -343,12 +355,12 @@ def decode_launches(scheme: str, st: tuple, x, idx, w, cfg: dict) -> tuple:
 
 def moe_decode_sweep(ceil: dict, budget_s: float, t0: float, Ms=(1, 2, 4, 8), E: int = 256,
                      D: int = 4096, I: int = 2048, k: int = 6, rot: int = 4,
-                     pipe: bool = False) -> dict:
+                     pipe: bool = False, occ: bool = False) -> dict:
     """Every decode variant x tile at M tokens, both schemes: graph-timed µs per call over `rot`
     routings (other experts each call: weights stream from HBM), GB/s of the distinct experts'
     bytes, % of the copy bandwidth, rel err vs the torch path; best per (scheme, M)."""
     rows, best = [], {}
-    for scheme in ("int8_mx32", "mx4_e2m1"):
+    for scheme in ("int8_mx32",) if occ else ("int8_mx32", "mx4_e2m1"):
         st = sum(((mx4_stack if scheme == "mx4_e2m1" else mx_stack)(E, n, kk)
                   for n, kk in ((I, D), (I, D), (D, I))), ())          # w1, s1, w3, s3, w2, s2
         per_expert = 3 * I * D * ((0.5 if scheme == "mx4_e2m1" else 1) + 1 / 32)
@@ -362,7 +374,7 @@ def moe_decode_sweep(ceil: dict, budget_s: float, t0: float, Ms=(1, 2, 4, 8), E:
             byts = n_exp * per_expert + M * D * 2 * 2 + M * k * I * 4      # x, y, h (w, r)
             cases[M] = (xs, idxs, ws, byts, refn(xs[0], idxs[0], ws[0], *st, 10.0))
         stop = t0 + budget_s * (0.62 if scheme == "int8_mx32" else 1.0)    # mx4 gets its share
-        for cfg in decode_grid(scheme, pipe):
+        for cfg in decode_grid(scheme, pipe, occ):
             if time.time() > stop:
                 print(f"  budget {budget_s:.0f} s spent: {scheme} {cfg} skipped", flush=True)
                 continue
@@ -394,7 +406,8 @@ def moe_decode_sweep(ceil: dict, budget_s: float, t0: float, Ms=(1, 2, 4, 8), E:
         del st, cases
     print("\n# best per (scheme, M): DECODE_TABLE for kernels/moe.py (int8) / moe_mx4.py (mx4);"
           " the split one (a down tile of its own) where its sum beats the fused time")
-    for scheme, split in [(sc, sp) for sc in ("int8_mx32", "mx4_e2m1") for sp in (False, True)]:
+    for scheme, split in [(sc, sp) for sc in ("int8_mx32", "mx4_e2m1") for sp in (False, True)
+                          if (sc, Ms[0]) in best]:
         tab = []                                   # (max pairs, config), equal neighbours merged
         for M in (M for M in Ms if (scheme, M) in best):
             cfg = best[(scheme, M)][0]
@@ -425,6 +438,9 @@ def main() -> None:
                     help="MoE decode GEMV variants x tiles, M = 1-8, int8_mx32 and mx4_e2m1")
     ap.add_argument("--pipe", action="store_true",
                     help="--moe-decode-sweep over the shipped tiles + the cp.async-pipelined ones")
+    ap.add_argument("--occ", action="store_true",
+                    help="--moe-decode-sweep, int8_mx32 at M = 1, 2: the shipped tiles + tiles of "
+                         "fewer weights a program (_OCC_TILES)")
     ap.add_argument("--budget-s", type=float, default=115.0,
                     help="--moe-decode-sweep: skip the configs left after this many seconds")
     args = ap.parse_args()
@@ -434,7 +450,9 @@ def main() -> None:
           f"bf16 {ceil['bf16_TFLOPs']:.0f} TFLOP/s  int8 {ceil['int8_TOPs']:.0f} TOP/s", flush=True)
     if args.moe_decode_sweep:
         res = dict(device=torch.cuda.get_device_name(), triton=__import__("triton").__version__,
-                   ceilings=ceil, **moe_decode_sweep(ceil, args.budget_s, t0, pipe=args.pipe))
+                   ceilings=ceil, **moe_decode_sweep(ceil, args.budget_s, t0, pipe=args.pipe,
+                                                    occ=args.occ,
+                                                    Ms=(1, 2) if args.occ else (1, 2, 4, 8)))
         Path(args.out).write_text(json.dumps(dict(res, seconds=time.time() - t0), indent=1))
         print(f"done in {time.time() - t0:.0f} s -> {args.out}")
         return
