@@ -254,7 +254,8 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
     Mx = tl.maximum(m_i, sink)
     a = tl.exp(m_i - Mx)
     o = acc * a[:, None] / (l_i * a + tl.exp(sink - Mx))[:, None]
-    tl.store(O + trow[:, None] * D + dv[None, :], o, mask=row_ok[:, None] & dv_ok[None, :])
+    tl.store(O + trow[:, None] * D + dv[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & dv_ok[None, :])
 
 
 def _interpreted() -> bool:
@@ -302,11 +303,14 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
                              tables: torch.Tensor | None = None, ratio: int = 0,
                              sel: torch.Tensor | None = None, seq: torch.Tensor | None = None,
                              start: torch.Tensor | None = None, split: int | None = None,
-                             config: dict | None = None) -> torch.Tensor:
+                             config: dict | None = None,
+                             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """attention.sparse_attention's arguments and result: q [T, H, D], kv [T, D] the chunks'
     own rows, pos/seq/start [T] (seq=None: one token per sequence), slots [NS], tables
     [NS, nblk], sel [T, k] -> o [T, H, D] FP32. split is accepted and ignored (no split-KV:
-    prefill has queries enough); config overrides keys of prefill_config's tiles."""
+    prefill has queries enough); config overrides keys of prefill_config's tiles. out_dtype: o
+    stored rounded to it (bf16: = the FP32 o .to(bf16), half the bytes; the inverse RoPE that
+    follows rounds its input so anyway, and then rotates only the last R lanes in place)."""
     if q.dim() != 3 or kv.shape != (q.shape[0], q.shape[2]) or pos.shape != (q.shape[0],):
         raise ValueError(f"sparse_attention_prefill: q [T, H, D], kv [T, D], pos [T]; got "
                          f"{list(q.shape)}, {list(kv.shape)}, {list(pos.shape)}")
@@ -344,7 +348,10 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
             sel = sel.to(device=dev, dtype=torch.int32).contiguous()
             n_sel = sel.shape[1]
         tables = tables.to(device=dev, dtype=torch.int32).contiguous()
-    o = torch.empty(T, H, D, dtype=torch.float32, device=dev)
+    if out_dtype not in (torch.float32, q.dtype):
+        raise ValueError(f"sparse_attention_prefill: out_dtype FP32 or q's {q.dtype}, got "
+                         f"{out_dtype}")
+    o = torch.empty(T, H, D, dtype=out_dtype, device=dev)
     if T == 0:
         return o
     sm90 = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9

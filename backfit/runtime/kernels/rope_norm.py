@@ -40,10 +40,11 @@ def _rms_kernel(X, W, Y, N, stride_x, eps, HAS_W: tl.constexpr, BLOCK: tl.conste
 @triton.jit
 def _rope_kernel(X, Y, POS, F, W, V, D, stride_xn, eps, SIGN: tl.constexpr, R: tl.constexpr,
                  BV: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, HAS_W: tl.constexpr,
-                 DP: tl.constexpr):
+                 DP: tl.constexpr, HEAD: tl.constexpr = True):
     """Position n (program 0), vectors [vb·BV, +BV) of its V vectors of width D (program 1).
     NORM: each vector RMS-normalised first (· W), rounded to Y's dtype as _rms_kernel stores it;
-    every input is rounded to Y's dtype before the rotation (FP32 x, bf16 y: torch's .to())."""
+    every input is rounded to Y's dtype before the rotation (FP32 x, bf16 y: torch's .to()).
+    HEAD False (in place, Y = X): the unrotated D - R lanes are neither read nor written."""
     n, vb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     vv = vb * BV + tl.arange(0, BV)
     v_ok = vv < V
@@ -55,14 +56,15 @@ def _rope_kernel(X, Y, POS, F, W, V, D, stride_xn, eps, SIGN: tl.constexpr, R: t
         xs = tl.load(X + xrow[:, None] + full[None, :], mask=v_ok[:, None] & (full[None, :] < D),
                      other=0.0).to(tl.float32)
         inv = tl.math.rsqrt(tl.sum(xs * xs, axis=1) / D + eps)          # [BV]
-    dd = tl.arange(0, BD)                                               # the unrotated head
-    keep = v_ok[:, None] & (dd[None, :] < D - R)
-    head = tl.load(X + xrow[:, None] + dd[None, :], mask=keep, other=0.0)
-    if NORM:
-        head = head.to(tl.float32) * inv[:, None]
-        if HAS_W:
-            head = head * tl.load(W + dd, mask=dd < D - R, other=0.0)[None, :]
-    tl.store(Y + row[:, None] + dd[None, :], head.to(Y.dtype.element_ty), mask=keep)
+    if HEAD:
+        dd = tl.arange(0, BD)                                           # the unrotated head
+        keep = v_ok[:, None] & (dd[None, :] < D - R)
+        head = tl.load(X + xrow[:, None] + dd[None, :], mask=keep, other=0.0)
+        if NORM:
+            head = head.to(tl.float32) * inv[:, None]
+            if HAS_W:
+                head = head * tl.load(W + dd, mask=dd < D - R, other=0.0)[None, :]
+        tl.store(Y + row[:, None] + dd[None, :], head.to(Y.dtype.element_ty), mask=keep)
     i = tl.arange(0, R // 2)
     ang = tl.load(POS + n).to(tl.float64) * tl.load(F + i)              # [R/2] FP64
     cos = tl.cos(ang).to(tl.float32)
@@ -105,11 +107,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
          inverse: bool = False, norm: tuple | None = None,
-         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, inplace: bool = False) -> torch.Tensor:
     """x [n, ..., D] with pos [n] int, inv_freq [rope_dim/2] FP64 -> a new tensor like x (dtype
     out_dtype, default x.dtype; inputs rounded to it first) with the last rope_dim dims of every
     D-vector rotated (runtime.layers.Rotary.forward). norm = (weight [D] FP32 or None, eps):
-    rms_norm of every D-vector first, in the same launch (= rope(rms_norm(x, weight, eps)))."""
+    rms_norm of every D-vector first, in the same launch (= rope(rms_norm(x, weight, eps))).
+    inplace: x (contiguous; no norm, no out_dtype) rotated in place, only its last rope_dim
+    lanes read and written; returns x (= rope(x), bit for bit, at R/D of the traffic)."""
     n, D = x.shape[0], x.shape[-1]
     if pos.shape != (n,) or rope_dim > D or rope_dim % 2 or rope_dim & (rope_dim - 1):
         raise ValueError(f"rope: x [n, ..., D>=r], pos [n], power-of-two r; got {list(x.shape)}, "
@@ -120,9 +124,12 @@ def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rope_dim: i
     if weight is not None and (weight.shape != (D,) or weight.dtype != torch.float32):
         raise ValueError(f"rope: norm weight must be FP32 [{D}], got {weight.dtype}"
                          f"{list(weight.shape)}")
+    if inplace and (norm is not None or out_dtype not in (None, x.dtype)
+                    or not x.is_contiguous()):
+        raise ValueError("rope: inplace takes a contiguous x, no norm, no other out_dtype")
     if n and not x[0].is_contiguous():          # rows of x may be strided (fused projections)
         x = x.contiguous()
-    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    y = x if inplace else torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     V = x.numel() // max(n * D, 1)
     if n and V:
         BV = min(16 if norm is None else 4, triton.next_power_of_2(V))
@@ -132,6 +139,6 @@ def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rope_dim: i
             x.stride(0) if n > 1 else x[0].numel(), float(eps),
             SIGN=-1.0 if inverse else 1.0, R=rope_dim, BV=BV,
             BD=triton.next_power_of_2(max(D - rope_dim, 1)), NORM=norm is not None,
-            HAS_W=weight is not None, DP=triton.next_power_of_2(D), num_warps=4,
-            enable_fp_fusion=False)
+            HAS_W=weight is not None, DP=triton.next_power_of_2(D), HEAD=not inplace,
+            num_warps=4, enable_fp_fusion=False)
     return y

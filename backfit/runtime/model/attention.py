@@ -190,7 +190,8 @@ class Attention(nn.Module):
 
     def _output(self, o: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """o [T, Hl, D] FP32 -> inverse RoPE, grouped wo_a, wo_b -> [T, d]. An o already in
-        `dtype` (not FP32) comes de-rotated from the decode kernels (decode_attention out_rope)."""
+        `dtype` (not FP32) comes de-rotated from the kernels (decode_attention's out_rope; the
+        prefill output's in-place inverse RoPE in _kernels)."""
         T = o.shape[0]
         if o.dtype == torch.float32 and kernel_path(o):               # rounds to dtype inside
             from backfit.runtime.kernels.rope_norm import rope
@@ -250,7 +251,8 @@ class Attention(nn.Module):
         Same order as the torch path: the compressors pool (and write) the entries this batch
         completes (per sequence, torch), the kernels attend to ring positions before each chunk,
         the chunk's own kv in flight and the entries, then the chunks' kv go to the rings.
-        Decode (one token per sequence) and chunked prefill / mixed batches. -> o [T, Hl, D] FP32.
+        Decode (one token per sequence) and chunked prefill / mixed batches. -> o [T, Hl, D]:
+        FP32, or (BF16 activations) already de-rotated in the act dtype (_output skips its RoPE).
         side: (events, sel) when forward queued the decode step's compressor update and the CSA
         selection on side streams (SIDE_STREAMS): waited for here, before the attention reads.
         kv_ready: the event of forward's kv chain (KV_BESIDE: kv normed, rotated and stored).
@@ -299,7 +301,12 @@ class Attention(nn.Module):
                 cache.write_window_tokens(pos, kv)                    # after the kernel read it
         else:
             from backfit.runtime.kernels.attention_prefill import sparse_attention_prefill
-            o = sparse_attention_prefill(*args, seq=seq, start=start)    # query-blocked
+            if q.dtype == torch.float32:                              # _output de-rotates
+                o = sparse_attention_prefill(*args, seq=seq, start=start)   # query-blocked
+            else:              # stored in q.dtype, de-rotated in place (its last R lanes only)
+                from backfit.runtime.kernels.rope_norm import rope
+                o = rope(sparse_attention_prefill(*args, seq=seq, start=start, out_dtype=q.dtype),
+                         pos, self.rope.inv_freq, self.rope.rope_dim, inverse=True, inplace=True)
             for s in batch.slices():
                 cache.write_window(s.index, pos[s.lo:s.hi], kv[s.lo:s.hi])
         return o

@@ -105,6 +105,23 @@ def test_prefill_attention_sweep(pre, mode, ratio, int8):
             assert rel(got, want) < TOL, (mode, int8, cfg)
 
 
+@pytest.mark.parametrize("mode,ratio", [("window", 0), ("csa", 4)])
+def test_prefill_attention_bf16_output_is_the_fp32_output_rounded(pre, mode, ratio):
+    """out_dtype=bf16 stores the FP32 output rounded (what the inverse RoPE after it reads):
+    bit for bit on a GPU; the interpreter's FP32 -> BF16 cast truncates (one bf16 ulp)."""
+    c = case(40 + ratio, mode, False, ratio=max(ratio, 4))
+    with one_thread():
+        o32 = pre.sparse_attention_prefill(**c)
+        o16 = pre.sparse_attention_prefill(**c, out_dtype=torch.bfloat16)
+    assert o16.dtype == torch.bfloat16 and o16.shape == o32.shape
+    if INTERPRET:
+        torch.testing.assert_close(o16.float(), o32, rtol=8e-3, atol=1e-6)
+    else:
+        assert torch.equal(o16, o32.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="out_dtype"):
+        pre.sparse_attention_prefill(**c, out_dtype=torch.float16)
+
+
 def test_blocks_of_every_size_and_padded_heads_fp32(pre):
     """HCA ratio 8 in FP32 (ieee dots), H 20 over 16-head blocks, D 80 padded to 128; BQ 1, 2, 8
     (8 > most chunks: blocks end at the chunk, not at BQ), one with 64-column output blocks."""

@@ -92,6 +92,28 @@ def test_rope_with_norm_equals_norm_then_rope(shape, weighted, dtype):
         m.rope(x, pos, rot.inv_freq, 64, norm=(torch.ones(3, device=DEV), 1e-6))
 
 
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_inplace_equals_rope(inverse):
+    """rope(x, inplace=True) rotates x's last R lanes in place, bit for bit as rope(x), and never
+    touches the rest (the prefill output's inverse RoPE: o stored in bf16, then this)."""
+    m = kmod()
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 3, 512, generator=g).bfloat16().to(DEV)
+    pos = torch.randint(0, 1 << 16, (5,), generator=g).to(DEV)
+    rot = Rotary(64, 10000.0, None).to(DEV)
+    want = m.rope(x, pos, rot.inv_freq, 64, inverse)
+    head = x[..., :-64].clone()
+    y = x.clone()
+    got = m.rope(y, pos, rot.inv_freq, 64, inverse, inplace=True)
+    assert got.data_ptr() == y.data_ptr() and torch.equal(got, want)
+    assert torch.equal(y[..., :-64], head) and not torch.equal(y[..., -64:], x[..., -64:])
+    with pytest.raises(ValueError, match="inplace"):
+        m.rope(y, pos, rot.inv_freq, 64, norm=(None, 1e-6), inplace=True)
+    with pytest.raises(ValueError, match="inplace"):
+        m.rope(torch.zeros(5, 6, 512, dtype=torch.bfloat16, device=DEV)[:, ::2], pos,
+               rot.inv_freq, 64, inplace=True)                           # not contiguous
+
+
 def test_rope_rounds_fp32_input_to_out_dtype():
     """rope(o FP32, out_dtype=bf16) = Rotary(o.to(bf16)): the attention output's inverse RoPE."""
     m = kmod()
