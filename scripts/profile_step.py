@@ -112,6 +112,8 @@ def sync_sites(fn) -> list[tuple[str, int]]:
     sites: dict[str, int] = {}
 
     def show(message, category, filename, lineno, file=None, line=None):
+        if "called a synchronizing" not in str(message):   # e.g. the mode's prototype notice
+            return
         fr = [f for f in traceback.extract_stack()[:-1] if "/backfit/" in f.filename]
         key = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in fr[::-1][:3])
         key = key or f"{filename}:{lineno}"

@@ -59,5 +59,6 @@ def test_prefill_and_decode_steps_make_no_host_sync(tiny_converted, tp1_process)
                 r.forward(st)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+        # torch's own line for each sync (the mode's one-off "prototype feature" notice is not)
+        syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
         assert not syncs, syncs
