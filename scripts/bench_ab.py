@@ -24,13 +24,13 @@ import importlib
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_model as bd  # noqa: E402
+from bench_decode import time_forward  # noqa: E402
 
 from backfit.runtime.cache.layout import default_block_size  # noqa: E402
 from backfit.runtime.distributed import set_tp_info  # noqa: E402
@@ -49,21 +49,13 @@ def parse_switch(spec: str) -> tuple[object, str, object]:
 
 
 def timed(r, graphs, mk, n: int, gpu: bool) -> tuple[float, float | None]:
-    """Median step ms (forward + sync) over n steps and, on CUDA, the median replay GPU ms."""
+    """bench_decode's step ms (forward + sync, median; n reps) and, on CUDA, the median GPU ms
+    of n replays."""
     r.graphs = graphs
-    steps = [mk(i) for i in range(n + 2)]
-    for st in steps[:2]:
-        r.forward(st)
-    bd.sync(r.device)
-    ts = []
-    for st in steps[2:]:
-        t = time.perf_counter()
-        r.forward(st)
-        bd.sync(r.device)
-        ts.append((time.perf_counter() - t) * 1e3)
+    step_ms = time_forward(r, mk, 2, n)
     g_ms = None
     if gpu and graphs is not None:
-        size = graphs.size_for(len(steps[0].seqs))
+        size = graphs.size_for(len(mk(0).seqs))
         g, _ = graphs.graphs[size]
         e0, e1, gs = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), []
         for _ in range(n):
@@ -74,7 +66,7 @@ def timed(r, graphs, mk, n: int, gpu: bool) -> tuple[float, float | None]:
             gs.append(e0.elapsed_time(e1))
         g_ms = statistics.median(gs)
     r.graphs = None
-    return statistics.median(ts), g_ms
+    return step_ms, g_ms
 
 
 def main() -> None:
@@ -84,7 +76,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=4, help="A/B alternations per case")
-    ap.add_argument("--steps", type=int, default=20, help="timed steps per round and variant")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="timed steps per round and variant (bench_decode's reps: x4 under 50 ms)")
     ap.add_argument("--tiny", action="store_true", help="small dims on CPU (dry run)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()

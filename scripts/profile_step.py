@@ -119,19 +119,14 @@ def sync_sites(fn) -> list[tuple[str, int]]:
         key = key or f"{filename}:{lineno}"
         sites[key] = sites.get(key, 0) + 1
     torch.cuda.synchronize()
-    old = warnings.showwarning
-    warnings.showwarning = show
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = show
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                fn()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = old
+    with warnings.catch_warnings():             # restores showwarning and the filters
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return sorted(sites.items(), key=lambda kv: -kv[1])
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
 from typing import Iterator, Sequence
 
 import torch
@@ -105,11 +106,7 @@ class ForwardBatch:
 
     def last_rows_host(self) -> list[int]:
         """Each sequence's last token's row in the flattened batch (host ints)."""
-        ends, lo = [], 0
-        for n in self.seq_lens:
-            lo += n
-            ends.append(lo - 1)
-        return ends
+        return [end - 1 for end in accumulate(self.seq_lens)]
 
     def last_rows(self) -> torch.Tensor:
         """[num_seqs] last_rows_host on the tokens' device (no host sync)."""

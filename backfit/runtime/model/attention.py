@@ -150,8 +150,7 @@ class Attention(nn.Module):
             r = self.rope
             q = rope(q, pos, r.inv_freq, r.rope_dim, norm=(None, self.eps))     # per-head RMS
             if kv is None:
-                kv = rope(kvx, pos, r.inv_freq, r.rope_dim, norm=(self.kv_norm.weight,
-                                                                  self.kv_norm.eps))
+                kv = self._kv_rope(kvx, pos)
         else:
             qf = q.float()
             q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
@@ -178,13 +177,17 @@ class Attention(nn.Module):
             o[r] = self._attend(q[r], kv[r], pos[r], s, cache, extra)
         return self._output(o, pos, x.dtype)
 
-    def _kv_stored(self, kvx: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
-        """Decode step (kernels, paged pools): kv = RoPE(kv_norm(kvx)) [B, D], stored in the
-        rings at pos right away. The row it replaces holds position p - R, no key of p's window
-        (R >= W) nor of a rollback's, and decode attention reads p's own kv from `kv`."""
+    def _kv_rope(self, kvx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Kernel path: RoPE(kv_norm(kvx)) [T, D] in one launch."""
         from backfit.runtime.kernels.rope_norm import rope
         r = self.rope
-        kv = rope(kvx, pos, r.inv_freq, r.rope_dim, norm=(self.kv_norm.weight, self.kv_norm.eps))
+        return rope(kvx, pos, r.inv_freq, r.rope_dim, norm=(self.kv_norm.weight, self.kv_norm.eps))
+
+    def _kv_stored(self, kvx: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
+        """Decode step (kernels, paged pools): _kv_rope, stored in the rings at pos right away.
+        The row it replaces holds position p - R, no key of p's window (R >= W) nor of a
+        rollback's, and decode attention reads p's own kv from the returned tensor."""
+        kv = self._kv_rope(kvx, pos)
         cache.write_window_tokens(pos, kv)
         return kv
 
