@@ -1,6 +1,6 @@
 """Where a step's time goes, on the lent GPU (4 real DeepSeek-V4-Flash layers, triton kernels):
 
-    python3 scripts/profile_step.py [--trace] [--host] [--prefill N [--syncs]]
+    python3 scripts/profile_step.py [--trace] [--host] [--prefill N [--syncs] [--launches K,..]]
                                     [--experts int8|mx4|both]
                                     [--out file.txt]
 
@@ -11,7 +11,8 @@
              its sync, against the replay's GPU time (CUDA events)
   --prefill  the top kernels of one N-token prefill (eager), its wall time against the GPU's
              busy time, and (--syncs) every host sync it makes (torch.cuda sync debug mode),
-             counted by the backfit source line that made it
+             counted by the backfit source line that made it; --launches rope,prefill: each
+             launch of the kernels so named, in order, with its duration
   --experts  the routed-expert scheme(s) traced (mx4: bench_model.to_mx4, the same values as
              mx4_e2m1; both: the int8 run, then mx4 in the same process); default int8
 Built like scripts/bench_decode.py (random converted weights, random paged pools).
@@ -130,7 +131,7 @@ def sync_sites(fn) -> list[tuple[str, int]]:
     return sorted(sites.items(), key=lambda kv: -kv[1])
 
 
-def prefill(r, n: int, log, syncs: bool = False) -> None:
+def prefill(r, n: int, log, syncs: bool = False, launches: str = "") -> None:
     st = bd.step_input(r, 1, 0, n=n)
     ev = cuda_events(lambda: r.forward(st), 2)
     tot, cnt = {}, {}
@@ -159,6 +160,12 @@ def prefill(r, n: int, log, syncs: bool = False) -> None:
             log(f"  sync {k:4d}x  {site}")
     for k, v in sorted(tot.items(), key=lambda kv: -kv[1])[:25]:
         log(f"  {v:8.3f} ms {cnt[k]:6.0f}x  {k[:100]}")
+    if launches:                                      # each launch of the named kernels, in order
+        log(f"  launches of kernels matching {launches!r} (first run, in order):")
+        for e in first:
+            if any(x in e.name for x in launches.split(",")):
+                log(f"  {e.time_range.start - first[0].time_range.start:10.1f} us  dur "
+                    f"{e.time_range.end - e.time_range.start:8.1f}  {e.name[:80]}")
 
 
 def main() -> None:
@@ -167,6 +174,9 @@ def main() -> None:
     ap.add_argument("--host", action="store_true")
     ap.add_argument("--prefill", type=int, default=0, metavar="N")
     ap.add_argument("--syncs", action="store_true", help="--prefill: list its host syncs")
+    ap.add_argument("--launches", default="", metavar="NAMES",
+                    help="--prefill: every launch of kernels whose name holds one of these "
+                         "(comma-separated), in order, with its duration")
     ap.add_argument("--experts", choices=("int8", "mx4", "both"), default="int8")
     ap.add_argument("--ctx", type=int, default=512, help="--trace: the step's context length")
     ap.add_argument("--out", default=None)
@@ -182,7 +192,7 @@ def main() -> None:
     r = bd.build_runner(bd.raw_config(4, False), "cuda", 8, 8 * (max_len // bs + 2), max_len)
     bd.use_backend(r, "triton")
     if a.prefill:
-        prefill(r, a.prefill, log, a.syncs)
+        prefill(r, a.prefill, log, a.syncs, a.launches)
     for scheme in ("int8", "mx4") if a.experts == "both" else (a.experts,):
         if scheme == "mx4":
             r.graphs = None
