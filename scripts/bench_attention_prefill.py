@@ -11,7 +11,8 @@ p and masked keys not counted), its share of the BF16 matmul peak measured in th
 (8192^3 torch.matmul), and the error vs the current kernel: max over (query, head) of
 |o - o_cur| / |o_cur| (row norms) and the global relative norm.
 Usage: python scripts/bench_attention_prefill.py [--out bench_attention_prefill.json]
-       [--configs '[[1,16,16,4,3,0], ...]'] [--modes window,csa,hca] [--starts 0,6144]
+       [--configs '[[1,16,16,4,3,0], {"CD": 1, ...}, ...]'] [--modes window,csa,hca]
+       [--starts 0,6144] [--T 2048]
 """
 
 from __future__ import annotations
@@ -33,14 +34,27 @@ RATIO = {"window": 0, "csa": 4, "hca": 128}
 # JOIN: p·V as two dots (0) or one over [hi|lo], v doubled by loads (1) or in registers (2);
 # DV < 512: output columns per program (scores recomputed)
 CANDIDATES = {
-    "window": [(1, 16, 16, 4, 3, 0), (2, 16, 16, 4, 3, 0), (2, 16, 16, 4, 2, 0),
-               (1, 16, 32, 4, 3, 0), (2, 16, 32, 8, 2, 0), (2, 16, 32, 4, 2, 2),
-               (1, 32, 32, 4, 2, 2)],
-    "csa": [(1, 32, 16, 4, 3, 0), (1, 32, 16, 4, 2, 0), (1, 16, 32, 4, 3, 0),
-            (1, 32, 32, 8, 2, 0), (1, 32, 32, 8, 3, 0), (1, 32, 32, 4, 2, 2),
-            (1, 16, 16, 4, 3, 0)],
+    "window": [(1, 16, 16, 4, 3, 0), (2, 16, 16, 4, 2, 0), (1, 16, 32, 4, 3, 0),
+               (2, 16, 32, 4, 2, 2)],
+    "csa": [(1, 32, 16, 4, 3, 0), (1, 32, 16, 4, 2, 0), (1, 32, 32, 8, 2, 0), (1, 16, 16, 4, 3, 0)],
 }
-CANDIDATES["hca"] = CANDIDATES["window"]
+CANDIDATES["hca"] = list(CANDIDATES["window"])
+# CD=1: kernels.attention_prefill_cd (eight column chunks, warps along the rows, M = BQ·BH >= 64)
+for _m in CANDIDATES:
+    CANDIDATES[_m] += [dict(CD=1, BQ=1, BH=64, BN=16, num_warps=4, num_stages=2),
+                       dict(CD=1, BQ=1, BH=64, BN=32, num_warps=4, num_stages=2),
+                       dict(CD=1, BQ=1, BH=64, BN=32, num_warps=4, num_stages=3)]
+    if _m != "csa":
+        CANDIDATES[_m] += [dict(CD=1, BQ=4, BH=16, BN=32, num_warps=4, num_stages=2),
+                           dict(CD=1, BQ=2, BH=64, BN=32, num_warps=8, num_stages=2)]
+
+
+def as_config(c) -> dict:
+    """A candidate: (BQ, BH, BN, warps, stages, JOIN[, DV]) or a config dict as it is."""
+    if isinstance(c, dict):
+        return c
+    return dict(BQ=c[0], BH=c[1], BN=c[2], num_warps=c[3], num_stages=c[4], JOIN=c[5],
+                DV=c[6] if len(c) > 6 else D)
 
 
 def matmul_peak() -> float:
@@ -89,14 +103,17 @@ def err(o, ref) -> tuple[float, float]:
 
 
 def main():
+    global T
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", default=None,
-                    help="JSON [[BQ, BH, BN, warps, stages, JOIN(, DV)], ...]")
+                    help="JSON [[BQ, BH, BN, warps, stages, JOIN(, DV)] or {config}, ...]")
+    ap.add_argument("--T", type=int, default=2048, help="chunk length (default %(default)s)")
     ap.add_argument("--modes", default="window,csa,hca")
     ap.add_argument("--starts", default="0,6144")
     ap.add_argument("--reps", type=int, default=10)
     a = ap.parse_args()
+    T = a.T
     t_start = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
     peak = matmul_peak()
@@ -107,14 +124,14 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for mode in a.modes.split(","):
-        cands = [tuple(c) for c in json.loads(a.configs)] if a.configs else CANDIDATES[mode]
+        cands = ([c if isinstance(c, dict) else tuple(c) for c in json.loads(a.configs)]
+                 if a.configs else CANDIDATES[mode])
         for st in (int(s) for s in a.starts.split(",")):
             args, flops = case(mode, st, gen)
             ref = sparse_attention(**args)
             variants = [("current", None, lambda: sparse_attention(**args))]
             for c in cands:
-                cfg = dict(BQ=c[0], BH=c[1], BN=c[2], num_warps=c[3], num_stages=c[4],
-                           JOIN=c[5], DV=c[6] if len(c) > 6 else D)
+                cfg = as_config(c)
                 variants.append(("blocked", c, lambda cfg=cfg: sparse_attention_prefill(
                     **args, config=cfg)))
             for name, c, fn in variants:
@@ -148,11 +165,11 @@ def main():
     cur = {m: sum(x["us"] for x in rows if x["mode"] == m and x["kernel"] == "current")
            for m in best}
     for m, (c, tot) in best.items():
-        print(f"best {m}: {list(c)}  {tot:.0f} µs over the starts (current {cur[m]:.0f} µs)")
+        print(f"best {m}: {c}  {tot:.0f} µs over the starts (current {cur[m]:.0f} µs)")
     print(f"wall {time.time() - t_start:.0f} s")
     if a.out:
         json.dump(dict(device=torch.cuda.get_device_name(), matmul_peak=peak, rows=rows,
-                       best={m: list(c) for m, (c, _) in best.items()}), open(a.out, "w"),
+                       best={m: c for m, (c, _) in best.items()}), open(a.out, "w"),
                   indent=1)
 
 

@@ -10,13 +10,16 @@ rows (query qi = r // BH, head r % BH) are one matmul operand, so every key tile
 per block of queries and heads instead of once per (query, 16 heads):
   window  the block's key positions lo(p0) .. p_last, a band mask per row (p-W < kp <= p)
   HCA     entries j < (p_last+1)//ratio, masked per row to j < (p+1)//ratio
-  CSA     per-query selections: BQ = 1, all heads of the query share each gathered entry
+  CSA     per-query selections: BQ = 1, all heads of the query share each gathered entry; sel
+          is valid first, -1 after (indexer.topk_select), so the loop ends at min(k, (p+1)//ratio)
 Numerics as attention._decode_kernel: FP32 scores (q·k)·D^-0.5 (BF16 mma of BF16 values: exact
 products), p·V with p split into two BF16 halves, online softmax with the sink only in the
 denominator, int8 pools dequantized as _Store.get (q·scale in FP32, rounded to the act dtype).
 The blocks (first row of each) are built on the device from pos - start (no host sync); the grid
 is an upper bound from shapes, spare programs store nothing. Tiles per arch: PREFILL_CONFIGS
-(sm_90+) and SM80_CONFIGS, a config= argument overrides them (the sweep).
+(sm_90+) and SM80_CONFIGS, a config= argument overrides them (the sweep); CD 1 there runs the
+same op in kernels.attention_prefill_cd (the head dimension in eight column chunks, which lets
+Triton lay the warps along the rows).
 """
 
 from __future__ import annotations
@@ -29,20 +32,20 @@ __all__ = ["PREFILL_CONFIGS", "SM80_CONFIGS", "prefill_blocks", "prefill_config"
            "sparse_attention_prefill"]
 
 MODES = {"window": 0, "hca": 1, "csa": 2}
-# Tiles per mode: M = BQ·BH rows per program, BN keys per tile; JOIN: p·V as two dots (0) or
-# one dot over [hi|lo] (see _step) with v doubled by loads (1) or in registers (2); DV (default
-# all D): output columns per program. The [M, DV] FP32 accumulator is the register budget
-# (sm_90, cuobjdump -res-usage): M = 32 with BN 16 on 4 warps or with 8 warps has no spills,
-# M = 64 only with DV 256 and BN 16, or DV 128.
-# sm_90 and later (H200): the best of the second H200 sweep (scripts/bench_attention_prefill.py,
-# 2048-token chunk at 0 / 6144, µs vs sparse_attention 939 / 988, 964 / 1153, 3541 / 3633):
-# window 825 / 975, HCA 856 / 1098, CSA 2005 / 2539. In the first sweep (one window loop, JOIN
-# 2 then) (2, 16, 32, 4, 2, 2) ran window 807 / 823, HCA 909 / 1399, (1, 32, 32, 4, 2, 2) CSA
-# 1880 / 2277: the sweep has both.
+# Tiles per mode: M = BQ·BH rows per program, BN keys per tile; CD 1: the column-chunked kernel
+# (kernels.attention_prefill_cd: warps along the rows, two programs a row); else JOIN: p·V as
+# two dots (0) or one dot over [hi|lo] (see _step) with v doubled by loads (1) or in registers
+# (2); DV (default all D): output columns per program. The [M, DV] FP32 accumulator is the
+# register budget (sm_90, cuobjdump -res-usage): M = 32 with BN 16 on 4 warps or with 8 warps
+# has no spills, M = 64 only with DV 256 and BN 16, or DV 128.
+# sm_90 and later (H200): the best of session 12's sweep (scripts/bench_attention_prefill.py
+# --T 8192 --starts 0, one 8192-token chunk, µs): window 2520 -> 1724, CSA 8257 -> 4969, HCA
+# 3159 -> 2211 against session 8's best plain tiles (1, 16|32, 16, 4, 3, 0); on sm_90 the CD
+# kernel's dots compile to wgmma (M = 64 rows on one warp group), the plain kernel's to mma.sync.
 PREFILL_CONFIGS = {
-    "window": dict(BQ=1, BH=16, BN=16, num_warps=4, num_stages=3, JOIN=0),
-    "hca": dict(BQ=1, BH=16, BN=16, num_warps=4, num_stages=3, JOIN=0),
-    "csa": dict(BQ=1, BH=32, BN=16, num_warps=4, num_stages=3, JOIN=0),
+    "window": dict(CD=1, BQ=1, BH=64, BN=16, num_warps=4, num_stages=2),
+    "hca": dict(CD=1, BQ=1, BH=64, BN=16, num_warps=4, num_stages=2),
+    "csa": dict(CD=1, BQ=1, BH=64, BN=16, num_warps=4, num_stages=2),
 }
 # sm_80 (A100): mma.sync, <= 99 KB of shared memory with bf16 and int8 pools (two blocks an SM)
 SM80_CONFIGS = {
@@ -102,54 +105,54 @@ def _step(q, k, v, ok, m_i, l_i, acc, scale, F32: tl.constexpr, EXACT: tl.conste
 
 
 @triton.jit
-def _ring_tile(RING, RSC, slot, R, kp, k_ok, dd, d_ok, D: tl.constexpr, INT8: tl.constexpr,
+def _rows_tile(X, XS, rows, ok, dd, d_ok, D: tl.constexpr, INT8: tl.constexpr,
                F32: tl.constexpr, DT: tl.constexpr):
-    """Ring rows of positions kp (k_ok) of one slot -> [len(kp), DP] in the dot dtype."""
-    rows = slot * R + (kp % R)
-    x = tl.load(RING + rows[:, None] * D + dd[None, :], mask=k_ok[:, None] & d_ok[None, :],
-                other=0)
+    """Rows `rows` (ok) of X [., D], columns dd (d_ok) -> [len(rows), len(dd)] in the dot dtype
+    (int8: scales XS [.])."""
+    x = tl.load(X + rows[:, None] * D + dd[None, :], mask=ok[:, None] & d_ok[None, :], other=0)
     sc = 0.0
     if INT8:
-        sc = tl.load(RSC + rows, mask=k_ok, other=0.0)
+        sc = tl.load(XS + rows, mask=ok, other=0.0)
     return _keys(x, INT8, sc, F32, DT)
 
 
 @triton.jit
+def _ring_tile(RING, RSC, slot, R, kp, k_ok, dd, d_ok, D: tl.constexpr, INT8: tl.constexpr,
+               F32: tl.constexpr, DT: tl.constexpr):
+    """Ring rows of positions kp (k_ok) of one slot."""
+    return _rows_tile(RING, RSC, slot * R + (kp % R), k_ok, dd, d_ok, D, INT8, F32, DT)
+
+
+@triton.jit
 def _kv_tile(KV, kv_row, k_ok, dd, d_ok, D: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
-    """The chunk's own kv rows (in flight, act dtype) -> [len(kv_row), DP]."""
-    x = tl.load(KV + kv_row[:, None] * D + dd[None, :], mask=k_ok[:, None] & d_ok[None, :],
-                other=0.0)
-    return _keys(x, False, 0.0, F32, DT)
+    """The chunk's own kv rows (in flight, act dtype)."""
+    return _rows_tile(KV, KV, kv_row, k_ok, dd, d_ok, D, False, F32, DT)
+
+
+@triton.jit
+def _entry_row(TABLES, sqi, stride_tb, j, c_ok, PB: tl.constexpr):
+    """Pool row of compressed entries j (c_ok) of sequence sqi: block TABLES[sqi, j // PB],
+    row j % PB."""
+    j = tl.where(c_ok, j, 0)
+    blk = tl.load(TABLES + sqi * stride_tb + j // PB, mask=c_ok, other=0).to(tl.int64)
+    return blk * PB + j % PB
 
 
 @triton.jit
 def _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j, c_ok, dd, d_ok, PB: tl.constexpr,
                 D: tl.constexpr, INT8: tl.constexpr, F32: tl.constexpr, DT: tl.constexpr):
-    """Compressed entries j (c_ok) of sequence sqi: block TABLES[sqi, j // PB], row j % PB."""
-    j = tl.where(c_ok, j, 0)
-    blk = tl.load(TABLES + sqi * stride_tb + j // PB, mask=c_ok, other=0).to(tl.int64)
-    e = blk * PB + j % PB
-    x = tl.load(ENT + e[:, None] * D + dd[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0)
-    sc = 0.0
-    if INT8:
-        sc = tl.load(ESC + e, mask=c_ok, other=0.0)
-    return _keys(x, INT8, sc, F32, DT)
+    """Compressed entries j (c_ok) of sequence sqi."""
+    return _rows_tile(ENT, ESC, _entry_row(TABLES, sqi, stride_tb, j, c_ok, PB), c_ok, dd, d_ok,
+                      D, INT8, F32, DT)
 
 
 @triton.jit
-def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SEQ, START,
-                    BLOCKS, O, T, H, R, stride_tb, n_sel, scale,
-                    W: tl.constexpr, RATIO: tl.constexpr, PB: tl.constexpr, MODE: tl.constexpr,
-                    INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
-                    BH: tl.constexpr, BN: tl.constexpr, F32: tl.constexpr, EXACT: tl.constexpr,
-                    DT: tl.constexpr, JOIN: tl.constexpr, DV: tl.constexpr):
-    """Program (block i, head block hb, column block dc): rows r = (query t0 + r // BH, head
-    hb·BH + r % BH), output columns dc·DV .. +DV (DV < DP: the scores are recomputed per block
-    of columns, for a [M, DV] accumulator)."""
+def _block_rows(BLOCKS, SEQ, START, POS, T, H, i, hb, BQ: tl.constexpr, BH: tl.constexpr):
+    """Rows r = (query t0 + r // BH, head hb·BH + r % BH) of block i -> t0 (>= 0), sqi (its
+    sequence, int64), st (its chunk's start), p0 / p_last (positions of the first / last query;
+    -1 / -2 for a spare program), p_r [M] (each row's position), hh [M] (heads), row_ok [M],
+    trow [M] (row of q / o [T·H], int64)."""
     M: tl.constexpr = BQ * BH
-    if MODE == 2:
-        tl.static_assert(BQ == 1, "csa: one query per block (per-query selections)")
-    i, hb, dc = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0 = tl.load(BLOCKS + i)                                           # -1: spare program
     live = t0 >= 0
     qq = tl.arange(0, BQ)                                              # rows of one chunk
@@ -166,12 +169,39 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
     qi = r // BH
     hh = hb * BH + r % BH
     row_ok = (qi < p_last - p0 + 1) & (hh < H)                        # [M]
-    p_r = p0 + qi                                                      # positions of the rows
+    trow = (t0 + qi).to(tl.int64) * H + hh                             # row of q/o [T·H]
+    return t0, sq0.to(tl.int64), st, p0, p_last, p0 + qi, hh, row_ok, trow
+
+
+@triton.jit
+def _finish(SINK, hh, H, m_i, l_i):
+    """The sink in the denominator: o = acc · a / den -> (a, den) [M]."""
+    sink = tl.load(SINK + hh, mask=hh < H, other=0.0)
+    Mx = tl.maximum(m_i, sink)
+    a = tl.exp(m_i - Mx)
+    return a, l_i * a + tl.exp(sink - Mx)
+
+
+@triton.jit
+def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SEQ, START,
+                    BLOCKS, O, T, H, R, stride_tb, n_sel, scale,
+                    W: tl.constexpr, RATIO: tl.constexpr, PB: tl.constexpr, MODE: tl.constexpr,
+                    INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
+                    BH: tl.constexpr, BN: tl.constexpr, F32: tl.constexpr, EXACT: tl.constexpr,
+                    DT: tl.constexpr, JOIN: tl.constexpr, DV: tl.constexpr):
+    """Program (block i, head block hb, column block dc): rows r = (query t0 + r // BH, head
+    hb·BH + r % BH), output columns dc·DV .. +DV (DV < DP: the scores are recomputed per block
+    of columns, for a [M, DV] accumulator)."""
+    M: tl.constexpr = BQ * BH
+    if MODE == 2:
+        tl.static_assert(BQ == 1, "csa: one query per block (per-query selections)")
+    i, hb, dc = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0, sqi, st, p0, p_last, p_r, hh, row_ok, trow = _block_rows(BLOCKS, SEQ, START, POS, T, H,
+                                                                 i, hb, BQ, BH)
     dd = tl.arange(0, DP)
     d_ok = dd < D
     dv = dc * DV + tl.arange(0, DV)                                    # output columns
     dv_ok = dv < D
-    trow = (t0 + qi).to(tl.int64) * H + hh                             # row of q/o [T·H]
     q = tl.load(Q + trow[:, None] * D + dd[None, :], mask=row_ok[:, None] & d_ok[None, :],
                 other=0.0)                                             # [M, DP]
     if F32:
@@ -180,7 +210,6 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
     l_i = tl.zeros((M,), tl.float32)
     acc = tl.zeros((M, DV), tl.float32)
     rn = tl.arange(0, BN)
-    sqi = sq0.to(tl.int64)
     slot = tl.load(SLOTS + sqi).to(tl.int64)
     lo = tl.maximum(p0 - W + 1, 0)                                     # oldest key of the block
     rn2 = tl.arange(0, 2 * BN) // 2                                   # JOIN: v rows
@@ -233,27 +262,28 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
             m_i, l_i, acc = _step(q, k, v, ok, m_i, l_i, acc, scale, F32, EXACT, DT, JOIN)
     if MODE == 2:                                                      # CSA: t0's selection
         sel = SEL + t0.to(tl.int64) * n_sel
-        for c0 in range(0, n_sel, BN):
-            j = tl.load(sel + c0 + rn, mask=c0 + rn < n_sel, other=-1)
+        # sel is valid first, -1 after (indexer.topk_select): at most min(k, (p+1)//ratio) live,
+        # so the loop stops there, with no branch around its tiles (one kept Triton from
+        # pipelining the loop's loads)
+        n_live = tl.minimum(n_sel, (p0 + 1) // RATIO)
+        for c0 in range(0, n_live, BN):
+            j = tl.load(sel + c0 + rn, mask=c0 + rn < n_live, other=-1)
             c_ok = j >= 0
-            if tl.sum(c_ok.to(tl.int32), axis=0) > 0:                  # skip all-unused tiles
-                k = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j, c_ok, dd, d_ok, PB, D,
+            k = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j, c_ok, dd, d_ok, PB, D,
+                            INT8, F32, DT)
+            if JOIN == 1:
+                j2 = tl.load(sel + c0 + rn2, mask=c0 + rn2 < n_live, other=-1)
+                v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j2, j2 >= 0, dv, dv_ok,
+                                PB, D, INT8, F32, DT)
+            elif DV < DP:
+                v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j, c_ok, dv, dv_ok, PB, D,
                                 INT8, F32, DT)
-                if JOIN == 1:
-                    j2 = tl.load(sel + c0 + rn2, mask=c0 + rn2 < n_sel, other=-1)
-                    v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j2, j2 >= 0, dv, dv_ok,
-                                    PB, D, INT8, F32, DT)
-                elif DV < DP:
-                    v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j, c_ok, dv, dv_ok, PB, D,
-                                    INT8, F32, DT)
-                else:
-                    v = k
-                ok = (r[:, None] >= 0) & c_ok[None, :]
-                m_i, l_i, acc = _step(q, k, v, ok, m_i, l_i, acc, scale, F32, EXACT, DT, JOIN)
-    sink = tl.load(SINK + hh, mask=hh < H, other=0.0)
-    Mx = tl.maximum(m_i, sink)
-    a = tl.exp(m_i - Mx)
-    o = acc * a[:, None] / (l_i * a + tl.exp(sink - Mx))[:, None]
+            else:
+                v = k
+            ok = tl.broadcast_to(c_ok[None, :], (M, BN))
+            m_i, l_i, acc = _step(q, k, v, ok, m_i, l_i, acc, scale, F32, EXACT, DT, JOIN)
+    a, den = _finish(SINK, hh, H, m_i, l_i)
+    o = acc * a[:, None] / den[:, None]
     tl.store(O + trow[:, None] * D + dv[None, :], o.to(O.dtype.element_ty),
              mask=row_ok[:, None] & dv_ok[None, :])
 
@@ -262,11 +292,15 @@ def _interpreted() -> bool:
     return not isinstance(_prefill_kernel, triton.runtime.jit.JITFunction)
 
 
-def prefill_config(mode: str, H: int, config: dict | None = None, sm90: bool = True) -> dict:
+def prefill_config(mode: str, H: int, config: dict | None = None, sm90: bool = True,
+                   D: int = 512) -> dict:
     """The tiles for `mode` (PREFILL_CONFIGS on sm_90+, else SM80_CONFIGS; keys of config
-    override), BH capped at H's power of 2 (BQ grows to keep M = BQ·BH >= 16 rows for the mma,
+    override; a table's CD tiles run the plain kernel below D 128), BH capped at H's power of 2 (BQ grows to keep M = BQ·BH >= 16 rows for the mma,
     except csa: one query per block, BH >= 16)."""
     cfg = dict((PREFILL_CONFIGS if sm90 else SM80_CONFIGS)[mode], **(config or {}))
+    if cfg.get("CD") and triton.next_power_of_2(D) < 128 and "CD" not in (config or {}):
+        cfg["CD"] = 0                       # the table's CD tiles, below D 128: plain kernel
+    cfg.setdefault("JOIN", 0)
     cfg["BH"] = min(cfg["BH"], triton.next_power_of_2(H))
     if mode == "csa":
         cfg["BQ"], cfg["BH"] = 1, max(cfg["BH"], 16)
@@ -355,7 +389,7 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
     if T == 0:
         return o
     sm90 = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
-    cfg = prefill_config(mode, H, config, sm90)
+    cfg = prefill_config(mode, H, config, sm90, D)
     pos = pos.to(dev, torch.int32).contiguous()
     if seq is None:                                    # decode rows: each its own chunk
         seq = torch.arange(T, dtype=torch.int32, device=dev)
@@ -366,17 +400,24 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
     slots = slots.to(dev, torch.int32).contiguous()
     dummy = ring_scale if int8 else sink
     DP = triton.next_power_of_2(D)
-    DV = min(cfg.get("DV", DP), DP)
-    _prefill_kernel[(n_blk, triton.cdiv(H, cfg["BH"]), DP // DV)](
-        q.contiguous(), kv.contiguous(), ring, dummy, slots, pos,
-        entries if entries is not None else ring,
-        entry_scale if int8 and entries is not None else dummy,
-        tables if tables is not None else slots, sel if sel is not None else slots,
-        sink.float().contiguous(), seq, start, blocks, o, T, H, ring.shape[1],
-        tables.shape[1] if tables is not None else 0, n_sel, D ** -0.5,
-        W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D,
-        DP=DP, BQ=cfg["BQ"], BH=cfg["BH"], BN=cfg["BN"],
-        F32=_interpreted(), EXACT=q.dtype == torch.float32, DT=_TL[q.dtype],
-        JOIN=int(cfg["JOIN"]), DV=DV,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    args = (q.contiguous(), kv.contiguous(), ring, dummy, slots, pos,
+            entries if entries is not None else ring,
+            entry_scale if int8 and entries is not None else dummy,
+            tables if tables is not None else slots, sel if sel is not None else slots,
+            sink.float().contiguous(), seq, start, blocks, o, T, H, ring.shape[1],
+            tables.shape[1] if tables is not None else 0, n_sel, D ** -0.5)
+    common = dict(W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D, DP=DP,
+                  BQ=cfg["BQ"], BH=cfg["BH"], BN=cfg["BN"], F32=_interpreted(),
+                  EXACT=q.dtype == torch.float32, DT=_TL[q.dtype],
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg.get("CD"):                                  # column-chunked: two halves of D
+        from backfit.runtime.kernels.attention_prefill_cd import _prefill_cd_kernel
+        if DP < 128:
+            raise ValueError(f"sparse_attention_prefill: CD needs D >= 128 (eight chunks of "
+                             f">= 16 columns), got {D}")
+        _prefill_cd_kernel[(n_blk, triton.cdiv(H, cfg["BH"]), 2)](*args, **common)
+    else:
+        DV = min(cfg.get("DV", DP), DP)
+        _prefill_kernel[(n_blk, triton.cdiv(H, cfg["BH"]), DP // DV)](
+            *args, **common, JOIN=int(cfg["JOIN"]), DV=DV)
     return o

@@ -38,6 +38,12 @@ def pre():
     return kernel_module("attention_prefill", "_prefill_kernel", INTERPRET)
 
 
+@pytest.fixture(scope="module")
+def cd(pre):
+    """The column-chunked kernel's module, decorated like `pre` (its launcher imports it)."""
+    return kernel_module("attention_prefill_cd", "_prefill_cd_kernel", INTERPRET)
+
+
 @pytest.fixture(autouse=True)
 def _truncating_reference(monkeypatch):
     if INTERPRET:
@@ -93,16 +99,46 @@ def rel(a, b):
 @pytest.mark.parametrize("mode,ratio", [("window", 0), ("hca", 4), ("csa", 4)])
 @pytest.mark.parametrize("int8", [False, True])
 def test_prefill_attention_sweep(pre, mode, ratio, int8):
-    """Every mode and pool storage, two tilings: BQ 4 (3 blocks in the 11-token chunk) with
+    """Every mode and pool storage, three tilings: BQ 4 (3 blocks in the 11-token chunk) with
     two 32-column output blocks (scores per block), p·V as one [hi|lo] dot (v doubled by loads;
-    int8: in registers), and the sm_90 default (p·V as two dots; csa: one query per block)."""
+    int8: in registers), the sm_80 table's and the sm_90 table's tiles in the plain kernel
+    (p·V as two dots; csa: one query per block; CD: test_prefill_attention_column_chunks)."""
     c = case(10 + ratio + int8, mode, int8, ratio=max(ratio, 4))
     with one_thread():
         want = ref.sparse_attention_ref(**c)
-        for cfg in (dict(BQ=4, BH=8, BN=16, JOIN=1 + int8, DV=32), pre.PREFILL_CONFIGS[mode]):
+        plain = {k: v for k, v in pre.PREFILL_CONFIGS[mode].items() if k != "CD"}   # D 64
+        for cfg in (dict(BQ=4, BH=8, BN=16, JOIN=1 + int8, DV=32), pre.SM80_CONFIGS[mode], plain):
             got = pre.sparse_attention_prefill(**c, config=cfg)
             assert got.shape == want.shape and got.dtype == torch.float32
             assert rel(got, want) < TOL, (mode, int8, cfg)
+
+
+@pytest.mark.parametrize("mode,ratio", [("window", 0), ("hca", 4), ("csa", 4)])
+@pytest.mark.parametrize("int8", [False, True])
+def test_prefill_attention_column_chunks(pre, cd, mode, ratio, int8):
+    """CD=1 (kernels.attention_prefill_cd: D in eight 16-column chunks at D 128, two programs a
+    row, each its half of the columns) = the reference, at BQ 1 and (not csa) BQ 4; its BF16
+    output is its FP32 output rounded, and the two halves agree on the scores (a row whose
+    columns are all equal gets the same output in both halves)."""
+    c = case(20 + ratio + int8, mode, int8, ratio=max(ratio, 4), D=128)
+    with one_thread():
+        want = ref.sparse_attention_ref(**c)
+        for bq in (1,) if mode == "csa" else (1, 4):
+            cfg = dict(CD=1, BQ=bq, BH=8, BN=16, num_warps=4, num_stages=2)
+            got = pre.sparse_attention_prefill(**c, config=cfg)
+            assert got.shape == want.shape and got.dtype == torch.float32
+            assert rel(got, want) < TOL, (mode, int8, cfg)
+        if int8:
+            return
+        o16 = pre.sparse_attention_prefill(**c, config=cfg, out_dtype=torch.bfloat16)
+        if not INTERPRET:
+            assert torch.equal(o16, got.to(torch.bfloat16))
+        flat = dict(c, kv=c["kv"][:, :1].expand_as(c["kv"]).contiguous(),
+                    ring=c["ring"][..., :1].expand_as(c["ring"]).contiguous(),
+                    entries=None if c["entries"] is None else
+                    c["entries"][..., :1].expand_as(c["entries"]).contiguous())
+        o = pre.sparse_attention_prefill(**flat, config=cfg)
+        assert torch.equal(o[..., :64], o[..., 64:])
 
 
 @pytest.mark.parametrize("mode,ratio", [("window", 0), ("csa", 4)])
@@ -131,6 +167,8 @@ def test_blocks_of_every_size_and_padded_heads_fp32(pre):
         for bq, dv in ((1, 128), (2, 64), (8, 128)):                 # D 80: DV 64 -> 2 blocks
             got = pre.sparse_attention_prefill(**c, config=dict(BQ=bq, BH=16, BN=16, DV=dv))
             assert rel(got, want) < 1e-5, bq
+        got = pre.sparse_attention_prefill(**c, config=dict(CD=1, BQ=2, BH=16, BN=16))
+        assert rel(got, want) < 1e-5, "CD"                         # D 80 in chunks of 16 of 128
 
 
 def test_decode_rows_and_in_flight_keys(pre):
@@ -171,3 +209,5 @@ def test_bad_inputs(pre):
         pre.sparse_attention_prefill(**dict(c, ring=c["ring"].to(torch.int8)))
     with pytest.raises(ValueError, match="BN=8"):
         pre.sparse_attention_prefill(**c, config=dict(BN=8))
+    with pytest.raises(ValueError, match="CD needs D >= 128"):
+        pre.sparse_attention_prefill(**c, config=dict(CD=1))

@@ -1,4 +1,5 @@
-"""The query-blocked prefill attention kernel (kernels.attention_prefill) compiles on this CPU
+"""The query-blocked prefill attention kernel (kernels.attention_prefill, or its column-chunked
+form kernels.attention_prefill_cd where the table says CD) compiles on this CPU
 machine at real dims (64 heads, D 512, window 128; CSA ratio 4 in 32-entry blocks, HCA ratio
 128), bf16 and int8 pools, every mode:
   SM80_CONFIGS for sm_80 within 99 KB of shared memory (two blocks an A100 SM), BF16 mma.sync
@@ -43,6 +44,7 @@ def compile_all() -> list[dict]:
     import triton.language as tl
 
     from backfit.runtime.kernels import attention_prefill as ap
+    from backfit.runtime.kernels import attention_prefill_cd as apc
 
     out = []
     for target, table in ((80, ap.SM80_CONFIGS), (90, ap.PREFILL_CONFIGS)):
@@ -50,15 +52,20 @@ def compile_all() -> list[dict]:
             for int8 in (False, True):
                 cfg = ap.prefill_config(mode, 64, table[mode], sm90=target == 90)
                 opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
-                const = dict(cfg, DV=cfg.get("DV", 512), W=128, RATIO=128 if m == 1 else 4,
-                             PB=1 if m == 1 else 32, MODE=m, INT8=int8, D=512, DP=512,
-                             F32=False, EXACT=False, DT=tl.bfloat16)
+                cd = cfg.pop("CD", 0)
+                fn = apc._prefill_cd_kernel if cd else ap._prefill_kernel
+                const = dict(cfg, W=128, RATIO=128 if m == 1 else 4, PB=1 if m == 1 else 32,
+                             MODE=m, INT8=int8, D=512, DP=512, F32=False, EXACT=False,
+                             DT=tl.bfloat16)
+                if cd:
+                    const.pop("JOIN", None)
+                else:
+                    const["DV"] = cfg.get("DV", 512)
                 types = dict(TYPES, RING="*i8", ENT="*i8") if int8 else TYPES
                 if target == 80:
-                    out.append(dict(_compile(ap._prefill_kernel, types, const, opts, ("H",)),
-                                    target=80))
+                    out.append(dict(_compile(fn, types, const, opts, ("H",)), target=80))
                 else:
-                    out.append(_sm90(ap._prefill_kernel, types, const, opts))
+                    out.append(_sm90(fn, types, const, opts))
     return out
 
 
