@@ -69,10 +69,12 @@ def _rope_kernel(X, Y, POS, F, W, V, D, stride_xn, eps, SIGN: tl.constexpr, R: t
     ang = tl.load(POS + n).to(tl.float64) * tl.load(F + i)              # [R/2] FP64
     cos = tl.cos(ang).to(tl.float32)
     sin = tl.sin(ang).to(tl.float32) * SIGN
-    even = row[:, None] + (D - R) + 2 * i[None, :]                      # [BV, R/2]
-    xeven = xrow[:, None] + (D - R) + 2 * i[None, :]
-    a = tl.load(X + xeven, mask=v_ok[:, None], other=0.0).to(tl.float32)
-    b = tl.load(X + xeven + 1, mask=v_ok[:, None], other=0.0).to(tl.float32)
+    # the rotated lanes as one contiguous [BV, R] load and store (pairs split / joined in
+    # registers): two stride-2 loads and stores cost as much as the whole vector (session 12)
+    rr = tl.arange(0, R)
+    ab = tl.load(X + xrow[:, None] + (D - R) + rr[None, :], mask=v_ok[:, None],
+                 other=0.0).to(tl.float32)
+    a, b = tl.split(tl.reshape(ab, (BV, R // 2, 2)))                    # even, odd lanes
     if NORM:
         a, b = a * inv[:, None], b * inv[:, None]
         if HAS_W:
@@ -82,8 +84,8 @@ def _rope_kernel(X, Y, POS, F, W, V, D, stride_xn, eps, SIGN: tl.constexpr, R: t
     b = b.to(Y.dtype.element_ty).to(tl.float32)
     ra = a * cos[None, :] - b * sin[None, :]
     rb = a * sin[None, :] + b * cos[None, :]
-    tl.store(Y + even, ra.to(Y.dtype.element_ty), mask=v_ok[:, None])
-    tl.store(Y + even + 1, rb.to(Y.dtype.element_ty), mask=v_ok[:, None])
+    out = tl.reshape(tl.join(ra.to(Y.dtype.element_ty), rb.to(Y.dtype.element_ty)), (BV, R))
+    tl.store(Y + row[:, None] + (D - R) + rr[None, :], out, mask=v_ok[:, None])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
