@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["PREFILL_CONFIGS", "SM80_CONFIGS", "prefill_blocks", "prefill_config",
-           "sparse_attention_prefill"]
+__all__ = ["PREFILL_CONFIGS", "SM80_CONFIGS", "SM80_INT8_CONFIGS", "prefill_blocks",
+           "prefill_config", "sparse_attention_prefill"]
 
 MODES = {"window": 0, "hca": 1, "csa": 2}
 # Tiles per mode: M = BQ·BH rows per program, BN keys per tile; CD 1: the column-chunked kernel
@@ -47,12 +47,20 @@ PREFILL_CONFIGS = {
     "hca": dict(CD=1, BQ=1, BH=64, BN=16, num_warps=4, num_stages=2),
     "csa": dict(CD=1, BQ=1, BH=64, BN=16, num_warps=4, num_stages=2),
 }
-# sm_80 (A100): mma.sync, <= 99 KB of shared memory with bf16 and int8 pools (two blocks an SM)
+# sm_80 (A100): mma.sync, <= 99 KB of shared memory with bf16 and int8 pools (two blocks an SM).
+# Not measured on an A100: chosen on the H200 with Triton's wgmma off (DISABLE_MMA_V3=1, so
+# mma.sync as on sm_80; session 12, one 8192-token chunk, µs): window 3171 -> 2089, CSA 11061
+# -> 6054, HCA 4392 -> 2220 against the plain tiles this table held before
 SM80_CONFIGS = {
-    "window": dict(BQ=2, BH=16, BN=16, num_warps=4, num_stages=2, JOIN=0),
-    "hca": dict(BQ=2, BH=16, BN=16, num_warps=4, num_stages=2, JOIN=0),
-    "csa": dict(BQ=1, BH=32, BN=16, num_warps=4, num_stages=2, JOIN=0),
+    "window": dict(CD=1, BQ=1, BH=64, BN=32, num_warps=4, num_stages=2),
+    "hca": dict(CD=1, BQ=1, BH=64, BN=32, num_warps=4, num_stages=2),
+    "csa": dict(CD=1, BQ=1, BH=64, BN=16, num_warps=4, num_stages=2),
 }
+# sm_80 with int8 pools: the CD kernel's hca / csa entry tiles take 141-147 KB of shared memory
+# there (sm_80 compile; bf16: 82-98 KB), so those two keep the plain tiles
+SM80_INT8_CONFIGS = dict(SM80_CONFIGS,
+                         hca=dict(BQ=2, BH=16, BN=16, num_warps=4, num_stages=2, JOIN=0),
+                         csa=dict(BQ=1, BH=32, BN=16, num_warps=4, num_stages=2, JOIN=0))
 
 
 @triton.jit
@@ -293,11 +301,13 @@ def _interpreted() -> bool:
 
 
 def prefill_config(mode: str, H: int, config: dict | None = None, sm90: bool = True,
-                   D: int = 512) -> dict:
-    """The tiles for `mode` (PREFILL_CONFIGS on sm_90+, else SM80_CONFIGS; keys of config
+                   D: int = 512, int8: bool = False) -> dict:
+    """The tiles for `mode` (PREFILL_CONFIGS on sm_90+, else SM80_CONFIGS, SM80_INT8_CONFIGS
+    for int8 pools; keys of config
     override; a table's CD tiles run the plain kernel below D 128), BH capped at H's power of 2 (BQ grows to keep M = BQ·BH >= 16 rows for the mma,
     except csa: one query per block, BH >= 16)."""
-    cfg = dict((PREFILL_CONFIGS if sm90 else SM80_CONFIGS)[mode], **(config or {}))
+    table = PREFILL_CONFIGS if sm90 else SM80_INT8_CONFIGS if int8 else SM80_CONFIGS
+    cfg = dict(table[mode], **(config or {}))
     if cfg.get("CD") and triton.next_power_of_2(D) < 128 and "CD" not in (config or {}):
         cfg["CD"] = 0                       # the table's CD tiles, below D 128: plain kernel
     cfg.setdefault("JOIN", 0)
@@ -389,7 +399,7 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
     if T == 0:
         return o
     sm90 = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
-    cfg = prefill_config(mode, H, config, sm90, D)
+    cfg = prefill_config(mode, H, config, sm90, D, int8)
     pos = pos.to(dev, torch.int32).contiguous()
     if seq is None:                                    # decode rows: each its own chunk
         seq = torch.arange(T, dtype=torch.int32, device=dev)

@@ -106,8 +106,9 @@ def test_prefill_attention_sweep(pre, mode, ratio, int8):
     c = case(10 + ratio + int8, mode, int8, ratio=max(ratio, 4))
     with one_thread():
         want = ref.sparse_attention_ref(**c)
-        plain = {k: v for k, v in pre.PREFILL_CONFIGS[mode].items() if k != "CD"}   # D 64
-        for cfg in (dict(BQ=4, BH=8, BN=16, JOIN=1 + int8, DV=32), pre.SM80_CONFIGS[mode], plain):
+        tables = (pre.SM80_INT8_CONFIGS if int8 else pre.SM80_CONFIGS, pre.PREFILL_CONFIGS)
+        plain = [{k: v for k, v in t[mode].items() if k != "CD"} for t in tables]   # D 64
+        for cfg in (dict(BQ=4, BH=8, BN=16, JOIN=1 + int8, DV=32), *plain):
             got = pre.sparse_attention_prefill(**c, config=cfg)
             assert got.shape == want.shape and got.dtype == torch.float32
             assert rel(got, want) < TOL, (mode, int8, cfg)
