@@ -4,14 +4,14 @@
 with 128-token blocks; one sequence's 2048-token chunk starting at 0 and at 6144, each mode:
 window, CSA (ratio 4: the top-512 of random scores over j < (p+1)//4 per query) and HCA (ratio
 128: every j < (p+1)//128). Per case: attention.sparse_attention (the current kernel) and
-attention_prefill.sparse_attention_prefill per candidate config (BQ, BH, BN, warps, stages,
-JOIN, DV): median µs of `reps` calls (CUDA events, after a warm-up call that compiles), TFLOP/s of the
+attention_prefill.sparse_attention_prefill per candidate config ((BQ, BH, BN, warps, stages)
+for the plain kernel, or a config dict: CD 1 the column-chunked one): median µs of `reps` calls (CUDA events, after a warm-up call that compiles), TFLOP/s of the
 useful work (per query and head: 4·D FLOPs per visible key, q·k and p·V once; the hi/lo split of
 p and masked keys not counted), its share of the BF16 matmul peak measured in the same run
 (8192^3 torch.matmul), and the error vs the current kernel: max over (query, head) of
 |o - o_cur| / |o_cur| (row norms) and the global relative norm.
 Usage: python scripts/bench_attention_prefill.py [--out bench_attention_prefill.json]
-       [--configs '[[1,16,16,4,3,0], {"CD": 1, ...}, ...]'] [--modes window,csa,hca]
+       [--configs '[[1,16,16,4,3], {"CD": 1, ...}, ...]'] [--modes window,csa,hca]
        [--starts 0,6144] [--T 2048]
 """
 
@@ -29,14 +29,11 @@ from gpu_timing import cuda_time  # noqa: E402
 
 H, D, W, RB, BLOCK, TOPK, T = 64, 512, 128, 8, 128, 512, 2048
 RATIO = {"window": 0, "csa": 4, "hca": 128}
-# (BQ, BH, BN, num_warps, num_stages, JOIN[, DV]): M = BQ·BH rows per program, the [M, DV]
-# FP32 accumulator is the register budget (M·DV = 16K: 128 registers a thread with 4 warps);
-# JOIN: p·V as two dots (0) or one over [hi|lo], v doubled by loads (1) or in registers (2);
-# DV < 512: output columns per program (scores recomputed)
+# (BQ, BH, BN, num_warps, num_stages): the plain kernel, M = BQ·BH rows per program, its
+# [M, 512] FP32 accumulator the register budget (M = 16-32 with 4 warps)
 CANDIDATES = {
-    "window": [(1, 16, 16, 4, 3, 0), (2, 16, 16, 4, 2, 0), (1, 16, 32, 4, 3, 0),
-               (2, 16, 32, 4, 2, 2)],
-    "csa": [(1, 32, 16, 4, 3, 0), (1, 32, 16, 4, 2, 0), (1, 32, 32, 8, 2, 0), (1, 16, 16, 4, 3, 0)],
+    "window": [(1, 16, 16, 4, 3), (2, 16, 16, 4, 2), (1, 16, 32, 4, 3)],
+    "csa": [(1, 32, 16, 4, 3), (1, 32, 16, 4, 2), (1, 32, 32, 8, 2), (1, 16, 16, 4, 3)],
 }
 CANDIDATES["hca"] = list(CANDIDATES["window"])
 # CD=1: kernels.attention_prefill_cd (eight column chunks, warps along the rows, M = BQ·BH >= 64)
@@ -50,11 +47,10 @@ for _m in CANDIDATES:
 
 
 def as_config(c) -> dict:
-    """A candidate: (BQ, BH, BN, warps, stages, JOIN[, DV]) or a config dict as it is."""
+    """A candidate: (BQ, BH, BN, warps, stages) or a config dict as it is."""
     if isinstance(c, dict):
         return c
-    return dict(BQ=c[0], BH=c[1], BN=c[2], num_warps=c[3], num_stages=c[4], JOIN=c[5],
-                DV=c[6] if len(c) > 6 else D)
+    return dict(CD=0, BQ=c[0], BH=c[1], BN=c[2], num_warps=c[3], num_stages=c[4])
 
 
 def matmul_peak() -> float:
@@ -107,7 +103,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", default=None,
-                    help="JSON [[BQ, BH, BN, warps, stages, JOIN(, DV)] or {config}, ...]")
+                    help="JSON [[BQ, BH, BN, warps, stages] or {config}, ...]")
     ap.add_argument("--T", type=int, default=2048, help="chunk length (default %(default)s)")
     ap.add_argument("--modes", default="window,csa,hca")
     ap.add_argument("--starts", default="0,6144")
@@ -119,7 +115,7 @@ def main():
     peak = matmul_peak()
     print(f"device {torch.cuda.get_device_name()}  BF16 matmul peak {peak / 1e12:.0f} TFLOP/s  "
           f"(defaults {json.dumps(PREFILL_CONFIGS)})", flush=True)
-    print("| mode | start | kernel | BQ,BH,BN,warps,stages,JOIN | µs | TFLOP/s | % peak | "
+    print("| mode | start | kernel | config | µs | TFLOP/s | % peak | "
           "max row err | rel err |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []

@@ -33,11 +33,10 @@ __all__ = ["PREFILL_CONFIGS", "SM80_CONFIGS", "SM80_INT8_CONFIGS", "prefill_bloc
 
 MODES = {"window": 0, "hca": 1, "csa": 2}
 # Tiles per mode: M = BQ·BH rows per program, BN keys per tile; CD 1: the column-chunked kernel
-# (kernels.attention_prefill_cd: warps along the rows, two programs a row); else JOIN: p·V as
-# two dots (0) or one dot over [hi|lo] (see _step) with v doubled by loads (1) or in registers
-# (2); DV (default all D): output columns per program. The [M, DV] FP32 accumulator is the
-# register budget (sm_90, cuobjdump -res-usage): M = 32 with BN 16 on 4 warps or with 8 warps
-# has no spills, M = 64 only with DV 256 and BN 16, or DV 128.
+# (kernels.attention_prefill_cd: warps along the rows, two programs a row), else the plain one:
+# one program a row block, p·V as two dots into an [M, D] FP32 accumulator (its register
+# budget; session 8's variants with p·V as one [hi|lo] dot or split output columns never won a
+# table and are gone since session 12).
 # sm_90 and later (H200): the best of session 12's sweep (scripts/bench_attention_prefill.py
 # --T 8192 --starts 0, one 8192-token chunk, µs): window 2520 -> 1724, CSA 8257 -> 4969, HCA
 # 3159 -> 2211 against session 8's best plain tiles (1, 16|32, 16, 4, 3, 0); on sm_90 the CD
@@ -59,8 +58,8 @@ SM80_CONFIGS = {
 # sm_80 with int8 pools: the CD kernel's hca / csa entry tiles take 141-147 KB of shared memory
 # there (sm_80 compile; bf16: 82-98 KB), so those two keep the plain tiles
 SM80_INT8_CONFIGS = dict(SM80_CONFIGS,
-                         hca=dict(BQ=2, BH=16, BN=16, num_warps=4, num_stages=2, JOIN=0),
-                         csa=dict(BQ=1, BH=32, BN=16, num_warps=4, num_stages=2, JOIN=0))
+                         hca=dict(BQ=2, BH=16, BN=16, num_warps=4, num_stages=2),
+                         csa=dict(BQ=1, BH=32, BN=16, num_warps=4, num_stages=2))
 
 
 @triton.jit
@@ -74,11 +73,9 @@ def _keys(x, INT8: tl.constexpr, s, F32: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _step(q, k, v, ok, m_i, l_i, acc, scale, F32: tl.constexpr, EXACT: tl.constexpr,
-          DT: tl.constexpr, JOIN: tl.constexpr):
-    """Online softmax over keys k [BN, DP], ok [M, BN]; m starts at -1e30, never -inf.
-    v: the same keys (K = V; DV of the columns), JOIN 1: each one twice, [2·BN, DV] (rows 2n,
-    2n+1 = k_n)."""
+def _step(q, k, ok, m_i, l_i, acc, scale, F32: tl.constexpr, EXACT: tl.constexpr,
+          DT: tl.constexpr):
+    """Online softmax over keys k [BN, DP] (K = V), ok [M, BN]; m starts at -1e30, never -inf."""
     if EXACT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -90,25 +87,14 @@ def _step(q, k, v, ok, m_i, l_i, acc, scale, F32: tl.constexpr, EXACT: tl.conste
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
     if EXACT:                                  # FP32 act dtype: no rounding anywhere
-        acc = tl.dot(p, v, acc, input_precision="ieee")
+        acc = tl.dot(p, k, acc, input_precision="ieee")
     else:
         hi = p.to(DT)                          # p = hi + lo (~16 bits), both exact in FP32
         lo = (p - hi.to(tl.float32)).to(DT)
         if F32:                                # interpreter: the same sum in FP32 dots
             hi, lo = hi.to(tl.float32), lo.to(tl.float32)
-        if JOIN > 0:                           # sm_90: one dot over K = 2·BN
-            # [.., hi_n, lo_n, ..] @ [.., k_n, k_n, ..]: two dots chained into acc get two
-            # wgmma layouts there and a [M, DV] FP32 layout conversion between them per tile.
-            # JOIN 1: v loaded with its rows doubled; 2: doubled in registers (tl.join)
-            M: tl.constexpr = p.shape[0]
-            BN: tl.constexpr = p.shape[1]
-            if JOIN == 2:
-                DV: tl.constexpr = v.shape[1]
-                v = tl.reshape(tl.permute(tl.join(v, v), (0, 2, 1)), (2 * BN, DV))
-            acc = tl.dot(tl.reshape(tl.join(hi, lo), (M, 2 * BN)), v, acc)
-        else:                                  # sm_80: mma.sync, no [2·BN, DP] tile
-            acc = tl.dot(hi, v, acc)
-            acc = tl.dot(lo, v, acc)
+        acc = tl.dot(hi, k, acc)
+        acc = tl.dot(lo, k, acc)
     return m_new, l_i, acc
 
 
@@ -196,31 +182,26 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
                     W: tl.constexpr, RATIO: tl.constexpr, PB: tl.constexpr, MODE: tl.constexpr,
                     INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
                     BH: tl.constexpr, BN: tl.constexpr, F32: tl.constexpr, EXACT: tl.constexpr,
-                    DT: tl.constexpr, JOIN: tl.constexpr, DV: tl.constexpr):
-    """Program (block i, head block hb, column block dc): rows r = (query t0 + r // BH, head
-    hb·BH + r % BH), output columns dc·DV .. +DV (DV < DP: the scores are recomputed per block
-    of columns, for a [M, DV] accumulator)."""
+                    DT: tl.constexpr):
+    """Program (block i, head block hb): rows r = (query t0 + r // BH, head hb·BH + r % BH)."""
     M: tl.constexpr = BQ * BH
     if MODE == 2:
         tl.static_assert(BQ == 1, "csa: one query per block (per-query selections)")
-    i, hb, dc = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i, hb = tl.program_id(0), tl.program_id(1)
     t0, sqi, st, p0, p_last, p_r, hh, row_ok, trow = _block_rows(BLOCKS, SEQ, START, POS, T, H,
                                                                  i, hb, BQ, BH)
     dd = tl.arange(0, DP)
     d_ok = dd < D
-    dv = dc * DV + tl.arange(0, DV)                                    # output columns
-    dv_ok = dv < D
     q = tl.load(Q + trow[:, None] * D + dd[None, :], mask=row_ok[:, None] & d_ok[None, :],
                 other=0.0)                                             # [M, DP]
     if F32:
         q = q.to(tl.float32)
     m_i = tl.full((M,), -1e30, tl.float32)
     l_i = tl.zeros((M,), tl.float32)
-    acc = tl.zeros((M, DV), tl.float32)
+    acc = tl.zeros((M, DP), tl.float32)
     rn = tl.arange(0, BN)
     slot = tl.load(SLOTS + sqi).to(tl.int64)
     lo = tl.maximum(p0 - W + 1, 0)                                     # oldest key of the block
-    rn2 = tl.arange(0, 2 * BN) // 2                                   # JOIN: v rows
     # window part in two loops, so each tile has one source (one buffer, one dtype): ring
     # positions lo .. st-1, then the chunk's own rows max(lo, st) .. p_last (in flight)
     k_end = tl.minimum(st, p_last + 1)
@@ -228,28 +209,15 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
         kp = k0 + rn                                                   # key positions [BN]
         k_ok = kp < k_end
         k = _ring_tile(RING, RSC, slot, R, kp, k_ok, dd, d_ok, D, INT8, F32, DT)
-        if JOIN == 1:
-            v = _ring_tile(RING, RSC, slot, R, k0 + rn2, k0 + rn2 < k_end, dv, dv_ok, D, INT8,
-                           F32, DT)
-        elif DV < DP:
-            v = _ring_tile(RING, RSC, slot, R, kp, k_ok, dv, dv_ok, D, INT8, F32, DT)
-        else:
-            v = k
         ok = (kp[None, :] <= p_r[:, None]) & (kp[None, :] > p_r[:, None] - W) & k_ok[None, :]
-        m_i, l_i, acc = _step(q, k, v, ok, m_i, l_i, acc, scale, F32, EXACT, DT, JOIN)
+        m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT, DT)
     row0 = t0.to(tl.int64) - p0                                        # kv row of position 0
     for k0 in range(tl.maximum(lo, st), p_last + 1, BN):
         kp = k0 + rn
         k_ok = kp <= p_last
         k = _kv_tile(KV, row0 + kp, k_ok, dd, d_ok, D, F32, DT)
-        if JOIN == 1:
-            v = _kv_tile(KV, row0 + k0 + rn2, k0 + rn2 <= p_last, dv, dv_ok, D, F32, DT)
-        elif DV < DP:
-            v = _kv_tile(KV, row0 + kp, k_ok, dv, dv_ok, D, F32, DT)
-        else:
-            v = k
         ok = (kp[None, :] <= p_r[:, None]) & (kp[None, :] > p_r[:, None] - W) & k_ok[None, :]
-        m_i, l_i, acc = _step(q, k, v, ok, m_i, l_i, acc, scale, F32, EXACT, DT, JOIN)
+        m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT, DT)
     if MODE == 1:                                                      # HCA: all valid entries
         n_r = (p_r + 1) // RATIO                                       # [M] entries per row
         n_c = (p_last + 1) // RATIO
@@ -258,16 +226,8 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
             c_ok = c < n_c
             k = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, c, c_ok, dd, d_ok, PB, D, INT8,
                             F32, DT)
-            if JOIN == 1:
-                v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, c0 + rn2, c0 + rn2 < n_c, dv,
-                                dv_ok, PB, D, INT8, F32, DT)
-            elif DV < DP:
-                v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, c, c_ok, dv, dv_ok, PB, D,
-                                INT8, F32, DT)
-            else:
-                v = k
             ok = (c[None, :] < n_r[:, None]) & c_ok[None, :]
-            m_i, l_i, acc = _step(q, k, v, ok, m_i, l_i, acc, scale, F32, EXACT, DT, JOIN)
+            m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT, DT)
     if MODE == 2:                                                      # CSA: t0's selection
         sel = SEL + t0.to(tl.int64) * n_sel
         # sel is valid first, -1 after (indexer.topk_select): at most min(k, (p+1)//ratio) live,
@@ -279,21 +239,12 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
             c_ok = j >= 0
             k = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j, c_ok, dd, d_ok, PB, D,
                             INT8, F32, DT)
-            if JOIN == 1:
-                j2 = tl.load(sel + c0 + rn2, mask=c0 + rn2 < n_live, other=-1)
-                v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j2, j2 >= 0, dv, dv_ok,
-                                PB, D, INT8, F32, DT)
-            elif DV < DP:
-                v = _entry_tile(ENT, ESC, TABLES, sqi, stride_tb, j, c_ok, dv, dv_ok, PB, D,
-                                INT8, F32, DT)
-            else:
-                v = k
             ok = tl.broadcast_to(c_ok[None, :], (M, BN))
-            m_i, l_i, acc = _step(q, k, v, ok, m_i, l_i, acc, scale, F32, EXACT, DT, JOIN)
+            m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT, DT)
     a, den = _finish(SINK, hh, H, m_i, l_i)
     o = acc * a[:, None] / den[:, None]
-    tl.store(O + trow[:, None] * D + dv[None, :], o.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & dv_ok[None, :])
+    tl.store(O + trow[:, None] * D + dd[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
 
 
 def _interpreted() -> bool:
@@ -310,16 +261,15 @@ def prefill_config(mode: str, H: int, config: dict | None = None, sm90: bool = T
     cfg = dict(table[mode], **(config or {}))
     if cfg.get("CD") and triton.next_power_of_2(D) < 128 and "CD" not in (config or {}):
         cfg["CD"] = 0                       # the table's CD tiles, below D 128: plain kernel
-    cfg.setdefault("JOIN", 0)
     cfg["BH"] = min(cfg["BH"], triton.next_power_of_2(H))
     if mode == "csa":
         cfg["BQ"], cfg["BH"] = 1, max(cfg["BH"], 16)
     while cfg["BQ"] * cfg["BH"] < 16:
         cfg["BQ"] *= 2
-    for k in ("BQ", "BH", "BN", "DV"):
+    for k in ("BQ", "BH", "BN"):
         if k not in cfg:
             continue
-        if cfg[k] < 1 or cfg[k] & (cfg[k] - 1) or (k in ("BN", "DV") and cfg[k] < 16):
+        if cfg[k] < 1 or cfg[k] & (cfg[k] - 1) or (k == "BN" and cfg[k] < 16):
             raise ValueError(f"sparse_attention_prefill: {k}={cfg[k]}: a power of 2 (BN >= 16)")
     return cfg
 
@@ -427,7 +377,5 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
                              f">= 16 columns), got {D}")
         _prefill_cd_kernel[(n_blk, triton.cdiv(H, cfg["BH"]), 2)](*args, **common)
     else:
-        DV = min(cfg.get("DV", DP), DP)
-        _prefill_kernel[(n_blk, triton.cdiv(H, cfg["BH"]), DP // DV)](
-            *args, **common, JOIN=int(cfg["JOIN"]), DV=DV)
+        _prefill_kernel[(n_blk, triton.cdiv(H, cfg["BH"]))](*args, **common)
     return o

@@ -99,16 +99,15 @@ def rel(a, b):
 @pytest.mark.parametrize("mode,ratio", [("window", 0), ("hca", 4), ("csa", 4)])
 @pytest.mark.parametrize("int8", [False, True])
 def test_prefill_attention_sweep(pre, mode, ratio, int8):
-    """Every mode and pool storage, three tilings: BQ 4 (3 blocks in the 11-token chunk) with
-    two 32-column output blocks (scores per block), p·V as one [hi|lo] dot (v doubled by loads;
-    int8: in registers), the sm_80 table's and the sm_90 table's tiles in the plain kernel
-    (p·V as two dots; csa: one query per block; CD: test_prefill_attention_column_chunks)."""
+    """Every mode and pool storage, three tilings of the plain kernel: BQ 4 (3 blocks in the
+    11-token chunk), the sm_80 table's and the sm_90 table's tiles (csa: one query per block;
+    the CD kernel: test_prefill_attention_column_chunks)."""
     c = case(10 + ratio + int8, mode, int8, ratio=max(ratio, 4))
     with one_thread():
         want = ref.sparse_attention_ref(**c)
         tables = (pre.SM80_INT8_CONFIGS if int8 else pre.SM80_CONFIGS, pre.PREFILL_CONFIGS)
         plain = [{k: v for k, v in t[mode].items() if k != "CD"} for t in tables]   # D 64
-        for cfg in (dict(BQ=4, BH=8, BN=16, JOIN=1 + int8, DV=32), *plain):
+        for cfg in (dict(BQ=4, BH=8, BN=16), *plain):
             got = pre.sparse_attention_prefill(**c, config=cfg)
             assert got.shape == want.shape and got.dtype == torch.float32
             assert rel(got, want) < TOL, (mode, int8, cfg)
@@ -161,12 +160,12 @@ def test_prefill_attention_bf16_output_is_the_fp32_output_rounded(pre, mode, rat
 
 def test_blocks_of_every_size_and_padded_heads_fp32(pre):
     """HCA ratio 8 in FP32 (ieee dots), H 20 over 16-head blocks, D 80 padded to 128; BQ 1, 2, 8
-    (8 > most chunks: blocks end at the chunk, not at BQ), one with 64-column output blocks."""
+    (8 > most chunks: blocks end at the chunk, not at BQ), and the CD kernel."""
     c = case(3, "hca", False, ratio=8, H=20, D=80, dtype=torch.float32)
     with one_thread():
         want = ref.sparse_attention_ref(**c)
-        for bq, dv in ((1, 128), (2, 64), (8, 128)):                 # D 80: DV 64 -> 2 blocks
-            got = pre.sparse_attention_prefill(**c, config=dict(BQ=bq, BH=16, BN=16, DV=dv))
+        for bq in (1, 2, 8):
+            got = pre.sparse_attention_prefill(**c, config=dict(CD=0, BQ=bq, BH=16, BN=16))
             assert rel(got, want) < 1e-5, bq
         got = pre.sparse_attention_prefill(**c, config=dict(CD=1, BQ=2, BH=16, BN=16))
         assert rel(got, want) < 1e-5, "CD"                         # D 80 in chunks of 16 of 128

@@ -57,10 +57,6 @@ def compile_all() -> list[dict]:
                 const = dict(cfg, W=128, RATIO=128 if m == 1 else 4, PB=1 if m == 1 else 32,
                              MODE=m, INT8=int8, D=512, DP=512, F32=False, EXACT=False,
                              DT=tl.bfloat16)
-                if cd:
-                    const.pop("JOIN", None)
-                else:
-                    const["DV"] = cfg.get("DV", 512)
                 types = dict(TYPES, RING="*i8", ENT="*i8") if int8 else TYPES
                 if target == 80:
                     out.append(dict(_compile(fn, types, const, opts, ("H",)), target=80))
