@@ -290,14 +290,17 @@ def store_decode(x: torch.Tensor, pos: torch.Tensor, data: torch.Tensor, scale: 
             num_warps=4 if D <= 512 else 8)
 
 
-_COUNTERS: dict = {}     # device -> [int32 zeros]: the fused kernel's per-row block counters
+_COUNTERS: dict = {}     # (device, stream) -> [int32 zeros]: the fused kernel's per-row counters
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 [>= n] counters, kept per device (every launch leaves them 0 again). A
-    larger batch adds a larger buffer; the smaller ones stay alive, as CUDA graphs captured
-    earlier hold their addresses."""
-    bufs = _COUNTERS.setdefault(device, [])
+    """Zeroed int32 [>= n] counters of the current stream (every launch leaves them 0 again).
+    One set per stream: the CSA layer's two compressor updates run on the side streams "comp"
+    and "index" (runtime/streams.py) at once, and shared counters would mix their blocks' counts
+    (a row's entry written before all its blocks, or never). A larger batch adds a larger
+    buffer; the smaller ones stay alive, as CUDA graphs captured earlier hold their addresses."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    bufs = _COUNTERS.setdefault((device, stream), [])
     if not bufs or bufs[-1].numel() < n:
         bufs.append(torch.zeros(max(n, 256), dtype=torch.int32, device=device))
     return bufs[-1]

@@ -211,3 +211,17 @@ def test_compress_decode_fused_cuda_graph(m, overlap, int8):
         assert torch.equal(d0[:NB], d1[:NB])           # (rows racing for the scratch: either)
         if int8:
             assert torch.equal(s0[:NB], s1[:NB])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_block_counters_are_per_stream():
+    """The CSA layer's two compressor updates run on two side streams at once: each stream has
+    its own block counters (shared ones would mix the two launches' counts)."""
+    from backfit.runtime.kernels import cache_ops
+    dev = torch.device("cuda")
+    main = cache_ops._counters(dev, 4)
+    with torch.cuda.stream(torch.cuda.Stream(dev)):
+        side = cache_ops._counters(dev, 4)
+    assert main.data_ptr() != side.data_ptr()
+    assert cache_ops._counters(dev, 4).data_ptr() == main.data_ptr()
