@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["beside", "fork", "side_stream"]
+__all__ = ["beside", "fork", "side_stream", "stream_key"]
 
 _SIDE: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
@@ -35,6 +35,13 @@ def side_stream(device: torch.device, name: str) -> torch.cuda.Stream:
     if key not in _SIDE:
         _SIDE[key] = torch.cuda.Stream(key[0])
     return _SIDE[key]
+
+
+def stream_key(device: torch.device) -> int:
+    """The current stream of `device` as a key (0 off CUDA): for the kernels' per-stream scratch
+    (gemm's split-K workspace, cache_ops' block counters), which concurrent streams must not
+    share."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
 def fork(device: torch.device, name: str) -> torch.cuda.Stream:

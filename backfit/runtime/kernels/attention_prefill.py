@@ -39,7 +39,7 @@ MODES = {"window": 0, "hca": 1, "csa": 2}
 # table and are gone since session 12).
 # sm_90 and later (H200): the best of session 12's sweep (scripts/bench_attention_prefill.py
 # --T 8192 --starts 0, one 8192-token chunk, µs): window 2520 -> 1724, CSA 8257 -> 4969, HCA
-# 3159 -> 2211 against session 8's best plain tiles (1, 16|32, 16, 4, 3, 0); on sm_90 the CD
+# 3159 -> 2211 against session 8's best plain tiles (BQ 1, BH 16 | 32, BN 16, 4 warps, 3 stages); on sm_90 the CD
 # kernel's dots compile to wgmma (M = 64 rows on one warp group), the plain kernel's to mma.sync.
 PREFILL_CONFIGS = {
     "window": dict(CD=1, BQ=1, BH=64, BN=16, num_warps=4, num_stages=2),

@@ -163,9 +163,9 @@ def _prefill_cd_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK
                                               x4, x5, x6, x7, ok, m_i, l_i, a0, a1, a2, a3,
                                               scale, F32, EXACT, DT)
     if MODE == 2:                                                      # CSA: t0's selection
+        sel = SEL + t0.to(tl.int64) * n_sel
         n_live = tl.minimum(n_sel, (p0 + 1) // RATIO)                  # as _prefill_kernel
         for c0 in range(0, n_live, BN):
-            sel = SEL + t0.to(tl.int64) * n_sel
             j = tl.load(sel + c0 + rn, mask=c0 + rn < n_live, other=-1)
             c_ok = j >= 0
             e = _entry_row(TABLES, sqi, stride_tb, j, c_ok, PB)

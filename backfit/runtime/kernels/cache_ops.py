@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from backfit.runtime.streams import stream_key
+
 __all__ = ["compress_decode", "compress_decode_fused", "store_decode"]
 
 
@@ -299,8 +301,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     and "index" (runtime/streams.py) at once, and shared counters would mix their blocks' counts
     (a row's entry written before all its blocks, or never). A larger batch adds a larger
     buffer; the smaller ones stay alive, as CUDA graphs captured earlier hold their addresses."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    bufs = _COUNTERS.setdefault((device, stream), [])
+    bufs = _COUNTERS.setdefault((device, stream_key(device)), [])
     if not bufs or bufs[-1].numel() < n:
         bufs.append(torch.zeros(max(n, 256), dtype=torch.int32, device=device))
     return bufs[-1]

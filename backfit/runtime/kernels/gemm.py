@@ -22,6 +22,7 @@ import triton.language as tl
 
 from backfit.formats import INT8_GROUP
 from backfit.runtime.kernels import gemv
+from backfit.runtime.streams import stream_key
 
 __all__ = ["PREFILL_M", "act_quant", "linear", "a16_config", "w8a8_config", "dot_bf16",
            "interpreted"]
@@ -172,8 +173,7 @@ def _workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Ten
     """The split-K workspace of the current stream, grown on demand. One per stream: launches
     on side streams (runtime/streams.py: the shared expert beside the router) run concurrently
     with the main stream's, and a shared buffer would mix their partial tiles and counters."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
+    key = (device, stream_key(device))
     ws, lock = _WORKSPACE.get(key, (None, None))
     if ws is None or ws.numel() < floats or lock.numel() < tiles:
         if ws is not None:
