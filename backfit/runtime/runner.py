@@ -205,7 +205,9 @@ class ModelRunner:
         ends = batch.last_rows_host()                             # host ints: no sync
         rows = [ends[i] for i, s in enumerate(seqs) if s.sample]
         if rows:
-            out.logits = self.model.logits(X[to_device(rows, torch.int64, X.device)])
+            every = len(rows) == X.shape[0]       # pure decode: rows 0..T-1, no gather
+            out.logits = self.model.logits(
+                X, None if every else to_device(rows, torch.int64, X.device))
         lo = 0
         for s in seqs:
             if s.all_logits:

@@ -136,12 +136,17 @@ class Transformer(nn.Module):
         bound.commit()
         return X
 
-    def logits(self, X: torch.Tensor) -> torch.Tensor:
-        """Streams [n, hc_mult, d] -> FP32 logits [n, vocab]."""
+    def logits(self, X: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Streams [T, hc_mult, d] -> FP32 logits [T, vocab], or [n, vocab] of rows [n] (int64,
+        on X's device) only. Pass rows rather than X[rows]: the hc_head partials of an X straight
+        from hidden (carried by its last hc_post) are gathered with it, so every path (graph,
+        eager, any rows) runs the same one-launch head and gives the same bits."""
         c = self.cfg
+        hp = getattr(self, "_head_part", None)
+        part = hp[1] if hp is not None and hp[0] is X else None       # X straight from hidden
+        if rows is not None:
+            X, part = X[rows], (part[rows] if part is not None else None)
         if (k := decode_kernels(X)) is not None:      # hc_head + norm: 1 launch (2 without part)
-            hp = getattr(self, "_head_part", None)
-            part = hp[1] if hp is not None and hp[0] is X else None   # X straight from hidden
             return self.head(k.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base,
                                        c.hc_eps, c.rms_norm_eps, part=part,
                                        norm=(self.norm.weight, self.norm.eps)))
@@ -152,6 +157,5 @@ class Transformer(nn.Module):
     def forward(self, batch: ForwardBatch, cache=None, last_only: bool = False) -> torch.Tensor:
         """-> logits [T, vocab] (every token) or [num_seqs, vocab] (last token of each sequence)."""
         X = self.hidden(batch, cache)
-        if last_only:
-            X = X[batch.last_rows()]
-        return self.logits(X)
+        every = not last_only or len(batch.seq_lens) == X.shape[0]
+        return self.logits(X, None if every else batch.last_rows())
