@@ -10,6 +10,8 @@ RMSNorm (kernels.rope_norm._rms_kernel): ~16.5 us for a few KB. Here:
                          [T, SPLIT, NP] layout mhc._partials writes, SPLIT = d blocks), so
                          the next hc_pre skips _mix_partial_kernel. Each program streams its
                          [NOUT, S·BD] slice of fn_next (24 x 16384 FP32 = 1.5 MB in all).
+                         Given the MoE's unsummed pairs (pointwise.PairSum, POST_COMBINE), it
+                         first sums them as pointwise.moe_combine would: one launch less.
   _collapse_norm_kernel  program t: the splits summed, gates and (SINKHORN) Sinkhorn ONCE per
                          token (mhc._collapse_kernel's op order: same u, post, M for the same
                          PART), then u = Σ_s pre_s X_s over d blocks rounded to bf16 (hyper.
@@ -39,10 +41,13 @@ import triton.language as tl
 from backfit.runtime.kernels import mhc
 from backfit.runtime.kernels.mhc import _post_comb, _post_inputs, _pre_gates, _sinkhorn
 
-__all__ = ["COLLAPSE", "COLLAPSE_U", "DECODE_FUSED", "SINKHORN_STREAM", "collapse_config",
-           "hc_head", "hc_post", "hc_pre", "hc_pre_async", "post_bd"]
+__all__ = ["COLLAPSE", "COLLAPSE_U", "DECODE_FUSED", "POST_COMBINE", "SINKHORN_STREAM",
+           "collapse_config", "hc_head", "hc_post", "hc_pre", "hc_pre_async", "post_bd"]
 
 DECODE_FUSED = True     # False: the model's decode path falls back to mhc's 4 launches
+POST_COMBINE = True     # the decode Block's MoE combine summed inside its hc_post (False: its
+                        # own launch, pointwise.moe_combine)
+_FT = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 SINKHORN_STREAM = True  # hc_pre_async on CUDA: post / M on a side stream (False: in order)
 # _collapse_norm_kernel's launch by token count: (largest T, warps, d block of the u passes
 # (capped at d), scalar Sinkhorn (S = 4 only: 16 per-thread values instead of [S, S] tensor
@@ -71,11 +76,30 @@ def collapse_config(T: int, table=COLLAPSE) -> dict:
 
 
 @triton.jit
+def _pair_sum(F, SH, t, rd, d_ok, D, KC: tl.constexpr, HAS_SH: tl.constexpr, FT: tl.constexpr):
+    """f[t, block] of pointwise.PairSum pairs F [T·KC, D] (+ SH [T, D]) exactly as
+    pointwise._combine_kernel stores it (FP32 sum, j in order, shared added last as its first
+    operand, rounded to FT), back in FP32."""
+    acc = tl.load(F + t * KC * D + rd, mask=d_ok, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, KC):
+        acc += tl.load(F + (t * KC + j) * D + rd, mask=d_ok, other=0.0).to(tl.float32)
+    if HAS_SH:
+        acc = tl.load(SH + t * D + rd, mask=d_ok, other=0.0).to(tl.float32) + acc
+    return acc.to(FT).to(tl.float32)
+
+
+@triton.jit
 def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT: tl.constexpr,
-                     NP: tl.constexpr, BD: tl.constexpr, HAS_FN: tl.constexpr):
+                     NP: tl.constexpr, BD: tl.constexpr, HAS_FN: tl.constexpr,
+                     SH=None, KC: tl.constexpr = 0, HAS_SH: tl.constexpr = False,
+                     FT: tl.constexpr = tl.bfloat16):
     """out[t, k, block] = post[t, k]·f[t, block] + Σ_j M[t, j, k]·X[t, j, block] (bf16); HAS_FN:
-    PART[t, b] = fn·out[t, :, block] (NOUT dots) and Σ out² from the bf16-rounded out."""
+    PART[t, b] = fn·out[t, :, block] (NOUT dots) and Σ out² from the bf16-rounded out. KC > 0:
+    F holds the MoE's KC pairs a token (and SH its shared output): f is their combine
+    (_pair_sum), the launch moe_combine would have been."""
     t, rs, rd, d_ok, x, f = _post_inputs(F, X, D, S, BD)             # x [S(j), BD], f [BD]
+    if KC > 0:
+        f = _pair_sum(F, SH, t, rd, d_ok, D, KC, HAS_SH, FT)         # (the f load above: dead)
     b = tl.program_id(1)
     rn = tl.arange(0, NP)
     n_ok = rn < NOUT
@@ -324,14 +348,22 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
                           part, warps, bd)[0]
 
 
-def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor,
+def hc_post(f, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor,
             next_fn: torch.Tensor | None = None, bd: int | None = None, wait=None):
     """As mhc.hc_post -> out [T, S, d] bf16; next_fn [n_out, S·d] fp32 (the next hc_pre's or
     hc_head's fn): -> (out, PART [T, cdiv(d, BD), NP] for that call's part=), one launch.
+    f: [T, d], or a pointwise.PairSum (the MoE's pairs, summed here as moe_combine would).
     bd: d block (default post_bd). wait: hc_pre_async's pending (post / M from the side
     stream): the current stream waits for it first."""
     if wait is not None:
         torch.cuda.current_stream(X.device).wait_event(wait[0])
+    pairs = f if isinstance(f, tuple) else None         # a pointwise.PairSum
+    if pairs is not None:                # f = moe_combine(*pairs), summed in this launch
+        if pairs.out.dtype != torch.bfloat16 or pairs.dtype not in _FT \
+                or (pairs.shared is not None and pairs.shared.dtype != torch.bfloat16):
+            raise ValueError(f"hc_post: PairSum of bf16 pairs (and shared) summed to bf16 or "
+                             f"fp32, got {pairs.out.dtype} -> {pairs.dtype}")
+        f = pairs.out[::pairs.k]         # [T, d]: the shapes check_post expects
     mhc.check_post(f, X, post, M)
     T, S, d = X.shape
     n_out = next_fn.shape[0] if next_fn is not None else 1
@@ -349,8 +381,12 @@ def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, M: torch.Tenso
     part = torch.empty(T, blocks, NP, dtype=torch.float32, device=X.device) \
         if next_fn is not None else out
     if T:
+        extra = {} if pairs is None else dict(
+            SH=pairs.shared if pairs.shared is not None else pairs.out, KC=pairs.k,
+            HAS_SH=pairs.shared is not None, FT=_FT[pairs.dtype])
         _post_mix_kernel[(T, blocks)](
-            f.contiguous(), X.contiguous(), post.contiguous(), M.contiguous(), out,
-            next_fn.contiguous() if next_fn is not None else post, part, d, S * d, S=S,
-            NOUT=n_out, NP=NP, BD=BD, HAS_FN=next_fn is not None, num_warps=4)
+            f.contiguous() if pairs is None else pairs.out, X.contiguous(), post.contiguous(),
+            M.contiguous(), out, next_fn.contiguous() if next_fn is not None else post, part, d,
+            S * d, S=S, NOUT=n_out, NP=NP, BD=BD, HAS_FN=next_fn is not None, num_warps=4,
+            **extra)
     return (out, part) if next_fn is not None else out

@@ -214,17 +214,18 @@ def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Ten
               s2: torch.Tensor, limit: float, path: str | None = None,
               config: dict | None = None, shared: torch.Tensor | None = None,
               dtype: torch.dtype = torch.float32,
-              shared_ready: torch.cuda.Event | None = None) -> torch.Tensor:
+              shared_ready: torch.cuda.Event | None = None, pairs: bool = False):
     """x [T, K] bf16, idx [T, k], w [T, k] -> routed-expert sum [T, D] (+ shared [T, D], the
     shared expert's output) in `dtype` (FP32 sum either way: pointwise.moe_combine); path
     "decode"/"sorted" and config (tile overrides) replace the automatic choice (tests,
     benchmarks). shared_ready: an event after which `shared` is written (it was computed on a
     side stream): the current stream waits for it only before the combine, so the routed
-    launches overlap it. uint8 w1 [E, I, K/2] = mx4_e2m1 stacks: kernels.moe_mx4 runs."""
+    launches overlap it. uint8 w1 [E, I, K/2] = mx4_e2m1 stacks: kernels.moe_mx4 runs.
+    pairs: return the combine's inputs unsummed (pointwise.PairSum, for mhc_decode.hc_post)."""
     if w1.dtype == torch.uint8:
         from backfit.runtime.kernels.moe_mx4 import fused_moe_mx4
         return fused_moe_mx4(x, idx, w, w1, s1, w3, s3, w2, s2, limit, path, config, shared,
-                             dtype, shared_ready)
+                             dtype, shared_ready, pairs)
     if x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"fused_moe: x must be bf16 [T, K], got {x.dtype}{list(x.shape)}")
     E, I, K = w1.shape
@@ -239,18 +240,20 @@ def fused_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Ten
                              f"got {t.dtype}{list(t.shape)}")
     return run_moe(x, idx, w, (w1, s1, w3, s3, w2, s2), (E, I, K, D), limit, path, config,
                    _GEMV, DECODE_TABLE, _moe_sorted_kernel, ({}, {}), shared, dtype,
-                   shared_ready)
+                   shared_ready, pairs=pairs)
 
 
 def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_kernel,
             sorted_kw, shared=None, dtype=torch.float32, shared_ready=None,
-            down_tile: bool = True) -> torch.Tensor:
+            down_tile: bool = True, pairs: bool = False):
     """The launch sequence both expert schemes share (their launchers check the stacks first):
     stacks (w1, s1, w3, s3, w2, s2), dims (E, I, K, D); gemv / table: the decode variants and
     DECODE_TABLE of the scheme, sorted_kernel with its extra constexprs for (gate/up, down);
     the pairs' outputs summed (+ shared, after shared_ready) in FP32 by one combine launch,
-    stored in `dtype`. down_tile: the sorted down launch's own tile (_sorted_config)."""
-    from backfit.runtime.kernels.pointwise import moe_combine
+    stored in `dtype` (pairs: that launch left to the caller, a PairSum). down_tile: the
+    sorted down launch's own tile (_sorted_config)."""
+    from backfit.runtime.kernels.pointwise import combine_later, moe_combine
+    combine = combine_later if pairs else moe_combine
     E, I, K, D = dims
     w1, s1, w3, s3, w2, s2 = stacks
     if x.shape[1] != K or K % 64 or I % 64:
@@ -267,7 +270,7 @@ def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_ke
     if P == 0:
         if shared_ready is not None:
             torch.cuda.current_stream(x.device).wait_event(shared_ready)
-        return moe_combine(out, k, shared, dtype)
+        return combine(out, k, shared, dtype)
     lim = float(limit)
     if path is None:
         path = "decode" if P <= DECODE_PAIRS else "sorted"
@@ -295,7 +298,7 @@ def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_ke
         raise ValueError(f"fused_moe: unknown path {path!r}")
     if shared_ready is not None:                                # the side stream's shared expert
         torch.cuda.current_stream(x.device).wait_event(shared_ready)
-    return moe_combine(out, k, shared, dtype)                   # FP32 sum over top-k (+ shared)
+    return combine(out, k, shared, dtype)                       # FP32 sum over top-k (+ shared)
 
 
 def stack_experts(experts) -> tuple[torch.Tensor, ...]:

@@ -138,9 +138,10 @@ def fused_moe_mx4(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch
                   s2: torch.Tensor, limit: float, path: str | None = None,
                   config: dict | None = None, shared: torch.Tensor | None = None,
                   dtype: torch.dtype = torch.float32,
-                  shared_ready: torch.cuda.Event | None = None) -> torch.Tensor:
+                  shared_ready: torch.cuda.Event | None = None, pairs: bool = False):
     """kernels.moe.fused_moe for mx4_e2m1 stacks (it dispatches here on uint8 w1): x [T, K] bf16,
-    idx/w [T, k] -> routed-expert sum [T, D] (+ shared) in `dtype`, summed in FP32."""
+    idx/w [T, k] -> routed-expert sum [T, D] (+ shared) in `dtype`, summed in FP32 (pairs: its
+    inputs as a pointwise.PairSum, as fused_moe)."""
     if x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"fused_moe: x must be bf16 [T, K], got {x.dtype}{list(x.shape)}")
     E, I, KB = w1.shape
@@ -152,7 +153,7 @@ def fused_moe_mx4(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch
     return run_moe(x, idx, w, (w1, s1, w3, s3, w2, s2), (E, I, K, D), limit, path, config,
                    _GEMV4, DECODE_TABLE, _mx4_sorted_kernel,
                    (dict(BY_SLOT=False), dict(BY_SLOT=True)), shared, dtype, shared_ready,
-                   down_tile=False)                         # mx4's tiles were not swept
+                   down_tile=False, pairs=pairs)            # mx4's tiles were not swept
 
 
 def mx4_linear_pairs(a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, s: torch.Tensor,

@@ -12,6 +12,8 @@ sync: the MoE block's (runtime/model/moe.py on the triton backend) and the embed
                       -> y [T, D] = Σ_j out[t·k+j] (FP32, j in order) + shared[t] (FP32 of the
                       bf16 shared-expert output), stored in `dtype` (bf16 at tp 1, FP32 before
                       the all-reduce): one launch for torch's cast, sum, add (and cast back).
+  combine_later(...)  moe_combine's inputs checked and kept unsummed (PairSum): the consumer,
+                      kernels.mhc_decode.hc_post, sums them in the same order in its own launch.
   embed_streams(weight, ids, S, dtype)   the tp-1 embedding straight into the mHC streams:
                       X [T, S, d] = weight[clamp(ids, 0, V-1)] in `dtype`, S equal copies (torch:
                       clamp, gather, repeat = 3 launches); exact (a copy).
@@ -21,11 +23,13 @@ can differ from torch's only between scores equal to FP32 rounding.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["swiglu", "route", "moe_combine", "embed_streams"]
+__all__ = ["swiglu", "route", "moe_combine", "combine_later", "PairSum", "embed_streams"]
 
 
 @triton.jit
@@ -85,9 +89,15 @@ def _combine_kernel(OUT, SH, Y, D, K: tl.constexpr, SHARED: tl.constexpr, BD: tl
     tl.store(Y + t * D + c, acc.to(Y.dtype.element_ty), mask=ok)
 
 
-def moe_combine(out: torch.Tensor, k: int, shared: torch.Tensor | None = None,
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """out [T·k, D] bf16 pairs -> [T, D] `dtype`: Σ_j out[t·k + j] (+ shared [T, D]) in FP32."""
+class PairSum(NamedTuple):
+    """moe_combine(out, k, shared, dtype) not launched yet (combine_later)."""
+    out: torch.Tensor                    # [T·k, D] bf16, contiguous
+    k: int
+    shared: torch.Tensor | None          # [T, D] contiguous, or None
+    dtype: torch.dtype                   # the sum's rounding (moe_combine's output dtype)
+
+
+def _check_combine(out: torch.Tensor, k: int, shared: torch.Tensor | None) -> tuple[int, int]:
     P, D = out.shape
     if k < 1 or P % k or not out.is_contiguous():
         raise ValueError(f"moe_combine: contiguous out [T*k, D] with k={k}, got {list(out.shape)}")
@@ -95,6 +105,20 @@ def moe_combine(out: torch.Tensor, k: int, shared: torch.Tensor | None = None,
     if shared is not None and (tuple(shared.shape) != (T, D) or not shared.is_contiguous()):
         raise ValueError(f"moe_combine: shared must be contiguous [{T}, {D}], "
                          f"got {list(shared.shape)}")
+    return T, D
+
+
+def combine_later(out: torch.Tensor, k: int, shared: torch.Tensor | None = None,
+                  dtype: torch.dtype = torch.float32) -> PairSum:
+    """moe_combine's arguments, checked, as a PairSum for kernels.mhc_decode.hc_post."""
+    _check_combine(out, k, shared)
+    return PairSum(out, k, shared, dtype)
+
+
+def moe_combine(out: torch.Tensor, k: int, shared: torch.Tensor | None = None,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """out [T·k, D] bf16 pairs -> [T, D] `dtype`: Σ_j out[t·k + j] (+ shared [T, D]) in FP32."""
+    T, D = _check_combine(out, k, shared)
     y = torch.empty(T, D, dtype=dtype, device=out.device)
     if T:
         BD = min(1024, triton.next_power_of_2(D))

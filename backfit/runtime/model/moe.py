@@ -123,8 +123,10 @@ class MoE(nn.Module):
             self.stacked = stack_experts(self.experts)
         return bool(self.stacked)
 
-    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """x [T, dim] (ffn_norm output), tokens [T] -> [T, dim] in x.dtype."""
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, pairs: bool = False):
+        """x [T, dim] (ffn_norm output), tokens [T] -> [T, dim] in x.dtype. pairs (the decode
+        Block): at tp 1 on the triton path the routed pairs and the shared output come back
+        unsummed (kernels.pointwise.PairSum) for kernels.mhc_decode.hc_post to sum."""
         if get_kernel_backend() == "triton" and x.dtype == torch.bfloat16 and self.prepare_kernels():
             from backfit.runtime.kernels.moe import fused_moe
             tp1 = get_tp_info().size == 1                             # FP32 for the all-reduce
@@ -134,7 +136,8 @@ class MoE(nn.Module):
                 shared, ready = self.shared_experts(x), None
             idx, w = self.gate.route(x, tokens)
             y = fused_moe(x, idx, w, *self.stacked, self.shared_experts.limit, shared=shared,
-                          dtype=x.dtype if tp1 else torch.float32, shared_ready=ready)
+                          dtype=x.dtype if tp1 else torch.float32, shared_ready=ready,
+                          pairs=pairs and tp1)
             return y if tp1 else all_reduce(y).to(x.dtype)
         idx, w = self.gate.route(x, tokens)
         y = self.shared_experts(x).float()                            # FP32 accumulator

@@ -56,8 +56,8 @@ class Block(nn.Module):
 
     def _forward_decode(self, k, X: torch.Tensor, batch: ForwardBatch, cache, hc: dict):
         """kernels.mhc_decode: each hc_pre with its RMSNorm (1 launch on the critical path, its
-        Sinkhorn beside it), each hc_post with the next hc_pre's partials (1 launch); same math
-        as forward's torch path."""
+        Sinkhorn beside it), each hc_post with the next hc_pre's partials (1 launch), the MoE's
+        combine inside its hc_post (POST_COMBINE); same math as forward's torch path."""
         c = self.cfg
 
         def pre(which, X, norm, part):          # the Sinkhorn (post, M) on a side stream
@@ -69,8 +69,8 @@ class Block(nn.Module):
         X, part = k.hc_post(self.attn(u, batch, cache), X, post, M, next_fn=self.hc_ffn_fn,
                             wait=wait)
         u, post, M, wait = pre("ffn", X, self.ffn_norm, part)
-        out = k.hc_post(self.ffn(u, batch.tokens), X, post, M, next_fn=hc.get("next_fn"),
-                        wait=wait)
+        out = k.hc_post(self.ffn(u, batch.tokens, pairs=k.POST_COMBINE), X, post, M,
+                        next_fn=hc.get("next_fn"), wait=wait)
         if hc.get("next_fn") is None:
             hc["part"] = None
             return out

@@ -279,3 +279,28 @@ def test_gpu_decode_pair_real_shapes_graph_capturable(mods):
         u_ref, post_ref, M_ref = hyper.hc_pre(Y, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
         assert rel_max(eager[2], post_ref) < 2e-5 and rel_max(eager[3], M_ref) < 2e-5, T
         assert rel_max(eager[1], rms_ref(u_ref, w)) < 2e-2, T
+
+
+@pytest.mark.parametrize("T,d,k,shared", [(1, 64, 6, True), (3, 256, 6, False), (2, 100, 1, True)])
+def test_post_mix_sums_moe_pairs_as_moe_combine(mods, T, d, k, shared):
+    """hc_post given the MoE's unsummed pairs (pointwise.PairSum, summed to bf16 as at tp 1) =
+    hc_post of moe_combine's output, bit for bit (out and the next partials): the same FP32 sum
+    in the same order, the same rounding. Other sums' dtypes and bad pairs: clear errors."""
+    mhc, dec = mods
+    pw = kernel_module("pointwise", "_combine_kernel", INTERPRET)
+    gen = torch.Generator().manual_seed(T * 5 + d + k)
+    fn, _, _ = params((2 + S) * S, d, 3, gen)
+    X = streams(T, d, gen)
+    pairs = (torch.randn(T * k, d, generator=gen) * 3).bfloat16().to(DEV)
+    sh = (torch.randn(T, d, generator=gen) * 2).bfloat16().to(DEV) if shared else None
+    post = (torch.rand(T, S, generator=gen) * 2).to(DEV)
+    M = torch.softmax(torch.randn(T, S, S, generator=gen), -1).to(DEV)
+    bf = torch.bfloat16
+    got = dec.hc_post(pw.combine_later(pairs, k, sh, bf), X, post, M, next_fn=fn)
+    want = dec.hc_post(pw.moe_combine(pairs, k, sh, bf), X, post, M, next_fn=fn)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(dec.hc_post(pw.combine_later(pairs, k, sh, bf), X, post, M), want[0])
+    with pytest.raises(ValueError, match="summed to bf16"):
+        dec.hc_post(pw.combine_later(pairs, k, sh, torch.float16), X, post, M)
+    with pytest.raises(ValueError, match="contiguous out"):
+        pw.combine_later(pairs.t() if k == 1 else pairs[:-1], k, sh, bf)

@@ -57,13 +57,18 @@ def compile_all() -> list[dict]:
     # T = 1 block and the largest, plain hc_post; collapse + RMSNorm at 1 / 4 / 8 warps (scalar
     # and [S, S] tensor Sinkhorn), SP = the
     # post kernel's d blocks (128 at BD 32) or mix_split's, hc_head (no Sinkhorn)
+    # (KC 6: the decode Block's MoE pairs summed in, with and without the shared expert's)
+    import triton.language as tl
     post_types = dict(F="*bf16", X="*bf16", POST="*fp32", MIX="*fp32", OUT="*bf16", FN="*fp32",
-                      PART="*fp32", D="i32", K="i32")
+                      PART="*fp32", D="i32", K="i32", SH="*bf16")
     bd1 = mhc_decode.post_bd(1, 4096)
-    for n_out, bd, has_fn in ((24, bd1, True), (24, 256, True), (4, 64, True), (1, bd1, False)):
+    for n_out, bd, has_fn, kc, sh in ((24, bd1, True, 0, False), (24, 256, True, 0, False),
+                                      (4, 64, True, 0, False), (1, bd1, False, 0, False),
+                                      (24, bd1, True, 6, True), (4, bd1, True, 6, False)):
         out.append(_compile(mhc_decode._post_mix_kernel, post_types,
                             dict(S=4, NOUT=n_out, NP=max(2, 1 << n_out.bit_length()), BD=bd,
-                                 HAS_FN=has_fn), warps, ("D", "K")))
+                                 HAS_FN=has_fn, KC=kc, HAS_SH=sh, FT=tl.bfloat16), warps,
+                            ("D", "K")))
     norm_types = dict(ctypes, W="*fp32", rms_eps="fp32")
     bd8 = mhc_decode.post_bd(8, 4096)
     # the two COLLAPSE defaults (T <= 4: 4 warps / 1024; else 8 / 4096, tensor Sinkhorn) first
@@ -102,7 +107,7 @@ def compile_all() -> list[dict]:
 
 def test_mhc_and_fp32_output_linear_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 28
+    assert len(results) == 30
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
