@@ -29,18 +29,31 @@ def _swiglu(g, u, wr, LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _pair_program(IDX, N, TOPK, GATED: tl.constexpr, BN: tl.constexpr):
+    """A decode GEMV program (pair p, row block) -> (p, expert idx[p] as int64, its activation
+    row (gate/up: x[p // TOPK], down: h[p]), output rows rn [BN], rn < N)."""
+    p, pid_n = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    return p, tl.load(IDX + p).to(tl.int64), p // TOPK if GATED else p, rn, rn < N
+
+
+@triton.jit
+def _pair_store(OUT, RW, p, N, rn, n_ok, r1, r3, GATED: tl.constexpr, LIMIT: tl.constexpr):
+    """Row sums r1 [BN] (GATED: _swiglu of r1, r3 with pair p's routing weight) -> OUT[p, rn]
+    as bf16."""
+    out = _swiglu(r1, r3, tl.load(RW + p), LIMIT) if GATED else r1
+    tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
+
+
+@triton.jit
 def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
                      GATED: tl.constexpr, LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      STAGES: tl.constexpr = 1):
     """Pair p, rows [pid_n·BN, +BN) of expert idx[p]: GATED -> h [P, N], else out [P, N] (bf16).
     STAGES > 1: the K loop's loads go through a cp.async pipeline that deep (see STAGES below)."""
-    p, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(IDX + p).to(tl.int64)
-    arow = p // TOPK if GATED else p                        # gate/up read x[t], down reads h[p]
-    rn = pid_n * BN + tl.arange(0, BN)
+    p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
     rk = tl.arange(0, BK)
     rg = tl.arange(0, BK // 32)
-    n_ok = rn < N
     KG = K // 32
     w_off = e * N * K + rn[:, None] * K                     # [BN, 1] int64
     s_off = e * N * KG + rn[:, None] * KG
@@ -55,11 +68,7 @@ def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
             q = tl.load(W3 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
             s = tl.load(S3 + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
             acc3 += tl.sum(_dequant_mx(q, s, BN, BK) * a[None, :], axis=1)
-    if GATED:
-        out = _swiglu(acc1, acc3, tl.load(RW + p), LIMIT)
-    else:
-        out = acc1
-    tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
+    _pair_store(OUT, RW, p, N, rn, n_ok, acc1, acc3, GATED, LIMIT)
 
 
 # Decode GEMV variants (config key "variant"; docs/KERNELS.md; bench_kernels.py --moe-decode-sweep)
@@ -124,13 +133,9 @@ def _moe_gemv_group_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: t
     prefetch; STAGES as there). Prefetched codes are carried as int32 (an int8 loop-carried tile costs byte
     repacking instructions)."""
     G: tl.constexpr = BK // 32
-    p, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(IDX + p).to(tl.int64)
-    arow = p // TOPK if GATED else p
-    rn = pid_n * BN + tl.arange(0, BN)
+    p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
     rg = tl.arange(0, G)
     rj = tl.arange(0, 32)
-    n_ok = rn < N
     m3, m2 = n_ok[:, None, None], n_ok[:, None]
     KG = K // 32
     w_off = e * N * K + rn[:, None, None] * K + rg[None, :, None] * 32 + rj[None, None, :]
@@ -167,7 +172,5 @@ def _moe_gemv_group_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: t
             acc1 = _acc_tile(acc1, q1n, s1n, a, MODE)
             if GATED:
                 acc3 = _acc_tile(acc3, q3n, s3n, a, MODE)
-    out = _acc_rows(acc1, MODE)
-    if GATED:
-        out = _swiglu(out, _acc_rows(acc3, MODE), tl.load(RW + p), LIMIT)
-    tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
+    _pair_store(OUT, RW, p, N, rn, n_ok, _acc_rows(acc1, MODE), _acc_rows(acc3, MODE), GATED,
+                LIMIT)

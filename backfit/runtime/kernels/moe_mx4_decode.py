@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from backfit.runtime.kernels.gemm import dot_bf16
-from backfit.runtime.kernels.moe_decode import _swiglu
+from backfit.runtime.kernels.moe_decode import _pair_program, _pair_store
 
 __all__ = ["GEMV_KERNELS"]
 
@@ -70,13 +70,9 @@ def _mx4_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
     GATED reads x[p // TOPK], else A[p]. Tiles [BN, BK/32, 16] bytes (one 16-byte vector per
     row and group), group sums accumulated [BN, BK/32] across K, one cross-group sum at the end."""
     G: tl.constexpr = BK // 32
-    p, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(IDX + p).to(tl.int64)
-    arow = p // TOPK if GATED else p
-    rn = pid_n * BN + tl.arange(0, BN)
+    p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
     rg = tl.arange(0, G)
     rj = tl.arange(0, 16)                                   # byte j of a group: inputs 2j, 2j+1
-    n_ok = rn < N
     KB, KG = (K // 64) * 32, (K // 64) * 2                  # = K/2, K/32 (K % 64 == 0), aligned
     w_off = (e * N * KB + rn[:, None, None] * KB + rg[None, :, None] * 16
              + rj[None, None, :])                           # [BN, G, 16] int64
@@ -90,11 +86,8 @@ def _mx4_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
         acc1 += _gemv_groups(W1, S1, w_off, s_off, k0, n_ok, a_lo, a_hi)
         if GATED:
             acc3 += _gemv_groups(W3, S3, w_off, s_off, k0, n_ok, a_lo, a_hi)
-    if GATED:
-        out = _swiglu(tl.sum(acc1, axis=1), tl.sum(acc3, axis=1), tl.load(RW + p), LIMIT)
-    else:
-        out = tl.sum(acc1, axis=1)
-    tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
+    _pair_store(OUT, RW, p, N, rn, n_ok, tl.sum(acc1, axis=1), tl.sum(acc3, axis=1), GATED,
+                LIMIT)
 
 
 @triton.jit
@@ -111,13 +104,9 @@ def _mx4_gemv_prefetch_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED
     """_mx4_gemv_kernel (variant "prefetch", as kernels.moe's): the next K tile's bytes and
     exponents are loaded (as int32) before this tile's math; the last tile reloads itself."""
     G: tl.constexpr = BK // 32
-    p, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(IDX + p).to(tl.int64)
-    arow = p // TOPK if GATED else p
-    rn = pid_n * BN + tl.arange(0, BN)
+    p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
     rg = tl.arange(0, G)
     rj = tl.arange(0, 16)
-    n_ok = rn < N
     m3, m2 = n_ok[:, None, None], n_ok[:, None]
     KB, KG = (K // 64) * 32, (K // 64) * 2
     w_off = e * N * KB + rn[:, None, None] * KB + rg[None, :, None] * 16 + rj[None, None, :]
@@ -145,10 +134,8 @@ def _mx4_gemv_prefetch_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED
         if GATED:
             acc3 += _mx4_groups(b3, s3, a_lo, a_hi)
         b1, s1, b3, s3 = b1n, s1n, b3n, s3n
-    out = tl.sum(acc1, axis=1)
-    if GATED:
-        out = _swiglu(out, tl.sum(acc3, axis=1), tl.load(RW + p), LIMIT)
-    tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
+    _pair_store(OUT, RW, p, N, rn, n_ok, tl.sum(acc1, axis=1), tl.sum(acc3, axis=1), GATED,
+                LIMIT)
 
 
 # Packed-word decode (issue 10; variants "word", "mma"; bench_kernels.py --moe-decode-sweep
@@ -202,13 +189,9 @@ def _mx4_gemv_word_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl
     words, each nibble decoded from the word by _nib_f32, FP32 products with x_(8j+i)·2^63,
     group sums times 2^63·2^(e-127) as in _gemv_groups."""
     G: tl.constexpr = BK // 32
-    p, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(IDX + p).to(tl.int64)
-    arow = p // TOPK if GATED else p
-    rn = pid_n * BN + tl.arange(0, BN)
+    p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
     rg = tl.arange(0, G)
     rj = tl.arange(0, 4)                                    # word j of a group: inputs 8j..8j+7
-    n_ok = rn < N
     KW, KG = (K // 64) * 8, (K // 64) * 2                   # = K/8 words, K/32 groups a row
     w_off = e * N * KW + rn[:, None, None] * KW + rg[None, :, None] * 4 + rj[None, None, :]
     s_off = e * N * KG + rn[:, None] * KG + rg[None, :]     # [BN, G]
@@ -233,10 +216,8 @@ def _mx4_gemv_word_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl
         if GATED:
             s3 = tl.load(S3 + s_off + k0 // 32, mask=n_ok[:, None], other=0)
             acc3 += tl.sum(t3, axis=2) * _TWO63 * _pow2(s3)
-    out = tl.sum(acc1, axis=1)
-    if GATED:
-        out = _swiglu(out, tl.sum(acc3, axis=1), tl.load(RW + p), LIMIT)
-    tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
+    _pair_store(OUT, RW, p, N, rn, n_ok, tl.sum(acc1, axis=1), tl.sum(acc3, axis=1), GATED,
+                LIMIT)
 
 
 @triton.jit
@@ -307,13 +288,10 @@ def _mx4_gemv_mma_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.
     accumulator, rows summed once at the end. Weights two per int32 (_nib_pair)."""
     G: tl.constexpr = BK // 32
     R: tl.constexpr = 16 if G < 16 else G
-    p, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(IDX + p).to(tl.int64)
-    arow = p // TOPK if GATED else p
-    rn = pid_n * BN + tl.arange(0, BN)
+    p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
     rw = tl.arange(0, BK // 8)
     rr = tl.arange(0, R)
-    n_ok, g_ok = rn < N, rr < G
+    g_ok = rr < G
     KW, KG = (K // 64) * 8, (K // 64) * 2                   # = K/8 words, K/32 groups a row
     w_off = e * N * KW + rn[:, None] * KW + rw[None, :]     # [BN, BK/8]
     s_off = e * N * KG + rn[None, :] * KG + rr[:, None]     # [R, BN]
@@ -328,10 +306,8 @@ def _mx4_gemv_mma_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.
         if GATED:
             acc3 += _mma_groups(W3w, S3, w_off, s_off, k0, n_ok, g_ok, a0, a1, a2, a3, F32, R,
                                 BN, BK)
-    out = tl.sum(acc1, axis=0)
-    if GATED:
-        out = _swiglu(out, tl.sum(acc3, axis=0), tl.load(RW + p), LIMIT)
-    tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
+    _pair_store(OUT, RW, p, N, rn, n_ok, tl.sum(acc1, axis=0), tl.sum(acc3, axis=0), GATED,
+                LIMIT)
 
 
 GEMV_KERNELS = dict(base=_mx4_gemv_kernel, prefetch=_mx4_gemv_prefetch_kernel,
