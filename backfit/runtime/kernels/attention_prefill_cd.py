@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backfit.runtime.kernels.attention_prefill import _block_rows, _entry_row, _finish, _rows_tile
+from backfit.runtime.kernels.attention_tiles import _block_rows, _entry_row, _finish, _rows_tile
 
 
 @triton.jit

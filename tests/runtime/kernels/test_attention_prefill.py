@@ -35,6 +35,7 @@ CHUNKS = [(0, 11), (40, 1), (20, 19), (150, 6), (5, 9)]
 
 @pytest.fixture(scope="module")
 def pre():
+    kernel_module("attention_tiles", "_rows_tile", INTERPRET)      # the tiles both kernels use
     return kernel_module("attention_prefill", "_prefill_kernel", INTERPRET)
 
 
