@@ -94,3 +94,17 @@ def test_query_blocks(model_f32, tokens, full, rel_err):
         for a in attns:
             a.q_chunk = 256
     _check(got, full, rel_err, "query blocks of 7")
+
+
+def test_logits_of_rows_and_last_only(model_f32, tokens):
+    """logits(X, rows) = logits(X)[rows] and forward(last_only) = the sequences' last rows: the
+    runner's sampled rows (the kernel path also gathers hc_head's partials with them, GPU test
+    tests/runtime/test_graphs.py). To FP32 rounding: the CPU head's matmul blocks by M."""
+    batch = ForwardBatch.build([(0, tokens[:9].tolist(), 0), (1, tokens[20:24].tolist(), 0)])
+    X = model_f32.hidden(batch)
+    every = model_f32.logits(X)
+    rows = torch.tensor([8, 12, 3])
+    torch.testing.assert_close(model_f32.logits(X, rows), every[rows], rtol=1e-5, atol=1e-5)
+    last = model_f32(ForwardBatch.build([(0, tokens[:9].tolist(), 0),
+                                         (1, tokens[20:24].tolist(), 0)]), last_only=True)
+    torch.testing.assert_close(last, every[[8, 12]], rtol=1e-5, atol=1e-5)
