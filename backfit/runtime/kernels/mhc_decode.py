@@ -40,6 +40,7 @@ import triton.language as tl
 
 from backfit.runtime.kernels import mhc
 from backfit.runtime.kernels.mhc import _post_comb, _post_inputs, _pre_gates, _sinkhorn
+from backfit.runtime.kernels.pointwise import _pair_acc
 
 __all__ = ["COLLAPSE", "COLLAPSE_U", "DECODE_FUSED", "POST_COMBINE", "SINKHORN_STREAM",
            "collapse_config", "hc_head", "hc_post", "hc_pre", "hc_pre_async", "post_bd"]
@@ -47,8 +48,8 @@ __all__ = ["COLLAPSE", "COLLAPSE_U", "DECODE_FUSED", "POST_COMBINE", "SINKHORN_S
 DECODE_FUSED = True     # False: the model's decode path falls back to mhc's 4 launches
 POST_COMBINE = True     # the decode Block's MoE combine summed inside its hc_post (False: its
                         # own launch, pointwise.moe_combine)
-_FT = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 SINKHORN_STREAM = True  # hc_pre_async on CUDA: post / M on a side stream (False: in order)
+_FT = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}     # a PairSum's sum dtype
 # _collapse_norm_kernel's launch by token count: (largest T, warps, d block of the u passes
 # (capped at d), scalar Sinkhorn (S = 4 only: 16 per-thread values instead of [S, S] tensor
 # reductions)). One warp: no barriers in the Sinkhorn chain, but the u passes' loads are not
@@ -76,30 +77,17 @@ def collapse_config(T: int, table=COLLAPSE) -> dict:
 
 
 @triton.jit
-def _pair_sum(F, SH, t, rd, d_ok, D, KC: tl.constexpr, HAS_SH: tl.constexpr, FT: tl.constexpr):
-    """f[t, block] of pointwise.PairSum pairs F [T·KC, D] (+ SH [T, D]) exactly as
-    pointwise._combine_kernel stores it (FP32 sum, j in order, shared added last as its first
-    operand, rounded to FT), back in FP32."""
-    acc = tl.load(F + t * KC * D + rd, mask=d_ok, other=0.0).to(tl.float32)
-    for j in tl.static_range(1, KC):
-        acc += tl.load(F + (t * KC + j) * D + rd, mask=d_ok, other=0.0).to(tl.float32)
-    if HAS_SH:
-        acc = tl.load(SH + t * D + rd, mask=d_ok, other=0.0).to(tl.float32) + acc
-    return acc.to(FT).to(tl.float32)
-
-
-@triton.jit
 def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT: tl.constexpr,
                      NP: tl.constexpr, BD: tl.constexpr, HAS_FN: tl.constexpr,
                      SH=None, KC: tl.constexpr = 0, HAS_SH: tl.constexpr = False,
                      FT: tl.constexpr = tl.bfloat16):
     """out[t, k, block] = post[t, k]·f[t, block] + Σ_j M[t, j, k]·X[t, j, block] (bf16); HAS_FN:
     PART[t, b] = fn·out[t, :, block] (NOUT dots) and Σ out² from the bf16-rounded out. KC > 0:
-    F holds the MoE's KC pairs a token (and SH its shared output): f is their combine
-    (_pair_sum), the launch moe_combine would have been."""
+    F holds the MoE's KC pairs a token (and SH its shared output): f is their combine, by
+    moe_combine's own sum (pointwise._pair_acc), rounded to FT: the launch it would have been."""
     t, rs, rd, d_ok, x, f = _post_inputs(F, X, D, S, BD)             # x [S(j), BD], f [BD]
     if KC > 0:
-        f = _pair_sum(F, SH, t, rd, d_ok, D, KC, HAS_SH, FT)         # (the f load above: dead)
+        f = _pair_acc(F, SH, t, rd, d_ok, D, KC, HAS_SH).to(FT).to(tl.float32)   # f's load: dead
     b = tl.program_id(1)
     rn = tl.arange(0, NP)
     n_ok = rn < NOUT

@@ -77,15 +77,23 @@ def _route_kernel(LOGITS, BIAS, TID2EID, TOKENS, IDX, W, E, scale,
 
 
 @triton.jit
+def _pair_acc(OUT, SH, t, c, ok, D, K: tl.constexpr, SHARED: tl.constexpr):
+    """Token t's columns c (ok) of the combine in FP32: Σ_j OUT[t·K + j] with j in order (a fixed
+    sum), then SH[t] + that; moe_combine's kernel and mhc_decode's hc_post (PairSum) share it."""
+    acc = tl.load(OUT + t * K * D + c, mask=ok, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, K):
+        acc += tl.load(OUT + (t * K + j) * D + c, mask=ok, other=0.0).to(tl.float32)
+    if SHARED:
+        acc = tl.load(SH + t * D + c, mask=ok, other=0.0).to(tl.float32) + acc
+    return acc
+
+
+@triton.jit
 def _combine_kernel(OUT, SH, Y, D, K: tl.constexpr, SHARED: tl.constexpr, BD: tl.constexpr):
     t, db = tl.program_id(0).to(tl.int64), tl.program_id(1)
     c = db * BD + tl.arange(0, BD)
     ok = c < D
-    acc = tl.load(OUT + t * K * D + c, mask=ok, other=0.0).to(tl.float32)
-    for j in tl.static_range(1, K):                              # j in order: a fixed sum
-        acc += tl.load(OUT + (t * K + j) * D + c, mask=ok, other=0.0).to(tl.float32)
-    if SHARED:
-        acc = tl.load(SH + t * D + c, mask=ok, other=0.0).to(tl.float32) + acc
+    acc = _pair_acc(OUT, SH, t, c, ok, D, K, SHARED)
     tl.store(Y + t * D + c, acc.to(Y.dtype.element_ty), mask=ok)
 
 

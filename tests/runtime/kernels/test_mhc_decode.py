@@ -41,6 +41,7 @@ def mods():
     """(mhc, mhc_decode), decorated for the interpreter iff INTERPRET."""
     kernel_module("gemm", "_a16_kernel", INTERPRET)
     mhc = kernel_module("mhc", "_collapse_kernel", INTERPRET)
+    kernel_module("pointwise", "_combine_kernel", INTERPRET)     # hc_post's PairSum sum
     return mhc, kernel_module("mhc_decode", "_post_mix_kernel", INTERPRET)
 
 
