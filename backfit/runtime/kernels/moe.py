@@ -128,12 +128,13 @@ def _fit_bk(K: int, bk: int) -> int:
 # config: the down projection's own tile/variant); the lead pastes the table printed by
 # `bench_kernels.py --moe-decode-sweep` here (variants: DECODE_VARIANTS, see above).
 # best per pair count of `bench_kernels.py --moe-decode-sweep` on the H200 (2026-12-01, commit
-# 16bc670; docs/KERNELS.md): M=1 60.6 us (was 83.6 with base BN16 BK512 for both projections)
-DECODE_TABLE = ((6, dict(variant="magic", BN=16, BK=256, num_warps=4, num_stages=3,
-                         down=dict(variant="base", BN=16, BK=512, num_warps=4, num_stages=2))),
-                (DECODE_PAIRS, dict(variant="magic", BN=8, BK=512, num_warps=4, num_stages=2,
+# 16bc670; docs/KERNELS.md): M=1 60.6 us (was 83.6 with base BN16 BK512 for both projections).
+# Session 14 (H200, .whl probe, graph-timed over 4 routings): gate/up magic BN 8 BK 256 on 2 warps
+# 36.2 us at M = 1 (BN 16 BK 256 4 warps: 37.5), 213.9 at M = 8 (BN 8 BK 512 4 warps: 219.0);
+# the step (bench_ab.py, replay GPU time, same process): -10.0 us at batch 1, -28.8 at batch 8.
+DECODE_TABLE = ((DECODE_PAIRS, dict(variant="magic", BN=8, BK=256, num_warps=2, num_stages=2,
                                     down=dict(variant="base", BN=16, BK=512, num_warps=4,
-                                              num_stages=2))))
+                                              num_stages=2))),)
 DECODE_VARIANTS = ("base", "group", "magic", "fma", "prefetch")
 
 
