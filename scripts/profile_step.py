@@ -1,7 +1,7 @@
 """Where a step's time goes, on the lent GPU (4 real DeepSeek-V4-Flash layers, triton kernels):
 
     python3 scripts/profile_step.py [--trace] [--host] [--prefill N [--syncs] [--launches K,..]]
-                                    [--experts int8|mx4|both]
+                                    [--experts int8|mx4|both] [--layers 4] [--tp-shard 1]
                                     [--out file.txt]
 
   --trace    the ordered kernel list of one batch-1 CUDA-graph replay: start, gap to the previous
@@ -15,6 +15,8 @@
              launch of the kernels so named, in order, with its duration
   --experts  the routed-expert scheme(s) traced (mx4: bench_model.to_mx4, the same values as
              mx4_e2m1; both: the int8 run, then mx4 in the same process); default int8
+  --layers / --tp-shard  layers 0..N-1 of the real schedule as TP rank 0 of K, collectives
+             counted no-ops (bench_decode.py's; e.g. --tp-shard 4: the shapes one TP4 rank runs)
 Built like scripts/bench_decode.py (random converted weights, random paged pools).
 """
 
@@ -179,6 +181,8 @@ def main() -> None:
                          "(comma-separated), in order, with its duration")
     ap.add_argument("--experts", choices=("int8", "mx4", "both"), default="int8")
     ap.add_argument("--ctx", type=int, default=512, help="--trace: the step's context length")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tp-shard", type=int, default=1)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     lines = []
@@ -186,10 +190,12 @@ def main() -> None:
     def log(m):
         print(m, flush=True)
         lines.append(m)
-    set_tp_info(0, 1)
+    set_tp_info(0, a.tp_shard)
+    bd.patch_collectives()
     max_len = max(8200, a.ctx + 16, a.prefill + 16)
-    bs = default_block_size(bd.ModelConfig.from_dict(bd.raw_config(4, False)))
-    r = bd.build_runner(bd.raw_config(4, False), "cuda", 8, 8 * (max_len // bs + 2), max_len)
+    raw = bd.raw_config(a.layers, False)
+    bs = default_block_size(bd.ModelConfig.from_dict(raw))
+    r = bd.build_runner(raw, "cuda", 8, 8 * (max_len // bs + 2), max_len)
     bd.use_backend(r, "triton")
     if a.prefill:
         prefill(r, a.prefill, log, a.syncs, a.launches)
