@@ -129,31 +129,46 @@ def _fit_bk(K: int, bk: int) -> int:
 # `bench_kernels.py --moe-decode-sweep` here (variants: DECODE_VARIANTS, see above).
 # best per pair count of `bench_kernels.py --moe-decode-sweep` on the H200 (2026-12-01, commit
 # 16bc670; docs/KERNELS.md): M=1 60.6 us (was 83.6 with base BN16 BK512 for both projections).
-# Session 14 (H200, .whl probe, graph-timed over 4 routings): gate/up magic BN 8 BK 256 on 2 warps
-# 36.2 us at M = 1 (BN 16 BK 256 4 warps: 37.5), 213.9 at M = 8 (BN 8 BK 512 4 warps: 219.0);
+# Session 14 (H200, .whl probes, graph-timed over 4 routings): gate/up magic BN 8 BK 256 on 2
+# warps 36.2 us at M = 1 (BN 16 BK 256 4 warps: 37.5), 213.9 at M = 8 (BN 8 BK 512 4 warps: 219.0);
 # the step (bench_ab.py, replay GPU time, same process): -10.0 us at batch 1, -28.8 at batch 8.
-DECODE_TABLE = ((DECODE_PAIRS, dict(variant="magic", BN=8, BK=256, num_warps=2, num_stages=2,
-                                    down=dict(variant="base", BN=16, BK=512, num_warps=4,
-                                              num_stages=2))),)
+# Rows with a third field bound I, the experts' intermediate size on this rank: at TP 4 (I = 512)
+# the tp-1 tile gives gate/up only 192-384 programs of 16 K steps (23.8 us at M = 1 for 6.2 us of
+# bytes); BN 2 BK 1024 on 2 warps 11.8 us, BN 2 BK 512 on 1 warp 57.5 at M = 8 (66.7); the down
+# tile stays (8.5 / 35.2 us; the best of 8 others within 0.4 / 1.3). TP 8 (I = 256) takes the
+# TP-4 rows, not measured.
+_DOWN = dict(variant="base", BN=16, BK=512, num_warps=4, num_stages=2)
+DECODE_TABLE = ((6, 512, dict(variant="magic", BN=2, BK=1024, num_warps=2, num_stages=2,
+                              down=_DOWN)),
+                (DECODE_PAIRS, 512, dict(variant="magic", BN=2, BK=512, num_warps=1,
+                                         num_stages=2, down=_DOWN)),
+                (DECODE_PAIRS, dict(variant="magic", BN=8, BK=256, num_warps=2, num_stages=2,
+                                    down=_DOWN)))
 DECODE_VARIANTS = ("base", "group", "magic", "fma", "prefetch")
 
 
-def _decode_config(K: int, P: int = 1, table=None, down: bool = False) -> dict:
-    """Decode GEMV config for K inputs and P pairs, BK fitted to K (table rows as DECODE_TABLE;
-    a row's "down" dict overrides it for the down projection: `down`)."""
-    rows = table or DECODE_TABLE
-    cfg = dict(next((c for n, c in rows if P <= n), rows[-1][1]))
+def _decode_config(K: int, P: int = 1, table=None, down: bool = False,
+                   I: int | None = None) -> dict:
+    """Decode GEMV config for K inputs and P pairs, BK fitted to K: the first table row (as
+    DECODE_TABLE: (max pairs, config) or (max pairs, max I, config)) with P <= max pairs and I
+    <= max I (I: the experts' intermediate size; None matches any row), else the last; a
+    row's "down" dict overrides it for the down projection (`down`)."""
+    rows = [r if len(r) == 3 else (r[0], None, r[1]) for r in (table or DECODE_TABLE)]
+    cfg = dict(next((c for n, i_max, c in rows
+                     if P <= n and (i_max is None or (I is not None and I <= i_max))),
+                    rows[-1][2]))
     sub = cfg.pop("down", {})
     cfg.update(sub if down else {})
     return dict(cfg, BK=_fit_bk(K, cfg["BK"]))
 
 
 def _decode_pair(K: int, I: int, P: int, config: dict | None, table=None) -> tuple[dict, dict]:
-    """(gate/up, down) decode configs: table row, then `config` (its "down" dict: down only)."""
+    """(gate/up, down) decode configs for K inputs, I intermediate and P pairs: table row, then
+    `config` (its "down" dict: down only)."""
     over = dict(config or {})
     over_down = over.pop("down", {})
-    return ({**_decode_config(K, P, table), **over},
-            {**_decode_config(I, P, table, down=True), **over, **over_down})
+    return ({**_decode_config(K, P, table, I=I), **over},
+            {**_decode_config(I, P, table, down=True, I=I), **over, **over_down})
 
 
 def _launch_decode(kernels: dict, grid_p: int, N: int, K: int, cfg: dict, args: tuple,

@@ -286,3 +286,20 @@ def test_gpu_decode_variants_real_shapes_and_no_host_sync(kmoe, variant):
         y = without_host_sync(lambda: kmoe.fused_moe(x, idx, w, *st, LIMIT, path="decode",
                                                      config=cfg))
         assert rel(y, want) < 5e-3, (variant, T)
+
+
+def test_decode_table_rows_bound_the_intermediate_size(kmoe):
+    """A row's third field bounds I (the experts' intermediate size on this rank): a TP-4 rank
+    (I = 512) gets its own tiles, tp 1 (I = 2048) and an unknown I the last row; both launches
+    of a pair take the same row."""
+    small = dict(variant="magic", BN=2, BK=1024, down=dict(variant="base", BN=4, BK=512))
+    big = dict(variant="magic", BN=8, BK=256, down=dict(variant="base", BN=16, BK=512))
+    table = ((6, 512, small), (kmoe.DECODE_PAIRS, big))
+    up, down = kmoe._decode_pair(4096, 512, 6, None, table)
+    assert (up["BN"], up["BK"], down["BN"], down["BK"]) == (2, 1024, 4, 512)
+    up, down = kmoe._decode_pair(4096, 2048, 6, None, table)
+    assert (up["BN"], up["BK"], down["BN"], down["BK"]) == (8, 256, 16, 512)
+    assert kmoe._decode_pair(4096, 512, 12, None, table)[0]["BN"] == 8       # P past the row
+    assert kmoe._decode_config(4096, 6, table)["BN"] == 8                    # I unknown
+    assert kmoe._decode_config(4096, 6, I=512)["BN"] == 2                    # shipped TP-4 row
+    assert kmoe._decode_config(4096, 6, I=2048)["BN"] == 8                   # shipped tp-1 row
