@@ -1,7 +1,8 @@
 """Small-M GEMV (kernels.gemv) candidates against the a16 path of gemm.linear at the decode
-step's linear shapes (DeepSeek-V4-Flash, tp 1), on CUDA.
+step's linear shapes (DeepSeek-V4-Flash, tp 1; --tp K: the shapes one rank of TP K runs that
+differ from tp 1's), on CUDA.
 
-    python scripts/bench_gemv.py [--out results.json] [--ms 1,2,4,8] [--quick]
+    python scripts/bench_gemv.py [--out results.json] [--ms 1,2,4,8] [--quick] [--tp 1]
 
 Copy bandwidth first (bench_kernels.ceilings, same process), then per shape, M and variant:
 µs per call (bench_kernels.graph_us: median over CUDA-graph replays of calls on rotating weight
@@ -29,18 +30,28 @@ from bench_kernels import ceilings, graph_us  # noqa: E402
 from backfit.runtime.kernels import gemm, gemv  # noqa: E402
 
 DEV = "cuda"
-# name, N, K, kind (int8: int8_g128 -> bf16 out; bf16: bf16 weight -> fp32 out)
+# name, N, K, kind (int8: int8_g128 -> bf16 out; bf16: bf16 weight -> fp32 out), how TP splits
+# it (runtime.layers: "col" the output dim, "row" the input dim, "rep" replicated)
 SHAPES = [
-    ("wq_a|wkv", 1536, 4096, "int8"),
-    ("wq_b", 32768, 1024, "int8"),
-    ("wo_b", 4096, 8192, "int8"),
-    ("shared w1|w3", 4096, 4096, "int8"),
-    ("shared w2", 4096, 2048, "int8"),
-    ("indexer wq_b", 8192, 1024, "int8"),
-    ("router", 256, 4096, "bf16"),
-    ("compressor CSA", 2624, 4096, "bf16"),     # wkv|wgate 2·1024 + indexer 2·256 + weights_proj 64
-    ("compressor HCA", 1024, 4096, "bf16"),     # wkv|wgate 2·512
+    ("wq_a|wkv", 1536, 4096, "int8", "rep"),
+    ("wq_b", 32768, 1024, "int8", "col"),
+    ("wo_b", 4096, 8192, "int8", "row"),
+    ("shared w1|w3", 4096, 4096, "int8", "col"),
+    ("shared w2", 4096, 2048, "int8", "row"),
+    ("indexer wq_b", 8192, 1024, "int8", "col"),
+    ("router", 256, 4096, "bf16", "rep"),
+    ("compressor CSA", 2624, 4096, "bf16", "rep"),  # wkv|wgate 2·1024 + indexer 2·256 + weights_proj 64
+    ("compressor HCA", 1024, 4096, "bf16", "rep"),  # wkv|wgate 2·512
 ]
+
+
+def rank_shapes(tp: int) -> list[tuple[str, int, int, str]]:
+    """SHAPES as one rank of TP tp holds them; tp > 1: only the split ones (the replicated ones
+    are tp 1's), named with the degree."""
+    if tp == 1:
+        return [s[:4] for s in SHAPES]
+    return [(f"{n} tp{tp}", N // tp if how == "col" else N, K // tp if how == "row" else K, kind)
+            for n, N, K, kind, how in SHAPES if how != "rep"]
 
 
 def make_weights(N: int, K: int, kind: str, copies: int) -> list:
@@ -89,9 +100,14 @@ def bench_shape(name: str, N: int, K: int, kind: str, Ms, cands, bw: float, rows
             else:
                 def call(w, s, x=x, cfg=cfg):
                     return gemv.gemv(x, w, s, scheme, config=cfg, out_dtype=out)
-            err = max_err(call(*ws[0]), want)
-            det = torch.equal(call(*ws[0]), call(*ws[0]))
-            t = graph_us([lambda w=w, s=s, call=call: call(w, s) for w, s in ws])
+            try:
+                err = max_err(call(*ws[0]), want)
+                det = torch.equal(call(*ws[0]), call(*ws[0]))
+                t = graph_us([lambda w=w, s=s, call=call: call(w, s) for w, s in ws])
+            except (ValueError, RuntimeError) as e:       # e.g. a BK the shape cannot take
+                print(f"{name:15s} N={N:6d} K={K:5d} M={M} {vname:26s} skipped: "
+                      f"{type(e).__name__}: {str(e)[:80]}", flush=True)
+                continue
             rows.append(dict(name=name, N=N, K=K, kind=kind, M=M, variant=vname, config=cfg,
                              us=t, ideal_us=ideal, target_us=target, frac_bw=ideal / t,
                              max_err=err, deterministic=det))
@@ -130,6 +146,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="write the rows and winners as JSON")
     ap.add_argument("--ms", default="1,2,4,8", help="rows M to time (<= 8)")
     ap.add_argument("--quick", action="store_true", help="M = 1 only, first two candidates")
+    ap.add_argument("--tp", type=int, default=1, help="the shapes of one rank of TP K")
     ap.add_argument("--pipe", action="store_true",
                     help="the shipped config and the cp.async-pipelined candidates only")
     args = ap.parse_args()
@@ -142,7 +159,7 @@ def main() -> None:
     bw = ceilings()["copy_TBps"] * 1e12                               # bytes / s
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})", flush=True)
     rows: list = []
-    for name, N, K, kind in SHAPES:
+    for name, N, K, kind in rank_shapes(args.tp):
         cands = gemv.GEMV_CANDIDATES[kind][:2 if args.quick else None]
         if args.pipe:       # the shipped config per timed M (once each), then STAGES > 1 ones
             cands = []

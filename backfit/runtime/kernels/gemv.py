@@ -66,6 +66,16 @@ GEMV_TABLE: list[tuple[str, tuple[int, int], tuple[int, int], tuple[int, int], d
     ("int8", (4096, 4096), (8192, 8192), (1, 1), _cfg("cuda", 4, 2048, 4, True)),
     ("int8", (8192, 8192), (1024, 1024), (1, 1), _cfg("cuda", 8, 1024, 4, True)),  # M=1 4.9 vs 7.4
     ("int8", (8192, 8192), (1024, 1024), (2, 2), _cfg("cuda", 16, 512, 4, True)),  # M=2 6.4 vs 7.4
+    # one TP-4 rank's shapes (`bench_gemv.py --tp 4`, H200, session 14, copy 4.2 TB/s; its wq_b
+    # and wo_b are the 8192 x 1024 and 4096 x 2048 rows above, re-measured within 0.1 µs):
+    # shared w1|w3, M=1 3.86 vs a16 7.05, M=2 4.65 vs 7.08
+    ("int8", (1024, 1024), (4096, 4096), (1, 1), _cfg("cuda", 1, 4096, 4, False)),
+    ("int8", (1024, 1024), (4096, 4096), (2, 2), _cfg("fma", 1, 1024, 4, False)),
+    # indexer wq_b, M=1 2.73 vs 5.80, M=2 3.31 vs 5.75 (M=8: 5.65 vs 5.79, left to a16)
+    ("int8", (2048, 2048), (1024, 1024), (1, 2), _cfg("cuda", 4, 2048, 4, True)),
+    # shared w2, M=1 2.62 vs 5.41, M=2 3.21 vs 5.46
+    ("int8", (4096, 4096), (512, 512), (1, 1), _cfg("cuda", 4, 2048, 4, True)),
+    ("int8", (4096, 4096), (512, 512), (2, 2), _cfg("cuda", 4, 1024, 4, False)),
 ]
 
 # What bench_gemv.py sweeps and test_sm80_gemv.py compiles, by kind. cuda: BN·BK weights per K
