@@ -114,13 +114,19 @@ def _mx4_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
 # --moe-decode-sweep --pipe`, H200, Triton 3.6): the same tile with its K loop as a 3-deep cp.async
 # pipeline (STAGES 3, num_stages 3) 63.7 -> 54.9 us at M = 1, 118.7 / 187.7 / 355.3 -> 95.8 /
 # 160.1 / 301.6 at M = 2 / 4 / 8, against int8's best 59.4 / 105.4 / 192.9 / 362.8 in that run.
-DECODE_TABLE = ((DECODE_PAIRS, dict(variant="mma", BN=32, BK=512, num_warps=2, num_stages=3,
-                                    STAGES=3)),)
+# Session 14, one TP-4 rank (I = 512; `.whl` probe, H200, graph-timed over 4 routings): that tile
+# gives gate/up 96 programs, 24.4 us at M = 1 for 3.2 us of bytes; word BN 4 BK 512 on 1 warp
+# 15.3 us (64.3 at M = 8, the mma tile 64.6: kept there), down mma BN 64 on 4 warps 6.5 (7.4).
+DECODE_TABLE = ((6, 512, dict(variant="word", BN=4, BK=512, num_warps=1, num_stages=2, STAGES=1,
+                              down=dict(variant="mma", BN=64, BK=512, num_warps=4, num_stages=3,
+                                        STAGES=3))),
+                (DECODE_PAIRS, dict(variant="mma", BN=32, BK=512, num_warps=2, num_stages=3,
+                                    STAGES=3)))
 DECODE_VARIANTS = ("base", "prefetch", "word", "mma")
 
 
-def _decode_config(K: int, P: int = 1) -> dict:
-    return _moe_decode_config(K, P, DECODE_TABLE)
+def _decode_config(K: int, P: int = 1, down: bool = False, I: int | None = None) -> dict:
+    return _moe_decode_config(K, P, DECODE_TABLE, down, I)
 
 
 _GEMV4 = {name: (kern, dict(F32=interpreted()) if name == "mma" else {})

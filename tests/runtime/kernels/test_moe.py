@@ -303,3 +303,7 @@ def test_decode_table_rows_bound_the_intermediate_size(kmoe):
     assert kmoe._decode_config(4096, 6, table)["BN"] == 8                    # I unknown
     assert kmoe._decode_config(4096, 6, I=512)["BN"] == 2                    # shipped TP-4 row
     assert kmoe._decode_config(4096, 6, I=2048)["BN"] == 8                   # shipped tp-1 row
+    from backfit.runtime.kernels import moe_mx4                                # same rule, mx4
+    assert moe_mx4._decode_config(4096, 6, I=512)["variant"] == "word"
+    assert moe_mx4._decode_config(512, 6, down=True, I=512)["BN"] == 64
+    assert moe_mx4._decode_config(4096, 6)["variant"] == "mma"

@@ -40,12 +40,13 @@ def compile_all() -> list[dict]:
             triton.compile = real
         return dict(r, ftz_mul=bool(re.search(r"(mul|fma|cvt)[\w.]*\.ftz", ptx[0].asm["ptx"])))
     for gated, k in ((True, 4096), (False, 512)):
-        cfg = dict(moe_mx4._decode_config(k))                        # the shipped decode tile
-        kern, extra = moe_mx4._GEMV4[cfg.pop("variant", "base")]
-        extra = {**extra, **({"F32": False} if "F32" in extra else {})}   # compiled: BF16 MMA
-        cfg, opts = _split(cfg)
-        out.append(compile_one(kern, types, dict(cfg, **extra, GATED=gated, LIMIT=10.0),
-                               opts, ("N", "K")))
+        for i in (None, 512):                     # the shipped tiles: tp 1, a TP-4 rank's I
+            cfg = dict(moe_mx4._decode_config(k, 6, down=not gated, I=i))
+            kern, extra = moe_mx4._GEMV4[cfg.pop("variant", "base")]
+            extra = {**extra, **({"F32": False} if "F32" in extra else {})}   # compiled: BF16 MMA
+            cfg, opts = _split(cfg)
+            out.append(compile_one(kern, types, dict(cfg, **extra, GATED=gated, LIMIT=10.0),
+                                   opts, ("N", "K")))
         for p in (384, 6144, 12288, 8192 * 6):
             cfg, opts = _split(moe._sorted_pair(p, None, False)[0 if gated else 1])
             out.append(compile_one(moe_mx4._mx4_sorted_kernel, types,
@@ -77,7 +78,7 @@ def compile_all() -> list[dict]:
 
 def test_mx4_moe_kernels_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 10 + 4 + 5                       # + decode variants
+    assert len(results) == 12 + 4 + 5                       # + decode variants
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
