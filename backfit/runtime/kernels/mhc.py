@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backfit.runtime.kernels.gemm import dot_bf16, interpreted
+from backfit.runtime.kernels.gemm import _num_sms, dot_bf16, interpreted
 
 __all__ = ["hc_pre", "hc_post", "hc_head", "MIX_TORCH_T", "MAX_SPLIT", "mix_split", "PREFILL",
            "tile_config", "check_pre", "check_post"]
@@ -237,12 +237,6 @@ def _collapse_tile_kernel(PART, X, SCALE, BASE, U, POST, MOUT, T, SPLIT, D, K, i
         u = tl.sum(pre[:, :, None] * x, axis=1)
         tl.store(U + rt[:, None] * D + rd[None, :], u.to(U.dtype.element_ty),
                  mask=t_ok[:, None] & d_ok[None, :])
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4                                                   # interpreter: small grids
 
 
 def mix_split(T: int, K: int, sms: int) -> int:

@@ -345,7 +345,9 @@ def hc_post(f, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor,
     stream): the current stream waits for it first."""
     if wait is not None:
         torch.cuda.current_stream(X.device).wait_event(wait[0])
-    pairs = f if isinstance(f, tuple) else None         # a pointwise.PairSum
+    # a pointwise.PairSum (a NamedTuple; tested as a tuple, not by class: the tests re-import
+    # kernel modules, and a re-imported pointwise makes a PairSum class of its own)
+    pairs = f if isinstance(f, tuple) else None
     if pairs is not None:                # f = moe_combine(*pairs), summed in this launch
         if pairs.out.dtype != torch.bfloat16 or pairs.dtype not in _FT \
                 or (pairs.shared is not None and pairs.shared.dtype != torch.bfloat16):
