@@ -3,6 +3,7 @@ layers by default, triton kernels, CUDA graphs), on the lent GPU:
 
     python3 scripts/bench_ab.py --switch backfit.runtime.model.attention:KV_BESIDE=False \
         [--switch module:NAME=value ...] [--batches 1,8] [--ctx 512] [--rounds 4] [--out ab.json]
+        [--layers 4] [--tp-shard 1] [--experts int8|mx4]
 
 Step-level figures move ±5 % between processes on the lent machine (session 11: the same code
 timed 1.06, 1.11 and 1.16 ms at batch 1 in three calls), more than most single changes are
@@ -13,7 +14,10 @@ reports) and the replay's GPU time (CUDA events around replay(), no host part). 
 switch, batch and context: medians of A and B and B - A. A module-level flag read while the step
 is captured (attention.SIDE_STREAMS, KV_BESIDE, MAX_SPLIT, moe.SHARED_STREAM, ...) changes the
 captured graph; flags read only outside the capture do nothing here. --tiny: small dims on the
-CPU, torch backend, eager (a dry run of this script).
+CPU, torch backend, eager (a dry run of this script). --layers / --tp-shard: bench_decode.py's
+(e.g. --layers 43 --tp-shard 4: one TP-4 rank's slice, collectives counted no-ops; between
+processes that slice's step moved by up to ~10 % in session 14, so its A/B belongs here too);
+--experts mx4: the routed experts re-laid-out as mx4_e2m1 first (bench_model.to_mx4).
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--switch", action="append", required=True, metavar="MODULE:NAME=VALUE")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tp-shard", type=int, default=1, help="TP rank 0 of K (bench_decode's)")
+    ap.add_argument("--experts", choices=("int8", "mx4"), default="int8")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=4, help="A/B alternations per case")
@@ -85,12 +91,14 @@ def main() -> None:
     dev = "cpu" if a.tiny else "cuda"
     batches = [int(x) for x in a.batches.split(",")]
     raw = bd.raw_config(a.layers, a.tiny)
-    set_tp_info(0, 1)
+    set_tp_info(0, a.tp_shard)
     bd.patch_collectives()
     bs = default_block_size(bd.ModelConfig.from_dict(raw))
     per_seq = a.ctx // bs + 2
     r = bd.build_runner(raw, dev, max(batches), max(batches) * per_seq + 1, a.ctx + 16)
     bd.use_backend(r, "torch" if a.tiny else "triton")
+    if a.experts == "mx4":
+        print(f"experts -> mx4_e2m1: {bd.to_mx4(r)}", flush=True)
     gpu = dev == "cuda"
     rows = []
     for m, name, value in switches:
