@@ -286,22 +286,37 @@ _OCC_TILES = (("magic", 16, 128, 4, 2), ("magic", 16, 128, 2, 2), ("magic", 8, 2
 ERR_OK = 1e-2                 # rel err vs the torch path above which a config is not a candidate
 
 
-def decode_grid(scheme: str, pipe: bool = False, occ: bool = False) -> list[dict]:
+# One TP-K rank (--moe-tp K: I = 2048 / K output rows for gate/up): small BN, few warps (session
+# 14's probes at I = 512: int8 gate/up 23.8 -> 11.8 us, mx4 24.4 -> 15.3 at M = 1)
+_SMALL_I_TILES = {
+    "int8_mx32": (("magic", 2, 1024, 2, 2, 1), ("magic", 2, 512, 1, 2, 1), ("magic", 4, 512, 2, 2, 1),
+                  ("magic", 1, 512, 1, 2, 1), ("magic", 4, 1024, 4, 2, 1), ("magic", 16, 256, 4, 2, 1),
+                  ("base", 8, 512, 2, 2, 1), ("base", 32, 512, 8, 2, 1)),
+    "mx4_e2m1": (("word", 4, 512, 1, 2, 1), ("word", 4, 1024, 2, 2, 1), ("base", 4, 1024, 2, 2, 1),
+                 ("mma", 64, 512, 4, 3, 3), ("mma", 16, 512, 2, 3, 3), ("mma", 32, 512, 2, 1, 1))}
+
+
+def decode_grid(scheme: str, pipe: bool = False, occ: bool = False,
+                small_i: bool = False) -> list[dict]:
     """int8_mx32: 26 configs over moe.DECODE_VARIANTS; mx4_e2m1: 16 over moe_mx4's (the
     shipped tile, then mma, word, prefetch, the rest of base: a spent budget skips the last).
     pipe: the shipped DECODE_TABLE configs (down tiles split out as configs of their own), then
-    _PIPE_TILES. occ (int8_mx32): the shipped configs, then _OCC_TILES."""
-    if pipe or occ:
+    _PIPE_TILES. occ (int8_mx32): the shipped configs, then _OCC_TILES. small_i: the shipped
+    configs, then _SMALL_I_TILES."""
+    if pipe or occ or small_i:
         table = (moe_mx4 if scheme == "mx4_e2m1" else moe).DECODE_TABLE
         shipped = []
-        for _, c in table:
-            c = dict(c)
+        for row in table:                         # (max pairs, [max I,] config)
+            c = dict(row[-1])
             for d in (c.pop("down", None), c):
                 if d is not None and d not in shipped:
                     shipped.append(d)
         if occ:
             return shipped + [dict(variant=v, BN=b, BK=k, num_warps=w, num_stages=n)
                               for v, b, k, w, n in _OCC_TILES]
+        if small_i:
+            return shipped + [dict(variant=v, BN=b, BK=k, num_warps=w, num_stages=n, STAGES=st)
+                              for v, b, k, w, n, st in _SMALL_I_TILES[scheme]]
         return shipped + [dict(variant=v, BN=b, BK=k, num_warps=w, num_stages=n, STAGES=st)
                           for v, b, k, w, n, st in _PIPE_TILES[scheme]]
     if scheme == "mx4_e2m1":
@@ -355,11 +370,12 @@ def decode_launches(scheme: str, st: tuple, x, idx, w, cfg: dict) -> tuple:
 
 def moe_decode_sweep(ceil: dict, budget_s: float, t0: float, Ms=(1, 2, 4, 8), E: int = 256,
                      D: int = 4096, I: int = 2048, k: int = 6, rot: int = 4,
-                     pipe: bool = False, occ: bool = False) -> dict:
+                     pipe: bool = False, occ: bool = False, tp: int = 1) -> dict:
     """Every decode variant x tile at M tokens, both schemes: graph-timed µs per call over `rot`
     routings (other experts each call: weights stream from HBM), GB/s of the distinct experts'
     bytes, % of the copy bandwidth, rel err vs the torch path; best per (scheme, M)."""
     rows, best = [], {}
+    I //= tp                                       # one TP-tp rank's share of each expert
     for scheme in ("int8_mx32",) if occ else ("int8_mx32", "mx4_e2m1"):
         st = sum(((mx4_stack if scheme == "mx4_e2m1" else mx_stack)(E, n, kk)
                   for n, kk in ((I, D), (I, D), (D, I))), ())          # w1, s1, w3, s3, w2, s2
@@ -374,7 +390,7 @@ def moe_decode_sweep(ceil: dict, budget_s: float, t0: float, Ms=(1, 2, 4, 8), E:
             byts = n_exp * per_expert + M * D * 2 * 2 + M * k * I * 4      # x, y, h (w, r)
             cases[M] = (xs, idxs, ws, byts, refn(xs[0], idxs[0], ws[0], *st, 10.0))
         stop = t0 + budget_s * (0.62 if scheme == "int8_mx32" else 1.0)    # mx4 gets its share
-        for cfg in decode_grid(scheme, pipe, occ):
+        for cfg in decode_grid(scheme, pipe, occ, small_i=tp > 1):
             if time.time() > stop:
                 print(f"  budget {budget_s:.0f} s spent: {scheme} {cfg} skipped", flush=True)
                 continue
@@ -422,9 +438,10 @@ def moe_decode_sweep(ceil: dict, budget_s: float, t0: float, Ms=(1, 2, 4, 8), E:
                           " us" for M in Ms if (scheme, M) in best))
         if tab:
             tab[-1] = ("DECODE_PAIRS", tab[-1][1])
-        print("DECODE_TABLE = (" + ",\n                ".join(
-            f"({n}, dict({', '.join(f'{a}={b!r}' for a, b in c.items())}))" for n, c in tab)
-            + ",)" if tab else f"# (no config within rel err {ERR_OK})")
+        bound = f"{I}, " if tp > 1 else ""        # tp > 1: rows bounded by this rank's I
+        print("DECODE_TABLE rows = (" + ",\n                ".join(
+            f"({n}, {bound}dict({', '.join(f'{a}={b!r}' for a, b in c.items())}))"
+            for n, c in tab) + ",)" if tab else f"# (no config within rel err {ERR_OK})")
     return dict(rows=rows, best=[dict(key=list(key), config=c, us=t)
                                  for key, (c, t) in best.items()])
 
@@ -441,6 +458,9 @@ def main() -> None:
     ap.add_argument("--occ", action="store_true",
                     help="--moe-decode-sweep, int8_mx32 at M = 1, 2: the shipped tiles + tiles of "
                          "fewer weights a program (_OCC_TILES)")
+    ap.add_argument("--moe-tp", type=int, default=1, metavar="K",
+                    help="--moe-decode-sweep at one TP-K rank's experts (I = 2048 / K), over the "
+                         "shipped tiles + _SMALL_I_TILES")
     ap.add_argument("--budget-s", type=float, default=115.0,
                     help="--moe-decode-sweep: skip the configs left after this many seconds")
     args = ap.parse_args()
@@ -451,7 +471,7 @@ def main() -> None:
     if args.moe_decode_sweep:
         res = dict(device=torch.cuda.get_device_name(), triton=__import__("triton").__version__,
                    ceilings=ceil, **moe_decode_sweep(ceil, args.budget_s, t0, pipe=args.pipe,
-                                                    occ=args.occ,
+                                                    occ=args.occ, tp=args.moe_tp,
                                                     Ms=(1, 2) if args.occ else (1, 2, 4, 8)))
         Path(args.out).write_text(json.dumps(dict(res, seconds=time.time() - t0), indent=1))
         print(f"done in {time.time() - t0:.0f} s -> {args.out}")
