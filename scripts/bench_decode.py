@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -322,9 +323,11 @@ def main() -> None:
     set_tp_info(0, a.tp_shard)
     patch_collectives()
     res: dict = dict(args=vars(a), torch=torch.__version__, device=dev)
-    try:
-        res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                       capture_output=True, text=True).stdout.strip()
+    try:                  # BENCH_COMMIT: the caller's commit (the lent machine's copy of the
+        # working tree carries a stale .git, so rev-parse there names an older commit)
+        res["commit"] = os.environ.get("BENCH_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+            text=True).stdout.strip()
         res["dirty_files"] = len(subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=ROOT,
                                                 capture_output=True, text=True).stdout.split("\n")) - 1
     except OSError:

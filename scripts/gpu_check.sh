@@ -19,7 +19,8 @@
 #          of 256, decode (chunks of 1), int8 KV, and --long-context 4096 then $LONG (default
 #          65536; 0 skips both), each long-context chunk's time printed (VERIFY_S, default
 #          540 s: a device call of its own)
-#   bench  scripts/bench_decode.py $BENCH_ARGS (default: 4 real Flash layers, TP1)
+#   bench  scripts/bench_decode.py $BENCH_ARGS (default: 4 real Flash layers, TP1); set
+#          BENCH_COMMIT to the commit you run (the lent copy's .git is stale) for the JSON
 #   ab     scripts/bench_ab.py: each switch of $AB_SWITCHES (default: session 11's KV_BESIDE and
 #          MAX_SPLIT, and SIDE_STREAMS) off / at its old value against as shipped, in one process
 #   sweep  scripts/bench_kernels.py --moe-decode-sweep (fused-MoE decode variants and tiles)
