@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["beside", "fork", "side_stream", "stream_key"]
+__all__ = ["beside", "fork", "side_stream", "stream_counters", "stream_key"]
 
 _SIDE: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
@@ -42,6 +42,22 @@ def stream_key(device: torch.device) -> int:
     (gemm's split-K workspace, cache_ops' block counters), which concurrent streams must not
     share."""
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+_COUNTERS: dict = {}     # (device, stream) -> [int32 zeros]: last-arriving-program counters
+
+
+def stream_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 [>= n] counters of the current stream, for kernels whose last-arriving
+    program finishes the work (cache_ops' fused compressor, kernels.router); every launch leaves
+    them 0 again. One set per stream: the CSA layer's two compressor updates run on the side
+    streams "comp" and "index" at once, and shared counters would mix their counts (a row
+    finished before all its programs, or never). A larger n adds a larger buffer; the smaller
+    ones stay alive, as CUDA graphs captured earlier hold their addresses."""
+    bufs = _COUNTERS.setdefault((device, stream_key(device)), [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 256), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def fork(device: torch.device, name: str) -> torch.cuda.Stream:

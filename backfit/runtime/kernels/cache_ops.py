@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from backfit.runtime.streams import stream_key
+from backfit.runtime.streams import stream_counters
 
 __all__ = ["compress_decode", "compress_decode_fused", "store_decode"]
 
@@ -292,21 +292,6 @@ def store_decode(x: torch.Tensor, pos: torch.Tensor, data: torch.Tensor, scale: 
             num_warps=4 if D <= 512 else 8)
 
 
-_COUNTERS: dict = {}     # (device, stream) -> [int32 zeros]: the fused kernel's per-row counters
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 [>= n] counters of the current stream (every launch leaves them 0 again).
-    One set per stream: the CSA layer's two compressor updates run on the side streams "comp"
-    and "index" (runtime/streams.py) at once, and shared counters would mix their blocks' counts
-    (a row's entry written before all its blocks, or never). A larger batch adds a larger
-    buffer; the smaller ones stay alive, as CUDA graphs captured earlier hold their addresses."""
-    bufs = _COUNTERS.setdefault((device, stream_key(device)), [])
-    if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, 256), dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
 def _interpreted() -> bool:
     return not isinstance(_fused_kernel, triton.runtime.jit.JITFunction)
 
@@ -363,7 +348,7 @@ def compress_decode_fused(c: torch.Tensor, z: torch.Tensor, ape: torch.Tensor | 
     BD = min(128, triton.next_power_of_2(D), max(16, 4096 // NP))   # compress_decode's blocks
     nblk = triton.cdiv(D, BD)
     ebuf = torch.empty(B, D, dtype=torch.float32, device=c.device)   # pooled E, per row
-    cnt = _counters(c.device, B) if nblk > 1 else ebuf
+    cnt = stream_counters(c.device, B) if nblk > 1 else ebuf
     tables = tables.contiguous()
     _fused_kernel[(B, nblk)](
         c, z, c.stride(0), z.stride(0), ape if ape is not None else c, pos.contiguous(),

@@ -25,6 +25,7 @@ from support import kernel_module  # noqa: E402
 
 from backfit.runtime.batch import ForwardBatch  # noqa: E402
 from backfit.runtime.cache.paged import PagedCache  # noqa: E402
+from backfit.runtime.streams import stream_counters  # noqa: E402
 
 
 def kmod():
@@ -165,7 +166,7 @@ def test_compress_decode_fused_equals_chain(m, overlap, D, int8, dtype):
                                  overlap, D, dtype, head_w=(hw, W_SCALE))
     assert torch.equal(wI, hw.to(dtype).float() * W_SCALE)            # Indexer.queries' w
     if D // min(128, max(16, 4096 // (2 * m if overlap else m))) > 1:  # several blocks per row
-        assert not k._counters(c.device, 4).any(), "block counters not reset for the next call"
+        assert not stream_counters(c.device, 4).any(), "block counters not reset for the next call"
     assert torch.equal(rc0, rc1) and torch.equal(rz0, rz1)
     assert torch.equal(d0, d1)
     if int8:
@@ -218,10 +219,9 @@ def test_compress_decode_fused_cuda_graph(m, overlap, int8):
 def test_block_counters_are_per_stream():
     """The CSA layer's two compressor updates run on two side streams at once: each stream has
     its own block counters (shared ones would mix the two launches' counts)."""
-    from backfit.runtime.kernels import cache_ops
     dev = torch.device("cuda")
-    main = cache_ops._counters(dev, 4)
+    main = stream_counters(dev, 4)
     with torch.cuda.stream(torch.cuda.Stream(dev)):
-        side = cache_ops._counters(dev, 4)
+        side = stream_counters(dev, 4)
     assert main.data_ptr() != side.data_ptr()
-    assert cache_ops._counters(dev, 4).data_ptr() == main.data_ptr()
+    assert stream_counters(dev, 4).data_ptr() == main.data_ptr()
