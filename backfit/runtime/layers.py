@@ -201,11 +201,15 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(e.masked_fill(outside[:, None], 0))
 
     def streams(self, ids: torch.Tensor, dtype: torch.dtype, S: int) -> torch.Tensor:
-        """The embedding as the S mHC streams [T, S, dim] (S plain copies); at tp 1 on the
-        triton path one launch (kernels.pointwise.embed_streams) for clamp, gather and repeat."""
-        if get_tp_info().size == 1 and kernel_path(self.weight):
+        """The embedding as the S mHC streams [T, S, dim] (S plain copies); on the triton path
+        one launch (kernels.pointwise.embed_streams) for clamp, gather and repeat at tp 1, and at
+        tp > 1 one for the shard's gather + mask, then the all-reduce and one copy."""
+        if kernel_path(self.weight):
             from backfit.runtime.kernels.pointwise import embed_streams
-            return embed_streams(self.weight, ids, S, dtype)
+            if get_tp_info().size == 1:
+                return embed_streams(self.weight, ids, S, dtype)
+            e = all_reduce(embed_streams(self.weight, ids, 1, dtype, start=self.start))
+            return e.expand(-1, S, -1).contiguous()        # [T, 1, d] summed, then S copies
         return self(ids, dtype)[:, None, :].repeat(1, S, 1)
 
 

@@ -16,7 +16,8 @@ sync: the MoE block's (runtime/model/moe.py on the triton backend) and the embed
                       kernels.mhc_decode.hc_post, sums them in the same order in its own launch.
   embed_streams(weight, ids, S, dtype)   the tp-1 embedding straight into the mHC streams:
                       X [T, S, d] = weight[clamp(ids, 0, V-1)] in `dtype`, S equal copies (torch:
-                      clamp, gather, repeat = 3 launches); exact (a copy).
+                      clamp, gather, repeat = 3 launches); exact (a copy). start=: one rank's
+                      vocab shard (rows outside it 0, for the all-reduce; torch: 7 launches).
 Triton's exp/log differ from torch's in the last bits: FP32 rounding, and a top-k order that
 can differ from torch's only between scores equal to FP32 rounding.
 """
@@ -45,13 +46,16 @@ def _swiglu_kernel(GU, H, I, stride_gu, LIMIT: tl.constexpr, BI: tl.constexpr):
 
 
 @triton.jit
-def _route_kernel(LOGITS, BIAS, TID2EID, TOKENS, IDX, W, E, scale,
-                  K: tl.constexpr, HASH: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
-    """Token t: E router logits -> K expert ids (best first) and normalised weights."""
-    t = tl.program_id(0).to(tl.int64)
+def _route_row(LOGITS, BIAS, TID2EID, TOKENS, IDX, W, E, scale, t, K: tl.constexpr,
+               HASH: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr, CG: tl.constexpr = False):
+    """Token t: E router logits -> K expert ids (best first) and normalised weights. CG: the
+    logits are read from L2 (written by other programs of the same launch: kernels.router)."""
     e = tl.arange(0, BE)
     ok = e < E
-    x = tl.load(LOGITS + t * E + e, mask=ok, other=0.0)
+    if CG:
+        x = tl.load(LOGITS + t * E + e, mask=ok, other=0.0, cache_modifier=".cg")
+    else:
+        x = tl.load(LOGITS + t * E + e, mask=ok, other=0.0)
     y = tl.exp(-tl.abs(x))                                       # softplus = max(x,0)+log1p(y)
     u = 1.0 + y
     log1p = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))   # Goldberg: accurate for tiny y
@@ -63,17 +67,29 @@ def _route_kernel(LOGITS, BIAS, TID2EID, TOKENS, IDX, W, E, scale,
         tok = tl.load(TOKENS + t)
         ids = tl.load(TID2EID + tok * K + j, mask=j < K, other=0).to(tl.int64)
     else:
-        sb = tl.where(ok, s + tl.load(BIAS + e, mask=ok, other=0.0), float("-inf"))
-        for i in tl.static_range(K):                             # K rounds of argmax
-            best = tl.max(sb, axis=0)
-            pick = tl.min(tl.where(sb == best, e, BE), axis=0)   # lowest id among ties
+        # K rounds of argmax, one reduction each: the selection score's bits in signed-integer
+        # order (+ 0.0: -0 as +0, which compare equal) over BE-1-e, so the max key is the best
+        # score and, among equal scores, the lowest id
+        sb = s + tl.load(BIAS + e, mask=ok, other=0.0) + 0.0
+        b = sb.to(tl.int32, bitcast=True)
+        b = b ^ ((b >> 31) & 0x7FFFFFFF)                         # float order as int order
+        key = tl.where(ok, (b.to(tl.int64) << 32) | (BE - 1 - e), -9223372036854775807 - 1)
+        for i in tl.static_range(K):
+            pick = BE - 1 - (tl.max(key, axis=0) & 0xFFFFFFFF)
             ids = tl.where(j == i, pick.to(tl.int64), ids)
-            sb = tl.where(e == pick, float("-inf"), sb)
+            key = tl.where(e == pick, -9223372036854775807 - 1, key)
     w = tl.sum(tl.where(e[None, :] == ids[:, None], s[None, :], 0.0), axis=1)   # s[ids], [KP]
     w = tl.where(j < K, w, 0.0)
     w = w / tl.sum(w, axis=0) * scale
     tl.store(IDX + t * K + j, ids, mask=j < K)
     tl.store(W + t * K + j, w, mask=j < K)
+
+
+@triton.jit
+def _route_kernel(LOGITS, BIAS, TID2EID, TOKENS, IDX, W, E, scale,
+                  K: tl.constexpr, HASH: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
+    _route_row(LOGITS, BIAS, TID2EID, TOKENS, IDX, W, E, scale, tl.program_id(0).to(tl.int64),
+               K, HASH, BE, KP)
 
 
 @triton.jit
@@ -173,20 +189,28 @@ def route(logits: torch.Tensor, k: int, scale: float, bias: torch.Tensor | None 
 
 
 @triton.jit
-def _embed_kernel(W, IDS, X, V, D, S: tl.constexpr, BD: tl.constexpr):
+def _embed_kernel(W, IDS, X, V, D, start, S: tl.constexpr, BD: tl.constexpr,
+                  SHARD: tl.constexpr = False):
+    """Token t, columns [db·BD, +BD): S copies of row clamp(id, 0, V-1); SHARD (a vocab shard
+    from row `start`): row id - start, zeros when outside [0, V) (VocabParallelEmbedding)."""
     t, db = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    row = tl.minimum(tl.maximum(tl.load(IDS + t).to(tl.int64), 0), V - 1)   # ids.clamp(0, V-1)
+    local = tl.load(IDS + t).to(tl.int64) - start
+    row = tl.minimum(tl.maximum(local, 0), V - 1)                       # ids.clamp(0, V-1)
     c = db * BD + tl.arange(0, BD)
     ok = c < D
-    e = tl.load(W + row * D + c, mask=ok, other=0.0).to(X.dtype.element_ty)
+    e = tl.load(W + row * D + c, mask=ok, other=0.0)
+    if SHARD:
+        e = tl.where((local >= 0) & (local < V), e, 0.0)
+    e = e.to(X.dtype.element_ty)
     for s in tl.static_range(S):
         tl.store(X + (t * S + s) * D + c, e, mask=ok)
 
 
 def embed_streams(weight: torch.Tensor, ids: torch.Tensor, S: int,
-                  dtype: torch.dtype) -> torch.Tensor:
+                  dtype: torch.dtype, start: int | None = None) -> torch.Tensor:
     """weight [V, d] (contiguous), ids [T] integer -> X [T, S, d] in `dtype`: S copies of the
-    rows weight[clamp(ids, 0, V-1)]."""
+    rows weight[clamp(ids, 0, V-1)]. start (a rank's vocab shard holding rows start..start+V-1):
+    rows weight[ids - start], zeros for ids outside the shard (before the all-reduce)."""
     if weight.dim() != 2 or not weight.is_contiguous() or ids.dim() != 1 or S < 1 \
             or ids.dtype.is_floating_point:
         raise ValueError(f"embed_streams: contiguous weight [V, d], integer ids [T], S >= 1; got "
@@ -195,6 +219,7 @@ def embed_streams(weight: torch.Tensor, ids: torch.Tensor, S: int,
     X = torch.empty(ids.shape[0], S, D, dtype=dtype, device=weight.device)
     if ids.shape[0]:
         BD = min(1024, triton.next_power_of_2(D))
-        _embed_kernel[(ids.shape[0], triton.cdiv(D, BD))](weight, ids.contiguous(), X, V, D, S=S,
-                                                          BD=BD, num_warps=4)
+        _embed_kernel[(ids.shape[0], triton.cdiv(D, BD))](weight, ids.contiguous(), X, V, D,
+                                                          start or 0, S=S, BD=BD,
+                                                          SHARD=start is not None, num_warps=4)
     return X

@@ -120,3 +120,40 @@ def test_embed_streams(T, V, D, S, dtype):
     assert torch.equal(m.embed_streams(weight, ids.int(), S, dtype), want)   # int32 ids
     with pytest.raises(ValueError, match="embed_streams"):
         m.embed_streams(weight, ids.float(), S, dtype)
+
+
+@pytest.mark.parametrize("start", [0, 40, 95])
+def test_embed_streams_vocab_shard(start):
+    """One rank's shard (rows start..start+V-1): VocabParallelEmbedding's tp > 1 torch expression
+    (local ids, rows outside the shard zero) bit for bit, so the ranks' all-reduce is exact."""
+    m = kmod()
+    g = torch.Generator().manual_seed(start)
+    V, D = 40, 100
+    weight = torch.randn(V, D, generator=g).bfloat16().to(DEV)
+    ids = torch.randint(0, 140, (9,), generator=g).to(DEV)
+    ids[0], ids[1] = start, start + V - 1                        # both ends of the shard inside
+    local = ids - start
+    outside = (local < 0) | (local >= V)
+    want = weight[local.clamp(0, V - 1)].masked_fill(outside[:, None], 0)[:, None, :]
+    got = m.embed_streams(weight, ids, 1, torch.bfloat16, start=start)
+    assert torch.equal(got, want) and not got[0].eq(0).all()
+
+
+def test_route_ties_go_to_the_lower_id_and_negative_scores_order():
+    """The top-k's integer keys: equal scores pick the lower expert id first; scores s + bias
+    below zero (a large negative bias) keep float order, and -0.0 ties with +0.0."""
+    m = kmod()
+    E, k = 16, 10                                                # into the negative scores
+    logits = torch.zeros(2, E)
+    logits[0, [3, 9, 12]] = 5.0                                  # three equal best, then ties
+    bias = torch.zeros(E)
+    bias[:8] = -torch.arange(8).float() - 10.0                   # s + bias < 0 on ids 0..7
+    s0 = torch.sqrt(F.softplus(torch.zeros(())))
+    bias[14], bias[15] = -s0, -s0                                # s + bias = 0 exactly on 14, 15
+    logits[1] = -100.0                                           # s ~ 0: the scores are the bias
+    ids, _ = m.route(logits.to(DEV), k, 1.0, bias=bias.to(DEV))
+    for t in range(2):
+        sb = (torch.sqrt(F.softplus(logits[t])) + bias).tolist()
+        want = sorted(range(E), key=lambda e: (-sb[e], e))[:k]
+        assert len({sb[e] for e in want}) < k                   # ties inside the top-k
+        assert ids[t].tolist() == want, t

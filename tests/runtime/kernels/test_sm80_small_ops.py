@@ -1,9 +1,10 @@
 """The small decode kernels (kernels.rope_norm: RMSNorm, RoPE; kernels.cache_ops: compressor
 pooling, cache stores, the fused compressor decode update; kernels.pointwise: SwiGLU, router
-top-k, MoE combine) compile for sm_80 on this CPU machine (test_sm80.py's helper): shared
-memory within 99 KB, no MMA (CUDA-core math), no FP8/FP4, and FMA contraction really off in
-RoPE (no fma.rn.f32 in its PTX: the torch path rounds every product; the fused update's RoPE
-uses the 4 explicit mul.rn). Real widths."""
+top-k, MoE combine, embedding; kernels.router: the router GEMV + top-k in one launch) compile
+for sm_80 on this CPU machine (test_sm80.py's helper): shared memory within 99 KB, no MMA
+(CUDA-core math), no FP8/FP4, and FMA contraction really off in RoPE (no fma.rn.f32 in its PTX:
+the torch path rounds every product; the fused update's RoPE uses the 4 explicit mul.rn). Real
+widths."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ _FUSED_TYPES = dict(
 def compile_all() -> list[dict]:
     import triton
 
-    from backfit.runtime.kernels import cache_ops, pointwise, rope_norm
+    from backfit.runtime.kernels import cache_ops, pointwise, rope_norm, router
 
     out = []
     for n, w in ((4096, True), (1024, True), (512, False)):
@@ -69,6 +70,17 @@ def compile_all() -> list[dict]:
             LOGITS="*fp32", BIAS="*fp32", TID2EID="*i64", TOKENS="*i64", IDX="*i64", W="*fp32",
             E="i32", scale="fp32"), dict(K=6, HASH=hashed, BE=256, KP=8),
             dict(num_warps=4, num_stages=1)))
+    for hashed in (False, True):                         # router_config's tile
+        out.append(_compile(router._router_kernel, dict(
+            X="*bf16", G="*bf16", LOGITS="*fp32", CNT="*i32", BIAS="*fp32", TID2EID="*i64",
+            TOKENS="*i64", IDX="*i64", WOUT="*fp32", E="i32", D="i32", stride_xm="i32",
+            scale="fp32"), dict(K=6, HASH=hashed, BE=256, KP=8, BN=1, BK=4096),
+            dict(num_warps=8, num_stages=1), ("D", "stride_xm")))
+    for shard in (False, True):                          # embed_streams: tp 1, a vocab shard
+        out.append(_compile(pointwise._embed_kernel, dict(
+            W="*bf16", IDS="*i64", X="*bf16", V="i32", D="i32", start="i32"),
+            dict(S=4 if not shard else 1, BD=1024, SHARD=shard), dict(num_warps=4, num_stages=1),
+            ("D",)))
     for out_t in ("*bf16", "*fp32"):
         out.append(_compile(pointwise._combine_kernel, dict(OUT="*bf16", SH="*bf16", Y=out_t,
                             D="i32"), dict(K=6, SHARED=True, BD=1024),
@@ -101,7 +113,7 @@ def _mul_rn_count(r: dict) -> int:
 
 def test_small_kernels_compile_for_sm80():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 24
+    assert len(results) == 28
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
