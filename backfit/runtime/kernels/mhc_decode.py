@@ -340,7 +340,8 @@ def hc_post(f, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor,
             next_fn: torch.Tensor | None = None, bd: int | None = None, wait=None):
     """As mhc.hc_post -> out [T, S, d] bf16; next_fn [n_out, S·d] fp32 (the next hc_pre's or
     hc_head's fn): -> (out, PART [T, cdiv(d, BD), NP] for that call's part=), one launch.
-    f: [T, d], or a pointwise.PairSum (the MoE's pairs, summed here as moe_combine would).
+    f: [T, d], or a pointwise.PairSum (the MoE's pairs, summed here as moe_combine would; at
+    tp > 1 one FP32 "pair", the all-reduced MoE output, rounded here as its .to(bf16) would).
     bd: d block (default post_bd). wait: hc_pre_async's pending (post / M from the side
     stream): the current stream waits for it first."""
     if wait is not None:
@@ -349,10 +350,10 @@ def hc_post(f, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor,
     # kernel modules, and a re-imported pointwise makes a PairSum class of its own)
     pairs = f if isinstance(f, tuple) else None
     if pairs is not None:                # f = moe_combine(*pairs), summed in this launch
-        if pairs.out.dtype != torch.bfloat16 or pairs.dtype not in _FT \
+        if pairs.out.dtype not in _FT or pairs.dtype not in _FT \
                 or (pairs.shared is not None and pairs.shared.dtype != torch.bfloat16):
-            raise ValueError(f"hc_post: PairSum of bf16 pairs (and shared) summed to bf16 or "
-                             f"fp32, got {pairs.out.dtype} -> {pairs.dtype}")
+            raise ValueError(f"hc_post: PairSum of bf16 / fp32 pairs (and bf16 shared) summed to "
+                             f"bf16 or fp32, got {pairs.out.dtype} -> {pairs.dtype}")
         f = pairs.out[::pairs.k]         # [T, d]: the shapes check_post expects
     mhc.check_post(f, X, post, M)
     T, S, d = X.shape

@@ -8,9 +8,9 @@ and one shared expert, SwiGLU with clamp. dsv4-model.md 5.5.
 Experts and the shared expert are split by intermediate dim (docs/FORMAT.md): every rank holds
 1/tp of every expert, computes partial down-projections, and one all-reduce sums them.
 With the "triton" kernel backend (runtime.kernels) the routed experts run as one fused launch
-per projection over stacked weights (prepare_kernels), the router's top-k and the shared
-expert's SwiGLU are one launch each (kernels.pointwise), the shared gate|up one GEMV, and nothing
-syncs with the host. On CUDA the shared expert (3 launches, latency-bound at decode) runs on a
+per projection over stacked weights (prepare_kernels), the router's GEMV and top-k one launch
+for a decode batch (kernels.router; else the GEMV, then kernels.pointwise's route), the shared
+expert's SwiGLU one launch, the shared gate|up one GEMV, and nothing syncs with the host. On CUDA the shared expert (3 launches, latency-bound at decode) runs on a
 side stream while the router and the routed launches run (SHARED_STREAM, runtime/streams.py;
 CUDA graphs capture it as a parallel branch); the combine waits for it.
 """
@@ -80,6 +80,11 @@ class Gate(Linear):
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim] -> (expert ids [T, k] int64, weights [T, k] FP32)."""
+        if kernel_path(x) and self._fused_router(x):                   # GEMV + route: 1 launch
+            from backfit.runtime.kernels.router import router
+            return router(x, self.weight, self.topk, self.route_scale,
+                          bias=None if self.hashed else self.bias,
+                          tid2eid=self.tid2eid if self.hashed else None, tokens=tokens)
         logits = self.forward_f32(x)                                  # [T, E] FP32
         if kernel_path(x):                                             # one launch after the GEMV
             from backfit.runtime.kernels.pointwise import route
@@ -93,6 +98,14 @@ class Gate(Linear):
             idx = (s + self.bias).topk(self.topk, dim=-1).indices     # bias only for selection
         w = s.gather(1, idx)
         return idx, w / w.sum(-1, keepdim=True) * self.route_scale
+
+
+    def _fused_router(self, x: torch.Tensor) -> bool:
+        """kernels.router takes it (kernel path): a decode batch, bf16 x and a bf16 weight."""
+        from backfit.runtime.kernels import router
+        return router.FUSED and x.dtype == torch.bfloat16 \
+            and self.weight.dtype == torch.bfloat16 and self.scheme in ("bf16", "copy") \
+            and x.dim() == 2 and x.shape[0] <= router.FUSED_MAX_M
 
 
 class MoE(nn.Module):
@@ -126,7 +139,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, pairs: bool = False):
         """x [T, dim] (ffn_norm output), tokens [T] -> [T, dim] in x.dtype. pairs (the decode
         Block): at tp 1 on the triton path the routed pairs and the shared output come back
-        unsummed (kernels.pointwise.PairSum) for kernels.mhc_decode.hc_post to sum."""
+        unsummed (kernels.pointwise.PairSum) for kernels.mhc_decode.hc_post to sum; at tp > 1
+        the all-reduced FP32 sum as a PairSum of one, which hc_post rounds to x.dtype."""
         if get_kernel_backend() == "triton" and x.dtype == torch.bfloat16 and self.prepare_kernels():
             from backfit.runtime.kernels.moe import fused_moe
             tp1 = get_tp_info().size == 1                             # FP32 for the all-reduce
@@ -138,7 +152,12 @@ class MoE(nn.Module):
             y = fused_moe(x, idx, w, *self.stacked, self.shared_experts.limit, shared=shared,
                           dtype=x.dtype if tp1 else torch.float32, shared_ready=ready,
                           pairs=pairs and tp1)
-            return y if tp1 else all_reduce(y).to(x.dtype)
+            if tp1:
+                return y
+            if pairs:                   # the FP32 sum's rounding to x.dtype inside hc_post
+                from backfit.runtime.kernels.pointwise import combine_later
+                return combine_later(all_reduce(y), 1, None, x.dtype)
+            return all_reduce(y).to(x.dtype)
         idx, w = self.gate.route(x, tokens)
         y = self.shared_experts(x).float()                            # FP32 accumulator
         flat = idx.flatten()

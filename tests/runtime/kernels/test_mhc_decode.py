@@ -301,7 +301,26 @@ def test_post_mix_sums_moe_pairs_as_moe_combine(mods, T, d, k, shared):
     want = dec.hc_post(pw.moe_combine(pairs, k, sh, bf), X, post, M, next_fn=fn)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(dec.hc_post(pw.combine_later(pairs, k, sh, bf), X, post, M), want[0])
-    with pytest.raises(ValueError, match="summed to bf16"):
+    with pytest.raises(ValueError, match="summed to"):
         dec.hc_post(pw.combine_later(pairs, k, sh, torch.float16), X, post, M)
     with pytest.raises(ValueError, match="contiguous out"):
         pw.combine_later(pairs.t() if k == 1 else pairs[:-1], k, sh, bf)
+
+
+@pytest.mark.parametrize("T,d", [(1, 64), (3, 100)])
+def test_post_mix_rounds_an_fp32_sum_as_its_cast(mods, T, d):
+    """At tp > 1 the decode Block's MoE hands hc_post its all-reduced FP32 sum as a PairSum of
+    one: = hc_post of that sum's .to(bf16) (the launch it replaces), bit for bit."""
+    mhc, dec = mods
+    pw = kernel_module("pointwise", "_combine_kernel", INTERPRET)
+    gen = torch.Generator().manual_seed(T + d)
+    fn, _, _ = params((2 + S) * S, d, 3, gen)
+    X = streams(T, d, gen)
+    y = (torch.randn(T, d, generator=gen) * 3).to(DEV)                  # FP32, not bf16-exact
+    post = (torch.rand(T, S, generator=gen) * 2).to(DEV)
+    M = torch.softmax(torch.randn(T, S, S, generator=gen), -1).to(DEV)
+    got = dec.hc_post(pw.combine_later(y, 1, None, torch.bfloat16), X, post, M, next_fn=fn)
+    # the interpreter's FP32 -> BF16 cast truncates (the GPU's rounds to nearest, as torch)
+    yb = (y.view(torch.int32) & ~0xFFFF).view(torch.float32) if INTERPRET else y
+    want = dec.hc_post(yb.to(torch.bfloat16), X, post, M, next_fn=fn)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
