@@ -3,6 +3,7 @@ step's linear shapes (DeepSeek-V4-Flash, tp 1; --tp K: the shapes one rank of TP
 differ from tp 1's), on CUDA.
 
     python scripts/bench_gemv.py [--out results.json] [--ms 1,2,4,8] [--quick] [--tp 1]
+                                 [--only wo_a,router]
 
 Copy bandwidth first (bench_kernels.ceilings, same process), then per shape, M and variant:
 µs per call (bench_kernels.graph_us: median over CUDA-graph replays of calls on rotating weight
@@ -30,7 +31,8 @@ from bench_kernels import ceilings, graph_us  # noqa: E402
 from backfit.runtime.kernels import gemm, gemv  # noqa: E402
 
 DEV = "cuda"
-# name, N, K, kind (int8: int8_g128 -> bf16 out; bf16: bf16 weight -> fp32 out), how TP splits
+# name, N, K, kind (int8: int8_g128 -> bf16 out; bf16: bf16 weight -> fp32 out; bf16g: the
+# block-diagonal wo_a, gemv_grouped against the model's einsum, bf16 out), how TP splits
 # it (runtime.layers: "col" the output dim, "row" the input dim, "rep" replicated)
 SHAPES = [
     ("wq_a|wkv", 1536, 4096, "int8", "rep"),
@@ -42,7 +44,9 @@ SHAPES = [
     ("router", 256, 4096, "bf16", "rep"),
     ("compressor CSA", 2624, 4096, "bf16", "rep"),  # wkv|wgate 2·1024 + indexer 2·256 + weights_proj 64
     ("compressor HCA", 1024, 4096, "bf16", "rep"),  # wkv|wgate 2·512
+    ("wo_a", 8192, 4096, "bf16g", "col"),           # 8 groups of 1024 rows (gemv_grouped)
 ]
+O_LORA = 1024                                       # wo_a's rows a group
 
 
 def rank_shapes(tp: int) -> list[tuple[str, int, int, str]]:
@@ -62,9 +66,15 @@ def make_weights(N: int, K: int, kind: str, copies: int) -> list:
     return [(torch.randn(N, K, device=DEV).bfloat16(), None) for _ in range(copies)]
 
 
-def reference(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
-    """FP64 x @ dequant(W)^T (q·s per (row, 128) group, or the BF16 weight)."""
+def reference(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
+              grouped: bool = False) -> torch.Tensor:
+    """FP64 x @ dequant(W)^T (q·s per (row, 128) group, or the BF16 weight); grouped: the
+    block-diagonal product of gemv_grouped (x [M, G·K], W [G·O_LORA, K])."""
     wd = w.double()
+    if grouped:
+        G, K = w.shape[0] // O_LORA, w.shape[1]
+        return torch.einsum("tgi,goi->tgo", x.double().view(-1, G, K),
+                            wd.view(G, O_LORA, K)).flatten(1)
     if s is not None:
         wd = (wd.view(w.shape[0], -1, 128) * s.double()[:, :, None]).view(w.shape)
     return x.double() @ wd.T
@@ -83,20 +93,31 @@ def label(c: dict) -> str:
 
 def bench_shape(name: str, N: int, K: int, kind: str, Ms, cands, bw: float, rows: list) -> None:
     scheme, out = ("int8_g128", torch.bfloat16) if kind == "int8" else ("bf16", torch.float32)
+    grouped = kind == "bf16g"
+    out = torch.bfloat16 if grouped else out
     wbytes = N * K * (1 if kind == "int8" else 2) + (N * K // 128 * 4 if kind == "int8" else 0)
     copies = max(2, min(64, math.ceil(400e6 / wbytes)))
     ws = make_weights(N, K, kind, copies)
+    KX = K * (N // O_LORA) if grouped else K                          # x's inputs
     for M in Ms:
-        x = torch.randn(M, K, device=DEV).bfloat16()
-        want = reference(x, *ws[0])
-        byts = wbytes + M * K * 2 + M * N * out.itemsize
+        x = torch.randn(M, KX, device=DEV).bfloat16()
+        want = reference(x, *ws[0], grouped=grouped)
+        byts = wbytes + M * KX * 2 + M * N * out.itemsize
         ideal = byts / bw * 1e6                                       # µs at copy bandwidth
         target = 1.5 + ideal / 0.8
-        variants = [("a16", None)] + [(label(c), c) for c in cands]
+        variants = [("einsum" if grouped else "a16", None)] + [(label(c), c) for c in cands]
         for vname, cfg in variants:
-            if cfg is None:
+            if cfg is None and grouped:                               # model.attention's einsum
+                def call(w, s, x=x):
+                    G = w.shape[0] // O_LORA
+                    return torch.einsum("tgi,goi->tgo", x.view(-1, G, w.shape[1]),
+                                        w.view(G, O_LORA, -1)).flatten(1)
+            elif cfg is None:
                 def call(w, s, x=x):
                     return gemm.linear(x, w, s, scheme, path="a16", out_dtype=out)
+            elif grouped:
+                def call(w, s, x=x, cfg=cfg):
+                    return gemv.gemv_grouped(x, w, O_LORA, config=cfg)
             else:
                 def call(w, s, x=x, cfg=cfg):
                     return gemv.gemv(x, w, s, scheme, config=cfg, out_dtype=out)
@@ -119,8 +140,8 @@ def bench_shape(name: str, N: int, K: int, kind: str, Ms, cands, bw: float, rows
 
 
 def winners(rows: list) -> list:
-    """Best variant per (shape, M) -> GEMV_TABLE entries where a gemv config beats a16 (else no
-    entry: the a16 path stays). A timed M covers the untimed M below it down to the previous
+    """Best variant per (shape, M) -> GEMV_TABLE entries where a gemv config beats a16 (bf16g:
+    the einsum; else no entry: that path stays). A timed M covers the untimed M below it down to the previous
     timed one (M = 3 pads like 4); equal neighbours are merged."""
     best: dict = {}
     for r in rows:
@@ -147,6 +168,8 @@ def main() -> None:
     ap.add_argument("--ms", default="1,2,4,8", help="rows M to time (<= 8)")
     ap.add_argument("--quick", action="store_true", help="M = 1 only, first two candidates")
     ap.add_argument("--tp", type=int, default=1, help="the shapes of one rank of TP K")
+    ap.add_argument("--only", default="", metavar="NAMES",
+                    help="comma-separated shape names to time (e.g. wo_a); default all")
     ap.add_argument("--pipe", action="store_true",
                     help="the shipped config and the cp.async-pipelined candidates only")
     args = ap.parse_args()
@@ -159,14 +182,18 @@ def main() -> None:
     bw = ceilings()["copy_TBps"] * 1e12                               # bytes / s
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})", flush=True)
     rows: list = []
+    only = [n for n in args.only.split(",") if n]
     for name, N, K, kind in rank_shapes(args.tp):
-        cands = gemv.GEMV_CANDIDATES[kind][:2 if args.quick else None]
+        if only and not any(name.startswith(n) for n in only):
+            continue
+        ck = "bf16" if kind == "bf16g" else kind                     # gemv_grouped: bf16 tiles
+        cands = gemv.GEMV_CANDIDATES[ck][:2 if args.quick else None]
         if args.pipe:       # the shipped config per timed M (once each), then STAGES > 1 ones
             cands = []
             for c in [gemv.gemv_config(m, N, K, kind == "int8") for m in Ms]:
                 if c not in cands:
                     cands.append(c)
-            cands += [c for c in gemv.GEMV_CANDIDATES[kind] if c.get("STAGES", 1) > 1]
+            cands += [c for c in gemv.GEMV_CANDIDATES[ck] if c.get("STAGES", 1) > 1]
         bench_shape(name, N, K, kind, Ms, cands, bw, rows)
     table = winners(rows)
     print("\nGEMV_TABLE = [")
@@ -174,7 +201,8 @@ def main() -> None:
         at = [r for r in rows if r["N"] == e[1][0] and r["K"] == e[2][0] and r["kind"] == e[0]
               and e[3][0] <= r["M"] <= e[3][1]]
         note = "  ".join(
-            f"M={m}: {min(r['us'] for r in at if r['M'] == m):.2f} vs a16 "
+            f"M={m}: {min(r['us'] for r in at if r['M'] == m):.2f} vs "
+            f"{'einsum' if e[0] == 'bf16g' else 'a16'} "
             f"{next(r['us'] for r in at if r['M'] == m and not r['config']):.2f}"
             for m in sorted({r["M"] for r in at}))
         print(f"    {e!r},  # {note} us")

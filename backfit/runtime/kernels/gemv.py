@@ -32,7 +32,7 @@ import triton.language as tl
 from backfit.formats import INT8_GROUP
 
 __all__ = ["GEMV_CANDIDATES", "GEMV_MAX_M", "GEMV_TABLE", "check_linear", "gemv", "gemv_config",
-           "gemv_lookup", "launch"]
+           "gemv_grouped", "gemv_lookup", "launch"]
 
 GEMV_MAX_M = 8                 # rows handled in one program (M <= 8: decode at small batch)
 _MAGIC_I = tl.constexpr(0x4B400000)            # bits of 1.5·2^23
@@ -76,6 +76,13 @@ GEMV_TABLE: list[tuple[str, tuple[int, int], tuple[int, int], tuple[int, int], d
     # shared w2, M=1 2.62 vs 5.41, M=2 3.21 vs 5.46
     ("int8", (4096, 4096), (512, 512), (1, 1), _cfg("cuda", 4, 2048, 4, True)),
     ("int8", (4096, 4096), (512, 512), (2, 2), _cfg("cuda", 4, 1024, 4, False)),
+    # gemv_grouped (kind "bf16g", against model.attention's einsum): wo_a of one TP-4 rank, 2
+    # groups x 1024 rows x 4096 (`bench_gemv.py --only wo_a --tp 4`, session 15; M = 8: einsum
+    # 11.47 vs 19.87 best, left to it). At tp 1 (8192 rows) the einsum (cuBLAS) is at 84 % of
+    # copy BW and the best gemv within 2 % of it (18.84 vs 19.18 us at M = 1): no entry.
+    ("bf16g", (2048, 2048), (4096, 4096), (1, 1), _cfg("cuda", 1, 4096, 4)),  # M=1 6.77 vs 9.39
+    # M=2 8.08 vs 11.37, M=4 10.25 vs 11.50
+    ("bf16g", (2048, 2048), (4096, 4096), (2, 4), _cfg("fma", 1, 1024, 4)),
 ]
 
 # What bench_gemv.py sweeps and test_sm80_gemv.py compiles, by kind. cuda: BN·BK weights per K
@@ -117,17 +124,28 @@ GEMV_CANDIDATES = {
 
 
 @triton.jit
+def _group_offset(pid, K, BN: tl.constexpr, GROUP_N: tl.constexpr):
+    """The x offset of program pid's rows: group (pid·BN) // GROUP_N's K inputs (0 ungrouped)."""
+    off = pid.to(tl.int64) * 0
+    if GROUP_N > 0:
+        off = ((pid * BN) // GROUP_N).to(tl.int64) * K
+    return off
+
+
+@triton.jit
 def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
                  QUANT: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
                  MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  V8: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                 STAGES: tl.constexpr = 1):
+                 STAGES: tl.constexpr = 1, GROUP_N: tl.constexpr = 0):
     """Rows [pid·BN, +BN) of y [M, N] = x [M, K] @ W [N, K]^T over all K, all M (<= MP) rows.
     V8: 8-element column runs (x and an int8 W tile in one layout, no shared-memory layout
     change; 8 B int8 loads). PREFETCH (EVEN_K only): the next K step's weights are loaded
-    before this step's math (a register double buffer)."""
+    before this step's math (a register double buffer). GROUP_N > 0 (block-diagonal W, see
+    gemv_grouped): rows n read x's K inputs of group n // GROUP_N."""
     G: tl.constexpr = BK // 128
     pid = tl.program_id(0)
+    X = X + _group_offset(pid, K, BN, GROUP_N)
     rn = pid * BN + tl.arange(0, BN)
     n_ok = rn < N
     rn_c = tl.minimum(rn, N - 1).to(tl.int64)    # rows past N re-read row N-1: unmasked loads
@@ -193,12 +211,13 @@ def _row_out(Y, acc, m: tl.constexpr, M, N, rn, n_ok):
 def _gemv_fma_kernel(X, W, S, Y, M, N, K, stride_xm,
                      QUANT: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
                      MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     STAGES: tl.constexpr = 1):
+                     STAGES: tl.constexpr = 1, GROUP_N: tl.constexpr = 0):
     """_gemv_kernel's contract; per-thread accumulators [BN, G, 128] per row (MP <= 8), reduced
     once after the K loop: no shuffles, barriers or layout changes inside it. The 128 columns
     are 8-element runs (8 B int8 / 16 B bf16 loads) so x and W tiles share one layout."""
     G: tl.constexpr = BK // 128
     pid = tl.program_id(0)
+    X = X + _group_offset(pid, K, BN, GROUP_N)
     rn = pid * BN + tl.arange(0, BN)
     n_ok = rn < N
     rn_c = tl.minimum(rn, N - 1).to(tl.int64)    # rows past N re-read row N-1: unmasked loads
@@ -250,9 +269,10 @@ def _gemv_fma_kernel(X, W, S, Y, M, N, K, stride_xm,
         _row_out(Y, a7, 7, M, N, rn, n_ok)
 
 
-def gemv_lookup(M: int, N: int, K: int, quant: bool) -> dict | None:
-    """The first GEMV_TABLE entry for this shape (a measured win over the a16 path), or None."""
-    kind = "int8" if quant else "bf16"
+def gemv_lookup(M: int, N: int, K: int, quant: bool, grouped: bool = False) -> dict | None:
+    """The first GEMV_TABLE entry for this shape (a measured win over the a16 path, or for
+    grouped, kind "bf16g", over the einsum), or None."""
+    kind = "bf16g" if grouped else "int8" if quant else "bf16"
     for k, (n0, n1), (k0, k1), (m0, m1), cfg in GEMV_TABLE:
         if k == kind and n0 <= N <= n1 and k0 <= K <= k1 and m0 <= M <= m1:
             return dict(cfg)
@@ -321,10 +341,31 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sche
                   config).reshape(*x.shape[:-1], weight.shape[0])
 
 
+def gemv_grouped(x: torch.Tensor, weight: torch.Tensor, group: int,
+                 config: dict | None = None) -> torch.Tensor:
+    """Block-diagonal y = x @ blockdiag(W_0 .. W_{G-1})^T: x [M, G·K] bf16 (M <= GEMV_MAX_M),
+    weight [G·group, K] bf16 (W_g = rows g·group..) -> [M, G·group] bf16, i.e. y[:, g·group + o]
+    = Σ_k W[g·group + o, k] · x[:, g·K + k] in FP32: the einsum "tgi,goi->tgo" of the grouped
+    output projection (model.attention's wo_a) in one launch. config: as gemv's; its table rows
+    are kind "bf16g" (gemv_lookup grouped=True)."""
+    if weight.dim() != 2 or group < 1 or weight.shape[0] % group:
+        raise ValueError(f"gemv_grouped: weight [G*{group}, K], got {list(weight.shape)}")
+    G, K = weight.shape[0] // group, weight.shape[1]
+    check_linear("gemv_grouped", x[..., :K], weight, None, "bf16", torch.bfloat16)
+    if x.shape[-1] != G * K:
+        raise ValueError(f"gemv_grouped: x has {x.shape[-1]} inputs, {G} groups of {K} expected")
+    x2 = x.reshape(-1, G * K)
+    cfg = {**(gemv_lookup(x2.shape[0], weight.shape[0], K, False, grouped=True) or {}),
+           **(config or {})}
+    return launch(x2 if x2.stride(1) == 1 else x2.contiguous(), weight.contiguous(), None,
+                  False, torch.bfloat16, cfg or None, group=group)
+
+
 def launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, quant: bool,
-           out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype, config: dict | None = None, group: int = 0) -> torch.Tensor:
     """gemv on checked arguments (check_linear; gemm.linear's route here): x2 [M, K] with unit
-    stride in K, contiguous weight (and scale) -> [M, N]."""
+    stride in K, contiguous weight (and scale) -> [M, N]. group > 0: gemv_grouped's (x2 [M,
+    N/group·K], each program's BN rows inside one group)."""
     M, (N, K) = x2.shape[0], weight.shape
     if M > GEMV_MAX_M:
         raise ValueError(f"gemv: at most {GEMV_MAX_M} rows, got {M} (use gemm.linear)")
@@ -344,9 +385,11 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, q
     bk = min(bk, max(128, triton.next_power_of_2(K)))     # a tile past K would be all masks
     if cfg.get("MAGIC") and not quant:
         raise ValueError("gemv: MAGIC is the int8 conversion (int8_g128 weights only)")
+    if group and group % cfg["BN"]:
+        raise ValueError(f"gemv_grouped: BN {cfg['BN']} must divide the group's {group} rows")
     const = dict(QUANT=quant, MAGIC=bool(cfg.get("MAGIC", False)), EVEN_K=K % bk == 0,
                  MP=triton.next_power_of_2(M), BN=cfg["BN"], BK=bk,
-                 STAGES=cfg.get("STAGES", 1))
+                 STAGES=cfg.get("STAGES", 1), GROUP_N=group)
     if variant == "cuda":                # PREFETCH needs whole K steps (no masks)
         _gemv_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), **const,
                            V8=bool(cfg.get("V8", False)),

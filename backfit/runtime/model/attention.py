@@ -28,7 +28,7 @@ from backfit.runtime.model import compressor as compressor_mod
 from backfit.runtime.model.compressor import Compressor, HeadWeights, Indexer, ProjectedRows
 from backfit.runtime.streams import beside
 
-__all__ = ["Attention", "KV_BESIDE", "SIDE_STREAMS", "layer_rotary"]
+__all__ = ["Attention", "KV_BESIDE", "SIDE_STREAMS", "WO_A_GEMV", "layer_rotary"]
 
 # The paged decode step on CUDA (triton path): the compressor update and the CSA indexer chain
 # run on side streams beside the query path (runtime/streams.py); False: all in order.
@@ -36,6 +36,9 @@ SIDE_STREAMS = True
 # The paged decode step on CUDA (any layer): kv_norm + RoPE of the token's kv and its ring store on
 # a side stream ("kv") beside q_norm / wq_b / the query RoPE; decode attention joins it.
 KV_BESIDE = True
+# Decode batches on the triton path: the grouped wo_a as one block-diagonal GEMV (kernels.gemv
+# gemv_grouped) at the shapes its table measured faster than the einsum (cuBLAS); False: einsum.
+WO_A_GEMV = True
 
 
 def layer_rotary(cfg: ModelConfig, ratio: int) -> Rotary:
@@ -202,9 +205,21 @@ class Attention(nn.Module):
         elif o.dtype == torch.float32:
             o = self.rope(o.to(dtype), pos, inverse=True)             # de-rotate by query position
         o = o.view(T, self.local_groups, self.heads_per_group * self.cfg.head_dim)  # g*hpg ..
+        if self._wo_a_gemv(o):                                        # one launch, [T, Gl·o_lora]
+            from backfit.runtime.kernels.gemv import gemv_grouped
+            return self.wo_b(gemv_grouped(o.flatten(1), self.wo_a.weight, self.cfg.o_lora_rank))
         wa = self.wo_a.dequantized(dtype).view(self.local_groups, self.cfg.o_lora_rank, -1)
         zg = torch.einsum("tgi,goi->tgo", o, wa)                      # [T, Gl, o_lora]
         return self.wo_b(zg.flatten(1))                               # all-reduce over ranks
+
+    def _wo_a_gemv(self, o: torch.Tensor) -> bool:
+        """wo_a takes gemv_grouped: kernel path, bf16 o and weight, a measured shape."""
+        if not (WO_A_GEMV and kernel_path(o) and o.dtype == torch.bfloat16
+                and self.wo_a.weight.dtype == torch.bfloat16 and self.wo_a.scheme == "bf16"):
+            return False
+        from backfit.runtime.kernels.gemv import GEMV_MAX_M, gemv_lookup
+        return o.shape[0] <= GEMV_MAX_M and gemv_lookup(
+            o.shape[0], self.wo_a.weight.shape[0], o.shape[2], False, grouped=True) is not None
 
     def _decode_compress(self, mod: Compressor, kind: str, rows, head_w, cache, pos, dtype):
         """The decode step's batched compressor update (no host sync, CUDA graphs) of `kind`

@@ -165,3 +165,27 @@ def test_bad_input_one_line_errors(gv):
                       (lambda: gv.gemv(x, q, s, "int8_g128", config=dict(variant="x")), "variant")):
         with pytest.raises(ValueError, match=msg):
             call()
+
+
+@pytest.mark.parametrize("G, O, K, M, cfg", [
+    (2, 8, 256, 1, dict(variant="cuda", BN=4, BK=128)),        # 2 programs a group, 2 K steps
+    (3, 4, 384, 3, dict(variant="fma", BN=1, BK=256, num_warps=2)),   # K not a step multiple
+    (2, 16, 128, 8, None)])                                     # the default config
+def test_grouped_equals_the_grouped_einsum(gv, G, O, K, M, cfg):
+    """gemv_grouped (the decode step's wo_a) = einsum("tgi,goi->tgo") of model.attention, to the
+    BF16 output rounding; each group's rows read only their group's inputs."""
+    gen = torch.Generator().manual_seed(G * O + K + M)
+    w, _, deq = weights(G * O, K, False, gen)
+    x = torch.randn(M, G * K, generator=gen).bfloat16().to(DEV)
+    with one_thread():
+        y = gv.gemv_grouped(x, w, O, config=cfg)
+    want = torch.einsum("tgi,goi->tgo", x.cpu().double().view(M, G, K),
+                        deq.double().view(G, O, K)).reshape(M, G * O)
+    assert y.dtype == torch.bfloat16 and y.shape == (M, G * O)
+    assert rel(y, want) < TOL[torch.bfloat16]
+    with pytest.raises(ValueError, match="groups of"):
+        gv.gemv_grouped(x[:, :K], w, O)
+    with pytest.raises(ValueError, match="must divide"):
+        gv.gemv_grouped(x, w, O, config=dict(BN=3))
+    with pytest.raises(ValueError, match=r"weight \[G\*"):
+        gv.gemv_grouped(x, w, O + 1 if (G * O) % (O + 1) else O + 2)

@@ -1,6 +1,6 @@
 """The small-M GEMV kernels (kernels.gemv) compile for sm_80 on this CPU machine (test_sm80.py's
 helper) for every config of GEMV_CANDIDATES, GEMV_TABLE and the default, int8_g128 (BF16 out) and
-BF16 weights (FP32 out), cuda and fma at M padded to 1 and 8 rows: shared memory within 99 KB,
+BF16 weights (FP32 out; the grouped rows "bf16g": BF16 out, 1024-row groups), cuda and fma at M padded to 1 and 8 rows: shared memory within 99 KB,
 no FP8/FP4. cuda, fma: no MMA (CUDA-core FMAs), and MAGIC really converts without an int ->
 float cvt (I2F) in the PTX; fma and cuda V8 (int8) need no shared memory beyond the final
 reductions' 1 KB (more would mean a layout change inside the K loop). Compiled in a subprocess
@@ -25,10 +25,11 @@ def _configs() -> list[tuple[str, dict, int]]:
     from backfit.runtime.kernels import gemv
 
     out, seen = [], set()
-    table = {k: [e[4] for e in gemv.GEMV_TABLE if e[0] == k] for k in gemv.GEMV_CANDIDATES}
-    for kind, cands in gemv.GEMV_CANDIDATES.items():
-        default = gemv.gemv_config(1, 1, 128, kind == "int8")          # no table entry
-        for c in cands + table[kind] + [default]:
+    kinds = {**gemv.GEMV_CANDIDATES, "bf16g": []}                  # bf16g: gemv_grouped's rows
+    table = {k: [e[4] for e in gemv.GEMV_TABLE if e[0] == k] for k in kinds}
+    for kind, cands in kinds.items():
+        default = [gemv.gemv_config(1, 1, 128, kind == "int8")] if kind != "bf16g" else []
+        for c in cands + table[kind] + default:                        # default: no table entry
             key = (kind, tuple(sorted(c.items())))
             if key not in seen:
                 seen.add(key)
@@ -47,11 +48,13 @@ def compile_all() -> list[dict]:
     for kind, cfg, mp in _configs():
         quant = kind == "int8"
         types = dict(X="*bf16", W="*i8" if quant else "*bf16", S="*fp32" if quant else "*bf16",
-                     Y="*bf16" if quant else "*fp32", M="i32", N="i32", K="i32", stride_xm="i32")
+                     Y="*bf16" if quant or kind == "bf16g" else "*fp32", M="i32", N="i32",
+                     K="i32", stride_xm="i32")
         opts = dict(num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1))
         fn = gemv._gemv_kernel if cfg["variant"] == "cuda" else gemv._gemv_fma_kernel
         const = dict(QUANT=quant, MAGIC=bool(cfg.get("MAGIC")), EVEN_K=True, MP=mp,
-                     BN=cfg["BN"], BK=cfg["BK"], STAGES=cfg.get("STAGES", 1))
+                     BN=cfg["BN"], BK=cfg["BK"], STAGES=cfg.get("STAGES", 1),
+                     GROUP_N=1024 if kind == "bf16g" else 0)           # wo_a's o_lora rows
         if cfg["variant"] == "cuda":
             const.update(V8=bool(cfg.get("V8")), PREFETCH=bool(cfg.get("PREFETCH")))
         r = _compile(fn, types, const, opts, ("N", "K", "stride_xm"))
