@@ -36,8 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_model as bd  # noqa: E402
 from bench_decode import time_forward  # noqa: E402
 
-from backfit.runtime.cache.layout import default_block_size  # noqa: E402
-from backfit.runtime.distributed import set_tp_info  # noqa: E402
 
 
 def parse_switch(spec: str) -> tuple[object, str, object]:
@@ -91,11 +89,7 @@ def main() -> None:
     dev = "cpu" if a.tiny else "cuda"
     batches = [int(x) for x in a.batches.split(",")]
     raw = bd.raw_config(a.layers, a.tiny)
-    set_tp_info(0, a.tp_shard)
-    bd.patch_collectives()
-    bs = default_block_size(bd.ModelConfig.from_dict(raw))
-    per_seq = a.ctx // bs + 2
-    r = bd.build_runner(raw, dev, max(batches), max(batches) * per_seq + 1, a.ctx + 16)
+    r = bd.rank_runner(raw, dev, max(batches), a.ctx + 4, tp_shard=a.tp_shard)
     bd.use_backend(r, "torch" if a.tiny else "triton")
     if a.experts == "mx4":
         print(f"experts -> mx4_e2m1: {bd.to_mx4(r)}", flush=True)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -51,11 +50,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from backfit.config import ModelConfig  # noqa: E402
-from backfit.runtime.distributed import set_tp_info  # noqa: E402
 from backfit.runtime.layers import Linear  # noqa: E402
 from backfit.runtime.model.moe import Gate  # noqa: E402
-from bench_model import (COMM, build_runner, capture_graphs, patch_collectives,  # noqa: E402
-                         raw_config, step_input, sync, to_mx4, use_backend)
+from bench_model import (COMM, capture_graphs, rank_runner, raw_config, step_input,  # noqa: E402
+                         sync, to_mx4, use_backend)
 
 
 def time_forward(r, make, warm: int, reps: int) -> float:
@@ -320,8 +318,6 @@ def main() -> None:
     prefills = [int(x) for x in a.prefill.split(",") if x]
     ctxs = [a.ctx] + ([a.long] if a.long else [])
     raw = raw_config(a.layers, a.tiny)
-    set_tp_info(0, a.tp_shard)
-    patch_collectives()
     res: dict = dict(args=vars(a), torch=torch.__version__, device=dev)
     try:                  # BENCH_COMMIT: the caller's commit (the lent machine's copy of the
         # working tree carries a stale .git, so rev-parse there names an older commit)
@@ -338,11 +334,9 @@ def main() -> None:
         res["ceilings"] = ceil = ceilings(dev)
     else:
         ceil = dict(copy_TBps=0.05, bf16_TFLOPs=1.0, int8_TOPs=1.0)   # nominal, dry run only
-    from backfit.runtime.cache.layout import default_block_size
-    B_max, bs = max(batches), default_block_size(ModelConfig.from_dict(raw))
-    blocks = max(B_max * math.ceil((max(ctxs) + 8) / bs), math.ceil(max(prefills + [1]) / bs))
+    B_max = max(batches)
     t = time.perf_counter()
-    r = build_runner(raw, dev, B_max, blocks + 1, max(ctxs + prefills) + 16)
+    r = rank_runner(raw, dev, B_max, max(ctxs), max(prefills + [0]), a.tp_shard)
     res["build_s"] = time.perf_counter() - t
     tp, L, cfg = a.tp_shard, a.layers, r.cfg
     schemes = ["int8", "mx4"] if a.experts == "both" else [a.experts]

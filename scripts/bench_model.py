@@ -136,6 +136,21 @@ def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int):
     return r
 
 
+def rank_runner(raw: dict, dev: str, slots: int, ctx: int, prefill: int = 0,
+                tp_shard: int = 1):
+    """build_runner as TP rank 0 of tp_shard (its shard of every split weight; collectives
+    counted no-ops, patch_collectives), pools for `slots` sequences of up to ctx tokens (+ 8)
+    or one prefill of `prefill` tokens; max_model_len max(ctx, prefill) + 16. The set-up that
+    bench_decode.py, bench_ab.py and profile_step.py share."""
+    from backfit.runtime.cache.layout import default_block_size
+    from backfit.runtime.distributed import set_tp_info
+    set_tp_info(0, tp_shard)
+    patch_collectives()
+    bs = default_block_size(ModelConfig.from_dict(raw))
+    blocks = max(slots * math.ceil((ctx + 8) / bs), math.ceil(prefill / bs)) + 1
+    return build_runner(raw, dev, slots, blocks, max(ctx, prefill) + 16)
+
+
 def use_backend(r, be: str) -> None:
     """Switch the kernel backend in-process (the engine sets it once) and stack the experts."""
     kpkg._backend = r.kernels = be

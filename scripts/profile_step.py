@@ -34,8 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_model as bd  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from backfit.runtime.cache.layout import default_block_size  # noqa: E402
-from backfit.runtime.distributed import set_tp_info  # noqa: E402
 from backfit.runtime.graphs import pad_decode_inputs  # noqa: E402
 
 
@@ -194,12 +192,8 @@ def main() -> None:
     def log(m):
         print(m, flush=True)
         lines.append(m)
-    set_tp_info(0, a.tp_shard)
-    bd.patch_collectives()
-    max_len = max(8200, a.ctx + 16, a.prefill + 16)
     raw = bd.raw_config(a.layers, False)
-    bs = default_block_size(bd.ModelConfig.from_dict(raw))
-    r = bd.build_runner(raw, "cuda", 8, 8 * (max_len // bs + 2), max_len)
+    r = bd.rank_runner(raw, "cuda", 8, max(8184, a.ctx), a.prefill, a.tp_shard)
     bd.use_backend(r, "triton")
     if a.prefill:
         prefill(r, a.prefill, log, a.syncs, a.launches)

@@ -85,9 +85,9 @@ def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT
     PART[t, b] = fn·out[t, :, block] (NOUT dots) and Σ out² from the bf16-rounded out. KC > 0:
     F holds the MoE's KC pairs a token (and SH its shared output): f is their combine, by
     moe_combine's own sum (pointwise._pair_acc), rounded to FT: the launch it would have been."""
-    t, rs, rd, d_ok, x, f = _post_inputs(F, X, D, S, BD)             # x [S(j), BD], f [BD]
+    t, rs, rd, d_ok, x, f = _post_inputs(F, X, D, S, BD, KC == 0)    # x [S(j), BD], f [BD]
     if KC > 0:
-        f = _pair_acc(F, SH, t, rd, d_ok, D, KC, HAS_SH).to(FT).to(tl.float32)   # f's load: dead
+        f = _pair_acc(F, SH, t, rd, d_ok, D, KC, HAS_SH).to(FT).to(tl.float32)
     b = tl.program_id(1)
     rn = tl.arange(0, NP)
     n_ok = rn < NOUT

@@ -39,8 +39,10 @@ FP32_NOISE = 1e-6       # x Σ|terms|: FP32 noise of a bf16 output's value (meas
 def mhc():
     import backfit.runtime.kernels.gemm as gemm
     import backfit.runtime.kernels.mhc as mod
+    import backfit.runtime.kernels.mhc_tile as tile
     if gemm.interpreted() != INTERPRET:                 # triton imported before the env was set
         importlib.reload(gemm)
+        importlib.reload(tile)                          # mhc's tiled prefill kernels
         mod = importlib.reload(mod)
     return mod
 
@@ -211,8 +213,9 @@ def test_tiled_prefill_dispatch_and_bad_input(mhc, monkeypatch):
     run = lambda X, **kw: mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS, **kw)  # noqa: E731
     assert all(torch.equal(a, b) for a, b in zip(run(small, prefill="tiled"), run(small)))
     assert all(torch.equal(a, b) for a, b in zip(run(big), run(big, prefill="tiled")))
-    launches, mode = _count_launches(monkeypatch, mhc, ("_mix_tile_kernel",
-                                                        "_collapse_tile_kernel"))
+    tile_mod = kernel_module("mhc_tile", "_mix_tile_kernel", INTERPRET)
+    launches, mode = _count_launches(monkeypatch, tile_mod, ("_mix_tile_kernel",
+                                                             "_collapse_tile_kernel"))
     with mode:
         tiled = run(big, prefill="tiled", tile=dict(BT=32, BK=64, split=2))
     assert launches == ["_mix_tile_kernel", "_collapse_tile_kernel"], launches

@@ -20,7 +20,7 @@ BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
 
 def compile_all() -> list[dict]:
-    from backfit.runtime.kernels import gemm, mhc, mhc_decode
+    from backfit.runtime.kernels import gemm, mhc, mhc_decode, mhc_tile
 
     out = []
     warps = dict(num_warps=4, num_stages=1)
@@ -39,15 +39,15 @@ def compile_all() -> list[dict]:
                             dict(S=4, NOUT=n_out, NP=32 if sinkhorn else 8, SP=sp, BD=mhc._BD,
                                  SINKHORN=sinkhorn), warps, ("D", "K")))
     # tiled prefill path at tile_config's choice (T 8192), mma x 3 and FP32 FMA dots, both n_out
-    cfg = mhc.tile_config(8192, 16384, A100_SMS)
+    cfg = mhc_tile.tile_config(8192, 16384, A100_SMS)
     tile_opts = dict(num_warps=cfg["warps"], num_stages=3)             # the launcher's default
     for n_out, mma3 in ((24, True), (4, True), (24, False)):
-        out.append(_compile(mhc._mix_tile_kernel, dict(X="*bf16", FN="*fp32", PART="*fp32",
+        out.append(_compile(mhc_tile._mix_tile_kernel, dict(X="*bf16", FN="*fp32", PART="*fp32",
                             T="i32", K="i32", K_SPLIT="i32", SPLIT="i32"),
                             dict(NOUT=n_out, NP=32 if n_out == 24 else 16, BT=cfg["BT"],
                                  BK=cfg["BK"], MMA3=mma3, F32=False), tile_opts, ("K", "K_SPLIT")))
     for sinkhorn in (True, False):
-        out.append(_compile(mhc._collapse_tile_kernel, dict(ctypes, T="i32"),
+        out.append(_compile(mhc_tile._collapse_tile_kernel, dict(ctypes, T="i32"),
                             dict(S=4, NOUT=24 if sinkhorn else 4, NP=32 if sinkhorn else 16,
                                  BT=cfg["BTU"], BD=cfg["BD"], SINKHORN=sinkhorn),
                             dict(num_warps=cfg["warps_u"], num_stages=3), ("D", "K")))
