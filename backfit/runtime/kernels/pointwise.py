@@ -45,6 +45,9 @@ def _swiglu_kernel(GU, H, I, stride_gu, LIMIT: tl.constexpr, BI: tl.constexpr):
     tl.store(H + t * I + c, (g * tl.sigmoid(g) * u).to(H.dtype.element_ty), mask=ok)
 
 
+_KEY_MIN = tl.constexpr(-(2 ** 63))     # below every top-k key: taken or not an expert
+
+
 @triton.jit
 def _route_row(LOGITS, BIAS, TID2EID, TOKENS, IDX, W, E, scale, t, K: tl.constexpr,
                HASH: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr, CG: tl.constexpr = False):
@@ -73,11 +76,11 @@ def _route_row(LOGITS, BIAS, TID2EID, TOKENS, IDX, W, E, scale, t, K: tl.constex
         sb = s + tl.load(BIAS + e, mask=ok, other=0.0) + 0.0
         b = sb.to(tl.int32, bitcast=True)
         b = b ^ ((b >> 31) & 0x7FFFFFFF)                         # float order as int order
-        key = tl.where(ok, (b.to(tl.int64) << 32) | (BE - 1 - e), -9223372036854775807 - 1)
+        key = tl.where(ok, (b.to(tl.int64) << 32) | (BE - 1 - e), _KEY_MIN)
         for i in tl.static_range(K):
             pick = BE - 1 - (tl.max(key, axis=0) & 0xFFFFFFFF)
             ids = tl.where(j == i, pick.to(tl.int64), ids)
-            key = tl.where(e == pick, -9223372036854775807 - 1, key)
+            key = tl.where(e == pick, _KEY_MIN, key)
     w = tl.sum(tl.where(e[None, :] == ids[:, None], s[None, :], 0.0), axis=1)   # s[ids], [KP]
     w = tl.where(j < K, w, 0.0)
     w = w / tl.sum(w, axis=0) * scale
