@@ -59,8 +59,11 @@ SM80_CONFIGS = {
     "csa": dict(CD=1, BQ=1, BH=64, BN=16, num_warps=4, num_stages=2),
 }
 # sm_80 with int8 pools: the CD kernel's hca / csa entry tiles take 141-147 KB of shared memory
-# there (sm_80 compile; bf16: 82-98 KB), so those two keep the plain tiles
+# there (sm_80 compile; bf16: 82-98 KB), so those keep the plain tiles; so does the window: its CD
+# tile fits (98 KB) under Triton 3.9 but takes 143 KB under 3.6 (BN 16: 137 KB), the plain one
+# 50 / 80 KB under 3.9 / 3.6 (docs/KERNELS.md, session 16)
 SM80_INT8_CONFIGS = dict(SM80_CONFIGS,
+                         window=dict(BQ=1, BH=32, BN=16, num_warps=4, num_stages=2),
                          hca=dict(BQ=2, BH=16, BN=16, num_warps=4, num_stages=2),
                          csa=dict(BQ=1, BH=32, BN=16, num_warps=4, num_stages=2))
 
