@@ -97,8 +97,24 @@ def host(r, log) -> None:
             e1.record()
             torch.cuda.synchronize()
             gpu.append(e0.elapsed_time(e1) * 1e3)
+        def cpu_only(f, n=200):                  # the call's own host time, GPU idle first
+            ts = []
+            for _ in range(n):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                f()
+                ts.append((time.perf_counter() - t) * 1e6)
+            torch.cuda.synchronize()
+            return statistics.median(ts)
+
+        def per_call(f, k=16):                   # k calls queued back to back, one sync
+            return med(lambda: [f() for _ in range(k)], 25) / k
         res = {"forward + sync": med(lambda: r.forward(st)),
+               "forward, host part only": cpu_only(lambda: r.forward(st)),
+               "forward x16 queued, per step": per_call(lambda: r.forward(st)),
                "replay + sync": med(g.replay),
+               "replay call only (host)": cpu_only(g.replay),
+               "replay x16 queued, per replay": per_call(g.replay),
                "replay GPU time (events)": statistics.median(gpu),
                "pad into the pinned rows": med(lambda: pad_decode_inputs(seqs, Bg, *pad)),
                "the one input copy + sync": med(
