@@ -278,10 +278,22 @@ _PIPE_TILES = {
 # so more programs fit an SM. At M = 1 gate/up runs 6 x 2048/BN programs of ~95 registers a
 # thread (5 an SM at 4 warps, 660 on 132 SMs): BN 16 gives 768, 1.16 waves, and BN 8 the same
 # in rows (its half-size program fits twice as often); smaller BK cuts the registers, not the rows
-_OCC_TILES = (("magic", 16, 128, 4, 2), ("magic", 16, 128, 2, 2), ("magic", 8, 256, 2, 2),
-              ("magic", 8, 128, 2, 2), ("magic", 32, 128, 4, 2), ("magic", 16, 64, 2, 2),
-              ("magic", 8, 128, 1, 2), ("base", 16, 128, 4, 2), ("base", 16, 256, 2, 2),
-              ("base", 8, 256, 2, 2), ("fma", 8, 128, 2, 2), ("fma", 16, 128, 4, 2))
+# --occ mx4_e2m1 (session 16): at tp 1 the shipped mma tile (BN 32, 255 registers at 2 warps)
+# gives gate/up 6 x 64 programs, ~3 an SM, and streams half of int8's bytes in about int8's time:
+# the bytes in flight are bound by the grid, as int8's were before its BN 8 tile. Here tiles of
+# the word / base variants with BN 2-8 (the TP-4 rank's winner, word BN 4 BK 512 on 1 warp, first)
+# and mma on 1 warp; (variant, BN, BK, warps, num_stages, STAGES) as _SMALL_I_TILES
+_OCC_TILES = {
+    "int8_mx32": tuple(t + (1,) for t in (
+        ("magic", 16, 128, 4, 2), ("magic", 16, 128, 2, 2), ("magic", 8, 256, 2, 2),
+        ("magic", 8, 128, 2, 2), ("magic", 32, 128, 4, 2), ("magic", 16, 64, 2, 2),
+        ("magic", 8, 128, 1, 2), ("base", 16, 128, 4, 2), ("base", 16, 256, 2, 2),
+        ("base", 8, 256, 2, 2), ("fma", 8, 128, 2, 2), ("fma", 16, 128, 4, 2))),
+    "mx4_e2m1": (("word", 4, 512, 1, 2, 1), ("word", 4, 1024, 2, 2, 1), ("word", 8, 512, 2, 2, 1),
+                 ("word", 8, 1024, 4, 2, 1), ("word", 2, 1024, 1, 2, 1), ("word", 8, 256, 1, 2, 1),
+                 ("word", 4, 2048, 4, 2, 1), ("word", 4, 512, 1, 3, 3), ("base", 4, 1024, 2, 2, 1),
+                 ("base", 8, 512, 2, 2, 1), ("mma", 16, 512, 1, 3, 3), ("mma", 16, 256, 1, 3, 3),
+                 ("mma", 32, 256, 2, 3, 3))}
 
 ERR_OK = 1e-2                 # rel err vs the torch path above which a config is not a candidate
 
@@ -301,7 +313,7 @@ def decode_grid(scheme: str, pipe: bool = False, occ: bool = False,
     """int8_mx32: 26 configs over moe.DECODE_VARIANTS; mx4_e2m1: 16 over moe_mx4's (the
     shipped tile, then mma, word, prefetch, the rest of base: a spent budget skips the last).
     pipe: the shipped DECODE_TABLE configs (down tiles split out as configs of their own), then
-    _PIPE_TILES. occ (int8_mx32): the shipped configs, then _OCC_TILES. small_i: the shipped
+    _PIPE_TILES. occ: the shipped configs, then _OCC_TILES[scheme]. small_i: the shipped
     configs, then _SMALL_I_TILES."""
     if pipe or occ or small_i:
         table = (moe_mx4 if scheme == "mx4_e2m1" else moe).DECODE_TABLE
@@ -312,8 +324,8 @@ def decode_grid(scheme: str, pipe: bool = False, occ: bool = False,
                 if d is not None and d not in shipped:
                     shipped.append(d)
         if occ:
-            return shipped + [dict(variant=v, BN=b, BK=k, num_warps=w, num_stages=n)
-                              for v, b, k, w, n in _OCC_TILES]
+            return shipped + [dict(variant=v, BN=b, BK=k, num_warps=w, num_stages=n, STAGES=st)
+                              for v, b, k, w, n, st in _OCC_TILES[scheme]]
         if small_i:
             return shipped + [dict(variant=v, BN=b, BK=k, num_warps=w, num_stages=n, STAGES=st)
                               for v, b, k, w, n, st in _SMALL_I_TILES[scheme]]
@@ -370,13 +382,14 @@ def decode_launches(scheme: str, st: tuple, x, idx, w, cfg: dict) -> tuple:
 
 def moe_decode_sweep(ceil: dict, budget_s: float, t0: float, Ms=(1, 2, 4, 8), E: int = 256,
                      D: int = 4096, I: int = 2048, k: int = 6, rot: int = 4,
-                     pipe: bool = False, occ: bool = False, tp: int = 1) -> dict:
+                     pipe: bool = False, occ: bool = False, tp: int = 1,
+                     schemes=("int8_mx32", "mx4_e2m1")) -> dict:
     """Every decode variant x tile at M tokens, both schemes: graph-timed µs per call over `rot`
     routings (other experts each call: weights stream from HBM), GB/s of the distinct experts'
     bytes, % of the copy bandwidth, rel err vs the torch path; best per (scheme, M)."""
     rows, best = [], {}
     I //= tp                                       # one TP-tp rank's share of each expert
-    for scheme in ("int8_mx32",) if occ else ("int8_mx32", "mx4_e2m1"):
+    for scheme in schemes:
         st = sum(((mx4_stack if scheme == "mx4_e2m1" else mx_stack)(E, n, kk)
                   for n, kk in ((I, D), (I, D), (D, I))), ())          # w1, s1, w3, s3, w2, s2
         per_expert = 3 * I * D * ((0.5 if scheme == "mx4_e2m1" else 1) + 1 / 32)
@@ -389,7 +402,7 @@ def moe_decode_sweep(ceil: dict, budget_s: float, t0: float, Ms=(1, 2, 4, 8), E:
             n_exp = sum(torch.unique(i).numel() for i in idxs) / rot
             byts = n_exp * per_expert + M * D * 2 * 2 + M * k * I * 4      # x, y, h (w, r)
             cases[M] = (xs, idxs, ws, byts, refn(xs[0], idxs[0], ws[0], *st, 10.0))
-        stop = t0 + budget_s * (0.62 if scheme == "int8_mx32" else 1.0)    # mx4 gets its share
+        stop = t0 + budget_s * (0.62 if scheme == "int8_mx32" and len(schemes) > 1 else 1.0)
         for cfg in decode_grid(scheme, pipe, occ, small_i=tp > 1):
             if time.time() > stop:
                 print(f"  budget {budget_s:.0f} s spent: {scheme} {cfg} skipped", flush=True)
@@ -456,8 +469,10 @@ def main() -> None:
     ap.add_argument("--pipe", action="store_true",
                     help="--moe-decode-sweep over the shipped tiles + the cp.async-pipelined ones")
     ap.add_argument("--occ", action="store_true",
-                    help="--moe-decode-sweep, int8_mx32 at M = 1, 2: the shipped tiles + tiles of "
-                         "fewer weights a program (_OCC_TILES)")
+                    help="--moe-decode-sweep at M = 1, 2: the shipped tiles + tiles of fewer "
+                         "weights a program (_OCC_TILES)")
+    ap.add_argument("--schemes", default="int8_mx32,mx4_e2m1",
+                    help="--moe-decode-sweep: the expert schemes to sweep (comma-separated)")
     ap.add_argument("--moe-tp", type=int, default=1, metavar="K",
                     help="--moe-decode-sweep at one TP-K rank's experts (I = 2048 / K), over the "
                          "shipped tiles + _SMALL_I_TILES")
@@ -472,7 +487,8 @@ def main() -> None:
         res = dict(device=torch.cuda.get_device_name(), triton=__import__("triton").__version__,
                    ceilings=ceil, **moe_decode_sweep(ceil, args.budget_s, t0, pipe=args.pipe,
                                                     occ=args.occ, tp=args.moe_tp,
-                                                    Ms=(1, 2) if args.occ else (1, 2, 4, 8)))
+                                                    Ms=(1, 2) if args.occ else (1, 2, 4, 8),
+                                                    schemes=tuple(args.schemes.split(","))))
         Path(args.out).write_text(json.dumps(dict(res, seconds=time.time() - t0), indent=1))
         print(f"done in {time.time() - t0:.0f} s -> {args.out}")
         return

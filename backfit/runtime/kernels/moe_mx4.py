@@ -117,6 +117,13 @@ def _mx4_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
 # Session 14, one TP-4 rank (I = 512; `.whl` probe, H200, graph-timed over 4 routings): that tile
 # gives gate/up 96 programs, 24.4 us at M = 1 for 3.2 us of bytes; word BN 4 BK 512 on 1 warp
 # 15.3 us (64.3 at M = 8, the mma tile 64.6: kept there), down mma BN 64 on 4 warps 6.5 (7.4).
+# Session 16 (`bench_kernels.py --moe-decode-sweep --occ --schemes mx4_e2m1`, tp 1, H200, Triton
+# 3.6): 13 tiles of fewer weights a program (word / base BN 2-8, mma on 1 warp) against the
+# shipped mma tile (54.5 us at M = 1: gate/up 36.9 + down 18.1 alone): none streams faster than
+# ~1.5 TB/s (the decode is bound by its instructions a weight, not by the grid as int8's was);
+# the best gate/up, word BN 8 BK 256 on 1 warp (33.7 us), with the mma down: 51.8 us (M = 2:
+# 89.1 vs 91.2 fused at BK 256, 97.4 at BK 512). In the step that row LOST: bench_ab.py
+# --experts mx4, batch 1, +25 us (GPU time of the replay, same process): not taken.
 DECODE_TABLE = ((6, 512, dict(variant="word", BN=4, BK=512, num_warps=1, num_stages=2, STAGES=1,
                               down=dict(variant="mma", BN=64, BK=512, num_warps=4, num_stages=3,
                                         STAGES=3))),
