@@ -15,7 +15,10 @@ fraction of u / post / M elements bit-identical to today's path.
 hc_pre + its RMSNorm), T 1 / 8 / 63 (64 = MIX_TORCH_T takes the prefill path): today's 4
 launches (mhc._post_kernel, _mix_partial_kernel, _collapse_kernel, rope_norm._rms_kernel)
 against kernels.mhc_decode's 2 (_post_mix_kernel, _collapse_norm_kernel) at a few (bd, warps),
-and the 3-launch middle (plain hc_post, then hc_pre's own partials + collapse-norm). Each figure:
+and the 3-launch middle (plain hc_post, then hc_pre's own partials + collapse-norm); then the
+decode Block's pair as the model runs it (hc_post + hc_pre_async, the Sinkhorn on a side stream)
+against the fold (hc_post(pre=): the critical collapse in hc_post's last programs, session 16)
+at a few (bd_u, warps). Each figure:
 one CUDA-graph replay of PAIRS pairs on disjoint fn / X sets (fn from HBM, as in a real step),
 divided by PAIRS (graph-node gaps included). Errors on set 0, max abs over max |reference|: Y
 against hc_post's FP32 value, normed u (FP32 value before the cast), post, M against the torch
@@ -129,6 +132,10 @@ DECODE_CANDIDATES = [(None, 4, 1024, True), (None, 4, 1024, False), (None, 1, 25
                      (128, 4, 1024, True)]
 
 
+# hc_post(pre=)'s tail (session 16): (bd_u, warps of the post-mix launch); FOLD's first
+FOLD_CANDIDATES = [(1024, 4), (4096, 4), (2048, 4), (1024, 8), (4096, 8), (512, 4)]
+
+
 def decode_case(T, bw, gen, device="cuda", d=D, pairs=PAIRS, timer=graph_time):
     """Rows of the decode pair at T tokens; device, d, pairs, timer: a CPU smoke run."""
     from backfit.runtime.kernels import mhc_decode
@@ -176,12 +183,39 @@ def decode_case(T, bw, gen, device="cuda", d=D, pairs=PAIRS, timer=graph_time):
                    f"{' scalar' if sc else ''}"),
                   lambda z, bd=bd, wp=wp, bu=bu, sc=sc: new(z, bd, wp, bu, sc))
                  for bd, wp, bu, sc in DECODE_CANDIDATES]
+    pending = []                                    # side-stream Sinkhorns, joined per replay
+    nxt = mhc_decode.NextPre(scale, base, w, RMS_EPS, HC_EPS, NORM_EPS)
+
+    def model_pair(z, fold, bd_u=None, warps=None):
+        """The decode Block's pair: hc_post + hc_pre_async (its Sinkhorn beside), with or without
+        the fold (hc_post(pre=): the critical collapse in hc_post's last programs)."""
+        if fold:
+            Y, part, u = mhc_decode.hc_post(z["f"], z["X"], z["post"], z["M"], next_fn=z["fn"],
+                                            pre=nxt, bd_u=bd_u, warps=warps)
+        else:
+            (Y, part), u = mhc_decode.hc_post(z["f"], z["X"], z["post"], z["M"],
+                                              next_fn=z["fn"]), None
+        u, p, M, wait = mhc_decode.hc_pre_async(Y, z["fn"], scale, base, ITERS, HC_EPS,
+                                                NORM_EPS, norm=(w, RMS_EPS), part=part, u=u)
+        if wait is not None:
+            pending.append(wait[0])
+        return Y, u, p, M
+    variants += [("model pair: 2 + Sinkhorn beside", lambda z: model_pair(z, False))]
+    variants += [(f"model pair: fold bd_u {bu} warps {wp} + Sinkhorn beside",
+                  lambda z, bu=bu, wp=wp: model_pair(z, True, bu, wp))
+                 for bu, wp in FOLD_CANDIDATES]
+
+    def joined(outs):
+        for ev in pending:                          # the capture must rejoin its side stream
+            torch.cuda.current_stream().wait_event(ev)
+        pending.clear()
+        return outs
     rows = []
     for name, call in variants:
         t0 = time.time()
         try:
-            out = call(z)
-            t = timer(lambda call=call: [call(z) for z in sets]) / pairs
+            out = joined(call(z))
+            t = timer(lambda call=call: joined([call(z) for z in sets])) / pairs
         except Exception as e:                      # a config that does not compile / fit
             rows.append(dict(kind="decode", T=T, path=name, error=f"{type(e).__name__}: {e}"[:300]))
             print(f"decode  T {T:5d} {name:41s} FAILED {rows[-1]['error']}", flush=True)

@@ -58,11 +58,20 @@ def _mix_partial_kernel(X, FN, PART, K, K_SPLIT, SPLIT,
 
 
 @triton.jit
-def _pre_gates(part, i_ok, rs, SCALE, BASE, K, hc_eps, norm_eps, NOUT: tl.constexpr):
+def _pre_gates(part, i_ok, rs, SCALE, BASE, K, hc_eps, norm_eps, NOUT: tl.constexpr,
+               CG: tl.constexpr = False):
     """The split rows part [SP] (live where i_ok) -> (pre [S], r): one gather per logit group,
-    summed over the splits by a fixed-shape tree (deterministic); r = rsqrt(mean(x²) + eps)."""
-    lp = tl.sum(tl.load(part[:, None] + rs[None, :], mask=i_ok[:, None], other=0.0), axis=0)
-    sq = tl.sum(tl.load(part + NOUT, mask=i_ok, other=0.0), axis=0)
+    summed over the splits by a fixed-shape tree (deterministic); r = rsqrt(mean(x²) + eps).
+    CG: the rows are read from L2 (.cg: other programs of this launch wrote them)."""
+    if CG:
+        lp = tl.load(part[:, None] + rs[None, :], mask=i_ok[:, None], other=0.0,
+                     cache_modifier=".cg")
+        sq = tl.load(part + NOUT, mask=i_ok, other=0.0, cache_modifier=".cg")
+    else:
+        lp = tl.load(part[:, None] + rs[None, :], mask=i_ok[:, None], other=0.0)
+        sq = tl.load(part + NOUT, mask=i_ok, other=0.0)
+    lp = tl.sum(lp, axis=0)
+    sq = tl.sum(sq, axis=0)
     r = 1.0 / tl.sqrt_rn(sq / K + norm_eps)
     return tl.sigmoid(lp * r * tl.load(SCALE) + tl.load(BASE + rs)) + hc_eps, r
 
@@ -89,6 +98,61 @@ def _sinkhorn(c, iters, hc_eps):
         m = m / (tl.sum(m, axis=1)[:, None] + hc_eps)
         m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)
     return m
+
+
+@triton.jit
+def _quarters(v):
+    """v [4] -> its four elements as scalars (per-thread values)."""
+    e, o = tl.split(tl.reshape(v, (2, 2)))                      # (v0, v2), (v1, v3)
+    a, c = tl.split(e)
+    b, d = tl.split(o)
+    return a, b, c, d
+
+
+@triton.jit
+def _softmax4(a, b, c, d, eps):
+    mx = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a, b, c, d = tl.exp(a - mx), tl.exp(b - mx), tl.exp(c - mx), tl.exp(d - mx)
+    s = a + b + c + d
+    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    s = a + b + c + d + eps
+    return a / s, b / s, c / s, d / s
+
+
+@triton.jit
+def _sinkhorn4(c, iters, hc_eps):
+    """C [4, 4] (j, k) -> M as 16 scalars m_jk (row-major tuple): hyper.hc_pre's row softmax +
+    eps, column normalise, iters - 1 (row, column) passes, every thread on its own copy (no
+    cross-thread reductions in the chain)."""
+    ce, co = tl.split(tl.reshape(c, (4, 2, 2)))                 # columns (0, 2), (1, 3)
+    k0, k2 = tl.split(ce)
+    k1, k3 = tl.split(co)                                        # [4(j)] each
+    a0, b0, c0, d0 = _quarters(k0)                               # a, b, c, d: rows j 0..3
+    a1, b1, c1, d1 = _quarters(k1)
+    a2, b2, c2, d2 = _quarters(k2)
+    a3, b3, c3, d3 = _quarters(k3)
+    a0, a1, a2, a3 = _softmax4(a0, a1, a2, a3, hc_eps)           # row softmax (over k)
+    b0, b1, b2, b3 = _softmax4(b0, b1, b2, b3, hc_eps)
+    c0, c1, c2, c3 = _softmax4(c0, c1, c2, c3, hc_eps)
+    d0, d1, d2, d3 = _softmax4(d0, d1, d2, d3, hc_eps)
+    a0, b0, c0, d0 = _norm4(a0, b0, c0, d0, hc_eps)              # column normalise (over j)
+    a1, b1, c1, d1 = _norm4(a1, b1, c1, d1, hc_eps)
+    a2, b2, c2, d2 = _norm4(a2, b2, c2, d2, hc_eps)
+    a3, b3, c3, d3 = _norm4(a3, b3, c3, d3, hc_eps)
+    for _ in range(iters - 1):
+        a0, a1, a2, a3 = _norm4(a0, a1, a2, a3, hc_eps)
+        b0, b1, b2, b3 = _norm4(b0, b1, b2, b3, hc_eps)
+        c0, c1, c2, c3 = _norm4(c0, c1, c2, c3, hc_eps)
+        d0, d1, d2, d3 = _norm4(d0, d1, d2, d3, hc_eps)
+        a0, b0, c0, d0 = _norm4(a0, b0, c0, d0, hc_eps)
+        a1, b1, c1, d1 = _norm4(a1, b1, c1, d1, hc_eps)
+        a2, b2, c2, d2 = _norm4(a2, b2, c2, d2, hc_eps)
+        a3, b3, c3, d3 = _norm4(a3, b3, c3, d3, hc_eps)
+    return (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3)
 
 
 @triton.jit

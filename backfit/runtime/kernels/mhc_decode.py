@@ -34,21 +34,47 @@ decode_kernels returns None and the model runs today's path (4 launches per pair
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from backfit.runtime.kernels import mhc
-from backfit.runtime.kernels.mhc import _post_comb, _post_inputs, _pre_gates, _sinkhorn
+from backfit.runtime.kernels.mhc import _post_comb, _post_inputs, _pre_gates, _sinkhorn, \
+    _sinkhorn4
 from backfit.runtime.kernels.pointwise import _pair_acc
+from backfit.runtime.streams import stream_counters
 
-__all__ = ["COLLAPSE", "COLLAPSE_U", "DECODE_FUSED", "POST_COMBINE", "SINKHORN_STREAM",
-           "collapse_config", "hc_head", "hc_post", "hc_pre", "hc_pre_async", "post_bd"]
+__all__ = ["COLLAPSE", "COLLAPSE_U", "DECODE_FUSED", "FOLD", "FOLD_MAX_T", "NextPre",
+           "POST_COMBINE", "PRE_FOLD", "SINKHORN_STREAM", "collapse_config", "hc_head", "hc_post",
+           "hc_pre", "hc_pre_async", "post_bd"]
 
 DECODE_FUSED = True     # False: the model's decode path falls back to mhc's 4 launches
 POST_COMBINE = True     # the decode Block's MoE combine summed inside its hc_post (False: its
                         # own launch, pointwise.moe_combine)
 SINKHORN_STREAM = True  # hc_pre_async on CUDA: post / M on a side stream (False: in order)
+# the decode Block's hc_pre ("attn": a layer's first, "ffn": its second) whose critical launch
+# the hc_post before it runs in its last programs (hc_post(pre=)); the others: their own launch
+PRE_FOLD = ("attn", "ffn")
+# hc_post(pre=)'s tail: the d block of its u passes and the post-mix launch's warps (4 without
+# pre), up to FOLD_MAX_T tokens (past it pre is ignored: u None). H200, `bench_mhc.py --decode`
+# (session 16), µs per pair as the model runs it (hc_post + hc_pre_async, Sinkhorn beside)
+# without -> with the fold at bd_u 4096 / 8 warps: T = 1 7.78 -> 7.01 (4 warps 7.68; bd_u 1024:
+# 9.90, 19.0 at 8 warps), T = 8 9.67 -> 8.37, T = 63 29.68 -> 36.44 (best fold 31.78: a loss)
+FOLD = dict(bd_u=4096, warps=8)
+FOLD_MAX_T = 8
+
+
+class NextPre(NamedTuple):
+    """The next hc_pre (with its RMSNorm) that hc_post(pre=) runs the critical part of: its
+    fn is hc_post's next_fn; scale [3], base [n_out] FP32, RMSNorm weight [d] FP32 and eps."""
+    scale: torch.Tensor
+    base: torch.Tensor
+    norm_w: torch.Tensor
+    rms_eps: float
+    hc_eps: float
+    norm_eps: float
 _FT = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}     # a PairSum's sum dtype
 # _collapse_norm_kernel's launch by token count: (largest T, warps, d block of the u passes
 # (capped at d), scalar Sinkhorn (S = 4 only: 16 per-thread values instead of [S, S] tensor
@@ -80,11 +106,16 @@ def collapse_config(T: int, table=COLLAPSE) -> dict:
 def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT: tl.constexpr,
                      NP: tl.constexpr, BD: tl.constexpr, HAS_FN: tl.constexpr,
                      SH=None, KC: tl.constexpr = 0, HAS_SH: tl.constexpr = False,
-                     FT: tl.constexpr = tl.bfloat16):
+                     FT: tl.constexpr = tl.bfloat16, CNT=None, SCALE=None, BASE=None, NW=None,
+                     U=None, hc_eps=0.0, norm_eps=0.0, rms_eps=0.0, SP: tl.constexpr = 1,
+                     BDU: tl.constexpr = 16, PRE: tl.constexpr = False):
     """out[t, k, block] = post[t, k]·f[t, block] + Σ_j M[t, j, k]·X[t, j, block] (bf16); HAS_FN:
     PART[t, b] = fn·out[t, :, block] (NOUT dots) and Σ out² from the bf16-rounded out. KC > 0:
     F holds the MoE's KC pairs a token (and SH its shared output): f is their combine, by
-    moe_combine's own sum (pointwise._pair_acc), rounded to FT: the launch it would have been."""
+    moe_combine's own sum (pointwise._pair_acc), rounded to FT: the launch it would have been.
+    PRE (with HAS_FN): the last of token t's programs to arrive (CNT[t], acq_rel; reset to 0
+    for the next launch) runs the next hc_pre's critical launch for t from PART and out, read
+    from L2: the gates, U[t] = rmsnorm(u)·NW in d blocks of BDU (_collapse_norm_kernel's ops)."""
     t, rs, rd, d_ok, x, f = _post_inputs(F, X, D, S, BD, KC == 0)    # x [S(j), BD], f [BD]
     if KC > 0:
         f = _pair_acc(F, SH, t, rd, d_ok, D, KC, HAS_SH).to(FT).to(tl.float32)
@@ -107,61 +138,15 @@ def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT
     if HAS_FN:
         acc = tl.where(rn == NOUT, tl.sum(sq, axis=0), acc)             # slot NOUT carries Σx²
         tl.store(PART + (t * tl.num_programs(1) + b) * NP + rn, acc)
-
-
-@triton.jit
-def _quarters(v):
-    """v [4] -> its four elements as scalars (per-thread values)."""
-    e, o = tl.split(tl.reshape(v, (2, 2)))                      # (v0, v2), (v1, v3)
-    a, c = tl.split(e)
-    b, d = tl.split(o)
-    return a, b, c, d
-
-
-@triton.jit
-def _softmax4(a, b, c, d, eps):
-    mx = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
-    a, b, c, d = tl.exp(a - mx), tl.exp(b - mx), tl.exp(c - mx), tl.exp(d - mx)
-    s = a + b + c + d
-    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
-
-
-@triton.jit
-def _norm4(a, b, c, d, eps):
-    s = a + b + c + d + eps
-    return a / s, b / s, c / s, d / s
-
-
-@triton.jit
-def _sinkhorn4(c, iters, hc_eps):
-    """C [4, 4] (j, k) -> M as 16 scalars m_jk (row-major tuple): hyper.hc_pre's row softmax +
-    eps, column normalise, iters - 1 (row, column) passes, every thread on its own copy (no
-    cross-thread reductions in the chain)."""
-    ce, co = tl.split(tl.reshape(c, (4, 2, 2)))                 # columns (0, 2), (1, 3)
-    k0, k2 = tl.split(ce)
-    k1, k3 = tl.split(co)                                        # [4(j)] each
-    a0, b0, c0, d0 = _quarters(k0)                               # a, b, c, d: rows j 0..3
-    a1, b1, c1, d1 = _quarters(k1)
-    a2, b2, c2, d2 = _quarters(k2)
-    a3, b3, c3, d3 = _quarters(k3)
-    a0, a1, a2, a3 = _softmax4(a0, a1, a2, a3, hc_eps)           # row softmax (over k)
-    b0, b1, b2, b3 = _softmax4(b0, b1, b2, b3, hc_eps)
-    c0, c1, c2, c3 = _softmax4(c0, c1, c2, c3, hc_eps)
-    d0, d1, d2, d3 = _softmax4(d0, d1, d2, d3, hc_eps)
-    a0, b0, c0, d0 = _norm4(a0, b0, c0, d0, hc_eps)              # column normalise (over j)
-    a1, b1, c1, d1 = _norm4(a1, b1, c1, d1, hc_eps)
-    a2, b2, c2, d2 = _norm4(a2, b2, c2, d2, hc_eps)
-    a3, b3, c3, d3 = _norm4(a3, b3, c3, d3, hc_eps)
-    for _ in range(iters - 1):
-        a0, a1, a2, a3 = _norm4(a0, a1, a2, a3, hc_eps)
-        b0, b1, b2, b3 = _norm4(b0, b1, b2, b3, hc_eps)
-        c0, c1, c2, c3 = _norm4(c0, c1, c2, c3, hc_eps)
-        d0, d1, d2, d3 = _norm4(d0, d1, d2, d3, hc_eps)
-        a0, b0, c0, d0 = _norm4(a0, b0, c0, d0, hc_eps)
-        a1, b1, c1, d1 = _norm4(a1, b1, c1, d1, hc_eps)
-        a2, b2, c2, d2 = _norm4(a2, b2, c2, d2, hc_eps)
-        a3, b3, c3, d3 = _norm4(a3, b3, c3, d3, hc_eps)
-    return (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3)
+    if PRE:
+        tl.debug_barrier()                                  # every thread's out / PART stored
+        if tl.atomic_add(CNT + t, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+            tl.store(CNT + t, 0)                            # ready for the next launch
+            split = tl.num_programs(1)
+            ri = tl.arange(0, SP)
+            pre, _ = _pre_gates(PART + t * split * NP + ri * NP, ri < split, rs, SCALE, BASE, K,
+                                hc_eps, norm_eps, NOUT, CG=True)
+            _u_norm(OUT, NW, U, t, pre, D, rms_eps, S, BDU, True, BDU >= D, True)
 
 
 @triton.jit
@@ -192,37 +177,54 @@ def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, i
         else:
             m = _sinkhorn(c, iters, hc_eps)
             tl.store(MOUT + t * S * S + rs[:, None] * S + rs[None, :], m)
-    if UOUT and ONE_PASS:
+    if UOUT:                                                     # False: post and M only
+        _u_norm(X, W, U, t, pre, D, rms_eps, S, BD, NORM, ONE_PASS, False)
+
+
+@triton.jit
+def _u_norm(X, W, U, t, pre, D, rms_eps, S: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
+            ONE_PASS: tl.constexpr, CG: tl.constexpr):
+    """U[t] = u = Σ_s pre_s X[t, s] rounded to bf16 (NORM: rmsnorm(u)·W instead), in d blocks of
+    BD (ONE_PASS: BD >= D, X[t] loaded once); CG: X read from L2 (this launch wrote it)."""
+    rs = tl.arange(0, S)
+    if ONE_PASS:
         rd = tl.arange(0, BD)
         d_ok = rd < D
-        x = tl.load(X + (t * S + rs[:, None]) * D + rd[None, :], mask=d_ok[None, :],
-                    other=0.0).to(tl.float32)
+        x = _ld(X + (t * S + rs[:, None]) * D + rd[None, :], d_ok[None, :], CG)
         u = tl.sum(pre[:, None] * x, axis=0)                     # [BD] from [S, BD]
         if NORM:
             u = u.to(U.dtype.element_ty).to(tl.float32)
             u = u * tl.math.rsqrt(tl.sum(u * u, axis=0) / D + rms_eps)
             u = u * tl.load(W + rd, mask=d_ok, other=0.0)
         tl.store(U + t * D + rd, u.to(U.dtype.element_ty), mask=d_ok)
-    elif UOUT:                                                   # False: post and M only
+    else:
         xrow = X + (t * S + rs[:, None]) * D                     # [S] stream rows
         inv = 1.0
         if NORM:                                                 # pass 1: Σ u² of the bf16 u
             ss = tl.zeros((BD,), dtype=tl.float32)
             for d0 in range(0, D, BD):
                 rd = d0 + tl.arange(0, BD)
-                x = tl.load(xrow + rd[None, :], mask=(rd < D)[None, :], other=0.0).to(tl.float32)
+                x = _ld(xrow + rd[None, :], (rd < D)[None, :], CG)
                 u = tl.sum(pre[:, None] * x, axis=0).to(U.dtype.element_ty).to(tl.float32)
                 ss += u * u
             inv = tl.math.rsqrt(tl.sum(ss, axis=0) / D + rms_eps)
         for d0 in range(0, D, BD):
             rd = d0 + tl.arange(0, BD)
             d_ok = rd < D
-            x = tl.load(xrow + rd[None, :], mask=d_ok[None, :], other=0.0).to(tl.float32)
+            x = _ld(xrow + rd[None, :], d_ok[None, :], CG)
             u = tl.sum(pre[:, None] * x, axis=0)                 # [BD] from [S, BD]
             if NORM:
                 u = u.to(U.dtype.element_ty).to(tl.float32) * inv
                 u = u * tl.load(W + rd, mask=d_ok, other=0.0)
             tl.store(U + t * D + rd, u.to(U.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _ld(ptrs, mask, CG: tl.constexpr):
+    """Streams as FP32 (masked to 0); CG: from L2 (.cg)."""
+    if CG:
+        return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 def post_bd(T: int, d: int) -> int:
@@ -279,20 +281,24 @@ def _collapse_norm(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, norm, 
 
 def hc_pre_async(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                  iters: int, hc_eps: float, norm_eps: float, norm: tuple | None = None,
-                 part: torch.Tensor | None = None):
+                 part: torch.Tensor | None = None, u: torch.Tensor | None = None):
     """hc_pre with the Sinkhorn off the critical path -> (u, post, M, pending). Two launches of
     _collapse_norm_kernel on the same PART: gates + u (+ RMSNorm) on the current stream, what
     the sub-layer needs next, and post + M (the 20-pass Sinkhorn chain, ~4-5 µs of latency at
     T = 1) on the "mhc" side stream (runtime/streams.py) when SINKHORN_STREAM and X is on
     CUDA; only the hc_post after the sub-layer reads post / M: hc_post(..., wait=pending)
     joins there. Each output comes from the same ops as hc_pre's (bit for bit). Elsewhere
-    (CPU, the interpreter) the two launches run in order and pending is None."""
+    (CPU, the interpreter) the two launches run in order and pending is None. u: the first
+    launch's output already made by hc_post(pre=) (with part): only post + M are launched."""
     mhc.check_pre(X, fn, scale, base, iters)
     X = X.contiguous()
     T, S, d = X.shape
     if part is None:                                            # both launches read it
         part = mhc._partials(X, fn.contiguous(), triton.next_power_of_2(fn.shape[0] + 1), None)
-    outs = (torch.empty(T, d, dtype=X.dtype, device=X.device),
+    if u is not None and (tuple(u.shape) != (T, d) or u.dtype != X.dtype):
+        raise ValueError(f"hc_pre_async: u must be {X.dtype}[{T}, {d}], got {u.dtype}"
+                         f"{list(u.shape)}")
+    outs = (u if u is not None else torch.empty(T, d, dtype=X.dtype, device=X.device),
             torch.empty(T, S, dtype=torch.float32, device=X.device),
             torch.empty(T, S, S, dtype=torch.float32, device=X.device))
     args = (X, fn, scale, base, int(iters), hc_eps, norm_eps)
@@ -300,8 +306,9 @@ def hc_pre_async(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     if SINKHORN_STREAM and X.is_cuda and T:
         from backfit.runtime.streams import fork
         side = fork(X.device, "mhc")                            # PART is queued: fork here
-    cu = collapse_config(T, COLLAPSE_U)
-    _collapse_norm(*args, False, norm, part, cu["warps"], cu["bd"], outs=outs)  # gates + u
+    if u is None:
+        cu = collapse_config(T, COLLAPSE_U)
+        _collapse_norm(*args, False, norm, part, cu["warps"], cu["bd"], outs=outs)  # gates + u
     if side is None:
         _collapse_norm(*args, True, None, part, None, None, uout=False, outs=outs)
         return (*outs, None)
@@ -337,13 +344,17 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 
 def hc_post(f, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor,
-            next_fn: torch.Tensor | None = None, bd: int | None = None, wait=None):
+            next_fn: torch.Tensor | None = None, bd: int | None = None, wait=None,
+            pre: NextPre | None = None, bd_u: int | None = None, warps: int | None = None):
     """As mhc.hc_post -> out [T, S, d] bf16; next_fn [n_out, S·d] fp32 (the next hc_pre's or
     hc_head's fn): -> (out, PART [T, cdiv(d, BD), NP] for that call's part=), one launch.
     f: [T, d], or a pointwise.PairSum (the MoE's pairs, summed here as moe_combine would; at
     tp > 1 one FP32 "pair", the all-reduced MoE output, rounded here as its .to(bf16) would).
     bd: d block (default post_bd). wait: hc_pre_async's pending (post / M from the side
-    stream): the current stream waits for it first."""
+    stream): the current stream waits for it first. pre (with next_fn, a NextPre of the next
+    hc_pre with its RMSNorm): -> (out, PART, u), u = what that hc_pre's critical launch gives
+    at d block bd_u (hc_pre_async(..., u=u) skips that launch); bd_u, warps: FOLD's defaults;
+    past FOLD_MAX_T tokens u is None (the caller's hc_pre_async makes it)."""
     if wait is not None:
         torch.cuda.current_stream(X.device).wait_event(wait[0])
     # a pointwise.PairSum (a NamedTuple; tested as a tuple, not by class: the tests re-import
@@ -371,13 +382,30 @@ def hc_post(f, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor,
     blocks = triton.cdiv(d, BD)
     part = torch.empty(T, blocks, NP, dtype=torch.float32, device=X.device) \
         if next_fn is not None else out
+    extra = {} if pairs is None else dict(
+        SH=pairs.shared if pairs.shared is not None else pairs.out, KC=pairs.k,
+        HAS_SH=pairs.shared is not None, FT=_FT[pairs.dtype])
+    u = None
+    fold = pre is not None and T <= FOLD_MAX_T          # else (out, part, None)
+    if fold:
+        if next_fn is None or n_out != (2 + S) * S:
+            raise ValueError(f"hc_post: pre= needs the next hc_pre's next_fn [{(2 + S) * S}, "
+                             f"{S * d}]")
+        _check_norm((pre.norm_w,), d, X.device)
+        bd_u = min(bd_u or FOLD["bd_u"], triton.next_power_of_2(d))
+        if bd_u & (bd_u - 1) or bd_u < 16:
+            raise ValueError(f"hc_post: bd_u must be a power of 2 >= 16, got {bd_u}")
+        u = torch.empty(T, d, dtype=X.dtype, device=X.device)
+        extra.update(CNT=stream_counters(X.device, T), SCALE=pre.scale.contiguous(),
+                     BASE=pre.base.contiguous(), NW=pre.norm_w, U=u, hc_eps=float(pre.hc_eps),
+                     norm_eps=float(pre.norm_eps), rms_eps=float(pre.rms_eps),
+                     SP=triton.next_power_of_2(blocks), BDU=bd_u, PRE=True)
     if T:
-        extra = {} if pairs is None else dict(
-            SH=pairs.shared if pairs.shared is not None else pairs.out, KC=pairs.k,
-            HAS_SH=pairs.shared is not None, FT=_FT[pairs.dtype])
         _post_mix_kernel[(T, blocks)](
             f.contiguous() if pairs is None else pairs.out, X.contiguous(), post.contiguous(),
             M.contiguous(), out, next_fn.contiguous() if next_fn is not None else post, part, d,
-            S * d, S=S, NOUT=n_out, NP=NP, BD=BD, HAS_FN=next_fn is not None, num_warps=4,
-            **extra)
+            S * d, S=S, NOUT=n_out, NP=NP, BD=BD, HAS_FN=next_fn is not None,
+            num_warps=(warps or FOLD["warps"]) if fold else 4, **extra)
+    if pre is not None:
+        return out, part, u
     return (out, part) if next_fn is not None else out

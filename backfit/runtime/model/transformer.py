@@ -45,8 +45,10 @@ class Block(nn.Module):
                 ) -> torch.Tensor:
         """cache: this layer's cache bound to the batch (runtime/state.py interface).
         hc: Transformer.hidden's carry on the mhc_decode path: {"part": this layer's hc_attn
-        partials or None, "next_fn": the fn whose partials the last hc_post computes or None};
-        "part" is replaced by those partials."""
+        partials or None, "u": its attention input made by the previous layer's last hc_post
+        (mhc_decode.PRE_FOLD) or None, "next_fn": the fn whose partials the last hc_post
+        computes or None, "next_pre": the next Block's pre_args("attn") or None}; "part" and
+        "u" are replaced by those of the next layer."""
         if (k := decode_kernels(X)) is not None:
             return self._forward_decode(k, X, batch, cache, hc if hc is not None else {})
         u, post, M = self._hc("attn", X)                          # u [T, d]
@@ -60,22 +62,32 @@ class Block(nn.Module):
         combine inside its hc_post (POST_COMBINE); same math as forward's torch path."""
         c = self.cfg
 
-        def pre(which, X, norm, part):          # the Sinkhorn (post, M) on a side stream
+        def pre(which, X, norm, part, u):       # the Sinkhorn (post, M) on a side stream
             return k.hc_pre_async(X, getattr(self, f"hc_{which}_fn"),
                                   getattr(self, f"hc_{which}_scale"),
                                   getattr(self, f"hc_{which}_base"), c.hc_sinkhorn_iters, c.hc_eps,
-                                  c.rms_norm_eps, norm=(norm.weight, norm.eps), part=part)
-        u, post, M, wait = pre("attn", X, self.attn_norm, hc.get("part"))   # u = attn_norm(u)
-        X, part = k.hc_post(self.attn(u, batch, cache), X, post, M, next_fn=self.hc_ffn_fn,
-                            wait=wait)
-        u, post, M, wait = pre("ffn", X, self.ffn_norm, part)
+                                  c.rms_norm_eps, norm=(norm.weight, norm.eps), part=part, u=u)
+        u, post, M, wait = pre("attn", X, self.attn_norm, hc.get("part"), hc.get("u"))
+        X, part, *u = k.hc_post(self.attn(u, batch, cache), X, post, M, next_fn=self.hc_ffn_fn,
+                                wait=wait, pre=self.pre_args(k, "ffn"))    # u = ffn_norm(u)
+        u, post, M, wait = pre("ffn", X, self.ffn_norm, part, u[0] if u else None)
         out = k.hc_post(self.ffn(u, batch.tokens, pairs=k.POST_COMBINE), X, post, M,
-                        next_fn=hc.get("next_fn"), wait=wait)
+                        next_fn=hc.get("next_fn"), wait=wait, pre=hc.get("next_pre"))
         if hc.get("next_fn") is None:
-            hc["part"] = None
+            hc["part"] = hc["u"] = None
             return out
-        out, hc["part"] = out
+        out, hc["part"], *u = out
+        hc["u"] = u[0] if u else None
         return out
+
+    def pre_args(self, k, which: str):
+        """mhc_decode's NextPre of this Block's hc_pre `which` (its RMSNorm included), for the
+        hc_post before it to run (`which` in k.PRE_FOLD), else None."""
+        if which not in k.PRE_FOLD:
+            return None
+        norm = self.attn_norm if which == "attn" else self.ffn_norm
+        return k.NextPre(getattr(self, f"hc_{which}_scale"), getattr(self, f"hc_{which}_base"),
+                         norm.weight, norm.eps, self.cfg.hc_eps, self.cfg.rms_norm_eps)
 
 
 class Transformer(nn.Module):
@@ -126,11 +138,14 @@ class Transformer(nn.Module):
         # mhc_decode path: each layer's last hc_post also computes the next layer's hc_attn
         # partials (carried in hc), the last layer's those of hc_head, kept with the streams in
         # _head_part for logits(X) of this very X; the torch path and prefill ignore hc
-        hc = {"part": None} if decode_kernels(X) is not None else None
+        k = decode_kernels(X)
+        hc = {"part": None, "u": None} if k is not None else None
         n = len(self.layers)
         for i, layer in enumerate(self.layers):
             if hc is not None:
-                hc["next_fn"] = self.layers[i + 1].hc_attn_fn if i + 1 < n else self.hc_head_fn
+                nxt = self.layers[i + 1] if i + 1 < n else None
+                hc["next_fn"] = nxt.hc_attn_fn if nxt is not None else self.hc_head_fn
+                hc["next_pre"] = nxt.pre_args(k, "attn") if nxt is not None else None
             X = layer(X, batch, bound.layer(i), hc=hc)
         self._head_part = (X, hc["part"]) if hc is not None else None
         bound.commit()

@@ -324,3 +324,78 @@ def test_post_mix_rounds_an_fp32_sum_as_its_cast(mods, T, d):
     yb = (y.view(torch.int32) & ~0xFFFF).view(torch.float32) if INTERPRET else y
     want = dec.hc_post(yb.to(torch.bfloat16), X, post, M, next_fn=fn)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# bd_u None: FOLD's; 600 with 128: five ragged two-pass blocks; 64 with 64: the one-pass form
+@pytest.mark.parametrize("T,d,bd_u,k", [(1, 64, None, 0), (3, 256, 64, 6), (2, 600, 128, 0),
+                                        (2, 64, 64, 1)])
+def test_post_mix_runs_the_next_pre_in_its_last_programs(mods, T, d, bd_u, k, monkeypatch):
+    """hc_post(pre=): out and PART as without pre; u = the next hc_pre's critical launch
+    (gates + u + RMSNorm) at d block bd_u, bit for bit under the interpreter, within one bf16
+    ulp of the RMSNorm of the torch reference's u; token counters back at 0 (a second call
+    gives the same bits); hc_pre_async(u=) then launches the Sinkhorn only."""
+    mhc, dec = mods
+    pw = kernel_module("pointwise", "_combine_kernel", INTERPRET)
+    gen = torch.Generator().manual_seed(T * 11 + d + k)
+    fn, scale, base = params((2 + S) * S, d, 3, gen)
+    X = streams(T, d, gen)
+    w = (torch.rand(d, generator=gen) + 0.5).to(DEV)
+    post = (torch.rand(T, S, generator=gen) * 2).to(DEV)
+    M = torch.softmax(torch.randn(T, S, S, generator=gen), -1).to(DEV)
+    if k:                                                # the MoE's pairs, summed in the launch
+        pairs = (torch.randn(T * k, d, generator=gen) * 3).bfloat16().to(DEV)
+        f = pw.combine_later(pairs, k, None, torch.bfloat16)
+    else:
+        f = (torch.randn(T, d, generator=gen) * 2).bfloat16().to(DEV)
+    nxt = dec.NextPre(scale, base, w, RMS_EPS, HC_EPS, NORM_EPS)
+    out, part, u = dec.hc_post(f, X, post, M, next_fn=fn, pre=nxt, bd_u=bd_u)
+    want_out, want_part = dec.hc_post(f, X, post, M, next_fn=fn)
+    same_or_close(out, want_out, "out")
+    same_or_close(part, want_part, "part")
+    bd = min(bd_u or dec.FOLD["bd_u"], 1 << (d - 1).bit_length())
+    want_u, post_w, M_w = dec.hc_pre(out, fn, scale, base, ITERS, HC_EPS, NORM_EPS,
+                                     norm=(w, RMS_EPS), part=part, bd=bd)
+    same_or_close(u, want_u, "u")
+    u_plain = dec.hc_pre(out, fn, scale, base, ITERS, HC_EPS, NORM_EPS, part=part, bd=bd)[0]
+    want = rms_ref(u_plain, w)                           # RMSNorm of the kernel's own bf16 u
+    assert u.dtype == torch.bfloat16 and ulps(u, want, want.abs()) <= 1
+    from backfit.runtime.streams import stream_counters
+    assert not stream_counters(X.device, T)[:T].any()    # reset by each token's last program
+    again = dec.hc_post(f, X, post, M, next_fn=fn, pre=nxt, bd_u=bd_u)
+    assert all(torch.equal(a, b) for a, b in zip(again, (out, part, u)))
+    launches, _ = _count_launches(monkeypatch, dec, ("_post_mix_kernel", "_collapse_norm_kernel"))
+    got = dec.hc_pre_async(out, fn, scale, base, ITERS, HC_EPS, NORM_EPS, norm=(w, RMS_EPS),
+                           part=part, u=u)
+    if got[3] is not None:
+        torch.cuda.current_stream().wait_event(got[3][0])
+    assert launches == ["_collapse_norm_kernel"], launches       # post + M only
+    assert got[0] is u and torch.equal(got[1], post_w) and torch.equal(got[2], M_w)
+
+
+def test_post_mix_pre_bad_input(mods):
+    """pre= without the next hc_pre's next_fn, a bad bd_u or norm weight, a wrong u: errors;
+    past FOLD_MAX_T tokens pre is not run (u None, out and PART as without it)."""
+    _, dec = mods
+    gen = torch.Generator().manual_seed(3)
+    fn, scale, base = params((2 + S) * S, 64, 3, gen)
+    hfn, _, _ = params(S, 64, 1, gen)
+    X = streams(2, 64, gen)
+    f, post, M = X[:, 0].contiguous(), torch.rand(2, S).to(DEV), torch.rand(2, S, S).to(DEV)
+    nxt = dec.NextPre(scale, base, torch.ones(64).to(DEV), RMS_EPS, HC_EPS, NORM_EPS)
+    with pytest.raises(ValueError, match="pre= needs"):
+        dec.hc_post(f, X, post, M, pre=nxt)
+    with pytest.raises(ValueError, match="pre= needs"):
+        dec.hc_post(f, X, post, M, next_fn=hfn, pre=nxt)           # hc_head's fn
+    with pytest.raises(ValueError, match="bd_u must be"):
+        dec.hc_post(f, X, post, M, next_fn=fn, pre=nxt, bd_u=24)
+    with pytest.raises(ValueError, match="norm weight"):
+        dec.hc_post(f, X, post, M, next_fn=fn, pre=nxt._replace(norm_w=torch.ones(32).to(DEV)))
+    out, part, u = dec.hc_post(f, X, post, M, next_fn=fn, pre=nxt)
+    with pytest.raises(ValueError, match="u must be"):
+        dec.hc_pre_async(out, fn, scale, base, ITERS, HC_EPS, NORM_EPS, part=part, u=u[:1])
+    T = dec.FOLD_MAX_T + 1                                  # past it: not folded, u None
+    X = streams(T, 64, gen)
+    f, post, M = X[:, 1].contiguous(), torch.rand(T, S).to(DEV), torch.rand(T, S, S).to(DEV)
+    out, part, u = dec.hc_post(f, X, post, M, next_fn=fn, pre=nxt)
+    want = dec.hc_post(f, X, post, M, next_fn=fn)
+    assert u is None and torch.equal(out, want[0]) and torch.equal(part, want[1])

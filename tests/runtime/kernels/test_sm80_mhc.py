@@ -69,6 +69,16 @@ def compile_all() -> list[dict]:
                             dict(S=4, NOUT=n_out, NP=max(2, 1 << n_out.bit_length()), BD=bd,
                                  HAS_FN=has_fn, KC=kc, HAS_SH=sh, FT=tl.bfloat16), warps,
                             ("D", "K")))
+    # hc_post(pre=): the next hc_pre's critical launch in the last programs (session 16's fold),
+    # at FOLD's tile (the one-pass u, bd_u 4096) for the attention's and the MoE's hc_post, and
+    # the two-pass u at bd_u 1024
+    fold_types = dict(post_types, CNT="*i32", SCALE="*fp32", BASE="*fp32", NW="*fp32", U="*bf16",
+                      hc_eps="fp32", norm_eps="fp32", rms_eps="fp32")
+    for bd_u, kc in ((mhc_decode.FOLD["bd_u"], 0), (mhc_decode.FOLD["bd_u"], 6), (1024, 0)):
+        out.append(_compile(mhc_decode._post_mix_kernel, fold_types,
+                            dict(S=4, NOUT=24, NP=32, BD=bd1, HAS_FN=True, KC=kc, HAS_SH=kc > 0,
+                                 FT=tl.bfloat16, SP=4096 // bd1, BDU=bd_u, PRE=True),
+                            dict(num_warps=mhc_decode.FOLD["warps"], num_stages=1), ("D", "K")))
     norm_types = dict(ctypes, W="*fp32", rms_eps="fp32")
     bd8 = mhc_decode.post_bd(8, 4096)
     # the two COLLAPSE defaults (T <= 4: 4 warps / 1024; else 8 / 4096, tensor Sinkhorn) first
@@ -107,7 +117,7 @@ def compile_all() -> list[dict]:
 
 def test_mhc_and_fp32_output_linear_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 30
+    assert len(results) == 33
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
