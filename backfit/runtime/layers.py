@@ -101,6 +101,31 @@ class Linear(nn.Module):
             return linear(x, self.weight, self.scale, self.scheme)
         return F.linear(x, self.dequantized(x.dtype))
 
+    def norm_folds(self, x: torch.Tensor) -> bool:
+        """Whether forward_normed(x, norm) runs as one launch: kernel path, bf16 x, int8_g128 /
+        bf16 weight, at a shape kernels.gemv takes on its cuda variant (kernels.gemv.norm_fold)."""
+        if not (kernel_path(x) and x.dtype == torch.bfloat16 and self.scheme in _KERNEL_SCHEMES
+                and self.weight.dtype in (torch.int8, torch.bfloat16)):
+            return False
+        from backfit.runtime.kernels import gemv
+        M = x.numel() // x.shape[-1]
+        return 0 < M <= gemv.GEMV_MAX_M and gemv.norm_fold(M, *self.weight.shape,
+                                                            self.scheme == "int8_g128")
+
+    def forward_normed(self, x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
+        """self(norm(x)): one GEMV launch with the RMSNorm inside where norm_folds(x), else the
+        two calls (the norm's Σx² in the GEMV's order: its bf16 input may differ by an ulp)."""
+        if not self.norm_folds(x):
+            return self(norm(x))
+        from backfit.runtime.kernels import gemv
+        K = x.shape[-1]
+        x2 = x.reshape(-1, K)
+        y = gemv.launch(x2 if x2.stride(1) == 1 else x2.contiguous(), self.weight.contiguous(),
+                        self.scale.contiguous() if self.scale is not None else None,
+                        self.scheme == "int8_g128", torch.bfloat16,
+                        norm=(norm.weight, norm.eps))
+        return y.reshape(*x.shape[:-1], self.out_features)
+
     def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
         """x [.., in] bf16 or fp32 -> FP32 [.., out] = x·W^T in FP32 (router, compressors).
 

@@ -30,98 +30,16 @@ import triton
 import triton.language as tl
 
 from backfit.formats import INT8_GROUP
+from backfit.runtime.kernels.gemv_tiles import GEMV_CANDIDATES, GEMV_TABLE
 
 __all__ = ["GEMV_CANDIDATES", "GEMV_MAX_M", "GEMV_TABLE", "check_linear", "gemv", "gemv_config",
-           "gemv_grouped", "gemv_lookup", "launch"]
+           "gemv_grouped", "gemv_lookup", "launch", "norm_fold"]
 
 GEMV_MAX_M = 8                 # rows handled in one program (M <= 8: decode at small batch)
+NORM_ONE_K = False             # launch(norm=) with one K step: the norm from the loaded tile (True:
+                               # lost at wq_b's batch-1 TP-4 shape, model.attention) else a first pass
 _MAGIC_I = tl.constexpr(0x4B400000)            # bits of 1.5·2^23
 _MAGIC_F = tl.constexpr(12582912.0)            # 1.5·2^23
-
-# Winners of scripts/bench_gemv.py on the H200 that beat the a16 path, by (kind, N range, K range,
-# M range) -> config; first match wins (gemv_lookup); no match -> gemv_config's default. kind
-# "int8" (int8_g128, BF16 out) or "bf16" (FP32 out). Bounds inclusive. Measured 2026-12-01 (copy
-# bandwidth 4.19 TB/s), `python3 scripts/bench_gemv.py`; comments: µs gemv vs a16 per timed M.
-
-
-def _cfg(variant: str, bn: int, bk: int, warps: int, magic: bool = False) -> dict:
-    return dict(variant=variant, BN=bn, BK=bk, num_warps=warps, MAGIC=magic, num_stages=1)
-
-
-GEMV_TABLE: list[tuple[str, tuple[int, int], tuple[int, int], tuple[int, int], dict]] = [
-    # M=1 2.8 vs 6.3, M=2 3.1 vs 6.4, M=4 3.6 vs 6.4
-    ("bf16", (256, 256), (4096, 4096), (1, 4), _cfg("fma", 1, 4096, 8)),
-    ("bf16", (256, 256), (4096, 4096), (5, 8), _cfg("fma", 1, 2048, 4)),  # M=8 6.3 vs 6.4
-    ("bf16", (1024, 1024), (4096, 4096), (1, 1), _cfg("cuda", 1, 4096, 8)),  # M=1 4.2 vs 8.1
-    # M=2 4.9 vs 8.2, M=4 6.1 vs 8.2
-    ("bf16", (1024, 1024), (4096, 4096), (2, 4), _cfg("fma", 1, 1024, 4)),
-    ("bf16", (2624, 2624), (4096, 4096), (1, 1), _cfg("cuda", 1, 4096, 4)),  # M=1 8.1 vs 10.9
-    ("bf16", (2624, 2624), (4096, 4096), (2, 2), _cfg("fma", 1, 1024, 4)),  # M=2 9.0 vs 11.0
-    ("int8", (1536, 1536), (4096, 4096), (1, 1), _cfg("cuda", 1, 4096, 4, False)),  # M=1 4.6 vs 7.8
-    ("int8", (1536, 1536), (4096, 4096), (2, 2), _cfg("cuda", 4, 2048, 4, True)),  # M=2 6.1 vs 7.6
-    ("int8", (4096, 4096), (2048, 2048), (1, 1), _cfg("cuda", 4, 2048, 4, True)),  # M=1 5.3 vs 7.8
-    ("int8", (4096, 4096), (2048, 2048), (2, 2), _cfg("cuda", 8, 1024, 4, True)),  # M=2 6.8 vs 7.8
-    ("int8", (4096, 4096), (4096, 4096), (1, 1), _cfg("cuda", 4, 2048, 4, True)),  # M=1 8.3 vs 10.5
-    # M=1 14.9 vs 16.8
-    ("int8", (4096, 4096), (8192, 8192), (1, 1), _cfg("cuda", 4, 2048, 4, True)),
-    ("int8", (8192, 8192), (1024, 1024), (1, 1), _cfg("cuda", 8, 1024, 4, True)),  # M=1 4.9 vs 7.4
-    ("int8", (8192, 8192), (1024, 1024), (2, 2), _cfg("cuda", 16, 512, 4, True)),  # M=2 6.4 vs 7.4
-    # one TP-4 rank's shapes (`bench_gemv.py --tp 4`, H200, session 14, copy 4.2 TB/s; its wq_b
-    # and wo_b are the 8192 x 1024 and 4096 x 2048 rows above, re-measured within 0.1 µs):
-    # shared w1|w3, M=1 3.86 vs a16 7.05, M=2 4.65 vs 7.08
-    ("int8", (1024, 1024), (4096, 4096), (1, 1), _cfg("cuda", 1, 4096, 4, False)),
-    ("int8", (1024, 1024), (4096, 4096), (2, 2), _cfg("fma", 1, 1024, 4, False)),
-    # indexer wq_b, M=1 2.73 vs 5.80, M=2 3.31 vs 5.75 (M=8: 5.65 vs 5.79, left to a16)
-    ("int8", (2048, 2048), (1024, 1024), (1, 2), _cfg("cuda", 4, 2048, 4, True)),
-    # shared w2, M=1 2.62 vs 5.41, M=2 3.21 vs 5.46
-    ("int8", (4096, 4096), (512, 512), (1, 1), _cfg("cuda", 4, 2048, 4, True)),
-    ("int8", (4096, 4096), (512, 512), (2, 2), _cfg("cuda", 4, 1024, 4, False)),
-    # gemv_grouped (kind "bf16g", against model.attention's einsum): wo_a of one TP-4 rank, 2
-    # groups x 1024 rows x 4096 (`bench_gemv.py --only wo_a --tp 4`, session 15; M = 8: einsum
-    # 11.47 vs 19.87 best, left to it). At tp 1 (8192 rows) the einsum (cuBLAS) is at 84 % of
-    # copy BW and the best gemv within 2 % of it (18.84 vs 19.18 us at M = 1): no entry.
-    ("bf16g", (2048, 2048), (4096, 4096), (1, 1), _cfg("cuda", 1, 4096, 4)),  # M=1 6.77 vs 9.39
-    # M=2 8.08 vs 11.37, M=4 10.25 vs 11.50
-    ("bf16g", (2048, 2048), (4096, 4096), (2, 4), _cfg("fma", 1, 1024, 4)),
-]
-
-# What bench_gemv.py sweeps and test_sm80_gemv.py compiles, by kind. cuda: BN·BK weights per K
-# step held as FP32 in registers, <= 8K per 128 threads; fma: plus BN·BK/threads accumulators per
-# row (M = 8: 8 x 16 at BN·BK = 2048, 4 warps). Large BN cuts the x re-reads from L2
-# (N/BN · M · K · 2 B: at M = 8, BN = 1 that is 16x the weight bytes).
-_C, _F = "cuda", "fma"
-GEMV_CANDIDATES = {
-    "int8": [dict(variant=_C, BN=1, BK=4096, num_warps=4, MAGIC=False),
-             dict(variant=_C, BN=4, BK=2048, num_warps=4, MAGIC=True),
-             dict(variant=_C, BN=4, BK=1024, num_warps=4, MAGIC=False),
-             dict(variant=_C, BN=8, BK=1024, num_warps=4, MAGIC=True),
-             dict(variant=_C, BN=16, BK=512, num_warps=4, MAGIC=True),
-             dict(variant=_F, BN=1, BK=1024, num_warps=4, MAGIC=False),
-             dict(variant=_F, BN=8, BK=256, num_warps=4, MAGIC=True),
-             # not yet timed on a GPU: V8 / PREFETCH forms of the M = 1 winners
-             dict(variant=_C, BN=4, BK=2048, num_warps=4, MAGIC=True, V8=True),
-             dict(variant=_C, BN=4, BK=1024, num_warps=4, MAGIC=True, PREFETCH=True),
-             dict(variant=_C, BN=8, BK=1024, num_warps=4, MAGIC=True, V8=True, PREFETCH=True),
-             # the K loop as a cp.async pipeline STAGES deep over more, shorter steps
-             # (bench_gemv.py --pipe): H200, session 10, slower than the shipped tile on all
-             # 9 shapes at M = 1 (e.g. wo_b 15.6-18.5 vs 14.7 us): kept for the next sweep
-             *(dict(variant=v, BN=bn, BK=bk, num_warps=4, MAGIC=True, STAGES=st)
-               for v, bn, bk, st in ((_C, 4, 512, 3), (_C, 4, 512, 4), (_C, 4, 1024, 3),
-                                     (_C, 8, 512, 3), (_C, 2, 1024, 3), (_C, 16, 256, 4),
-                                     (_F, 8, 256, 4)))],
-    "bf16": [dict(variant=_C, BN=1, BK=4096, num_warps=4),
-             dict(variant=_C, BN=1, BK=4096, num_warps=8),
-             dict(variant=_C, BN=8, BK=512, num_warps=4),
-             dict(variant=_F, BN=1, BK=2048, num_warps=4),
-             dict(variant=_F, BN=1, BK=1024, num_warps=4),
-             dict(variant=_F, BN=1, BK=4096, num_warps=8),
-             dict(variant=_F, BN=8, BK=256, num_warps=4),
-             dict(variant=_C, BN=1, BK=2048, num_warps=8, PREFETCH=True),        # not yet timed
-             *(dict(variant=v, BN=bn, BK=bk, num_warps=4, STAGES=st)         # (as above)
-               for v, bn, bk, st in ((_C, 1, 1024, 3), (_C, 1, 512, 4), (_C, 2, 512, 4),
-                                     (_F, 1, 512, 4), (_F, 1, 1024, 3)))],
-}
-
 
 @triton.jit
 def _group_offset(pid, K, BN: tl.constexpr, GROUP_N: tl.constexpr):
@@ -137,12 +55,15 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
                  QUANT: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
                  MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  V8: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                 STAGES: tl.constexpr = 1, GROUP_N: tl.constexpr = 0):
+                 STAGES: tl.constexpr = 1, GROUP_N: tl.constexpr = 0, NW=None, eps=0.0,
+                 NORM: tl.constexpr = False, ONE_K: tl.constexpr = False):
     """Rows [pid·BN, +BN) of y [M, N] = x [M, K] @ W [N, K]^T over all K, all M (<= MP) rows.
     V8: 8-element column runs (x and an int8 W tile in one layout, no shared-memory layout
     change; 8 B int8 loads). PREFETCH (EVEN_K only): the next K step's weights are loaded
     before this step's math (a register double buffer). GROUP_N > 0 (block-diagonal W, see
-    gemv_grouped): rows n read x's K inputs of group n // GROUP_N."""
+    gemv_grouped): rows n read x's K inputs of group n // GROUP_N. NORM: x's rows RMS-normalised
+    first, x·rsqrt(mean(x²) + eps)·NW rounded to bf16 (rope_norm._rms_kernel's ops; its Σx² in
+    another order), from the loaded tile when the K loop is one step (ONE_K), else a first pass."""
     G: tl.constexpr = BK // 128
     pid = tl.program_id(0)
     X = X + _group_offset(pid, K, BN, GROUP_N)
@@ -157,6 +78,15 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
     w_ptr = W + rn_c[:, None, None] * K + kofs[None, :, :]                   # [BN, G, 128]
     rm = tl.arange(0, MP)
     acc = tl.zeros((MP, BN), dtype=tl.float32)
+    inv = tl.zeros((MP,), dtype=tl.float32)            # NORM: each row's rsqrt(mean(x²) + eps)
+    if NORM and not ONE_K:
+        for m in tl.static_range(MP):
+            ss = tl.zeros((G, 128), dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                xm = tl.load(X + tl.minimum(m, M - 1) * stride_xm + k0 + kofs,
+                             mask=(k0 + kofs) < K, other=0.0).to(tl.float32)
+                ss += xm * xm
+            inv = tl.where(rm == m, tl.math.rsqrt(tl.sum(tl.sum(ss, 1), 0) / K + eps), inv)
     q_next = tl.load(w_ptr) if PREFETCH else None   # step 0 (PREFETCH implies EVEN_K)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         k_ok = (k0 + kofs) < K                                               # [G, 128]
@@ -181,7 +111,15 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
                 xm = tl.load(x_ptr)                                          # [G, 128] bf16
             else:
                 xm = tl.load(x_ptr, mask=k_ok, other=0.0)
-            part = tl.sum(wf * xm.to(tl.float32)[None, :, :], axis=2)        # [BN, G] group sums
+            xf = xm.to(tl.float32)
+            if NORM:
+                if ONE_K:
+                    inv_m = tl.math.rsqrt(tl.sum(tl.sum(xf * xf, 1), 0) / K + eps)
+                else:
+                    inv_m = tl.sum(tl.where(rm == m, inv, 0.0), axis=0)
+                nw = tl.load(NW + k0 + kofs, mask=k_ok, other=0.0)           # [G, 128] fp32
+                xf = (xf * inv_m * nw).to(tl.bfloat16).to(tl.float32)
+            part = tl.sum(wf * xf[None, :, :], axis=2)                       # [BN, G] group sums
             if QUANT:
                 part = part * s
             part = tl.sum(part, axis=1)                                      # [BN]
@@ -361,11 +299,20 @@ def gemv_grouped(x: torch.Tensor, weight: torch.Tensor, group: int,
                   False, torch.bfloat16, cfg or None, group=group)
 
 
+def norm_fold(M: int, N: int, K: int, quant: bool) -> bool:
+    """Whether gemv takes this shape (a GEMV_TABLE row) on the variant that can RMS-normalise
+    its input in the launch (cuda): launch(norm=) applies."""
+    cfg = gemv_lookup(M, N, K, quant)
+    return cfg is not None and cfg.get("variant", "cuda") == "cuda"
+
+
 def launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, quant: bool,
-           out_dtype: torch.dtype, config: dict | None = None, group: int = 0) -> torch.Tensor:
+           out_dtype: torch.dtype, config: dict | None = None, group: int = 0,
+           norm: tuple | None = None) -> torch.Tensor:
     """gemv on checked arguments (check_linear; gemm.linear's route here): x2 [M, K] with unit
     stride in K, contiguous weight (and scale) -> [M, N]. group > 0: gemv_grouped's (x2 [M,
-    N/group·K], each program's BN rows inside one group)."""
+    N/group·K], each program's BN rows inside one group). norm = (weight [K] fp32, eps), cuda
+    variant only: y = RMSNorm(x2) @ W^T, the norm (layers.RMSNorm, bf16 out) in the launch."""
     M, (N, K) = x2.shape[0], weight.shape
     if M > GEMV_MAX_M:
         raise ValueError(f"gemv: at most {GEMV_MAX_M} rows, got {M} (use gemm.linear)")
@@ -390,10 +337,17 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, q
     const = dict(QUANT=quant, MAGIC=bool(cfg.get("MAGIC", False)), EVEN_K=K % bk == 0,
                  MP=triton.next_power_of_2(M), BN=cfg["BN"], BK=bk,
                  STAGES=cfg.get("STAGES", 1), GROUP_N=group)
+    if norm is not None and (variant != "cuda" or group or norm[0].dtype != torch.float32
+                             or tuple(norm[0].shape) != (K,) or norm[0].device != x2.device):
+        raise ValueError(f"gemv: norm= needs the cuda variant, no group and an fp32 [{K}] weight "
+                         f"on {x2.device}")
     if variant == "cuda":                # PREFETCH needs whole K steps (no masks)
+        nrm = {} if norm is None else dict(NW=norm[0], eps=float(norm[1]), NORM=True,
+                                           ONE_K=NORM_ONE_K and bk >= K)
         _gemv_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), **const,
                            V8=bool(cfg.get("V8", False)),
-                           PREFETCH=bool(cfg.get("PREFETCH", False)) and K % bk == 0, **opts)
+                           PREFETCH=bool(cfg.get("PREFETCH", False)) and K % bk == 0, **opts,
+                           **nrm)
     else:
         _gemv_fma_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), **const, **opts)
     return y

@@ -28,7 +28,7 @@ from backfit.runtime.model import compressor as compressor_mod
 from backfit.runtime.model.compressor import Compressor, HeadWeights, Indexer, ProjectedRows
 from backfit.runtime.streams import beside
 
-__all__ = ["Attention", "KV_BESIDE", "SIDE_STREAMS", "WO_A_GEMV", "layer_rotary"]
+__all__ = ["Attention", "KV_BESIDE", "Q_NORM_IN_WQ_B", "SIDE_STREAMS", "WO_A_GEMV", "layer_rotary"]
 
 # The paged decode step on CUDA (triton path): the compressor update and the CSA indexer chain
 # run on side streams beside the query path (runtime/streams.py); False: all in order.
@@ -39,6 +39,13 @@ KV_BESIDE = True
 # Decode batches on the triton path: the grouped wo_a as one block-diagonal GEMV (kernels.gemv
 # gemv_grouped) at the shapes its table measured faster than the einsum (cuBLAS); False: einsum.
 WO_A_GEMV = True
+# The paged decode step on the triton path, at these batch sizes: q_norm inside wq_b's GEMV launch
+# where kernels.gemv takes wq_b's shape (a TP-4 rank at batch 1-2; Linear.norm_folds); the CSA
+# indexer's qr is normed on its own side chain. Elsewhere q_norm's own launch, then wq_b. H200,
+# 43-layer TP-4 slice, bench_ab.py (session 16, GPU time of the replay): batch 2 -74.9 us; batch 1
+# +39.2 us with the norm from the one loaded K tile in each of wq_b's 1,024 programs (the cross-warp
+# Σx² on every program's path; gemv.NORM_ONE_K); batch 1 with the first pass: see PERFORMANCE.md
+Q_NORM_IN_WQ_B = (2,)
 
 
 def layer_rotary(cfg: ModelConfig, ratio: int) -> Rotary:
@@ -142,12 +149,14 @@ class Attention(nn.Module):
         kv = kv_ready = None            # kv_ready: the event of the kv chain queued beside
         if decode_step and KV_BESIDE and x.is_cuda and kernel_path(x):
             kv, kv_ready = beside(x.device, "kv", lambda: self._kv_stored(kvx, pos, cache))
-        qr = self.q_norm(qa)                                          # [T, q_lora]; indexer input too
-        if side is not None and self.indexer is not None:             # from qr on, beside wq_b
+        fold = decode_step and T in Q_NORM_IN_WQ_B and self.wq_b.norm_folds(qa)  # q_norm in wq_b
+        indexed = self.indexer is not None
+        qr = None if fold and (side is not None or not indexed) else self.q_norm(qa)  # [T, q_lora]
+        if side is not None and indexed:                              # from qr on, beside wq_b
             sel, ev = beside(x.device, "index", lambda: self._decode_select(
-                qr, wraw, icomp, pos, cache, x.dtype, proj))
+                self.q_norm(qa) if qr is None else qr, wraw, icomp, pos, cache, x.dtype, proj))
             side = (side[0] + [ev], sel)
-        q = self.wq_b(qr).view(T, Hl, D)
+        q = (self.wq_b.forward_normed(qa, self.q_norm) if fold else self.wq_b(qr)).view(T, Hl, D)
         if kernel_path(q):              # norm + RoPE in one launch each (kernels.rope_norm)
             from backfit.runtime.kernels.rope_norm import rope
             r = self.rope

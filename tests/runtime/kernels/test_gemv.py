@@ -189,3 +189,75 @@ def test_grouped_equals_the_grouped_einsum(gv, G, O, K, M, cfg):
         gv.gemv_grouped(x, w, O, config=dict(BN=3))
     with pytest.raises(ValueError, match=r"weight \[G\*"):
         gv.gemv_grouped(x, w, O + 1 if (G * O) % (O + 1) else O + 2)
+
+
+# (n, k, config): one K step (ONE_K: the norm from the loaded tile), a masked K tail over steps
+# (the first pass), double-buffered steps
+NORM_CASES = [(16, 256, dict(BN=4, BK=256)), (20, 384, dict(BN=8, BK=256)),
+              (12, 512, dict(BN=4, BK=128, PREFETCH=True, MAGIC=True))]
+
+
+@pytest.mark.parametrize("one_k", [False, True], ids=["first-pass", "one-k"])
+@pytest.mark.parametrize("quant", [True, False], ids=["int8_g128", "bf16"])
+@pytest.mark.parametrize("n,k,cfg", NORM_CASES)
+def test_gemv_norm_in_the_launch(gv, quant, n, k, cfg, one_k, monkeypatch):
+    """launch(norm=): RMSNorm(x) @ W^T in one launch = the norm's own kernel then the GEMV,
+    within the GEMV's tolerance (the norm's Σx² in another order: an input may differ by one
+    bf16 ulp), and against the FP64 product of the unrounded normed x within one more rounding;
+    both forms of the norm (NORM_ONE_K: from the one loaded K tile where BK >= K)."""
+    monkeypatch.setattr(gv, "NORM_ONE_K", one_k)
+    rn = kernel_module("rope_norm", "_rms_kernel", INTERPRET)
+    gen = torch.Generator().manual_seed(n + k)
+    w, s, deq = weights(n, k, quant, gen)
+    if not quant:
+        cfg = {a: b for a, b in cfg.items() if a != "MAGIC"}
+    nw = (torch.rand(k, generator=gen) + 0.5).to(DEV)
+    with one_thread():
+        for m in (1, 2, 5):
+            x = (torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen).add(0.2)
+                 * 4).bfloat16().to(DEV)
+            y = gv.launch(x, w, s, quant, torch.bfloat16, config=cfg, norm=(nw, 1e-6))
+            two = gv.launch(rn.rms_norm(x, nw, 1e-6), w, s, quant, torch.bfloat16, config=cfg)
+            assert y.shape == (m, n) and rel(y, two) < TOL[torch.bfloat16], (m, cfg)
+            xf = x.double().cpu()
+            xn = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6) * nw.double().cpu()
+            assert rel(y, xn @ deq.double().T) < 2 * TOL[torch.bfloat16], (m, cfg)
+    with pytest.raises(ValueError, match="norm= needs"):
+        gv.launch(x, w, s, quant, torch.bfloat16, config=dict(variant="fma", BN=2, BK=128),
+                  norm=(nw, 1e-6))
+    with pytest.raises(ValueError, match="norm= needs"):
+        gv.launch(x, w, s, quant, torch.bfloat16, config=cfg, norm=(nw[:-1], 1e-6))
+
+
+def test_linear_forward_normed_folds_where_the_table_says(gv, monkeypatch):
+    """Linear.forward_normed: one _gemv_kernel launch (no norm launch) at a GEMV_TABLE shape of
+    the cuda variant, = self(norm(x)) within tolerance; the fma variant, other shapes and the
+    torch backend keep the two calls."""
+    import backfit.runtime.kernels as pkg
+    from backfit.runtime.layers import Linear, RMSNorm
+    rn = kernel_module("rope_norm", "_rms_kernel", INTERPRET)
+    gen = torch.Generator().manual_seed(4)
+    q, s, _ = weights(24, 256, True, gen)
+    lin, norm = Linear(256, 24), RMSNorm(256, 1e-6)
+    lin.load("int8_g128", q, s)
+    norm.weight = (torch.rand(256, generator=gen) + 0.5).to(DEV)
+    x = torch.randn(1, 256, generator=gen).bfloat16().to(DEV)
+    assert not lin.norm_folds(x)                                       # torch backend
+    monkeypatch.setattr(pkg, "_backend", "triton")
+    monkeypatch.setattr(pkg, "_ANY_DEVICE", True)
+    monkeypatch.setattr(gv, "GEMV_TABLE", [])
+    assert not lin.norm_folds(x)                                       # no table row
+    monkeypatch.setattr(gv, "GEMV_TABLE", [("int8", (24, 24), (256, 256), (1, 1),
+                                            dict(variant="fma", BN=4, BK=256))])
+    assert not lin.norm_folds(x)                                       # fma: no norm
+    monkeypatch.setattr(gv, "GEMV_TABLE", [("int8", (24, 24), (256, 256), (1, 1),
+                                            dict(variant="cuda", BN=4, BK=256))])
+    assert lin.norm_folds(x) and not lin.norm_folds(torch.cat([x, x]))   # M = 2: no row
+    calls = []
+    real = rn.rms_norm
+    monkeypatch.setattr(rn, "rms_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with one_thread():
+        y = lin.forward_normed(x, norm)
+        assert not calls
+        want = lin(norm(x))
+        assert calls and rel(y, want) < TOL[torch.bfloat16]

@@ -1,6 +1,7 @@
 """The small-M GEMV kernels (kernels.gemv) compile for sm_80 on this CPU machine (test_sm80.py's
 helper) for every config of GEMV_CANDIDATES, GEMV_TABLE and the default, int8_g128 (BF16 out) and
-BF16 weights (FP32 out; the grouped rows "bf16g": BF16 out, 1024-row groups), cuda and fma at M padded to 1 and 8 rows: shared memory within 99 KB,
+BF16 weights (FP32 out; the grouped rows "bf16g": BF16 out, 1024-row groups), cuda and fma at M padded to 1 and 8 rows, and the
+cuda rows of K 1024 with the RMSNorm in the launch (norm=, at their M): shared memory within 99 KB,
 no FP8/FP4. cuda, fma: no MMA (CUDA-core FMAs), and MAGIC really converts without an int ->
 float cvt (I2F) in the PTX; fma and cuda V8 (int8) need no shared memory beyond the final
 reductions' 1 KB (more would mean a layout change inside the K loop). Compiled in a subprocess
@@ -34,6 +35,11 @@ def _configs() -> list[tuple[str, dict, int]]:
             if key not in seen:
                 seen.add(key)
                 out += [(kind, c, mp) for mp in MPS]
+    # launch(norm=) (q_norm in wq_b's GEMV): the table's cuda rows of wq_b's K (1024), the norm
+    # from the one loaded tile (ONE_K, BK >= K) or from a first pass
+    for e in gemv.GEMV_TABLE:
+        if e[0] == "int8" and e[2] == (1024, 1024) and e[4]["variant"] == "cuda":
+            out.append(("int8", dict(e[4], NORM=True, ONE_K=e[4]["BK"] >= 1024), e[3][1]))
     return out
 
 
@@ -57,6 +63,9 @@ def compile_all() -> list[dict]:
                      GROUP_N=1024 if kind == "bf16g" else 0)           # wo_a's o_lora rows
         if cfg["variant"] == "cuda":
             const.update(V8=bool(cfg.get("V8")), PREFETCH=bool(cfg.get("PREFETCH")))
+        if cfg.get("NORM"):
+            types.update(NW="*fp32", eps="fp32")
+            const.update(NORM=True, ONE_K=cfg["ONE_K"])
         r = _compile(fn, types, const, opts, ("N", "K", "stride_xm"))
         # the same source again (a cache hit) for the PTX: int -> float conversions
         sig = {a: types.get(a, "constexpr") for a in fn.arg_names}
@@ -85,8 +94,8 @@ def test_gemv_compiles_for_sm80():
             # device's 3.6 (H200 run, 2026-12-01); more would mean the weight tile went to smem
             # (STAGES > 1 puts it there on purpose: cp.async buffers, bounded above)
             assert r["shared"] <= 2048, f"{name}: {r['shared']} B shared (a layout change?)"
-        if r["config"]["QUANT"] and r["config"]["MAGIC"]:
-            assert r["i2f"] == 0, f"{name}: MAGIC still converts with cvt"
+        if r["config"]["QUANT"] and r["config"]["MAGIC"]:   # (norm: mean(x²) = Σ / float(K))
+            assert r["i2f"] == int(r["config"].get("NORM", 0)), f"{name}: MAGIC still converts"
         elif r["config"]["QUANT"]:
             assert r["i2f"] > 0, f"{name}: no int8 -> fp32 cvt found (the check is blind)"
 
