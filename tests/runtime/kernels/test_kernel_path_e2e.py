@@ -62,15 +62,29 @@ def _run(model, backend: str, monkeypatch) -> list[torch.Tensor]:
 
 
 def test_kernel_path_equals_torch_path(tiny_converted, tp1_process, monkeypatch):
+    """... and with q_norm inside wq_b's GEMV at the decode steps (batch 2): a GEMV_TABLE row for
+    the tiny wq_b shape (4096 x 128) and attention.Q_NORM_IN_WQ_B = (2,) as shipped, so window and
+    HCA layers take the fold and the CSA layers norm qr for their indexer."""
+    from backfit.runtime.kernels import gemv
+    from backfit.runtime.model import attention
     conv = tiny_converted(1, "int8")
     model = Transformer(ModelConfig.from_file(conv / "config.json"), torch.bfloat16, mtp=False)
     load_model(model, conv)
     want = _run(model, "torch", monkeypatch)
     monkeypatch.setattr(kpkg, "_ANY_DEVICE", True)
     monkeypatch.setattr(kpkg, "_backend", "triton")
+    monkeypatch.setattr(gemv, "GEMV_TABLE", gemv.GEMV_TABLE + [
+        ("int8", (4096, 4096), (128, 128), (2, 2), dict(variant="cuda", BN=8, BK=128,
+                                                      num_warps=4, MAGIC=True, num_stages=1))])
+    monkeypatch.setattr(attention, "Q_NORM_IN_WQ_B", (2,))
+    folds = []
+    real = attention.Linear.forward_normed
+    monkeypatch.setattr(attention.Linear, "forward_normed",
+                        lambda self, x, n: folds.append(self.norm_folds(x)) or real(self, x, n))
     model.prepare_kernels()                                    # fused projections, stacked experts
     assert model.layers[0].attn.fused_a is not None and model.layers[0].ffn.stacked
     got = _run(model, "triton", monkeypatch)
+    assert folds and all(folds)                                 # the decode steps took the fold
     for step, (g, w) in enumerate(zip(got, want)):
         assert g.shape == w.shape and torch.isfinite(g).all(), step
         rel = ((g - w).norm() / w.norm()).item()
