@@ -25,9 +25,12 @@ RMSNorm (kernels.rope_norm._rms_kernel): ~16.5 us for a few KB. Here:
 hc_pre_async (the Block's): the same kernel as two launches on one PART, gates + u + RMSNorm on
 the critical path and post + M (the Sinkhorn chain) on a side stream, joined by the hc_post
 after the sub-layer (the only reader of post / M).
-Per decode step of L layers: 4L + 2 launches on the critical path for mHC and the RMSNorms
-after it, + 2L Sinkhorn launches beside it (today 8L + 3: 6L + 2 mHC, 2L + 1 RMSNorm). The
-Block's attention / MoE take the normed u directly (model.transformer).
+hc_post(pre=) (PRE_FOLD, session 16): the last of token t's _post_mix_kernel programs to arrive
+(an acq_rel counter) runs that critical launch for t itself; hc_pre_async(u=) then launches the
+Sinkhorn only. Per decode step of L layers: 2L + 3 launches on the critical path for mHC and the
+RMSNorms after it (4L + 2 without the fold), + 2L Sinkhorn launches beside it (before this
+module 8L + 3: 6L + 2 mHC, 2L + 1 RMSNorm). The Block's attention / MoE take the normed u
+directly (model.transformer).
 No host syncs; grids from shapes only (CUDA-graph safe). DECODE_FUSED = False: hyper.
 decode_kernels returns None and the model runs today's path (4 launches per pair).
 """
