@@ -78,6 +78,8 @@ class NextPre(NamedTuple):
     rms_eps: float
     hc_eps: float
     norm_eps: float
+
+
 _FT = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}     # a PairSum's sum dtype
 # _collapse_norm_kernel's launch by token count: (largest T, warps, d block of the u passes
 # (capped at d), scalar Sinkhorn (S = 4 only: 16 per-thread values instead of [S, S] tensor

@@ -1,7 +1,8 @@
 """The small-M GEMV kernels (kernels.gemv) compile for sm_80 on this CPU machine (test_sm80.py's
 helper) for every config of GEMV_CANDIDATES, GEMV_TABLE and the default, int8_g128 (BF16 out) and
-BF16 weights (FP32 out; the grouped rows "bf16g": BF16 out, 1024-row groups), cuda and fma at M padded to 1 and 8 rows, and the
-cuda rows of K 1024 with the RMSNorm in the launch (norm=, at their M): shared memory within 99 KB,
+BF16 weights (FP32 out; the grouped rows "bf16g": BF16 out, 1024-row groups), cuda and fma at M
+padded to 1 and 8 rows, and the cuda rows of K 1024 with the RMSNorm in the launch (norm=, at
+their M): shared memory within 99 KB,
 no FP8/FP4. cuda, fma: no MMA (CUDA-core FMAs), and MAGIC really converts without an int ->
 float cvt (I2F) in the PTX; fma and cuda V8 (int8) need no shared memory beyond the final
 reductions' 1 KB (more would mean a layout change inside the K loop). Compiled in a subprocess
