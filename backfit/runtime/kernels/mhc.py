@@ -58,20 +58,22 @@ def _mix_partial_kernel(X, FN, PART, K, K_SPLIT, SPLIT,
 
 
 @triton.jit
+def _ld(ptrs, mask, CG: tl.constexpr):
+    """A masked load (0 outside) as FP32; CG: from L2 (.cg: other programs of this launch wrote
+    it, so L1 may hold nothing valid)."""
+    if CG:
+        return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _pre_gates(part, i_ok, rs, SCALE, BASE, K, hc_eps, norm_eps, NOUT: tl.constexpr,
                CG: tl.constexpr = False):
     """The split rows part [SP] (live where i_ok) -> (pre [S], r): one gather per logit group,
     summed over the splits by a fixed-shape tree (deterministic); r = rsqrt(mean(x²) + eps).
     CG: the rows are read from L2 (.cg: other programs of this launch wrote them)."""
-    if CG:
-        lp = tl.load(part[:, None] + rs[None, :], mask=i_ok[:, None], other=0.0,
-                     cache_modifier=".cg")
-        sq = tl.load(part + NOUT, mask=i_ok, other=0.0, cache_modifier=".cg")
-    else:
-        lp = tl.load(part[:, None] + rs[None, :], mask=i_ok[:, None], other=0.0)
-        sq = tl.load(part + NOUT, mask=i_ok, other=0.0)
-    lp = tl.sum(lp, axis=0)
-    sq = tl.sum(sq, axis=0)
+    lp = tl.sum(_ld(part[:, None] + rs[None, :], i_ok[:, None], CG), axis=0)
+    sq = tl.sum(_ld(part + NOUT, i_ok, CG), axis=0)
     r = 1.0 / tl.sqrt_rn(sq / K + norm_eps)
     return tl.sigmoid(lp * r * tl.load(SCALE) + tl.load(BASE + rs)) + hc_eps, r
 

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from backfit.runtime.kernels import mhc
-from backfit.runtime.kernels.mhc import _post_comb, _post_inputs, _pre_gates, _sinkhorn, \
+from backfit.runtime.kernels.mhc import _ld, _post_comb, _post_inputs, _pre_gates, _sinkhorn, \
     _sinkhorn4
 from backfit.runtime.kernels.pointwise import _pair_acc
 from backfit.runtime.streams import stream_counters
@@ -222,14 +222,6 @@ def _u_norm(X, W, U, t, pre, D, rms_eps, S: tl.constexpr, BD: tl.constexpr, NORM
                 u = u.to(U.dtype.element_ty).to(tl.float32) * inv
                 u = u * tl.load(W + rd, mask=d_ok, other=0.0)
             tl.store(U + t * D + rd, u.to(U.dtype.element_ty), mask=d_ok)
-
-
-@triton.jit
-def _ld(ptrs, mask, CG: tl.constexpr):
-    """Streams as FP32 (masked to 0); CG: from L2 (.cg)."""
-    if CG:
-        return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 def post_bd(T: int, d: int) -> int:
