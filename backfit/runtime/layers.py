@@ -118,13 +118,7 @@ class Linear(nn.Module):
         if not self.norm_folds(x):
             return self(norm(x))
         from backfit.runtime.kernels import gemv
-        K = x.shape[-1]
-        x2 = x.reshape(-1, K)
-        y = gemv.launch(x2 if x2.stride(1) == 1 else x2.contiguous(), self.weight.contiguous(),
-                        self.scale.contiguous() if self.scale is not None else None,
-                        self.scheme == "int8_g128", torch.bfloat16,
-                        norm=(norm.weight, norm.eps))
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return gemv.gemv(x, self.weight, self.scale, self.scheme, norm=(norm.weight, norm.eps))
 
     def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
         """x [.., in] bf16 or fp32 -> FP32 [.., out] = x·W^T in FP32 (router, compressors).

@@ -36,8 +36,6 @@ __all__ = ["GEMV_CANDIDATES", "GEMV_MAX_M", "GEMV_TABLE", "check_linear", "gemv"
            "gemv_grouped", "gemv_lookup", "launch", "norm_fold"]
 
 GEMV_MAX_M = 8                 # rows handled in one program (M <= 8: decode at small batch)
-NORM_ONE_K = False             # launch(norm=) with one K step: the norm from the loaded tile (True:
-                               # lost at wq_b's batch-1 TP-4 shape, model.attention) else a first pass
 _MAGIC_I = tl.constexpr(0x4B400000)            # bits of 1.5·2^23
 _MAGIC_F = tl.constexpr(12582912.0)            # 1.5·2^23
 
@@ -56,14 +54,15 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
                  MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  V8: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                  STAGES: tl.constexpr = 1, GROUP_N: tl.constexpr = 0, NW=None, eps=0.0,
-                 NORM: tl.constexpr = False, ONE_K: tl.constexpr = False):
+                 NORM: tl.constexpr = False):
     """Rows [pid·BN, +BN) of y [M, N] = x [M, K] @ W [N, K]^T over all K, all M (<= MP) rows.
     V8: 8-element column runs (x and an int8 W tile in one layout, no shared-memory layout
     change; 8 B int8 loads). PREFETCH (EVEN_K only): the next K step's weights are loaded
     before this step's math (a register double buffer). GROUP_N > 0 (block-diagonal W, see
     gemv_grouped): rows n read x's K inputs of group n // GROUP_N. NORM: x's rows RMS-normalised
     first, x·rsqrt(mean(x²) + eps)·NW rounded to bf16 (rope_norm._rms_kernel's ops; its Σx² in
-    another order), from the loaded tile when the K loop is one step (ONE_K), else a first pass."""
+    another order, from a first pass over K: the form that reduced the loaded tile of a one-step
+    K loop instead lost too, model.attention)."""
     G: tl.constexpr = BK // 128
     pid = tl.program_id(0)
     X = X + _group_offset(pid, K, BN, GROUP_N)
@@ -79,7 +78,7 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
     rm = tl.arange(0, MP)
     acc = tl.zeros((MP, BN), dtype=tl.float32)
     inv = tl.zeros((MP,), dtype=tl.float32)            # NORM: each row's rsqrt(mean(x²) + eps)
-    if NORM and not ONE_K:
+    if NORM:
         for m in tl.static_range(MP):
             ss = tl.zeros((G, 128), dtype=tl.float32)
             for k0 in range(0, K, BK):
@@ -113,10 +112,7 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
                 xm = tl.load(x_ptr, mask=k_ok, other=0.0)
             xf = xm.to(tl.float32)
             if NORM:
-                if ONE_K:
-                    inv_m = tl.math.rsqrt(tl.sum(tl.sum(xf * xf, 1), 0) / K + eps)
-                else:
-                    inv_m = tl.sum(tl.where(rm == m, inv, 0.0), axis=0)
+                inv_m = tl.sum(tl.where(rm == m, inv, 0.0), axis=0)
                 nw = tl.load(NW + k0 + kofs, mask=k_ok, other=0.0)           # [G, 128] fp32
                 xf = (xf * inv_m * nw).to(tl.bfloat16).to(tl.float32)
             part = tl.sum(wf * xf[None, :, :], axis=2)                       # [BN, G] group sums
@@ -265,18 +261,19 @@ def check_linear(who: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.T
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scheme: str,
-         config: dict | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+         config: dict | None = None, out_dtype: torch.dtype = torch.bfloat16,
+         norm: tuple | None = None) -> torch.Tensor:
     """x [..., K] bf16 (M = prod(...) <= GEMV_MAX_M rows) @ weight [N, K]^T -> [..., N] out_dtype,
     for scheme int8_g128 | bf16 | copy (bf16 weight); the semantics of gemm.linear's a16 path.
     config: overrides of gemv_config (variant, BN, BK, MAGIC, num_warps, num_stages, STAGES: the
     K loop's cp.async depth, 1 = none; cuda: V8, PREFETCH); BK is capped at K rounded up to a
-    power of two."""
+    power of two. norm: launch's (RMSNorm(x) first, in the launch)."""
     quant = check_linear("gemv", x, weight, scale, scheme, out_dtype)
     K = weight.shape[1]
     x2 = x.reshape(-1, K)
     return launch(x2 if x2.stride(1) == 1 else x2.contiguous(), weight.contiguous(),
                   scale.contiguous() if quant else None, quant, out_dtype,
-                  config).reshape(*x.shape[:-1], weight.shape[0])
+                  config, norm=norm).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def gemv_grouped(x: torch.Tensor, weight: torch.Tensor, group: int,
@@ -342,8 +339,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, q
         raise ValueError(f"gemv: norm= needs the cuda variant, no group and an fp32 [{K}] weight "
                          f"on {x2.device}")
     if variant == "cuda":                # PREFETCH needs whole K steps (no masks)
-        nrm = {} if norm is None else dict(NW=norm[0], eps=float(norm[1]), NORM=True,
-                                           ONE_K=NORM_ONE_K and bk >= K)
+        nrm = {} if norm is None else dict(NW=norm[0], eps=float(norm[1]), NORM=True)
         _gemv_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), **const,
                            V8=bool(cfg.get("V8", False)),
                            PREFETCH=bool(cfg.get("PREFETCH", False)) and K % bk == 0, **opts,

@@ -44,7 +44,7 @@ WO_A_GEMV = True
 # indexer's qr is normed on its own side chain. Elsewhere q_norm's own launch, then wq_b. H200,
 # 43-layer TP-4 slice, bench_ab.py (session 16, GPU time of the replay): batch 2 -74.9 us; batch 1
 # +39.2 us with the norm from the one loaded K tile in each of wq_b's 1,024 programs (the cross-warp
-# Σx² on every program's path; gemv.NORM_ONE_K); batch 1 with the first pass: see PERFORMANCE.md
+# Σx² on every program's path; that form is deleted), +51.6 us with the first pass (the form kept)
 Q_NORM_IN_WQ_B = (2,)
 
 

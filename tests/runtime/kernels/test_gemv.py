@@ -191,21 +191,17 @@ def test_grouped_equals_the_grouped_einsum(gv, G, O, K, M, cfg):
         gv.gemv_grouped(x, w, O + 1 if (G * O) % (O + 1) else O + 2)
 
 
-# (n, k, config): one K step (ONE_K: the norm from the loaded tile), a masked K tail over steps
-# (the first pass), double-buffered steps
+# (n, k, config): one K step, a masked K tail over steps, double-buffered steps
 NORM_CASES = [(16, 256, dict(BN=4, BK=256)), (20, 384, dict(BN=8, BK=256)),
               (12, 512, dict(BN=4, BK=128, PREFETCH=True, MAGIC=True))]
 
 
-@pytest.mark.parametrize("one_k", [False, True], ids=["first-pass", "one-k"])
 @pytest.mark.parametrize("quant", [True, False], ids=["int8_g128", "bf16"])
 @pytest.mark.parametrize("n,k,cfg", NORM_CASES)
-def test_gemv_norm_in_the_launch(gv, quant, n, k, cfg, one_k, monkeypatch):
+def test_gemv_norm_in_the_launch(gv, quant, n, k, cfg):
     """launch(norm=): RMSNorm(x) @ W^T in one launch = the norm's own kernel then the GEMV,
     within the GEMV's tolerance (the norm's Σx² in another order: an input may differ by one
-    bf16 ulp), and against the FP64 product of the unrounded normed x within one more rounding;
-    both forms of the norm (NORM_ONE_K: from the one loaded K tile where BK >= K)."""
-    monkeypatch.setattr(gv, "NORM_ONE_K", one_k)
+    bf16 ulp), and against the FP64 product of the unrounded normed x within one more rounding."""
     rn = kernel_module("rope_norm", "_rms_kernel", INTERPRET)
     gen = torch.Generator().manual_seed(n + k)
     w, s, deq = weights(n, k, quant, gen)
