@@ -1,10 +1,17 @@
 """Continuous batching: which tokens of which sequences run in the next forward; plain Python.
 
 One step = decode tokens of running sequences + prefill chunks (of admitted, partially prefilled
-sequences and of newly admitted ones) under `max_num_batched_tokens` and `max_num_seqs`. The
-engine calls schedule() -> runner -> postprocess(step, sampled) strictly in turn; finish() or
-abort() of a running sequence while a step is in flight is applied at the end of postprocess (the
-runner may still be reading its blocks).
+sequences and of newly admitted ones) under `max_num_batched_tokens` and `max_num_seqs`. Per step
+the engine calls schedule() -> runner -> advance(step) -> resolve(step, sampled); postprocess is
+advance + resolve. advance (right after the launch) moves num_computed on and appends each
+sampled token as a placeholder -1 - r (row r of the step's sampled tokens, on the device);
+resolve fills the placeholders with the host's tokens and applies the token-level stops.
+Overlap (docs/ENGINE.md §6): schedule() may run while one advanced step is still unresolved:
+its decode tokens are then that step's placeholders, which the runner takes from the device.
+Sequences that end at the pending resolve whatever its token (max_tokens, max_model_len) are
+not scheduled again. finish() or abort() of a sequence some unresolved step still holds is
+applied when the last such step resolves (the runner may still be reading its blocks); until
+then it is skipped, and a token-level stop found one step late drops the step after it.
 
 Order: running sequences by arrival (decode tokens are reserved out of the budget before a prefill
 chunk takes it), then waiting ones FIFO (no admission in a step that preempted). A chunk that
@@ -72,8 +79,9 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}       # every unfinished sequence
         self._arrivals = itertools.count()
         self.num_preemptions = 0                  # since start (a statistic)
-        self._in_flight = False                   # between schedule() and postprocess()
-        self._deferred: dict[int, str] = {}       # seq_id -> finish reason, applied after it
+        self._unadvanced = False                  # schedule() returned a step not advanced
+        self._unresolved = 0                      # advanced steps not yet resolved (0..2)
+        self._external: set[int] = set()          # deferred finish() calls, reported when freed
 
     @property
     def has_work(self) -> bool:
@@ -105,14 +113,19 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledStep:
-        if self._in_flight:
-            raise RuntimeError("schedule() called again before postprocess() of the last step")
+        if self._unadvanced or self._unresolved > 1:
+            raise RuntimeError("schedule() called before advance() of the last step, or with two "
+                               "steps unresolved")
         step, budget = ScheduledStep(), self.max_num_batched_tokens
         running = self.running
-        decodes_left = sum(1 for s in running if s.length - s.num_computed == 1)
+        decodes_left = sum(1 for s in running
+                           if s.length - s.num_computed == 1 and not self._ends(s))
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
+            if self._ends(seq):                 # ends at a pending resolve: nothing to run
+                i += 1
+                continue
             todo = seq.length - seq.num_computed
             if todo <= 0:
                 raise RuntimeError(f"sequence {seq.seq_id} has no token to run (rolled back "
@@ -128,7 +141,8 @@ class Scheduler:
                 i += 1
                 continue
             while not self.bm.grow(seq, n):
-                victim = running[-1]            # newest not yet in the step (all after i)
+                victim = next(v for v in reversed(running) if not self._ends(v))
+                #                                 newest not yet in the step (all after i)
                 if victim is not seq and victim.length - victim.num_computed == 1:
                     decodes_left -= 1           # its reserved token is free again
                 self._preempt(victim, step)
@@ -159,45 +173,67 @@ class Scheduler:
             assert self.bm.grow(seq, n)
             self._emit(step, seq, n)
             budget -= n
-        self._in_flight = bool(step.seqs)         # an empty step needs no postprocess()
+        for item in step.seqs:
+            item.seq.in_flight += 1
+        self._unadvanced = bool(step.seqs)        # an empty step needs no advance()
         return step
 
-    def postprocess(self, step: ScheduledStep, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance num_computed, append sampled tokens, apply token-level stops; returns the
-        sequences that finished (already freed)."""
+    def advance(self, step: ScheduledStep) -> None:
+        """The step is launched: num_computed moves on, blocks register, and every sampled
+        row's token is appended as the placeholder -1 - r (r: its row among the sampled)."""
+        r = 0
+        for item in step.seqs:
+            seq = item.seq
+            if seq.status is SequenceStatus.RUNNING and seq.finishing is None:
+                seq.num_computed = item.start + len(item.token_ids)
+                self.bm.commit(seq)
+                if item.sample:
+                    seq.output_ids.append(-1 - r)
+            r += item.sample
+        self._unadvanced = False
+        self._unresolved += bool(step.seqs)
+
+    def resolve(self, step: ScheduledStep, sampled: dict[int, int]) -> list[Sequence]:
+        """Fill the step's placeholders with the sampled tokens and apply token-level stops;
+        returns the sequences that ended (freed, or freed when the last step holding them
+        resolves), and those whose deferred finish() is applied now."""
         finished = []
         for item in step.seqs:
             seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in self._deferred:
-                continue                            # finished or aborted since schedule()
-            seq.num_computed = item.start + len(item.token_ids)
-            self.bm.commit(seq)
-            if not item.sample:
-                continue
-            if seq.seq_id not in sampled:
-                raise KeyError(f"no sampled token for sequence {seq.seq_id} (its row asked)")
-            token = sampled[seq.seq_id]
-            seq.output_ids.append(token)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
+            seq.in_flight -= 1
+            if item.sample and seq.finishing is None and not seq.is_finished:
+                if seq.seq_id not in sampled:
+                    raise KeyError(f"no sampled token for sequence {seq.seq_id} (its row asked)")
+                k = item.start + len(item.token_ids) - seq.num_prompt   # its output index
+                token = seq.output_ids[k] = sampled[seq.seq_id]
+                reason = self._stop_reason(seq, token, k + 1)
+                if reason is not None:
+                    self._end(seq, reason)
+                    finished.append(seq)
+            if seq.finishing is not None and seq.in_flight == 0:
+                reason, seq.finishing = seq.finishing, None
                 self._finish(seq, reason)
-                finished.append(seq)
-        self._in_flight = False
-        for seq_id, reason in self._deferred.items():
-            seq = self.seqs[seq_id]
-            self._finish(seq, reason)
-            finished.append(seq)
-        self._deferred.clear()
+                if seq.seq_id in self._external:
+                    self._external.discard(seq.seq_id)
+                    finished.append(seq)
+        self._unresolved -= bool(step.seqs)
         return finished
+
+    def postprocess(self, step: ScheduledStep, sampled: dict[int, int]) -> list[Sequence]:
+        """advance + resolve (no overlap): the sequences that finished, already freed."""
+        self.advance(step)
+        return self.resolve(step, sampled)
 
     def finish(self, seq_id: int, reason: str = "stop") -> Sequence | None:
         """End a request (the engine matched a stop string); None if it is not active. A running
-        one, while a step is in flight, ends in that step's postprocess (and is returned by it)."""
+        one that an unresolved step still holds ends when that step resolves (and is returned
+        by that resolve); it is not scheduled again meanwhile."""
         seq = self.seqs.get(seq_id)
-        if seq is None or seq_id in self._deferred:
+        if seq is None or seq.finishing is not None:
             return None
-        if self._in_flight and seq.status is SequenceStatus.RUNNING:
-            self._deferred[seq_id] = reason
+        if seq.in_flight and seq.status is SequenceStatus.RUNNING:
+            self._external.add(seq_id)
+            self._end(seq, reason)
         else:
             self._finish(seq, reason)
         return seq
@@ -233,16 +269,36 @@ class Scheduler:
             if save is not None:
                 step.saves.append(save)
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int, n_out: int) -> str | None:
+        """Why seq ends at `token`, its n_out-th output id (None: it goes on)."""
         p = seq.params
-        if seq.num_output >= p.min_tokens and (
+        if n_out >= p.min_tokens and (
                 (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids):
             return "stop"
-        if p.max_tokens is not None and seq.num_output >= p.max_tokens:
+        if p.max_tokens is not None and n_out >= p.max_tokens:
             return "length"
-        if seq.length >= self.max_model_len:
+        if seq.num_prompt + n_out >= self.max_model_len:
             return "length"
         return None
+
+    def _ends(self, seq: Sequence) -> bool:
+        """seq ends when the steps holding it resolve: finishing, or at a length limit whatever
+        its pending token is (only while a step holds it; otherwise it has ended already)."""
+        if seq.finishing is not None:
+            return True
+        p = seq.params
+        return seq.in_flight > 0 and ((p.max_tokens is not None and seq.num_output >= p.max_tokens)
+                                      or seq.length >= self.max_model_len)
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        """seq ends now: freed at once, or (held by an unresolved step) marked finishing, with
+        the placeholders past its last token dropped."""
+        if seq.in_flight and seq.status is SequenceStatus.RUNNING:
+            seq.finishing = seq.finish_reason = reason
+            while seq.output_ids and seq.output_ids[-1] < 0:
+                seq.output_ids.pop()
+        else:
+            self._finish(seq, reason)
 
     def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
         self.bm.free(seq)

@@ -4,6 +4,9 @@ Positions 0 .. length-1 are `all_ids` = prompt + output. `num_computed` of them 
 the caches (block i of `block_table` holds positions i*B .. i*B+B-1; `slot` holds the window ring
 and compressor rows at position `num_computed`). While running, the tokens still to compute are
 all_ids[num_computed:]: a prefill (several, chunked) or one decode token (the last sampled).
+A sampled token is appended when its step is launched, as a placeholder -1 - r (row r of that
+step's sampled tokens, still on the device), and filled in when the step is resolved; only the
+last one or two output ids can be placeholders (scheduler.py, "overlap").
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class Sequence:
         self.prefill_len = 0                # length at admission: the prompt, or prompt + output
         self.num_preemptions = 0
         self.finish_reason: str | None = None   # "stop" | "length" | "abort"
+        self.in_flight = 0                  # scheduled steps not yet resolved (overlap: up to 2)
+        self.finishing: str | None = None   # ended while in flight: freed when in_flight is 0
 
     @property
     def all_ids(self) -> list[int]:

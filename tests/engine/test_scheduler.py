@@ -27,15 +27,20 @@ class FakeRunner:
         self.bm, self.next_token = bm, next_token
         self.slots, self.blocks = {}, {}
 
-    def execute(self, step):
+    def execute(self, step, prev=None):
+        """prev: the tokens of the last step's sampled rows, by row (overlap: the placeholders
+        -1 - r of an unresolved step are taken from it, as the runner takes them on the device)."""
         bm, out, B = self.bm, {}, self.bm.block_size
+        real = (lambda ids: ids) if prev is None else \
+            (lambda ids: [prev[-1 - t] if t < 0 else t for t in ids])
         for src, dst in step.restores:                    # before the forward
             self.slots[dst] = self.slots[src]
         for item in step.seqs:
             seq, start = item.seq, item.start
             end = start + len(item.token_ids)
-            ids = seq.all_ids
-            assert item.token_ids == ids[start:end] and len(seq.block_table) * B >= end
+            ids = real(seq.all_ids)
+            assert min(ids) >= 0, "a placeholder of an older step"
+            assert real(item.token_ids) == ids[start:end] and len(seq.block_table) * B >= end
             if start == 0:
                 self.slots[seq.slot] = ()                 # a fresh slot is reset
             else:                                         # restored, or left by its last chunk
@@ -219,6 +224,104 @@ def test_token_level_stops():
     got = {s.seq_id: (s.output_ids, s.finish_reason) for s in finished}
     assert got == {0: ([EOS, 5, EOS], "stop"), 1: ([EOS] * 3, "length"),
                    2: ([4, 7], "stop"), 3: ([1] * 4, "length")}
+
+
+def run_overlapped(sched, runner, each=None, max_steps=3000):
+    """run() with the engine's overlap: step N+1 is scheduled and executed before step N is
+    resolved, its decode tokens the placeholders of step N (resolved from N's rows)."""
+    finished, pending, steps = [], None, 0
+    while sched.has_work or pending:
+        step = sched.schedule() if sched.has_work else None
+        out = None
+        if step:
+            assert step.num_tokens <= sched.max_num_batched_tokens
+            prev = None if pending is None else pending[2]
+            out = runner.execute(step, prev)
+            sched.advance(step)
+        elif pending is None:
+            raise AssertionError("work left but nothing scheduled or pending")
+        if pending:
+            finished += sched.resolve(pending[0], pending[1])
+        sched.bm.check(sched.running)
+        pending = None if not step else \
+            (step, out, [out[i.seq.seq_id] for i in step.seqs if i.sample])
+        if each:
+            each()
+        steps += 1
+        assert steps <= max_steps, "no progress"
+    return finished
+
+
+@pytest.mark.parametrize("caching,chunked,blocks", [(True, True, 64), (False, False, 64),
+                                                    (True, True, 14), (False, True, 14)])
+def test_overlapped_run_gives_the_sequential_tokens(caching, chunked, blocks):
+    """40 requests with stop tokens, EOS, min/max tokens, max_model_len: the overlapped run
+    (one step in flight while the next is scheduled) gives every request the tokens and finish
+    reason of the plain run, never schedules a sequence past its end, gives every block back,
+    and (14 blocks) preempts."""
+    def token(seq, prefix):
+        return hash(tuple(prefix)) % 23                     # EOS = 0 once in 23
+
+    def go(overlap):
+        rng = random.Random(7)
+        bm, sched = make(num_blocks=blocks, num_slots=5, snaps=4, caching=caching,
+                         chunked=chunked, max_seqs=5, budget=32, max_len=48)
+        start = counters(bm)
+        seqs = []
+        for i in range(40):
+            mt = rng.choice([None, rng.randrange(1, 20)])
+            params = SamplingParams(max_tokens=mt, min_tokens=rng.randrange(0, 3),
+                                    stop_token_ids=(rng.randrange(1, 23),),
+                                    ignore_eos=rng.random() < 0.3)
+            seqs.append(Sequence(i, [rng.randrange(1, 30) for _ in range(rng.randrange(1, 28))],
+                                 params))
+            sched.add(seqs[-1])
+
+        def each():                                         # no row past its end, ever
+            for s in seqs:
+                assert s.num_output <= (s.params.max_tokens or 99) and s.length <= 48
+        runner = FakeRunner(bm, token)
+        done = run_overlapped(sched, runner, each) if overlap else run(sched, runner)[0]
+        assert sorted(s.seq_id for s in done) == list(range(40))
+        assert counters(bm) == start and not sched.seqs
+        return {s.seq_id: (s.output_ids, s.finish_reason) for s in seqs}, sched.num_preemptions
+    plain, n0 = go(False)
+    overlapped, n1 = go(True)
+    assert overlapped == plain
+    assert (n0 > 0) == (n1 > 0) == (blocks == 14)
+    assert any(r == "stop" for _, r in plain.values()) and any(r == "length"
+                                                              for _, r in plain.values())
+
+
+def test_overlapped_abort_and_finish_wait_for_the_steps_that_hold_them():
+    bm, sched = make(num_slots=2, max_seqs=2, caching=False)
+    start = counters(bm)
+    runner = FakeRunner(bm)
+    a, b = (Sequence(i, [i + 1] * 5, SamplingParams(max_tokens=30, ignore_eos=True))
+            for i in range(2))
+    sched.add(a), sched.add(b)
+    s1 = sched.schedule()
+    out1 = runner.execute(s1)
+    sched.advance(s1)                                      # in flight: placeholders appended
+    assert a.output_ids == [-1] and b.output_ids == [-2]
+    s2 = sched.schedule()                                  # scheduled on the placeholders
+    assert [i.token_ids for i in s2.seqs] == [[-1], [-2]]
+    out2 = runner.execute(s2, [out1[0], out1[1]])
+    sched.advance(s2)
+    assert sched.abort(0) is a                             # held by s1 and s2
+    assert a.finishing == "abort" and a.output_ids == [] and a.block_table
+    with pytest.raises(RuntimeError, match="two steps unresolved"):
+        sched.schedule()
+    assert sched.resolve(s1, out1) == [] and a.block_table         # s2 still holds it
+    assert b.output_ids == [out1[1], -2]
+    s3 = sched.schedule()
+    assert [i.seq for i in s3.seqs] == [b]                 # a is not scheduled again
+    out3 = runner.execute(s3, [out2[0], out2[1]])
+    sched.advance(s3)
+    assert sched.resolve(s2, out2) == [a] and a.slot is None and a.finish_reason == "abort"
+    assert sched.finish(1, "stop") is b                    # a stop string, b held by s3
+    assert sched.resolve(s3, out3) == [b] and b.output_ids == [out1[1], out2[1]]
+    assert not sched.has_work and counters(bm) == start
 
 
 def test_abort_and_finish_give_everything_back():
