@@ -1,5 +1,11 @@
 """Batched sampler on device: penalties, logit bias and min_tokens, then greedy argmax or
-temperature -> top-k -> top-p -> min-p -> a draw, plus raw logprobs; one host sync per step.
+temperature -> top-k -> top-p -> min-p -> a draw, plus raw logprobs; no host sync until the
+host reads the result (to_host; or to_host_async, which waits on an event of its own, not on the
+stream, so the next step can be queued behind it: the engine's overlap).
+
+Every host -> device copy of a step goes through pinned memory without a sync (the per-row
+columns in ONE copy); an all-greedy step without penalties, bias or bans copies nothing, and
+the raw logprobs are computed only when a row asks for them: argmax is then the whole step.
 
 Parameters are duck-typed (any object with the `backfit.engine.SamplingParams` field names), so
 the runtime never imports the engine.
@@ -21,7 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingBatch", "SampleOutput", "HostSample", "process_logits", "sample",
+from backfit.runtime.batch import to_device
+
+__all__ = ["SamplingBatch", "SampleOutput", "PendingSample", "HostSample", "process_logits",
+           "sample",
            "prompt_logprobs", "row_seed"]
 
 _EPS = 1e-5                  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
@@ -47,7 +56,8 @@ def _flat(rows: list[int], lists: list, device) -> tuple[torch.Tensor, torch.Ten
     r = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lens)
     parts = [torch.frombuffer(array("q", x), dtype=torch.int64) for x in lists if len(x)]
     c = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-    return r.to(device), c.to(device)
+    both = to_device(torch.stack((r, c)), torch.int64, device)
+    return both[0], both[1]
 
 
 @dataclass
@@ -55,9 +65,9 @@ class SamplingBatch:
     """Per-row sampling tensors for one step, [B] unless noted; None where no row needs them."""
 
     vocab_size: int
-    greedy: torch.Tensor                 # bool
+    greedy: torch.Tensor | None          # bool; None when all_greedy
     all_greedy: bool
-    temperature: torch.Tensor            # fp32; 1 on greedy rows
+    temperature: torch.Tensor | None     # fp32; 1 on greedy rows; None when all_greedy
     top_k: torch.Tensor | None           # int64; V where off
     max_top_k: int                       # host: largest k in use (torch.topk width, no sync)
     top_p: torch.Tensor | None           # fp32; 1 where off
@@ -114,8 +124,8 @@ class SamplingBatch:
         if rows:
             if max(ids) >= V:
                 raise ValueError(f"logit_bias token id {max(ids)} is out of range for vocab {V}")
-            bias = (torch.tensor(rows, device=device), torch.tensor(ids, device=device),
-                    torch.tensor(vals, **f32))
+            ri = to_device([rows, ids], torch.int64, device)
+            bias = (ri[0], ri[1], to_device(vals, torch.float32, device))
         rows, ids = [], []
         for i, (p, out) in enumerate(zip(params, output_ids)):
             if len(out) < p.min_tokens:
@@ -125,58 +135,95 @@ class SamplingBatch:
         if rows:
             if max(ids) >= V:
                 raise ValueError(f"stop token id {max(ids)} is out of range for vocab {V}")
-            banned = (torch.tensor(rows, device=device), torch.tensor(ids, device=device))
+            ri = to_device([rows, ids], torch.int64, device)
+            banned = (ri[0], ri[1])
 
-        def col(name):
-            return torch.tensor([float(getattr(p, name)) for p in params], **f32)
-
+        # the per-row columns the step uses, in ONE pinned copy: [C, B] fp32 (ids < 2^24: exact)
+        cols = {}
+        if not all(greedy):
+            cols["greedy"], cols["temperature"] = [float(g) for g in greedy], temp
+        if use_k:
+            cols["top_k"] = [float(x) for x in k]
+        if use_p:
+            cols["top_p"] = [1.0 if g else p.top_p for g, p in zip(greedy, params)]
+        if use_min_p:
+            cols["min_p"] = [0.0 if g else p.min_p for g, p in zip(greedy, params)]
+        if pen:
+            cols["presence"] = [float(p.presence_penalty) for p in params]
+            cols["frequency"] = [float(p.frequency_penalty) for p in params]
+        if rep:
+            cols["repetition"] = [float(p.repetition_penalty) for p in params]
+        dev = dict(zip(cols, to_device(list(cols.values()), torch.float32, device))) if cols \
+            else {}
         seeds = [(i, row_seed(p.seed, len(out))) for i, (g, p, out)
                  in enumerate(zip(greedy, params, output_ids)) if not g and p.seed is not None]
         return cls(
-            vocab_size=V, greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            all_greedy=all(greedy), temperature=torch.tensor(temp, **f32),
-            top_k=torch.tensor(k, dtype=torch.int64, device=device) if use_k else None,
+            vocab_size=V, greedy=dev["greedy"] > 0.5 if "greedy" in dev else None,
+            all_greedy=all(greedy), temperature=dev.get("temperature"),
+            top_k=dev["top_k"].long() if use_k else None,
             max_top_k=max(x for x in k if x < V) if use_k else V,
-            top_p=torch.tensor([1.0 if g else p.top_p for g, p in zip(greedy, params)], **f32)
-            if use_p else None,
-            min_p=torch.tensor([0.0 if g else p.min_p for g, p in zip(greedy, params)], **f32)
-            if use_min_p else None,
-            presence=col("presence_penalty") if pen else None,
-            frequency=col("frequency_penalty") if pen else None, out_counts=out_counts,
-            repetition=col("repetition_penalty") if rep else None,
+            top_p=dev.get("top_p"), min_p=dev.get("min_p"),
+            presence=dev.get("presence"), frequency=dev.get("frequency"), out_counts=out_counts,
+            repetition=dev.get("repetition"),
             seen=seen, bias=bias, banned=banned, seeds=seeds,
             num_logprobs=[p.logprobs for p in params], generator=generator)
 
 
 @dataclass
 class HostSample:
-    """SampleOutput on the host: ids, their raw logprobs, top-n (id, logprob) lists or None."""
+    """SampleOutput on the host: ids, their raw logprobs (None where no row asked), top-n
+    (id, logprob) lists or None."""
 
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float] | list[None]
     top: list[list[tuple[int, float]] | None]
 
 
 @dataclass
 class SampleOutput:
-    """Device tensors: token_ids [B] int64, logprobs [B] fp32 (raw, of token_ids), top_ids /
-    top_logprobs [B, n] for n = the largest request (rows slice their own n), or None."""
+    """Device tensors: token_ids [B] int64, logprobs [B] fp32 (raw, of token_ids; None when no
+    row asks for logprobs), top_ids / top_logprobs [B, n] for n = the largest request (rows
+    slice their own n), or None."""
 
     token_ids: torch.Tensor
-    logprobs: torch.Tensor
+    logprobs: torch.Tensor | None
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
     num_logprobs: list[int | None]
 
+    def to_host_async(self) -> "PendingSample":
+        """Start the copies to the host (pinned, asynchronous on CUDA) behind the sampling
+        kernels; PendingSample.wait() gives the HostSample, waiting for those copies only (an
+        event), not for what is queued on the stream after them."""
+        ts = [self.token_ids, self.logprobs, self.top_ids, self.top_logprobs]
+        host = [None if t is None else t.to("cpu", non_blocking=True) for t in ts]
+        event = None
+        if self.token_ids.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.token_ids.device))
+        return PendingSample(host, event, self.num_logprobs)
+
     def to_host(self) -> HostSample:
         """Copy everything to the host with a single synchronisation."""
-        ts = [t for t in (self.token_ids, self.logprobs, self.top_ids, self.top_logprobs)
-              if t is not None]
-        host = [t.to("cpu", non_blocking=True) for t in ts]    # pinned, asynchronous from CUDA
-        if self.token_ids.device.type == "cuda":
-            torch.cuda.current_stream(self.token_ids.device).synchronize()
-        ids, lps = host[0].tolist(), host[1].tolist()
-        top_i, top_l = (host[2].tolist(), host[3].tolist()) if len(host) == 4 else (None, None)
+        return self.to_host_async().wait()
+
+
+@dataclass
+class PendingSample:
+    """A SampleOutput on its way to the host (to_host_async)."""
+
+    host: list                           # CPU tensors (pinned: valid once the event is done)
+    event: torch.cuda.Event | None
+    num_logprobs: list[int | None]
+
+    def wait(self) -> HostSample:
+        if self.event is not None:
+            self.event.synchronize()
+        ids_t, lps_t, top_i_t, top_l_t = self.host
+        ids = ids_t.tolist()
+        lps = [None] * len(ids) if lps_t is None else lps_t.tolist()
+        top_i, top_l = (top_i_t.tolist(), top_l_t.tolist()) if top_i_t is not None else (None,
+                                                                                       None)
         top = [None if n is None else list(zip(top_i[b][:n], top_l[b][:n])) if n else []
                for b, n in enumerate(self.num_logprobs)]
         return HostSample(ids, lps, top)
@@ -214,13 +261,19 @@ def _exponential(shape, batch: SamplingBatch, device) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [B, V] -> fp32 copy after repetition, frequency and presence penalties, logit bias
-    and the min_tokens ban (vLLM's order); greedy rows take the argmax of this."""
+    """logits [B, V] -> fp32 after repetition, frequency and presence penalties, logit bias
+    and the min_tokens ban (vLLM's order; a copy when any applies, else logits as FP32, which
+    may be logits itself: read it, do not write it); greedy rows take the argmax of this."""
     if logits.dim() != 2 or logits.shape[1] != batch.vocab_size:
         raise ValueError(f"logits must be [B, {batch.vocab_size}], got {tuple(logits.shape)}")
-    if logits.shape[0] != batch.greedy.shape[0]:
-        raise ValueError(f"logits have {logits.shape[0]} rows, the batch {batch.greedy.shape[0]}")
-    x = logits.float().clone()
+    if logits.shape[0] != len(batch.num_logprobs):
+        raise ValueError(f"logits have {logits.shape[0]} rows, the batch "
+                         f"{len(batch.num_logprobs)}")
+    edits = (batch.repetition, batch.out_counts, batch.bias, batch.banned)
+    x = logits.float()
+    if all(e is None for e in edits):
+        return x                      # nothing to change: no copy (the caller only reads x)
+    x = x.clone()
     if batch.repetition is not None:  # CTRL / vLLM: positive logits divided, negative multiplied
         r = batch.repetition[:, None]
         x = torch.where(batch.seen, torch.where(x > 0, x / r, x * r), x)
@@ -229,8 +282,9 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         x -= batch.presence[:, None] * (batch.out_counts > 0).float()
     if batch.bias is not None:
         x.index_put_(batch.bias[:2], batch.bias[2], accumulate=True)
-    if batch.banned is not None:
-        x[batch.banned] = float("-inf")
+    if batch.banned is not None:      # -inf made on the device: `x[banned] = -inf` copies a
+        inf = torch.full((), float("-inf"), device=x.device)        # host value (a sync)
+        x.index_put_(batch.banned, inf)
     return x
 
 
@@ -238,7 +292,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
     """logits [B, V] (any float dtype; computed in fp32) -> SampleOutput; see the module notes."""
     x = process_logits(logits, batch)
     raw = logits.float()
-    lse = torch.logsumexp(raw, dim=-1)                                  # [B] raw normaliser
     ids = x.argmax(dim=-1)                                              # [B] greedy choice
     if not batch.all_greedy:
         y = x / batch.temperature[:, None]
@@ -250,6 +303,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         p = y.softmax(-1)                                               # [B, V]
         drawn = (p / _exponential(p.shape, batch, p.device)).argmax(dim=-1)
         ids = torch.where(batch.greedy, ids, drawn)
+    if all(k is None for k in batch.num_logprobs):
+        return SampleOutput(ids, None, None, None, list(batch.num_logprobs))
+    lse = torch.logsumexp(raw, dim=-1)                                  # [B] raw normaliser
     logprobs = raw.gather(1, ids[:, None])[:, 0] - lse
     n = max((k for k in batch.num_logprobs if k), default=0)
     top_ids = top_lp = None
