@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-__all__ = ["ForwardBatch", "SeqSlice", "to_device"]
+__all__ = ["ForwardBatch", "SeqSlice", "to_device", "fill_placeholders_"]
 
 
 def to_device(data, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
@@ -30,6 +30,19 @@ def to_device(data, dtype: torch.dtype, device: str | torch.device) -> torch.Ten
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def fill_placeholders_(tokens: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """The overlapped step's decode tokens (docs/ENGINE.md §6): tokens [T] int32/int64 on the
+    device whose placeholders -1 - r stand for prev[r], the last step's sampled ids [R] that
+    the host has not read yet -> filled in place, no host sync (triton: one launch)."""
+    from backfit.runtime.kernels import kernel_path
+    if kernel_path(tokens):
+        from backfit.runtime.kernels.pointwise import fill_placeholders_ as fill
+        return fill(tokens, prev)
+    hole = tokens < 0
+    src = prev[torch.where(hole, -1 - tokens, 0).long()].to(tokens.dtype)
+    return tokens.copy_(torch.where(hole, src, tokens))
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from backfit.runtime.batch import ForwardBatch
+from backfit.runtime.batch import ForwardBatch, fill_placeholders_
 from backfit.runtime.cache.budget import capture_sizes
 
 __all__ = ["pad_decode_inputs", "DecodeGraphs"]
@@ -124,11 +124,13 @@ class DecodeGraphs:
         """The smallest captured batch size >= n (None: run eagerly)."""
         return next((B for B in self.sizes if B >= n and B in self.graphs), None)
 
-    def run(self, seqs) -> torch.Tensor | None:
+    def run(self, seqs, prev: torch.Tensor | None = None) -> torch.Tensor | None:
         """seqs: [(token, position, slot, block table)] -> logits [n, V] FP32, or None when no
         graph fits (more sequences than the largest size, or a longer table). The logits are a
         view of the graph's output buffer, valid until the next run: the engine samples from
-        them before its next step (a clone cost a launch and, at batch 64, 33 MB of copy)."""
+        them before its next step (a clone cost a launch and, at batch 64, 33 MB of copy).
+        A token -1 - r (the overlapped step) is prev[r], filled into the staged rows on the
+        device (one launch) before the replay."""
         B = self.size_for(len(seqs))
         if B is None or any(len(s[3]) > self.nblk for s in seqs):
             return None
@@ -137,6 +139,8 @@ class DecodeGraphs:
                           self.rows[:B])
         self.stage[:B].copy_(self.host[:B], non_blocking=True)     # pinned: truly async
         self.copied.record()
+        if any(s[0] < 0 for s in seqs):
+            fill_placeholders_(self.stage[:len(seqs), 0], prev)
         g, out = self.graphs[B]
         g.replay()
         self.replays += 1

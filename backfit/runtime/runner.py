@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from backfit.config import ModelConfig
-from backfit.runtime.batch import ForwardBatch, to_device
+from backfit.runtime.batch import ForwardBatch, fill_placeholders_, to_device
 from backfit.runtime.cache.layout import default_block_size
 from backfit.runtime.cache.paged import PagedCache, check_block_size
 
@@ -186,13 +186,19 @@ class ModelRunner:
         return self.plan.num_slots, blocks
 
     @torch.no_grad()
-    def forward(self, step: StepInput) -> StepOutput:
+    def forward(self, step: StepInput, prev: torch.Tensor | None = None) -> StepOutput:
+        """One step. prev (the overlapped engine step): the last step's sampled ids [R] on the
+        device, which a new token -1 - r stands for (filled on the device, no host sync)."""
         for src, dst in step.restores:
             self.cache.copy_slot(src, dst)
         seqs = step.seqs
+        holes = any(min(s.tokens) < 0 for s in seqs)
+        if holes and prev is None:
+            raise ValueError("the step has placeholder tokens but no previous sampled ids")
         if self.graphs is not None and all(len(s.tokens) == 1 and s.sample and not s.all_logits
                                            for s in seqs):
-            logits = self.graphs.run([(s.tokens[0], s.start, s.slot, s.block_table) for s in seqs])
+            logits = self.graphs.run([(s.tokens[0], s.start, s.slot, s.block_table) for s in seqs],
+                                     prev)
             if logits is not None:
                 for src, dst in step.saves:
                     self.cache.copy_slot(src, dst)
@@ -200,6 +206,8 @@ class ModelRunner:
         batch = ForwardBatch.build([(s.seq_id, list(s.tokens), s.start) for s in seqs],
                                    self.device, [s.slot for s in seqs],
                                    [s.block_table for s in seqs])
+        if holes:
+            fill_placeholders_(batch.tokens, prev)
         X = self.model.hidden(batch, self.cache)                  # [T, hc, d]
         out = StepOutput(None)
         ends = batch.last_rows_host()                             # host ints: no sync

@@ -82,10 +82,14 @@ class RankGroup:
                     os._exit(70)
             time.sleep(0.5)
 
-    def forward(self, step: StepInput) -> StepOutput:
+    def forward(self, step: StepInput, prev=None) -> StepOutput:
+        """prev: the overlapped step's device ids (runner.forward); tp 1 only: the other ranks
+        would need them broadcast inside the step."""
         if self.tp > 1:
+            if prev is not None:
+                raise ValueError("placeholder tokens (the overlapped step) need tp 1")
             dist.broadcast_object_list([step], src=0, group=self.ctrl)
-        return self.runner.forward(step)
+        return self.runner.forward(step, prev)
 
     def close(self) -> None:
         if self._closed:

@@ -18,6 +18,10 @@ sync: the MoE block's (runtime/model/moe.py on the triton backend) and the embed
                       X [T, S, d] = weight[clamp(ids, 0, V-1)] in `dtype`, S equal copies (torch:
                       clamp, gather, repeat = 3 launches); exact (a copy). start=: one rank's
                       vocab shard (rows outside it 0, for the all-reduce; torch: 7 launches).
+  fill_placeholders_(tokens, prev)   the overlapped engine step's decode tokens: every
+                      placeholder -1 - r of tokens [T] (int32 or int64, any stride) becomes
+                      prev[r] (the last step's sampled ids, still on the device), in place: one
+                      launch (torch: 6).
 Triton's exp/log differ from torch's in the last bits: FP32 rounding, and a top-k order that
 can differ from torch's only between scores equal to FP32 rounding.
 """
@@ -226,3 +230,30 @@ def embed_streams(weight: torch.Tensor, ids: torch.Tensor, S: int,
                                                           start or 0, S=S, BD=BD,
                                                           SHARD=start is not None, num_warps=4)
     return X
+
+
+@triton.jit
+def _placeholder_kernel(T, stride, PREV, n, BLOCK: tl.constexpr):
+    """tokens[i·stride] = prev[-1 - t] where t < 0 (t: the token there), else unchanged."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    t = tl.load(T + i * stride, mask=ok, other=0)
+    hole = t < 0
+    v = tl.load(PREV + tl.where(hole, -1 - t, 0), mask=ok & hole, other=0)
+    tl.store(T + i * stride, tl.where(hole, v.to(t.dtype), t), mask=ok & hole)
+
+
+def fill_placeholders_(tokens: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """tokens [T] int32/int64 (a strided view is fine), prev [R] integer on the same device:
+    every tokens[i] = -1 - r becomes prev[r] (r < R: the caller's contract), in place."""
+    if tokens.dim() != 1 or prev.dim() != 1 or tokens.dtype not in (torch.int32, torch.int64) \
+            or prev.dtype.is_floating_point or tokens.device != prev.device:
+        raise ValueError(f"fill_placeholders_: int tokens [T] and integer prev [R] on one "
+                         f"device; got {tokens.dtype}{list(tokens.shape)} on {tokens.device}, "
+                         f"{prev.dtype}{list(prev.shape)} on {prev.device}")
+    n = tokens.shape[0]
+    if n:
+        BLOCK = 256
+        _placeholder_kernel[(triton.cdiv(n, BLOCK),)](tokens, tokens.stride(0), prev, n,
+                                                      BLOCK=BLOCK, num_warps=2)
+    return tokens

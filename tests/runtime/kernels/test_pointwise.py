@@ -157,3 +157,28 @@ def test_route_ties_go_to_the_lower_id_and_negative_scores_order():
         want = sorted(range(E), key=lambda e: (-sb[e], e))[:k]
         assert len({sb[e] for e in want}) < k                   # ties inside the top-k
         assert ids[t].tolist() == want, t
+
+
+@pytest.mark.parametrize("T, R, dtype, stride", [(1, 1, torch.int64, 1), (600, 40, torch.int32, 3),
+                                                 (9, 9, torch.int64, 1)])
+def test_fill_placeholders(T, R, dtype, stride):
+    """Placeholders -1 - r become prev[r]; every other token, and the strided view's other
+    columns, stay as they were; the torch fallback (runtime.batch) gives the same."""
+    from backfit.runtime.batch import fill_placeholders_
+    k = kmod()
+    g = torch.Generator().manual_seed(T)
+    prev = torch.randint(0, 129280, (R,), generator=g)
+    real = torch.randint(0, 129280, (T,), generator=g)
+    rows = torch.randint(0, R, (T,), generator=g)
+    hole = torch.rand(T, generator=g) < 0.5
+    toks = torch.where(hole, -1 - rows, real)
+    want = torch.where(hole, prev[rows], real).to(dtype)
+    buf = torch.full((T, stride), 7, dtype=dtype)
+    buf[:, 0] = toks.to(dtype)
+    got = buf.to(DEV)
+    k.fill_placeholders_(got[:, 0], prev.to(DEV))
+    assert torch.equal(got[:, 0].cpu(), want) and bool((got[:, 1:] == 7).all())
+    ref = toks.to(dtype).clone()
+    assert torch.equal(fill_placeholders_(ref, prev), want)           # kernel_path off: torch
+    with pytest.raises(ValueError, match="fill_placeholders_"):
+        k.fill_placeholders_(got[:, 0].float(), prev.to(DEV))

@@ -1,6 +1,6 @@
 """The small decode kernels (kernels.rope_norm: RMSNorm, RoPE; kernels.cache_ops: compressor
 pooling, cache stores, the fused compressor decode update; kernels.pointwise: SwiGLU, router
-top-k, MoE combine, embedding; kernels.router: the router GEMV + top-k in one launch) compile
+top-k, MoE combine, embedding, the placeholder fill; kernels.router: the router GEMV + top-k in one launch) compile
 for sm_80 on this CPU machine (test_sm80.py's helper): shared memory within 99 KB, no MMA
 (CUDA-core math), no FP8/FP4, and FMA contraction really off in RoPE (no fma.rn.f32 in its PTX:
 the torch path rounds every product; the fused update's RoPE uses the 4 explicit mul.rn). Real
@@ -85,6 +85,10 @@ def compile_all() -> list[dict]:
         out.append(_compile(pointwise._combine_kernel, dict(OUT="*bf16", SH="*bf16", Y=out_t,
                             D="i32"), dict(K=6, SHARED=True, BD=1024),
                             dict(num_warps=4, num_stages=1), ("D",)))
+    for tok in ("*i32", "*i64"):
+        out.append(_compile(pointwise._placeholder_kernel, dict(T=tok, stride="i32",
+                            PREV="*i64", n="i32"), dict(BLOCK=256),
+                            dict(num_warps=2, num_stages=1), ()))
     for r in out:
         if r["kernel"] == "_fused_kernel":     # compiled again: a cache hit, for its PTX
             r["mul_rn"] = _mul_rn_count(r)
@@ -113,7 +117,7 @@ def _mul_rn_count(r: dict) -> int:
 
 def test_small_kernels_compile_for_sm80():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 28
+    assert len(results) == 30
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
