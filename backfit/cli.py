@@ -145,6 +145,11 @@ def engine_options(f):
         click.option("--enforce-eager", is_flag=True, default=False,
                      help="No CUDA graphs: run decode steps eagerly (graphs are used with "
                           "--kernels triton on CUDA at tp 1; they cost start-up time and memory)."),
+        click.option("--async-scheduling/--no-async-scheduling", default=None,
+                     help="Overlap each step's host work (reading the sampled tokens, "
+                          "detokenizing, stops, scheduling) with the next step on the GPU; "
+                          "outputs come one step later. Default: on with --device cuda at tp 1 "
+                          "(needs tp 1), off on CPU, where it gains nothing."),
         click.option("--dtype", "--activations", "dtype", default="bfloat16", show_default=True,
                      type=click.Choice(["bfloat16", "float32"]), help="Activation dtype."),
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "bf16", "int8"]),
@@ -175,7 +180,7 @@ def engine_options(f):
 
 def engine_kwargs(kw: dict) -> dict:
     """Pop the engine flags out of a command's keyword arguments -> EngineConfig fields."""
-    names = ("device", "kernels", "enforce_eager", "dtype", "kv_cache_dtype", "max_model_len",
+    names = ("device", "kernels", "enforce_eager", "async_scheduling", "dtype", "kv_cache_dtype", "max_model_len",
              "max_num_batched_tokens",
              "block_size", "enable_prefix_caching", "enable_chunked_prefill",
              "gpu_memory_utilization", "cpu_kv_cache_gib")

@@ -3,10 +3,20 @@
 No HTTP and no asyncio here (async_engine.py wraps it). One step:
   scheduler.schedule()        which chunks and decode tokens run (engine/scheduler.py)
   ranks.forward(StepInput)    one batched forward on every TP rank (runtime/workers.py)
-  sample                      rank 0 only, batched on device (runtime/sampling.py)
-  scheduler.postprocess       tokens appended, token-level stops, blocks registered
-  TextStream.append           detokenized deltas, stop strings (engine/tokenizer.py)
+  sample                      rank 0 only, batched on device (runtime/sampling.py), the ids
+                              copied to the host asynchronously
+  scheduler.advance           num_computed moves on, blocks register, placeholder tokens
+  resolve                     the host reads the ids: scheduler.resolve (token-level stops),
+                              TextStream.append (detokenized deltas, stop strings)
 Every request gets RequestOutput deltas; the last one has finish_reason and usage.
+
+Async scheduling (--async-scheduling, on by default on CUDA at tp 1; docs/ENGINE.md §6): a
+step resolves the step before it only after launching itself, so the GPU runs step N+1 while
+the host reads, detokenizes and stops step N and schedules N+2. Step N+1's decode tokens are
+step N's placeholders, filled on the device from its sampled ids. Outputs come one step later,
+and a request that stops at step N has computed one wasted row in N+1 (dropped). Steps whose
+running requests use repetition / frequency / presence penalties run without overlap (the
+penalties need the token history on the host).
 """
 
 from __future__ import annotations
@@ -20,11 +30,11 @@ import torch
 from backfit.config import ModelConfig
 from backfit.engine.block_manager import BlockManager
 from backfit.engine.sampling_params import SamplingParams
-from backfit.engine.scheduler import Scheduler
+from backfit.engine.scheduler import ScheduledSeq, ScheduledStep, Scheduler
 from backfit.engine.sequence import Sequence
 from backfit.engine.tokenizer import TextStream, load_tokenizer
 from backfit.runtime.runner import RunnerConfig, StepInput, StepSeq, resolve_kernels
-from backfit.runtime.sampling import SamplingBatch, prompt_logprobs, sample
+from backfit.runtime.sampling import PendingSample, SamplingBatch, prompt_logprobs, sample
 from backfit.runtime.workers import RankGroup
 
 __all__ = ["EngineConfig", "RequestOutput", "Usage", "LLMEngine"]
@@ -50,9 +60,20 @@ class EngineConfig:
     seed: int = 0                                 # unseeded requests draw from this stream
     kernels: str | None = None                    # triton | torch; None: triton on CUDA, else torch
     enforce_eager: bool = False                   # True: no CUDA graphs for decode steps
+    async_scheduling: bool | None = None          # overlap a step's host part with the next
+    #                                               step's GPU work; None: on with CUDA at tp 1
 
     def __post_init__(self):
         resolve_kernels(self.kernels, self.device)   # a bad choice fails before ranks start
+        if self.async_scheduling and self.tp > 1:
+            raise ValueError("--async-scheduling needs --tp 1 (the other ranks would need the "
+                             "sampled ids inside the step); drop it or use --tp 1")
+
+    @property
+    def overlap(self) -> bool:
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.tp == 1 and str(self.device).startswith("cuda")
 
     def runner_config(self) -> RunnerConfig:
         return RunnerConfig(self.model, self.dtype, self.device, self.kv_cache_dtype,
@@ -90,6 +111,16 @@ class _Request:
     prompt_logprobs: list | None = None
 
 
+@dataclass
+class _Launched:
+    """A step on the device, not yet read by the host."""
+    sched: ScheduledStep
+    rows: list[ScheduledSeq]                      # the sampling rows, in row order
+    tokens: torch.Tensor | None                   # [len(rows)] int64 on the device
+    host: PendingSample | None                    # the same ids (and logprobs) on their way
+    all_logits: dict                              # seq_id -> [n, V] (prompt logprobs)
+
+
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
@@ -108,6 +139,8 @@ class LLMEngine:
         self.prompt_tokens_total = self.generation_tokens_total = 0
         self._ids = itertools.count()
         self._gen = torch.Generator(device=r.device).manual_seed(cfg.seed)
+        self.overlap = cfg.overlap
+        self._pending: _Launched | None = None    # overlap: the step launched last, unread
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -135,6 +168,7 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.abort(request_id)
+        self._drain_if_idle()
         return RequestOutput(request_id, "", [], finished=True, finish_reason="abort",
                              usage=self._usage(req.seq))
 
@@ -143,34 +177,78 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step, then read the one launched before it (overlap) or this
+        one (no overlap); returns the outputs of the step read."""
+        if self._pending is not None and not self._can_overlap():
+            return self._resolve_pending()        # the next step needs every token on the host
         sched = self.scheduler.schedule()
-        if not sched.seqs:
-            return []
+        launched = None
+        if sched.seqs:
+            launched = self._launch(sched)
+            self.scheduler.advance(sched)
+        outputs = self._resolve_pending()         # the step before, while this one runs
+        self._pending = launched
+        if not self.overlap:
+            outputs += self._resolve_pending()
+        else:
+            self._drain_if_idle()
+        return outputs
+
+    def _can_overlap(self) -> bool:
+        return self.overlap and not any(s.params.has_penalties for s in self.scheduler.running)
+
+    def _drain_if_idle(self) -> None:
+        """Read the pending step now when none of its requests is live (its rows were wasted):
+        the blocks of the requests that ended go back at once, not at the next step."""
+        p = self._pending
+        if p is not None and not any(s.seq.seq_id in self.requests for s in p.sched.seqs):
+            self._resolve_pending()
+
+    def _launch(self, sched: ScheduledStep) -> _Launched:
+        """Forward + sampling on the device, the ids' copy to the host started; no host sync."""
+        prev = self._pending.tokens if self._pending is not None else None
         step = StepInput(tuple(StepSeq(s.seq.seq_id, s.seq.slot, tuple(s.seq.block_table),
                                        s.start, tuple(s.token_ids), s.sample,
                                        self._wants_prompt_logprobs(s))
                                for s in sched.seqs),
                          tuple(sched.restores), tuple(sched.saves))
-        out = self.ranks.forward(step)
-        for s in sched.seqs:                          # prompt logprobs of this chunk (echo)
-            if s.seq.seq_id in out.all_logits:
-                self._add_prompt_logprobs(s, out.all_logits[s.seq.seq_id])
+        out = self.ranks.forward(step, prev)
         rows = [s for s in sched.seqs if s.sample]
-        sampled, host = {}, None
+        tokens = host = None
         if rows:
             seqs = [s.seq for s in rows]
             sb = SamplingBatch.build([q.params for q in seqs], [q.output_ids for q in seqs],
                                      [q.prompt_ids for q in seqs], self.model_cfg.vocab_size,
                                      out.logits.device, self.model_cfg.eos_token_id, self._gen)
-            host = sample(out.logits, sb).to_host()
-            sampled = {q.seq_id: t for q, t in zip(seqs, host.token_ids)}
-        finished = {q.seq_id: q for q in self.scheduler.postprocess(sched, sampled)}
-        self.generation_tokens_total += len(sampled)
+            so = sample(out.logits, sb)
+            tokens, host = so.token_ids, so.to_host_async()
+        return _Launched(sched, rows, tokens, host, out.all_logits)
+
+    def _resolve_pending(self) -> list[RequestOutput]:
+        p, self._pending = self._pending, None
+        return [] if p is None else self._resolve(p)
+
+    def _resolve(self, launched: _Launched) -> list[RequestOutput]:
+        """Read a launched step: prompt logprobs, sampled ids, stops, text deltas."""
+        def live(s: ScheduledSeq) -> bool:            # its request is still being served
+            req = self.requests.get(s.seq.seq_id)
+            return req is not None and req.seq is s.seq
+
+        for s in launched.sched.seqs:                 # prompt logprobs of this chunk (echo)
+            if s.seq.seq_id in launched.all_logits and live(s):
+                self._add_prompt_logprobs(s, launched.all_logits[s.seq.seq_id])
+        rows = launched.rows
+        host = launched.host.wait() if rows else None
+        sampled = {s.seq.seq_id: t for s, t in zip(rows, host.token_ids)} if rows else {}
+        finished = {q.seq_id: q for q in self.scheduler.resolve(launched.sched, sampled)}
         outputs = []
         for b, s in enumerate(rows):
+            if not live(s):                           # ended (abort, a stop) before this step
+                continue                              # was read: its row was wasted
             rid = s.seq.seq_id
             req = self.requests[rid]
             tok = sampled[rid]
+            self.generation_tokens_total += 1
             delta = req.stream.append(tok)
             o = RequestOutput(rid, delta.text, [tok])
             if s.seq.params.logprobs is not None:

@@ -2,7 +2,8 @@
 
 Reference for every check: the same request run alone, greedy, uninterrupted, uncached — or the
 plain runtime (DecodeState) one token at a time. Small blocks (16 tokens) so that 40-150-token
-prompts span several blocks, chunks and prefix-cache boundaries.
+prompts span several blocks, chunks and prefix-cache boundaries. Every test of the `engine`
+fixture runs twice: without and with async scheduling (the overlapped step, forced on on CPU).
 """
 
 import random
@@ -41,9 +42,10 @@ def prompts(n, seed=0, lo=5, hi=150):
     return [[r.randrange(3, 512) for _ in range(r.randrange(lo, hi))] for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def engine(conv):
-    e = make(conv)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
+def engine(conv, request):
+    e = make(conv, async_scheduling=request.param)
+    assert e.overlap == request.param
     yield e
     e.close()
 
@@ -75,11 +77,11 @@ def test_alone_matches_the_plain_runtime(engine, alone):
 
 
 @pytest.mark.parametrize("chunked", [True, False])
-def test_batched_equals_alone(conv, alone, chunked):
+def test_batched_equals_alone(conv, engine, alone, chunked):
     """8 requests of different lengths arriving at different steps = each one alone."""
     ps, want = alone
     e = make(conv, enable_chunked_prefill=chunked, max_num_batched_tokens=64 if chunked else 160,
-             enable_prefix_caching=False)
+             enable_prefix_caching=False, async_scheduling=engine.overlap)
     try:
         start = _counters(e)
         got, pending = {}, list(enumerate(ps))
@@ -108,10 +110,11 @@ def test_prefix_cache_hit_same_tokens_and_reported(engine, alone):
     assert second["usage"].cached_tokens == 64                   # 4 full blocks of 16
 
 
-def test_preemption_gives_the_same_tokens(conv, alone):
+def test_preemption_gives_the_same_tokens(conv, engine, alone):
     """A pool too small for all 8 at once forces preemption by recompute."""
     ps, want = alone
-    e = make(conv, num_blocks=24, max_model_len=300, enable_prefix_caching=False)
+    e = make(conv, num_blocks=24, max_model_len=300, enable_prefix_caching=False,
+             async_scheduling=engine.overlap)
     try:
         got = e.generate(ps, GREEDY)
         assert [g["token_ids"] for g in got] == want
@@ -176,7 +179,8 @@ def test_random_requests_with_stops_and_aborts_return_every_counter(engine):
     live, ended, steps = set(), 0, 0
     for i, p in enumerate(prompts(60, seed=77, lo=2, hi=90)):
         sp = SamplingParams(max_tokens=r.randrange(1, 12), temperature=r.choice([0, 0.8]),
-                            seed=r.randrange(100), stop=[chr(r.randrange(97, 123))])
+                            seed=r.randrange(100), stop=[chr(r.randrange(97, 123))],
+                            presence_penalty=r.choice([0.0] * 5 + [0.5]))   # overlap: off
         live.add(engine.add_request(p, sp))
         if i % 3 == 0:
             for o in engine.step():
@@ -194,6 +198,48 @@ def test_random_requests_with_stops_and_aborts_return_every_counter(engine):
         steps += 1
     assert not engine.has_unfinished() and ended == 60
     assert (bm.num_free_blocks, bm.num_free_slots, bm.num_free_snapshot_slots) == start
+
+
+def test_overlap_launches_the_next_step_before_reading_this_one(conv, alone):
+    """With async scheduling, step N+1's forward is queued before step N's ids are read (the
+    host part hides behind the GPU), its decode tokens are placeholders filled from step N's
+    ids, the tokens are those of the plain engine, and every block comes back."""
+    from backfit.runtime import sampling
+    ps, want = alone
+    e = make(conv, async_scheduling=True, enable_prefix_caching=False)
+    events, fwd, wait = [], e.ranks.forward, sampling.PendingSample.wait
+
+    def forward(step, prev=None):
+        holes = sum(t < 0 for s in step.seqs for t in s.tokens)
+        events.append(("forward", holes, prev is not None))
+        return fwd(step, prev)
+
+    def waited(self):
+        events.append(("wait",))
+        return wait(self)
+    e.ranks.forward = forward
+    sampling.PendingSample.wait = waited
+    try:
+        start = _counters(e)
+        got = e.generate(ps[:3], GREEDY)
+        assert [g["token_ids"] for g in got] == want[:3]
+        assert _counters(e) == start and e._pending is None
+    finally:
+        sampling.PendingSample.wait = wait
+        e.close()
+    kinds = [ev[0] for ev in events]
+    # after the first: every forward comes before the read of the step before it
+    assert kinds[:2] == ["forward", "forward"] and kinds.count("wait") >= 12
+    assert all(a != ("wait",) or b[0] == "forward" for a, b in zip(events, events[1:-1]))
+    decode = [ev for ev in events if ev[0] == "forward" and ev[1]]
+    assert len(decode) >= 10 and all(ev[2] for ev in decode)   # filled from the device
+
+
+def test_async_scheduling_needs_tp1(conv):
+    with pytest.raises(ValueError, match="async-scheduling needs --tp 1"):
+        EngineConfig(model=str(conv), tp=2, async_scheduling=True)
+    assert not EngineConfig(model=str(conv)).overlap           # auto: off on CPU
+    assert EngineConfig(model=str(conv), device="cuda:0", kernels="torch").overlap
 
 
 def test_tp2_engine_gives_the_tp1_tokens(tiny_converted, tmp_path):

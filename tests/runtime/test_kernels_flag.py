@@ -80,7 +80,8 @@ from backfit.engine.sampling_params import SamplingParams
 from backfit.runtime.kernels import get_kernel_backend
 e = LLMEngine(EngineConfig(sys.argv[1], device="cuda", dtype="bfloat16", kernels=sys.argv[2],
                            enforce_eager=sys.argv[3] == "eager", max_num_seqs=4,
-                           max_model_len=256, block_size=16, num_blocks=64))
+                           max_model_len=256, block_size=16, num_blocks=64,
+                           async_scheduling=sys.argv[4] == "async"))
 prompts = [[0] + [(37 * i + 11 * j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(4)]
 out = e.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
 m, g = e.ranks.runner.model, e.ranks.runner.graphs
@@ -91,9 +92,9 @@ e.close()
 """
 
 
-def _greedy(conv: Path, kernels: str, mode: str = "eager") -> dict:
+def _greedy(conv: Path, kernels: str, mode: str = "eager", sched: str = "sync") -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-c", _GREEDY, str(conv), kernels, mode], env=env,
+    p = subprocess.run([sys.executable, "-c", _GREEDY, str(conv), kernels, mode, sched], env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -102,9 +103,12 @@ def _greedy(conv: Path, kernels: str, mode: str = "eager") -> dict:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_engine_greedy_triton_equals_torch(conv):
-    """torch path = triton eager = triton with the decode steps replayed from CUDA graphs."""
+    """torch path = triton eager = triton with the decode steps replayed from CUDA graphs, with
+    and without async scheduling (the overlapped step: decode tokens filled on the device)."""
     ref, got = _greedy(conv, "torch"), _greedy(conv, "triton")
     graphs = _greedy(conv, "triton", "graphs")
+    overlapped = _greedy(conv, "triton", "graphs", "async")
+    eager_overlapped = _greedy(conv, "triton", "eager", "async")
     assert ref["backend"] == "torch" and not any(ref["stacked"])
     assert got["backend"] == "triton" and all(got["stacked"])       # the fused MoE ran
     assert ref["replays"] == got["replays"] == 0
@@ -112,3 +116,5 @@ def test_engine_greedy_triton_equals_torch(conv):
     assert all(len(t) == 24 for t in got["tokens"])
     assert got["tokens"] == ref["tokens"]
     assert graphs["tokens"] == ref["tokens"]
+    assert overlapped["replays"] >= 20
+    assert overlapped["tokens"] == eager_overlapped["tokens"] == ref["tokens"]
