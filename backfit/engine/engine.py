@@ -10,10 +10,11 @@ No HTTP and no asyncio here (async_engine.py wraps it). One step:
                               TextStream.append (detokenized deltas, stop strings)
 Every request gets RequestOutput deltas; the last one has finish_reason and usage.
 
-Async scheduling (--async-scheduling, on by default on CUDA at tp 1; docs/ENGINE.md §6): a
+Async scheduling (--async-scheduling, on by default on CUDA; docs/ENGINE.md §6): a
 step resolves the step before it only after launching itself, so the GPU runs step N+1 while
 the host reads, detokenizes and stops step N and schedules N+2. Step N+1's decode tokens are
-step N's placeholders, filled on the device from its sampled ids. Outputs come one step later,
+step N's placeholders, filled on the device from its sampled ids (at tp > 1 the other ranks
+take them from rank 0 in a broadcast inside the step). Outputs come one step later,
 and a request that stops at step N has computed one wasted row in N+1 (dropped). Steps whose
 running requests use repetition / frequency / presence penalties run without overlap (the
 penalties need the token history on the host).
@@ -61,19 +62,16 @@ class EngineConfig:
     kernels: str | None = None                    # triton | torch; None: triton on CUDA, else torch
     enforce_eager: bool = False                   # True: no CUDA graphs for decode steps
     async_scheduling: bool | None = None          # overlap a step's host part with the next
-    #                                               step's GPU work; None: on with CUDA at tp 1
+    #                                               step's GPU work; None: on with CUDA
 
     def __post_init__(self):
         resolve_kernels(self.kernels, self.device)   # a bad choice fails before ranks start
-        if self.async_scheduling and self.tp > 1:
-            raise ValueError("--async-scheduling needs --tp 1 (the other ranks would need the "
-                             "sampled ids inside the step); drop it or use --tp 1")
 
     @property
     def overlap(self) -> bool:
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return self.tp == 1 and str(self.device).startswith("cuda")
+        return str(self.device).startswith("cuda")
 
     def runner_config(self) -> RunnerConfig:
         return RunnerConfig(self.model, self.dtype, self.device, self.kv_cache_dtype,

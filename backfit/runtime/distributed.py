@@ -101,6 +101,14 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """x of rank 0 into every rank's x (same shape and dtype everywhere), in place; identity at
+    size 1. The overlapped step's sampled ids: only rank 0 samples."""
+    if get_tp_info().size > 1:
+        dist.broadcast(x, src=0)
+    return x
+
+
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate each rank's x along `dim` (rank order); identity at size 1."""
     tp = get_tp_info()

@@ -126,6 +126,7 @@ class ModelRunner:
                                 self.dtype, self.kv, self.device)
         self.timings["pools_s"] = time.perf_counter() - t
         self.graphs = None
+        self._sampled_rows = 0                          # of the last step (its ids: `prev`)
         if self.use_graphs:
             self.capture_graphs()
 
@@ -188,13 +189,22 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, step: StepInput, prev: torch.Tensor | None = None) -> StepOutput:
         """One step. prev (the overlapped engine step): the last step's sampled ids [R] on the
-        device, which a new token -1 - r stands for (filled on the device, no host sync)."""
+        device, which a new token -1 - r stands for (filled on the device, no host sync). At
+        tp > 1 rank 0 passes them and every rank takes them from rank 0 (one broadcast on the
+        model's group, in step order on every rank; R = the last step's sampling rows)."""
+        from backfit.runtime.distributed import broadcast_from_rank0, get_tp_info
         for src, dst in step.restores:
             self.cache.copy_slot(src, dst)
         seqs = step.seqs
         holes = any(min(s.tokens) < 0 for s in seqs)
+        tp = get_tp_info()
+        if holes and tp.size > 1:
+            if tp.rank != 0:
+                prev = torch.empty(self._sampled_rows, dtype=torch.int64, device=self.device)
+            prev = broadcast_from_rank0(prev.contiguous())
         if holes and prev is None:
             raise ValueError("the step has placeholder tokens but no previous sampled ids")
+        self._sampled_rows = sum(s.sample for s in seqs)
         if self.graphs is not None and all(len(s.tokens) == 1 and s.sample and not s.all_logits
                                            for s in seqs):
             logits = self.graphs.run([(s.tokens[0], s.start, s.slot, s.block_table) for s in seqs],

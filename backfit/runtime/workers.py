@@ -2,7 +2,8 @@
 
 Rank 0 (the engine's process) schedules; for every step it broadcasts the StepInput over a gloo
 control group (plain pickled data, also under NCCL), then runs its own forward; every rank runs
-the same forward on its shard and meets the others in the model's all-reduces. Only rank 0's
+the same forward on its shard and meets the others in the model's all-reduces (and, for an
+overlapped step's placeholder tokens, in a broadcast of rank 0's sampled ids). Only rank 0's
 logits are used (ParallelHead all-gathers, so every rank has them).
 
 A rank that dies must not leave the engine hanging in a collective: a watchdog thread polls the
@@ -83,11 +84,9 @@ class RankGroup:
             time.sleep(0.5)
 
     def forward(self, step: StepInput, prev=None) -> StepOutput:
-        """prev: the overlapped step's device ids (runner.forward); tp 1 only: the other ranks
-        would need them broadcast inside the step."""
+        """prev: the overlapped step's device ids (runner.forward: the other ranks take them
+        from rank 0 inside the step)."""
         if self.tp > 1:
-            if prev is not None:
-                raise ValueError("placeholder tokens (the overlapped step) need tp 1")
             dist.broadcast_object_list([step], src=0, group=self.ctrl)
         return self.runner.forward(step, prev)
 

@@ -235,15 +235,14 @@ def test_overlap_launches_the_next_step_before_reading_this_one(conv, alone):
     assert len(decode) >= 10 and all(ev[2] for ev in decode)   # filled from the device
 
 
-def test_async_scheduling_needs_tp1(conv):
-    with pytest.raises(ValueError, match="async-scheduling needs --tp 1"):
-        EngineConfig(model=str(conv), tp=2, async_scheduling=True)
+def test_async_scheduling_defaults(conv):
     assert not EngineConfig(model=str(conv)).overlap           # auto: off on CPU
-    assert EngineConfig(model=str(conv), device="cuda:0", kernels="torch").overlap
+    assert EngineConfig(model=str(conv), device="cuda:0", kernels="torch", tp=4).overlap
 
 
 def test_tp2_engine_gives_the_tp1_tokens(tiny_converted, tmp_path):
-    """`backfit generate --tp 2` (two real rank processes, gloo) = the tp 1 engine's tokens."""
+    """`backfit generate --tp 2` (two real rank processes, gloo) = the tp 1 engine's tokens,
+    also with async scheduling (rank 1 takes the placeholders' ids from rank 0 in the step)."""
     import subprocess
     import sys
     ps = ["Hello world", "The quick brown fox", "1 2 3 4 5"]
@@ -253,11 +252,11 @@ def test_tp2_engine_gives_the_tp1_tokens(tiny_converted, tmp_path):
             "--ignore-eos", "--max-model-len", "256"]
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
     outs = []
-    for tp in (1, 2):
+    for tp, more in ((1, []), (2, []), (2, ["--async-scheduling"])):
         r = subprocess.run([sys.executable, "-m", "backfit.cli", "generate",
-                            str(tiny_converted(tp)), *args], capture_output=True, text=True,
-                           env=env, timeout=600)
+                            str(tiny_converted(tp)), *args, *more], capture_output=True,
+                           text=True, env=env, timeout=600)
         assert r.returncode == 0, r.stderr
         outs.append(r.stdout)
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
     assert outs[0].count("\n") == 3 and "[2] " in outs[0]
