@@ -179,7 +179,7 @@ def decode_floor_ms(r, C: int, ctx: int, copy_TBps: float) -> float:
     mb = bd.model_bytes(r)
     byt = (mb["linears"] + mb["buffers"] + mb["head"] + sum(ex) * mb["expert"]
            + C * r.cfg.hidden_size * 2 + C * bd.kv_bytes(r.cfg, ctx, len(r.model.layers)))
-    return byt / (copy_TBps * 1e9) * 1e3
+    return byt / (copy_TBps * 1e9)                         # bytes / (1e12 B/s) in ms
 
 
 def main() -> None:

@@ -13,7 +13,8 @@
 #          each took more than 150-210 s on 2026-12-01 (compiles on a fresh machine): give the
 #          tests step a device call of its own (TESTS_S per part, default 420)
 #   smoke  tiny checkpoint -> convert -> `backfit generate --device cuda --kernels torch`,
-#          `--kernels triton --enforce-eager` and `--kernels triton` (CUDA graphs); the greedy
+#          `--kernels triton --enforce-eager`, `--kernels triton` (CUDA graphs) and with
+#          --no-async-scheduling (the others overlap: the CUDA default); the greedy
 #          texts must be equal; then `backfit serve --device cuda` answers one chat completion
 #   verify `backfit verify --device cuda --kernels triton --activations bfloat16` (the kernels'
 #          dtype, judged against the reference's own BF16 noise) on the tiny checkpoint: prefill chunks
@@ -81,14 +82,15 @@ for s in "${steps[@]}"; do
             set -eo pipefail
             $PY scripts/make_tiny_checkpoint.py $d/orig --small-vocab
             $PY -m backfit.cli convert $d/orig $d/conv --tp 1 --quiet
-            for k in 'torch' 'triton --enforce-eager' 'triton'; do
+            for k in 'torch' 'triton --enforce-eager' 'triton' 'triton --no-async-scheduling'; do
                 echo \"-- --kernels \$k\"
                 $PY -m backfit.cli generate $d/conv --prompts-file $d/prompts.txt --device cuda \
                     --kernels \$k --max-tokens 32 --ignore-eos --max-model-len 512 \
                     | tee \"$d/\${k// /_}.txt\"
             done
             diff $d/torch.txt $d/triton_--enforce-eager.txt && diff $d/torch.txt $d/triton.txt \
-                && echo 'greedy text: triton (eager and graphs) == torch'
+                && diff $d/torch.txt $d/triton_--no-async-scheduling.txt \
+                && echo 'greedy text: triton (eager and graphs, async scheduling on and off) == torch'
             $PY -m backfit.cli serve $d/conv --device cuda --port 8765 --max-model-len 512 &
             srv=\$!
             for i in \$(seq 120); do curl -sf localhost:8765/health >/dev/null && break; sleep 1; done

@@ -42,19 +42,32 @@ def prompts(n, seed=0, lo=5, hi=150):
     return [[r.randrange(3, 512) for _ in range(r.randrange(lo, hi))] for _ in range(n)]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
-def engine(conv, request):
-    e = make(conv, async_scheduling=request.param)
-    assert e.overlap == request.param
+@pytest.fixture(scope="module")
+def plain(conv):
+    e = make(conv, async_scheduling=False)
     yield e
     e.close()
 
 
 @pytest.fixture(scope="module")
-def alone(engine):
-    """Greedy tokens of each of 8 prompts, each run alone in a fresh pass."""
+def overlapped(conv):
+    e = make(conv, async_scheduling=True)
+    yield e
+    e.close()
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "overlap"])
+def engine(request, plain, overlapped):
+    e = overlapped if request.param else plain
+    assert e.overlap == request.param
+    return e
+
+
+@pytest.fixture(scope="module")
+def alone(plain):
+    """Greedy tokens of each of 8 prompts, each run alone in a fresh pass (no overlap)."""
     ps = prompts(8)
-    return ps, [engine.generate([p], GREEDY)[0]["token_ids"] for p in ps]
+    return ps, [plain.generate([p], GREEDY)[0]["token_ids"] for p in ps]
 
 
 def _counters(e):
@@ -62,10 +75,10 @@ def _counters(e):
     return (bm.num_free_blocks, bm.num_free_slots)
 
 
-def test_alone_matches_the_plain_runtime(engine, alone):
+def test_alone_matches_the_plain_runtime(plain, alone):
     """Engine greedy = argmax of the plain runtime (DecodeState, one sequence, token by token)."""
     from backfit.runtime.model.transformer import Transformer  # noqa: F401 (type only)
-    model = engine.ranks.runner.model
+    model = plain.ranks.runner.model
     p, want = alone[0][0], alone[1][0]
     st, ids, out = model.new_state(), list(p), []
     logits = model(ForwardBatch.single(ids), st, last_only=True)
