@@ -93,16 +93,19 @@ class FakeEngine:
                 self.aborted += 1
 
 
-def real_server(model_dir, *, started: bool = True, **ctx_kw):
+def real_server(model_dir, *, started: bool = True, async_scheduling: bool | None = None,
+                **ctx_kw):
     """A LiveServer on the real tiny engine (float32, CPU, small pools). started=False: the
-    engine is not started yet (health must answer 503 until .engine.start() and load)."""
+    engine is not started yet (health must answer 503 until .engine.start() and load).
+    async_scheduling: the engine's overlapped step (forced on: its default on CUDA)."""
     import time
 
     from backfit.engine.async_engine import AsyncEngine
     from backfit.engine.engine import EngineConfig
 
     eng = AsyncEngine(EngineConfig(str(model_dir), dtype="float32", block_size=16, max_num_seqs=8,
-                                   max_model_len=2048, num_blocks=384, max_num_batched_tokens=2048))
+                                   max_model_len=2048, num_blocks=384, max_num_batched_tokens=2048,
+                                   async_scheduling=async_scheduling))
     srv = LiveServer(eng, model_dir, **ctx_kw)
     if started:
         eng.start()

@@ -108,6 +108,28 @@ def _wait(pred, timeout=10.0):
 def test_disconnect_aborts_and_frees_cache(real):
     """Streaming and non-streaming: the client leaves, the engine request is aborted (no
     more running requests, every block back), long before max_tokens would be reached."""
+    _disconnect_frees(real)
+
+
+def test_async_scheduling_server_same_text_and_frees_on_disconnect(tiny_converted, real):
+    """The server over the overlapped engine (its CUDA default, forced on here): the same
+    greedy completion as the plain engine's, and a disconnect still frees every block."""
+    with support.one_thread():
+        srv = real_server(tiny_converted(1, "int8"), async_scheduling=True)
+        try:
+            assert srv.engine.engine.overlap and not real.engine.engine.overlap
+            req = {"model": "m", "messages": MSG, "max_tokens": 24, "temperature": 0,
+                   "ignore_eos": True}
+            outs = [json.loads(post(s, "/v1/chat/completions", req)[1]) for s in (real, srv)]
+            assert outs[0]["choices"][0]["message"] == outs[1]["choices"][0]["message"]
+            assert outs[0]["usage"] == outs[1]["usage"] and \
+                outs[1]["usage"]["completion_tokens"] == 24
+            _disconnect_frees(srv)
+        finally:
+            srv.stop()
+
+
+def _disconnect_frees(real):
     eng = real.engine
     free0 = eng.stats()["num_free_blocks"]
     body = json.dumps({"model": "m", "messages": MSG, "max_tokens": 1500, "stream": True,
