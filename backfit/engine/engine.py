@@ -186,8 +186,8 @@ class LLMEngine:
             self.scheduler.advance(sched)
         outputs = self._resolve_pending()         # the step before, while this one runs
         self._pending = launched
-        if not self.overlap:
-            outputs += self._resolve_pending()
+        if not self._can_overlap():               # no overlap (or a request that needs the
+            outputs += self._resolve_pending()    # host's tokens joined): read it now
         else:
             self._drain_if_idle()
         return outputs

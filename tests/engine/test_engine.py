@@ -248,6 +248,18 @@ def test_overlap_launches_the_next_step_before_reading_this_one(conv, alone):
     assert len(decode) >= 10 and all(ev[2] for ev in decode)   # filled from the device
 
 
+def test_penalties_read_every_token_first_under_overlap(plain, overlapped):
+    """Requests with repetition / frequency / presence penalties need the token history on the
+    host: the overlapped engine reads each step before the next (the plain engine's tokens),
+    and a penalty-free request beside them gets its tokens too."""
+    ps = prompts(3, seed=11)
+    sps = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, presence_penalty=1.5),
+           SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                          frequency_penalty=0.7), GREEDY]
+    want = [g["token_ids"] for g in plain.generate(ps, sps)]
+    assert [g["token_ids"] for g in overlapped.generate(ps, sps)] == want
+
+
 def test_async_scheduling_defaults(conv):
     assert not EngineConfig(model=str(conv)).overlap           # auto: off on CPU
     assert EngineConfig(model=str(conv), device="cuda:0", kernels="torch", tp=4).overlap
