@@ -29,17 +29,23 @@ def test_to_device_on_cpu():
     assert t.dtype == torch.int32 and t.tolist() == [[1, 2], [3, 4]]
 
 
+def _eager_runner(tiny_converted):
+    """A triton runner on the tiny int8 model without graphs (skips where this process already
+    runs the torch backend: the backend is set once per process)."""
+    from backfit.runtime import kernels as kpkg
+    from backfit.runtime.runner import ModelRunner, RunnerConfig
+    if kpkg._backend not in (None, "triton"):
+        pytest.skip("this process already runs the torch backend")
+    return ModelRunner(RunnerConfig(str(tiny_converted(1, "int8")), device="cuda",
+                                    kernels="triton", max_num_seqs=2, max_model_len=256,
+                                    block_size=16, num_blocks=40, enforce_eager=True))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_prefill_and_decode_steps_make_no_host_sync(tiny_converted, tp1_process):
-    from backfit.runtime import kernels as kpkg
-    from backfit.runtime.runner import ModelRunner, RunnerConfig, StepInput, StepSeq
-    if kpkg._backend not in (None, "triton"):
-        pytest.skip("this process already runs the torch backend")
-    rc = RunnerConfig(str(tiny_converted(1, "int8")), device="cuda", kernels="triton",
-                      max_num_seqs=2, max_model_len=256, block_size=16, num_blocks=40,
-                      enforce_eager=True)
-    r = ModelRunner(rc)
+    from backfit.runtime.runner import StepInput, StepSeq
+    r = _eager_runner(tiny_converted)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, 500, (150,), generator=g).tolist()
     tables = (tuple(range(16)), tuple(range(16, 32)))
@@ -73,15 +79,9 @@ def test_overlapped_step_parts_make_no_host_sync(tiny_converted, tp1_process):
     greedy, top-p / top-k, seeded, biased and min_tokens rows, sample, and to_host_async; only
     PendingSample.wait waits (on its event)."""
     from backfit.engine.sampling_params import SamplingParams
-    from backfit.runtime import kernels as kpkg
-    from backfit.runtime.runner import ModelRunner, RunnerConfig, StepInput, StepSeq
+    from backfit.runtime.runner import StepInput, StepSeq
     from backfit.runtime.sampling import SamplingBatch, sample
-    if kpkg._backend not in (None, "triton"):
-        pytest.skip("this process already runs the torch backend")
-    rc = RunnerConfig(str(tiny_converted(1, "int8")), device="cuda", kernels="triton",
-                      max_num_seqs=2, max_model_len=256, block_size=16, num_blocks=40,
-                      enforce_eager=True)
-    r = ModelRunner(rc)
+    r = _eager_runner(tiny_converted)
     tables = (tuple(range(16)), tuple(range(16, 32)))
     r.forward(StepInput((StepSeq(0, 0, tables[0], 0, tuple(range(3, 60)), True),
                          StepSeq(1, 1, tables[1], 0, tuple(range(7, 40)), True))))
