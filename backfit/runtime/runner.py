@@ -198,12 +198,12 @@ class ModelRunner:
         seqs = step.seqs
         holes = any(min(s.tokens) < 0 for s in seqs)
         tp = get_tp_info()
-        if holes and tp.size > 1:
-            if tp.rank != 0:
-                prev = torch.empty(self._sampled_rows, dtype=torch.int64, device=self.device)
-            prev = broadcast_from_rank0(prev.contiguous())
+        if holes and tp.rank != 0:                    # filled by the broadcast below
+            prev = torch.empty(self._sampled_rows, dtype=torch.int64, device=self.device)
         if holes and prev is None:
             raise ValueError("the step has placeholder tokens but no previous sampled ids")
+        if holes and tp.size > 1:
+            prev = broadcast_from_rank0(prev.contiguous())
         self._sampled_rows = sum(s.sample for s in seqs)
         if self.graphs is not None and all(len(s.tokens) == 1 and s.sample and not s.all_logits
                                            for s in seqs):

@@ -260,6 +260,12 @@ def test_penalties_read_every_token_first_under_overlap(plain, overlapped):
     assert [g["token_ids"] for g in overlapped.generate(ps, sps)] == want
 
 
+def test_placeholders_without_the_last_ids_are_an_error(plain):
+    from backfit.runtime.runner import StepInput, StepSeq
+    with pytest.raises(ValueError, match="no previous sampled ids"):
+        plain.ranks.runner.forward(StepInput((StepSeq(0, 0, (0,), 3, (-1,), True),)))
+
+
 def test_async_scheduling_defaults(conv):
     assert not EngineConfig(model=str(conv)).overlap           # auto: off on CPU
     assert EngineConfig(model=str(conv), device="cuda:0", kernels="torch", tp=4).overlap
