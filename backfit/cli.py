@@ -180,8 +180,8 @@ def engine_options(f):
 
 def engine_kwargs(kw: dict) -> dict:
     """Pop the engine flags out of a command's keyword arguments -> EngineConfig fields."""
-    names = ("device", "kernels", "enforce_eager", "async_scheduling", "dtype", "kv_cache_dtype", "max_model_len",
-             "max_num_batched_tokens",
+    names = ("device", "kernels", "enforce_eager", "async_scheduling", "dtype", "kv_cache_dtype",
+             "max_model_len", "max_num_batched_tokens",
              "block_size", "enable_prefix_caching", "enable_chunked_prefill",
              "gpu_memory_utilization", "cpu_kv_cache_gib")
     out = {n: kw.pop(n) for n in names}

@@ -258,10 +258,11 @@ def main() -> None:
               f"{r['decode_tokens_per_s']:>13.1f} "
               f"{r['prefill_step_ms']:>11.1f}ms {r['engine_host_ms']:>10.3f}ms")
     for C, (ms, fl) in floor.items():
+        fracs = [f"async {'on' if r['async'] else 'off'} "
+                 f"{100 * fl / r['decode_step_p50_ms']:.1f} %"
+                 for r in rows if r["concurrency"] == C and r["decode_step_p50_ms"]]
         print(f"batch {C}: runner alone (forward + sync) {ms:.3f} ms ({C / ms * 1e3:.1f} "
-              f"tok/s); decode roofline {fl:.3f} ms: " + ", ".join(
-                  f"async {'on' if r['async'] else 'off'} {100 * fl / r['decode_step_p50_ms']:.1f} %"
-                  for r in rows if r["concurrency"] == C and r["decode_step_p50_ms"]))
+              f"tok/s); decode roofline {fl:.3f} ms: " + ", ".join(fracs))
     if a.json:
         import json
         Path(a.json).write_text(json.dumps({"rows": rows, "runner_ms_floor_ms": floor},

@@ -232,10 +232,8 @@ class Scheduler:
         if seq is None or seq.finishing is not None:
             return None
         if seq.in_flight and seq.status is SequenceStatus.RUNNING:
-            self._external.add(seq_id)
-            self._end(seq, reason)
-        else:
-            self._finish(seq, reason)
+            self._external.add(seq_id)          # reported by the resolve that frees it
+        self._end(seq, reason)
         return seq
 
     def abort(self, seq_id: int) -> Sequence | None:
@@ -275,20 +273,19 @@ class Scheduler:
         if n_out >= p.min_tokens and (
                 (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids):
             return "stop"
-        if p.max_tokens is not None and n_out >= p.max_tokens:
-            return "length"
-        if seq.num_prompt + n_out >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if self._at_length(seq, n_out) else None
+
+    def _at_length(self, seq: Sequence, n_out: int) -> bool:
+        """n_out output ids reach max_tokens or max_model_len."""
+        p = seq.params
+        return (p.max_tokens is not None and n_out >= p.max_tokens) or \
+            seq.num_prompt + n_out >= self.max_model_len
 
     def _ends(self, seq: Sequence) -> bool:
         """seq ends when the steps holding it resolve: finishing, or at a length limit whatever
         its pending token is (only while a step holds it; otherwise it has ended already)."""
-        if seq.finishing is not None:
-            return True
-        p = seq.params
-        return seq.in_flight > 0 and ((p.max_tokens is not None and seq.num_output >= p.max_tokens)
-                                      or seq.length >= self.max_model_len)
+        return seq.finishing is not None or (seq.in_flight > 0
+                                             and self._at_length(seq, seq.num_output))
 
     def _end(self, seq: Sequence, reason: str) -> None:
         """seq ends now: freed at once, or (held by an unresolved step) marked finishing, with

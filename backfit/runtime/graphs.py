@@ -129,8 +129,9 @@ class DecodeGraphs:
         graph fits (more sequences than the largest size, or a longer table). The logits are a
         view of the graph's output buffer, valid until the next run: the engine samples from
         them before its next step (a clone cost a launch and, at batch 64, 33 MB of copy).
-        A token -1 - r (the overlapped step) is prev[r], filled into the staged rows on the
-        device (one launch) before the replay."""
+        prev (given only when some token is a placeholder -1 - r of the overlapped step): the
+        ids whose prev[r] replaces it, filled into the staged rows on the device (one launch)
+        before the replay."""
         B = self.size_for(len(seqs))
         if B is None or any(len(s[3]) > self.nblk for s in seqs):
             return None
@@ -139,7 +140,7 @@ class DecodeGraphs:
                           self.rows[:B])
         self.stage[:B].copy_(self.host[:B], non_blocking=True)     # pinned: truly async
         self.copied.record()
-        if any(s[0] < 0 for s in seqs):
+        if prev is not None:
             fill_placeholders_(self.stage[:len(seqs), 0], prev)
         g, out = self.graphs[B]
         g.replay()

@@ -208,7 +208,7 @@ class ModelRunner:
         if self.graphs is not None and all(len(s.tokens) == 1 and s.sample and not s.all_logits
                                            for s in seqs):
             logits = self.graphs.run([(s.tokens[0], s.start, s.slot, s.block_table) for s in seqs],
-                                     prev)
+                                     prev if holes else None)
             if logits is not None:
                 for src, dst in step.saves:
                     self.cache.copy_slot(src, dst)

@@ -30,8 +30,7 @@ import torch
 from backfit.runtime.batch import to_device
 
 __all__ = ["SamplingBatch", "SampleOutput", "PendingSample", "HostSample", "process_logits",
-           "sample",
-           "prompt_logprobs", "row_seed"]
+           "sample", "prompt_logprobs", "row_seed"]
 
 _EPS = 1e-5                  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 _M64 = (1 << 64) - 1
@@ -222,8 +221,9 @@ class PendingSample:
         ids_t, lps_t, top_i_t, top_l_t = self.host
         ids = ids_t.tolist()
         lps = [None] * len(ids) if lps_t is None else lps_t.tolist()
-        top_i, top_l = (top_i_t.tolist(), top_l_t.tolist()) if top_i_t is not None else (None,
-                                                                                       None)
+        top_i = top_l = None
+        if top_i_t is not None:
+            top_i, top_l = top_i_t.tolist(), top_l_t.tolist()
         top = [None if n is None else list(zip(top_i[b][:n], top_l[b][:n])) if n else []
                for b, n in enumerate(self.num_logprobs)]
         return HostSample(ids, lps, top)

@@ -1,10 +1,10 @@
 """The small decode kernels (kernels.rope_norm: RMSNorm, RoPE; kernels.cache_ops: compressor
-pooling, cache stores, the fused compressor decode update; kernels.pointwise: SwiGLU, router
-top-k, MoE combine, embedding, the placeholder fill; kernels.router: the router GEMV + top-k in one launch) compile
-for sm_80 on this CPU machine (test_sm80.py's helper): shared memory within 99 KB, no MMA
-(CUDA-core math), no FP8/FP4, and FMA contraction really off in RoPE (no fma.rn.f32 in its PTX:
-the torch path rounds every product; the fused update's RoPE uses the 4 explicit mul.rn). Real
-widths."""
+pooling, cache stores, the fused compressor decode update; kernels.pointwise: SwiGLU, router top-k,
+MoE combine, embedding, the placeholder fill; kernels.router: the router GEMV + top-k in one launch)
+compile for sm_80 on this CPU machine (test_sm80.py's helper): shared memory within 99 KB, no MMA
+(CUDA-core math), no FP8/FP4, and FMA contraction really off in RoPE (no fma.rn.f32 in its PTX: the
+torch path rounds every product; the fused update's RoPE uses the 4 explicit mul.rn).
+Real widths."""
 
 from __future__ import annotations
 
