@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from backfit.synthetic import write_checkpoint
+
+# `make test` runs two pytest-xdist workers on the 2-core CI box: one torch thread each (OpenMP
+# with two threads stalls 10-40x whenever another process holds a core, tests/support.py)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
