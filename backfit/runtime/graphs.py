@@ -16,6 +16,9 @@ logits [B, V]) is captured once per batch size B in `capture_sizes` and replayed
 
 Prefill chunks, mixed steps and batches above the largest size run eagerly, as does everything
 with --enforce-eager. Capture warms each size up once on a side stream (Triton compiles there).
+At tp > 1 the graphs hold the step's NCCL collectives: every rank captures the same sizes in the
+same order (the same RunnerConfig), and for a step every rank replays the same graph or none
+(the step is broadcast; size_for and the table check depend on it alone).
 """
 
 from __future__ import annotations
@@ -101,17 +104,29 @@ class DecodeGraphs:
     @torch.no_grad()
     def capture(self, log=None) -> None:
         """Capture every size, largest first, into one memory pool (inputs: all padding)."""
-        t = time.perf_counter()
+        from backfit.runtime.distributed import get_tp_info
+        t, dev = time.perf_counter(), self.cache.device
+        tp = get_tp_info().size
+        # tp > 1: NCCL's watchdog thread polls the events of eager collectives (the warm-up's);
+        # "global" capture mode would fail such a call from another thread mid-capture, so the
+        # capture is thread-local and starts with nothing in flight
+        mode = "thread_local" if tp > 1 else "global"
         pool = None
         for B in reversed(self.sizes):
-            side = torch.cuda.Stream(self.cache.device)
-            side.wait_stream(torch.cuda.current_stream(self.cache.device))
-            with torch.cuda.stream(side):                   # warm-up: compiles, workspaces
-                self._step(B)
-            torch.cuda.current_stream(self.cache.device).wait_stream(side)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):                   # warm-up: compiles, workspaces,
+                self._step(B)                               # NCCL communicators
+            torch.cuda.current_stream(dev).wait_stream(side)
+            if tp > 1:
+                torch.cuda.synchronize(dev)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                out = self._step(B)
+            try:
+                with torch.cuda.graph(g, pool=pool, capture_error_mode=mode):
+                    out = self._step(B)
+            except RuntimeError as e:
+                raise RuntimeError(f"CUDA-graph capture of the decode step (batch {B}, tp {tp}) "
+                                   f"failed: {e}; --enforce-eager runs without graphs") from e
             pool = g.pool()
             self.graphs[B] = (g, out)
         torch.cuda.synchronize(self.cache.device)

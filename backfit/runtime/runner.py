@@ -16,10 +16,11 @@ Kernels (--kernels): "triton" (default on CUDA) or "torch" (default on CPU, the 
 the runner sets the process-wide runtime.kernels backend once, before the model is built, and
 stacks the experts for the fused MoE right after loading (MoE.prepare_kernels).
 
-CUDA graphs (runtime/graphs.py): with the triton kernels on CUDA at tp 1, pure-decode steps
-replay a graph captured at start-up for the smallest batch size that holds them; prefill,
-mixed steps and --enforce-eager run eagerly. At tp > 1 the runner stays eager for now: graphs
-over the NCCL all-reduces have not been run on a multi-GPU machine yet.
+CUDA graphs (runtime/graphs.py): with the triton kernels on CUDA, pure-decode steps replay a
+graph captured at start-up for the smallest batch size that holds them; prefill, mixed steps and
+--enforce-eager run eagerly. At tp > 1 every rank captures the same sizes in the same order, the
+NCCL all-reduces inside (every rank then replays the same graph for a step: the step is
+broadcast, and whether a graph fits depends on the step alone).
 """
 
 from __future__ import annotations
@@ -132,9 +133,8 @@ class ModelRunner:
 
     @property
     def use_graphs(self) -> bool:
-        from backfit.runtime.distributed import get_tp_info
         return (self.kernels == "triton" and self.device.type == "cuda"
-                and not self.rc.enforce_eager and get_tp_info().size == 1)
+                and not self.rc.enforce_eager)
 
     def capture_graphs(self, log=None) -> None:
         """Capture the decode graphs (runtime/graphs.py) over the current pools; progress goes

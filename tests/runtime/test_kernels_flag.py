@@ -4,7 +4,8 @@
 CPU part: resolve_kernels' defaults (triton on CUDA, torch on CPU) and errors, EngineConfig and
 the CLI refusing triton on CPU with one line, and ModelRunner setting the process-wide backend
 (and refusing to change it). GPU part (marker gpu): two fresh processes (the backend is set once
-per process), the same prompts greedy through LLMEngine on CUDA in BF16, token ids compared.
+per process), the same prompts greedy through LLMEngine on CUDA in BF16, token ids compared;
+with two GPUs also TP 2 with CUDA graphs (NCCL inside) against TP 2 eager.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ from backfit.runtime.kernels import get_kernel_backend
 e = LLMEngine(EngineConfig(sys.argv[1], device="cuda", dtype="bfloat16", kernels=sys.argv[2],
                            enforce_eager=sys.argv[3] == "eager", max_num_seqs=4,
                            max_model_len=256, block_size=16, num_blocks=64,
-                           async_scheduling=sys.argv[4] == "async"))
+                           async_scheduling=sys.argv[4] == "async", tp=int(sys.argv[5])))
 prompts = [[0] + [(37 * i + 11 * j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(4)]
 out = e.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
 m, g = e.ranks.runner.model, e.ranks.runner.graphs
@@ -92,10 +93,11 @@ e.close()
 """
 
 
-def _greedy(conv: Path, kernels: str, mode: str = "eager", sched: str = "sync") -> dict:
+def _greedy(conv: Path, kernels: str, mode: str = "eager", sched: str = "sync",
+            tp: int = 1) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-c", _GREEDY, str(conv), kernels, mode, sched], env=env,
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-c", _GREEDY, str(conv), kernels, mode, sched, str(tp)],
+                       env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -118,3 +120,20 @@ def test_engine_greedy_triton_equals_torch(conv):
     assert graphs["tokens"] == ref["tokens"]
     assert overlapped["replays"] >= 20
     assert overlapped["tokens"] == eager_overlapped["tokens"] == ref["tokens"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tp2_graphs_equal_tp2_eager(tiny_converted):
+    """TP 2 on two GPUs (two rank processes, NCCL): the decode steps replayed from CUDA graphs
+    that hold the NCCL all-reduces give the eager TP-2 engine's greedy tokens, with and without
+    async scheduling (rank 1 takes the placeholders' ids from rank 0 by an eager broadcast
+    between replays). Not against tp 1: NCCL sums the two partials in another order."""
+    conv2 = tiny_converted(2, "int8")
+    eager = _greedy(conv2, "triton", "eager", "sync", tp=2)
+    graphs = _greedy(conv2, "triton", "graphs", "sync", tp=2)
+    overlapped = _greedy(conv2, "triton", "graphs", "async", tp=2)
+    assert eager["replays"] == 0 and all(len(t) == 24 for t in eager["tokens"])
+    assert graphs["replays"] >= 20 and overlapped["replays"] >= 20
+    assert graphs["tokens"] == eager["tokens"]
+    assert overlapped["tokens"] == eager["tokens"]
