@@ -135,6 +135,27 @@ class DecodeGraphs:
             log(f"captured CUDA graphs for decode batch sizes {self.sizes} in "
                 f"{self.capture_s:.1f} s")
 
+    @torch.no_grad()
+    def check(self, rel_max: float = 1e-2) -> str | None:
+        """The smallest graph replayed on the padding rows against the eager step on the same
+        rows: None if ||graph - eager|| / ||eager|| < rel_max (bit-equal at tp 1, GPU test
+        test_graph_replay_equals_eager; the bound leaves room for another summation order in
+        NCCL), else what differs. At tp > 1 this is where the collectives captured inside a
+        graph first meet a reference; the logits are all-gathered, so every rank computes the
+        same verdict and every rank keeps or drops its graphs alike (runner.capture_graphs)."""
+        B = self.sizes[0]
+        pad_decode_inputs([], B, self.nblk, self.cache.scratch_slot, self.cache.scratch_block,
+                          self.rows[:B])
+        self.stage[:B].copy_(self.host[:B])
+        want = self._step(B).clone()
+        g, out = self.graphs[B]
+        g.replay()
+        rel = float((out[:B] - want).norm() / want.norm())
+        if rel < rel_max:                                   # False for NaN too
+            return None
+        return (f"the batch-{B} graph's logits differ from the eager step's (relative error "
+                f"{rel:.3g}, bound {rel_max:g})")
+
     def size_for(self, n: int) -> int | None:
         """The smallest captured batch size >= n (None: run eagerly)."""
         return next((B for B in self.sizes if B >= n and B in self.graphs), None)

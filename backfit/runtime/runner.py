@@ -146,6 +146,11 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.cache, self.rc.max_num_seqs, nblk)
         self.graphs.capture(log)
         self.timings["graphs_s"] = self.graphs.capture_s
+        bad = self.graphs.check()                  # every rank reaches the same verdict
+        if bad is not None:
+            log(f"warning: {bad}; decode runs eagerly (please report this; --enforce-eager "
+                "skips the capture)")
+            self.graphs = None
 
     @property
     def num_snapshot_slots(self) -> int:

@@ -3,7 +3,8 @@
 CPU: the capture sizes, and the padding of a decode batch (padded rows use token 0 at position 0
 in the scratch slot with every table entry the scratch block, so a replay never touches a real
 sequence). GPU (marker gpu): a runner with graphs gives the same logits as the same runner
-eager, step after step, for batches of 1, 3 and 4 sequences (a padded size and exact ones).
+eager, step after step, for batches of 1, 3 and 4 sequences (a padded size and exact ones), and
+the start-up check (DecodeGraphs.check) passes the real graph and fails a wrong one.
 """
 
 import pytest
@@ -77,6 +78,14 @@ def test_graph_replay_equals_eager(tiny_converted, tp1_process):
     eager = ModelRunner(RunnerConfig(**{**rc.__dict__, "enforce_eager": True}))
     assert graphed.graphs is not None and graphed.graphs.sizes == [1, 2, 4]
     assert eager.graphs is None
+    assert graphed.graphs.check() is None               # the start-up check passed, and again
+    real = graphed.graphs.graphs[1]
+    bad, out = torch.cuda.CUDAGraph(), torch.empty_like(real[1])
+    with torch.cuda.graph(bad):                         # a graph that computes something else
+        out.copy_(real[1] * 1.05)
+    graphed.graphs.graphs[1] = (bad, out)
+    assert "differ from the eager step's (relative error 0.05" in graphed.graphs.check()
+    graphed.graphs.graphs[1] = real
     g = torch.Generator().manual_seed(0)
     for n in (1, 3, 4):
         tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(n)]
