@@ -46,16 +46,16 @@ from backfit.formats import MANIFEST, load_manifest
 from backfit.inventory import DTYPE_BYTES, expected_tensors
 from backfit.runtime.cache.budget import (CONTEXT_BYTES, GRAPH_BYTES, NCCL_BYTES, SCORE_CHUNK,  # noqa: F401
                                           GiB, MiB, Plan, Workspace, _gib, fit,
-                                          graph_reserve, runtime_reserve, workspace)
+                                          graph_reserve, pick_batched_tokens, runtime_reserve,
+                                          workspace)
 from backfit.runtime.cache.layout import cache_layout
 
-__all__ = ["GiB", "EXPERT_SCHEMES", "MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "SCORE_CHUNK",
+__all__ = ["GiB", "EXPERT_SCHEMES", "MAX_NUM_SEQS", "SCORE_CHUNK",
            "WeightBytes", "Workspace", "Plan", "parse_bytes", "read_model", "max_positions",
            "weight_bytes", "manifest_weight_bytes", "workspace", "graph_reserve", "runtime_reserve",
            "fit", "plan", "format_plan"]
 
 MAX_NUM_SEQS = 64
-MAX_NUM_BATCHED_TOKENS = 2048
 # --experts -> bytes of one routed-expert weight, for the record; the bytes themselves come from
 # the plan's outputs. mx4 (mx4_e2m1, MXFP4 kept packed): 0.5 B + 1 B per 32.
 EXPERT_SCHEMES = {"int8": 1 + 1 / 32, "bf16": 2.0, "mx4": 0.5 + 1 / 32}
@@ -156,11 +156,18 @@ def max_positions(cfg: ModelConfig) -> int:
 def plan(model: str | Path | ModelConfig, tp: int | None = None, gpu_mem: int = 80 * GiB,
          utilization: float = 0.90, experts: str | None = None, kv_cache_dtype: str = "bf16",
          max_model_len: int | None = None, max_num_seqs: int = MAX_NUM_SEQS,
-         max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+         max_num_batched_tokens: int | None = None,
          num_snapshot_slots: int | None = None, mtp: bool = False, rollback: int = 8,
          block_size: int | None = None) -> Plan:
     """The computed plan for MODEL on cards of `gpu_mem` bytes. max_model_len None: the longest
-    that fits, up to the model's limit; given: ValueError (what to change) unless it fits."""
+    that fits, up to the model's limit; given: ValueError (what to change) unless it fits.
+    max_num_batched_tokens None: the engine's default on CUDA (pick_batched_tokens)."""
+    if max_num_batched_tokens is None:
+        args = dict(tp=tp, gpu_mem=gpu_mem, utilization=utilization, experts=experts,
+                    kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
+                    max_num_seqs=max_num_seqs, num_snapshot_slots=num_snapshot_slots, mtp=mtp,
+                    rollback=rollback, block_size=block_size)
+        return pick_batched_tokens(lambda t: plan(model, max_num_batched_tokens=t, **args))[1]
     if isinstance(model, ModelConfig):
         cfg, manifest, limit = model, None, max_positions(model)
     else:

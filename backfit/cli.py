@@ -159,8 +159,12 @@ def engine_options(f):
                      help="Longest prompt + output, in tokens."),
         click.option("--max-num-seqs", type=int, default=None,
                      help="Sequences running at once (default 64; generate: the prompt count)."),
-        click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True,
-                     help="Tokens per engine step (prefill chunks + decode tokens)."),
+        click.option("--max-num-batched-tokens", type=int, default=None,
+                     help="Tokens per engine step (prefill chunks + decode tokens). Default: "
+                     "8192 on CUDA where it costs at most 10% of the KV capacity, else 2048 "
+                     "(prefill chunks run eagerly; a 43-layer TP-4 rank's eager step costs "
+                     "~0.3 s of host time up to ~8K tokens, so larger chunks cut long-prompt "
+                     "TTFT ~2.6x)."),
         click.option("--block-size", type=int, default=None,
                      help="Tokens per cache block, a multiple of every compression ratio "
                           "(default: the smallest such multiple >= 64)."),
@@ -281,7 +285,9 @@ def serve(converted, host, port, served_model_name, aliases, api_key, max_queue,
 @click.option("--max-model-len", type=int, default=None,
               help="Longest sequence (default: the longest that fits, up to the model's limit).")
 @click.option("--max-num-seqs", type=int, default=64, show_default=True)
-@click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=None,
+              help="Tokens per step (default: the engine's on CUDA: 8192 where it costs at "
+                   "most 10% of the KV capacity, else 2048).")
 @click.option("--num-snapshot-slots", type=int, default=None,
               help="Prefix-cache snapshot slots (default: max-num-seqs).")
 @click.option("--block-size", type=int, default=None,

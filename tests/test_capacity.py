@@ -261,3 +261,30 @@ def test_cli_flash_config_table_and_errors(tmp_path):
     assert r.exit_code == 1 and "cannot read 'lots'" in r.output
     assert _cli(tmp_path / "missing.json").exit_code == 1
     assert math.isfinite(p["kv_capacity_tokens"])
+
+
+def test_default_batched_tokens_is_8192_where_the_kv_pool_can_afford_it():
+    """--max-num-batched-tokens default (budget.pick_batched_tokens, the engine's on CUDA and
+    `backfit plan`'s): 8192 where it keeps >= 90 % of the 2048 plan's KV capacity, else 2048,
+    and 2048 when 8192 does not fit at all."""
+    from backfit.runtime.cache.budget import pick_batched_tokens
+    mx4 = plan(_flash(), tp=4, gpu_mem=80 * GiB, utilization=0.90, experts="mx4")
+    assert mx4.max_num_batched_tokens == 8192          # 4.34 M tokens against 4.57 M
+    small = plan(_flash(), tp=4, gpu_mem=80 * GiB, utilization=0.90, experts="mx4",
+                 max_num_batched_tokens=2048)
+    assert 0.9 * small.kv_capacity_tokens <= mx4.kv_capacity_tokens < small.kv_capacity_tokens
+    tight = plan(_flash(), tp=4, gpu_mem=80 * GiB, utilization=0.95, experts="int8")
+    assert tight.max_num_batched_tokens == 2048        # 8192 would leave 27,904 of 232,832
+    big = plan(_flash(), tp=4, gpu_mem=80 * GiB, utilization=0.95, experts="int8",
+               max_num_batched_tokens=8192)
+    assert big.kv_capacity_tokens < 0.9 * tight.kv_capacity_tokens
+
+    def plan_for(t, fits=(2048, 8192), caps={2048: 100, 8192: 95}):
+        if t not in fits:
+            raise ValueError(f"{t} does not fit")
+        return type("P", (), {"kv_capacity_tokens": caps[t], "t": t})()
+    assert pick_batched_tokens(plan_for)[0] == 8192
+    assert pick_batched_tokens(lambda t: plan_for(t, caps={2048: 100, 8192: 89}))[0] == 2048
+    assert pick_batched_tokens(lambda t: plan_for(t, fits=(2048,)))[0] == 2048
+    with pytest.raises(ValueError, match="2048 does not fit"):
+        pick_batched_tokens(lambda t: plan_for(t, fits=()))

@@ -50,7 +50,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     block_size: int | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None     # None: the runner's (2,048, or 8,192 on CUDA
+    #                                               where the KV pool can afford it)
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -130,8 +131,9 @@ class LLMEngine:
         self.timings = dict(r.timings)
         self.block_manager = BlockManager(r.num_blocks, r.block_size, cfg.max_num_seqs,
                                           r.num_snapshot_slots, cfg.enable_prefix_caching)
+        self.max_num_batched_tokens = cfg.max_num_batched_tokens or r.max_num_batched_tokens
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens, cfg.max_model_len,
+                                   self.max_num_batched_tokens, cfg.max_model_len,
                                    cfg.enable_chunked_prefill, self.model_cfg.eos_token_id)
         self.requests: dict[int, _Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = 0

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["TPInfo", "set_tp_info", "get_tp_info", "tp_is_set", "init_distributed",
-           "destroy_distributed", "all_reduce", "all_gather", "free_port"]
+           "destroy_distributed", "all_reduce", "all_gather", "free_port", "min_over_ranks",
+           "broadcast_from_rank0"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,17 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return y.to(x.dtype)
     dist.all_reduce(x)
     return x
+
+
+def min_over_ranks(values: list[int], device: torch.device) -> list[int]:
+    """The element-wise minimum of every rank's `values` (ints), on every rank; the values
+    themselves at size 1. The pools' sizes: each rank plans from its own free memory."""
+    if get_tp_info().size == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64,
+                     device=device if torch.device(device).type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return [int(v) for v in t.tolist()]
 
 
 def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:

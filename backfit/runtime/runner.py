@@ -47,7 +47,8 @@ class RunnerConfig:
     kv_cache_dtype: str = "auto"             # auto (= activations) | bf16 | int8
     block_size: int | None = None            # tokens per block; None: default_block_size
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None   # None: budget.pick_batched_tokens on CUDA
+    #                                               (2,048 or 8,192), 2,048 elsewhere
     max_model_len: int = 8192
     num_snapshot_slots: int | None = None    # prefix-cache snapshots; None: = max_num_seqs
     num_blocks: int | None = None            # None: from memory (size_pools)
@@ -158,8 +159,13 @@ class ModelRunner:
 
     def size_pools(self) -> tuple[int, int]:
         """(slots, blocks) from the planner's `fit` (runtime/cache/budget.py), the same
-        arithmetic as `backfit plan`, on measured free memory; raises with what to change."""
-        from backfit.runtime.cache.budget import GiB, fit, graph_reserve, workspace
+        arithmetic as `backfit plan`, on measured free memory; raises with what to change. Sets
+        self.max_num_batched_tokens (the engine's chunk budget: rc's, else on CUDA
+        pick_batched_tokens, else 2,048). At tp > 1 every rank takes the smallest of the ranks'
+        slots, blocks and budget: rank 0's block manager hands out block ids for all of them."""
+        from backfit.runtime.cache.budget import (BATCHED_TOKENS, GiB, fit, graph_reserve,
+                                                  pick_batched_tokens, workspace)
+        from backfit.runtime.distributed import min_over_ranks
         from backfit.runtime.cache.layout import cache_layout
         from backfit.runtime.distributed import get_tp_info
         rc = self.rc
@@ -167,29 +173,37 @@ class ModelRunner:
         layout = cache_layout(self.cfg, act if self.kv == "auto" else "int8", self.block_size,
                               act_dtype=act)
         kw = dict(max_model_len=rc.max_model_len, max_num_seqs=rc.max_num_seqs,
-                  num_snapshot_slots=rc.num_snapshot_slots, tp=get_tp_info().size,
-                  max_num_batched_tokens=rc.max_num_batched_tokens)
+                  num_snapshot_slots=rc.num_snapshot_slots, tp=get_tp_info().size)
+        T = rc.max_num_batched_tokens
         if rc.num_blocks is not None:                         # fixed (tests, CPU runs)
             per = layout.slot_bytes * (rc.max_num_seqs + (rc.max_num_seqs if rc.num_snapshot_slots
                                                          is None else rc.num_snapshot_slots))
             n = per + rc.num_blocks * layout.block_bytes
-            self.plan = fit(layout, n, n, utilization=1.0, **kw)
+            T = T or BATCHED_TOKENS[0]
+            self.plan = fit(layout, n, n, utilization=1.0, max_num_batched_tokens=T, **kw)
         elif self.device.type == "cuda":                      # after loading: what is really free
             torch.cuda.synchronize(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
-            ws = workspace(self.cfg, kw["tp"], rc.max_num_batched_tokens, rc.max_model_len,
-                           rc.max_num_seqs, act_bytes=self.dtype.itemsize).total
             gb = graph_reserve(self.cfg, kw["tp"], rc.max_model_len, rc.max_num_seqs) \
                 if self.use_graphs else 0
-            self.plan = fit(layout, free, total, utilization=rc.gpu_memory_utilization,
-                            workspace_bytes=ws, graph_bytes=gb, **kw)
+
+            def plan_for(t: int):
+                ws = workspace(self.cfg, kw["tp"], t, rc.max_model_len, rc.max_num_seqs,
+                               act_bytes=self.dtype.itemsize).total
+                return fit(layout, free, total, utilization=rc.gpu_memory_utilization,
+                           workspace_bytes=ws, graph_bytes=gb, max_num_batched_tokens=t, **kw)
+            T, self.plan = (T, plan_for(T)) if T else pick_batched_tokens(plan_for)
         else:                                                 # CPU: --cpu-kv-cache-gib
             budget = int(rc.cpu_kv_cache_gib * GiB)
-            self.plan = fit(layout, budget, budget, utilization=1.0, **kw)
+            T = T or BATCHED_TOKENS[0]
+            self.plan = fit(layout, budget, budget, utilization=1.0, max_num_batched_tokens=T,
+                            **kw)
         blocks = self.plan.num_blocks
         if rc.num_blocks is None and self.device.type == "cpu":   # no more than can be used
             blocks = min(blocks, layout.blocks_for(rc.max_model_len) * rc.max_num_seqs)
-        return self.plan.num_slots, blocks
+        slots, blocks, self.max_num_batched_tokens = min_over_ranks(
+            [self.plan.num_slots, blocks, T], self.device)
+        return slots, blocks
 
     @torch.no_grad()
     def forward(self, step: StepInput, prev: torch.Tensor | None = None) -> StepOutput:

@@ -108,3 +108,32 @@ def test_tp_matches_tp1(kind, tp, tiny_converted, tp1_logits, rel_err, tmp_path)
             err = rel_err(got[key], want)
             assert err.max() < 1e-4, f"{kind} tp={tp} rank {r} {key}: max rel err {err.max():.2e}"
             assert torch.equal(got[key].argmax(-1), want.argmax(-1))
+
+
+def _pools_worker(rank: int, size: int, port: int, root: str, out: str) -> None:
+    torch.set_num_threads(1)
+    from backfit.runtime.distributed import destroy_distributed, init_distributed
+    from backfit.runtime.runner import ModelRunner, RunnerConfig
+    init_distributed(rank, size, port)
+    try:                               # rank 1 has twice rank 0's memory (as a fuller card)
+        r = ModelRunner(RunnerConfig(root, dtype="float32", max_num_seqs=2, max_model_len=16384,
+                                     cpu_kv_cache_gib=0.02 * (rank + 1)))
+        torch.save({"own": r.plan.num_blocks, "blocks": r.num_blocks, "slots": r.num_slots,
+                    "pool": r.cache.num_blocks, "tokens": r.max_num_batched_tokens},
+                   f"{out}/pools{rank}.pt")
+    finally:
+        destroy_distributed()
+
+
+def test_ranks_agree_on_the_smallest_pools(tiny_converted, tmp_path):
+    """Each rank sizes its pools from its own memory, but rank 0's block manager hands out block
+    ids for every rank: all ranks take the smallest slots, blocks and chunk budget (a rank with
+    more blocks than rank 0 is harmless; fewer would be written out of bounds)."""
+    from backfit.runtime.distributed import free_port
+    mp.spawn(_pools_worker, args=(2, free_port(), str(tiny_converted(2)), str(tmp_path)),
+             nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"pools{r}.pt") for r in range(2))
+    assert r0["own"] < r1["own"]                       # they planned apart ...
+    for r in (r0, r1):                                 # ... and run alike, on rank 0's pools
+        assert r["blocks"] == r["pool"] == r0["own"] and r["tokens"] == 2048
+    assert r0["slots"] == r1["slots"] == 4
