@@ -295,12 +295,13 @@ def ready_line(engine, host: str, port: int, t_start: float) -> str:
     t = getattr(e, "timings", {}) or {}
     total = time.perf_counter() - t_start
     cap = e.num_blocks * e.block_size
+    graphs = (f"CUDA graphs {t['graphs_s']:.1f} s" if "graphs_s" in t else "no CUDA graphs")
     return (f"backfit serve: ready on http://{host}:{port} (model {e.cfg.model}, tp {e.cfg.tp}, "
             f"{e.cfg.device}) | capacity: {e.num_blocks} blocks x {e.block_size} tokens = "
             f"{cap} cached tokens, {e.cfg.max_num_seqs} sequences, max_model_len "
-            f"{e.cfg.max_model_len} | ready in {total:.1f} s: weights {t.get('weights_s', 0):.1f}"
-            f" s, pools {t.get('pools_s', 0):.1f} s, kernel warm-up -- and graph capture -- "
-            "(not implemented yet: the plain-torch path compiles and captures nothing)")
+            f"{e.cfg.max_model_len}, {getattr(e, 'max_num_batched_tokens', '?')} tokens a step | "
+            f"ready in {total:.1f} s: weights {t.get('weights_s', 0):.1f} s, pools "
+            f"{t.get('pools_s', 0):.1f} s, {graphs}")
 
 
 async def _serve(cfg, host: str, port: int, ctx_kw: dict) -> None:

@@ -251,6 +251,7 @@ def test_backfit_serve_tp2_subprocess(tiny_converted):
                 break
         ready = lines[-1]
         assert f"ready on http://127.0.0.1:{port}" in ready and "tp 2" in ready, lines
+        assert "2048 tokens a step" in ready and "no CUDA graphs" in ready, ready
         assert "capacity:" in ready and "weights" in ready and "pools" in ready
         ranks = _children(proc.pid)
         assert ranks, "no rank process"
