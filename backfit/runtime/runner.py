@@ -162,12 +162,12 @@ class ModelRunner:
         arithmetic as `backfit plan`, on measured free memory; raises with what to change. Sets
         self.max_num_batched_tokens (the engine's chunk budget: rc's, else on CUDA
         pick_batched_tokens, else 2,048). At tp > 1 every rank takes the smallest of the ranks'
-        slots, blocks and budget: rank 0's block manager hands out block ids for all of them."""
+        slots, blocks and budget: rank 0's block manager hands out block ids for all of them
+        (self.plan stays this rank's own plan)."""
         from backfit.runtime.cache.budget import (BATCHED_TOKENS, GiB, fit, graph_reserve,
                                                   pick_batched_tokens, workspace)
-        from backfit.runtime.distributed import min_over_ranks
         from backfit.runtime.cache.layout import cache_layout
-        from backfit.runtime.distributed import get_tp_info
+        from backfit.runtime.distributed import get_tp_info, min_over_ranks
         rc = self.rc
         act = "fp32" if self.dtype == torch.float32 else "bf16"
         layout = cache_layout(self.cfg, act if self.kv == "auto" else "int8", self.block_size,
