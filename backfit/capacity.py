@@ -45,7 +45,7 @@ from backfit.config import ModelConfig
 from backfit.formats import MANIFEST, load_manifest
 from backfit.inventory import DTYPE_BYTES, expected_tensors
 from backfit.runtime.cache.budget import (CONTEXT_BYTES, GRAPH_BYTES, NCCL_BYTES, SCORE_CHUNK,  # noqa: F401
-                                          GiB, MiB, Plan, Workspace, _gib, fit,
+                                          BATCHED_TOKENS, GiB, MiB, Plan, Workspace, _gib, fit,
                                           graph_reserve, pick_batched_tokens, runtime_reserve,
                                           workspace)
 from backfit.runtime.cache.layout import cache_layout
@@ -167,7 +167,11 @@ def plan(model: str | Path | ModelConfig, tp: int | None = None, gpu_mem: int = 
                     kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
                     max_num_seqs=max_num_seqs, num_snapshot_slots=num_snapshot_slots, mtp=mtp,
                     rollback=rollback, block_size=block_size)
-        return pick_batched_tokens(lambda t: plan(model, max_num_batched_tokens=t, **args))[1]
+        t, p = pick_batched_tokens(lambda t: plan(model, max_num_batched_tokens=t, **args))
+        why = "" if t == BATCHED_TOKENS[1] else (f" ({BATCHED_TOKENS[1]} would cost more than "
+                                                 "10 % of the KV capacity, or not fit)")
+        return Plan(**{**p.to_dict(), "notes": p.notes + (
+            f"--max-num-batched-tokens not given: {t}{why}",)})
     if isinstance(model, ModelConfig):
         cfg, manifest, limit = model, None, max_positions(model)
     else:

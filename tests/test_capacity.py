@@ -275,6 +275,9 @@ def test_default_batched_tokens_is_8192_where_the_kv_pool_can_afford_it():
     assert 0.9 * small.kv_capacity_tokens <= mx4.kv_capacity_tokens < small.kv_capacity_tokens
     tight = plan(_flash(), tp=4, gpu_mem=80 * GiB, utilization=0.95, experts="int8")
     assert tight.max_num_batched_tokens == 2048        # 8192 would leave 27,904 of 232,832
+    assert any("--max-num-batched-tokens not given: 2048 (8192 would cost" in n
+               for n in tight.notes), tight.notes
+    assert "--max-num-batched-tokens not given: 8192" in mx4.notes
     big = plan(_flash(), tp=4, gpu_mem=80 * GiB, utilization=0.95, experts="int8",
                max_num_batched_tokens=8192)
     assert big.kv_capacity_tokens < 0.9 * tight.kv_capacity_tokens
