@@ -56,6 +56,28 @@ run_step() {            # name limit_s command...: log to $OUT/name.log, print t
     [ $s -eq 0 ] || rc=1
 }
 
+greedy_texts() {        # name tp flags...: tiny checkpoint -> convert --tp tp -> `backfit generate
+    local name=$1 tp=$2 d v i=0 cmd    # --device cuda` once per flag set; every greedy text must
+    shift 2                            # equal the first; the converted dir stays in $GREEDY_DIR
+    d=$(mktemp -d)
+    GREEDY_DIR=$d
+    printf 'The quick brown fox\ndef fib(n):\nOnce upon a time\n' >"$d/prompts.txt"
+    cmd="set -eo pipefail
+        $PY scripts/make_tiny_checkpoint.py $d/orig --small-vocab
+        $PY -m backfit.cli convert $d/orig $d/conv --tp $tp --quiet"
+    for v in "$@"; do
+        cmd+="
+        echo '-- --tp $tp $v'
+        $PY -m backfit.cli generate $d/conv --tp $tp --prompts-file $d/prompts.txt \
+            --device cuda $v --max-tokens 32 --ignore-eos --max-model-len 512 | tee $d/out$i.txt"
+        [ $i -gt 0 ] && cmd+="
+        diff $d/out0.txt $d/out$i.txt"
+        i=$((i + 1))
+    done
+    run_step "$name" "${SMOKE_S:-300}" bash -c "$cmd
+        echo 'greedy text equal at tp $tp for: $*'"
+}
+
 if ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install --no-deps --no-index .whl/*.whl >"$OUT/setup.log" 2>&1 || rc=1
     tail -n 2 "$OUT/setup.log"
@@ -77,22 +99,11 @@ for s in "${steps[@]}"; do
         run_step kernel_tests "${TESTS_S:-420}" $PY -m pytest -q -p no:cacheprovider "${par[@]}" \
             tests/runtime/kernels tests/runtime/test_kernels_flag.py ;;
     smoke)
-        d=$(mktemp -d)
-        printf 'The quick brown fox\ndef fib(n):\nOnce upon a time\n' >"$d/prompts.txt"
-        run_step smoke "${SMOKE_S:-240}" bash -c "
-            set -eo pipefail
-            $PY scripts/make_tiny_checkpoint.py $d/orig --small-vocab
-            $PY -m backfit.cli convert $d/orig $d/conv --tp 1 --quiet
-            for k in 'torch' 'triton --enforce-eager' 'triton' 'triton --no-async-scheduling'; do
-                echo \"-- --kernels \$k\"
-                $PY -m backfit.cli generate $d/conv --prompts-file $d/prompts.txt --device cuda \
-                    --kernels \$k --max-tokens 32 --ignore-eos --max-model-len 512 \
-                    | tee \"$d/\${k// /_}.txt\"
-            done
-            diff $d/torch.txt $d/triton_--enforce-eager.txt && diff $d/torch.txt $d/triton.txt \
-                && diff $d/torch.txt $d/triton_--no-async-scheduling.txt \
-                && echo 'greedy text: triton (eager and graphs, async scheduling on and off) == torch'
-            $PY -m backfit.cli serve $d/conv --device cuda --port 8765 --max-model-len 512 &
+        greedy_texts smoke 1 '--kernels torch' '--kernels triton --enforce-eager' \
+            '--kernels triton' '--kernels triton --no-async-scheduling'
+        run_step smoke_serve "${SMOKE_S:-240}" bash -c "
+            $PY -m backfit.cli serve $GREEDY_DIR/conv --device cuda --port 8765 \
+                --max-model-len 512 &
             srv=\$!
             for i in \$(seq 120); do curl -sf localhost:8765/health >/dev/null && break; sleep 1; done
             curl -sf localhost:8765/v1/chat/completions -H 'content-type: application/json' \
@@ -152,20 +163,8 @@ for s in "${steps[@]}"; do
         # and async off equal
         run_step tp2_tests "${TESTS_S:-420}" $PY -m pytest -q -p no:cacheprovider \
             tests/runtime/test_kernels_flag.py -k tp2 -rs
-        d=$(mktemp -d)
-        printf 'The quick brown fox\ndef fib(n):\nOnce upon a time\n' >"$d/prompts.txt"
-        run_step tp2_smoke "${SMOKE_S:-300}" bash -c "
-            set -eo pipefail
-            $PY scripts/make_tiny_checkpoint.py $d/orig --small-vocab
-            $PY -m backfit.cli convert $d/orig $d/conv --tp 2 --quiet
-            for k in '' '--enforce-eager' '--no-async-scheduling'; do
-                echo \"-- --tp 2 \$k\"
-                $PY -m backfit.cli generate $d/conv --tp 2 --prompts-file $d/prompts.txt \
-                    --device cuda --max-tokens 32 --ignore-eos --max-model-len 512 \$k \
-                    | tee \"$d/tp2\${k// /_}.txt\"
-            done
-            diff $d/tp2.txt $d/tp2--enforce-eager.txt && diff $d/tp2.txt \
-                $d/tp2--no-async-scheduling.txt && echo 'tp 2 greedy text: graphs == eager'" ;;
+        greedy_texts tp2_smoke 2 '--kernels triton' '--kernels triton --enforce-eager' \
+            '--kernels triton --no-async-scheduling' ;;
     *) echo "unknown step $s (tests, smoke, verify, bench, ab, sweep, sweeps, profile, tp2)"
        rc=1 ;;
     esac
