@@ -174,12 +174,12 @@ class ModelRunner:
                               act_dtype=act)
         kw = dict(max_model_len=rc.max_model_len, max_num_seqs=rc.max_num_seqs,
                   num_snapshot_slots=rc.num_snapshot_slots, tp=get_tp_info().size)
-        T = rc.max_num_batched_tokens
+        measured = rc.num_blocks is None and self.device.type == "cuda"   # the default picked
+        T = rc.max_num_batched_tokens or (None if measured else BATCHED_TOKENS[0])   # below
         if rc.num_blocks is not None:                         # fixed (tests, CPU runs)
             per = layout.slot_bytes * (rc.max_num_seqs + (rc.max_num_seqs if rc.num_snapshot_slots
                                                          is None else rc.num_snapshot_slots))
             n = per + rc.num_blocks * layout.block_bytes
-            T = T or BATCHED_TOKENS[0]
             self.plan = fit(layout, n, n, utilization=1.0, max_num_batched_tokens=T, **kw)
         elif self.device.type == "cuda":                      # after loading: what is really free
             torch.cuda.synchronize(self.device)
@@ -195,7 +195,6 @@ class ModelRunner:
             T, self.plan = (T, plan_for(T)) if T else pick_batched_tokens(plan_for)
         else:                                                 # CPU: --cpu-kv-cache-gib
             budget = int(rc.cpu_kv_cache_gib * GiB)
-            T = T or BATCHED_TOKENS[0]
             self.plan = fit(layout, budget, budget, utilization=1.0, max_num_batched_tokens=T,
                             **kw)
         blocks = self.plan.num_blocks

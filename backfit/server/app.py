@@ -299,7 +299,7 @@ def ready_line(engine, host: str, port: int, t_start: float) -> str:
     return (f"backfit serve: ready on http://{host}:{port} (model {e.cfg.model}, tp {e.cfg.tp}, "
             f"{e.cfg.device}) | capacity: {e.num_blocks} blocks x {e.block_size} tokens = "
             f"{cap} cached tokens, {e.cfg.max_num_seqs} sequences, max_model_len "
-            f"{e.cfg.max_model_len}, {getattr(e, 'max_num_batched_tokens', '?')} tokens a step | "
+            f"{e.cfg.max_model_len}, {e.max_num_batched_tokens} tokens a step | "
             f"ready in {total:.1f} s: weights {t.get('weights_s', 0):.1f} s, pools "
             f"{t.get('pools_s', 0):.1f} s, {graphs}")
 

@@ -173,8 +173,6 @@ def fit(layout: CacheLayout, free_bytes: int, total_bytes: int, *, max_model_len
                 max_num_batched_tokens=max_num_batched_tokens, planned=planned, notes=notes)
 
 
-
-
 def pick_batched_tokens(plan_for) -> tuple[int, Plan]:
     """The default --max-num-batched-tokens and its plan: plan_for(T) -> Plan (ValueError when
     nothing fits) for T in BATCHED_TOKENS; the larger T unless its KV capacity is below 90 % of
