@@ -132,24 +132,83 @@ class Attention(nn.Module):
         return comp, icomp, wraw
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
-        """x [T, d] (normed attention input) -> [T, d]; cache: this layer's, bound to the batch."""
+        """x [T, d] (normed attention input) -> [T, d]; cache: this layer's, bound to the batch.
+        The paged decode step (one token per sequence) has its own path (_decode_step); every
+        other batch is post(core(pre(x))), the split runtime/prefill_graphs.py captures around
+        (pre and post touch no cache and have shapes from T alone; core reads and writes it)."""
+        paged = get_kernel_backend() == "triton" and hasattr(cache, "block_table")  # paged pools
+        if paged and x.shape[0] == len(batch.seq_lens):
+            return self._decode_step(x, batch, cache)
+        pos = batch.positions
+        return self.post(self.core(self.pre(x, pos), batch, cache), pos, x.dtype)
+
+    def pre(self, x: torch.Tensor, pos: torch.Tensor) -> tuple:
+        """Prefill / mixed batches, before the cache: x [T, d], pos [T] -> (q [T, Hl, D] normed
+        and rotated, kv [T, D] normed and rotated, comp (c, z) or None, icomp (c, z) or None,
+        qI [T, Hl, 128] or None, wI [T, Hl] or None): tensors of T rows, nothing else."""
+        T, Hl, D = x.shape[0], self.local_heads, self.cfg.head_dim
+        qa, kvx, comp, icomp, wraw = self._project(x, pos)
+        qr = self.q_norm(qa)                                          # [T, q_lora]
+        q = self.wq_b(qr).view(T, Hl, D)
+        if kernel_path(q):              # norm + RoPE in one launch each (kernels.rope_norm)
+            from backfit.runtime.kernels.rope_norm import rope
+            r = self.rope
+            q = rope(q, pos, r.inv_freq, r.rope_dim, norm=(None, self.eps))     # per-head RMS
+            kv = self._kv_rope(kvx, pos)
+        else:
+            qf = q.float()
+            q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+            q = self.rope(q, pos)                                     # [T, Hl, D]
+            kv = self.rope(self.kv_norm(kvx), pos)                    # [T, D]
+        qI = wI = None
+        if self.indexer is not None:
+            qI, wI = self.indexer.queries(qr, wraw, pos)
+        return q, kv, comp, icomp, qI, wI
+
+    def core(self, pre: tuple, batch: ForwardBatch, cache) -> torch.Tensor:
+        """pre's tensors (T rows) -> o [T, Hl, D]: the compressors' updates, the attention over
+        the cache and the chunks' kv stored in it. Paged pools on the triton path: o in the
+        activation dtype, de-rotated (kernels; FP32 activations: FP32, rotated); else FP32,
+        rotated (the torch loop, one sequence at a time)."""
+        q, kv, comp, icomp, qI, wI = pre
+        pos = batch.positions
+        if get_kernel_backend() == "triton" and hasattr(cache, "block_table"):
+            return self._kernels(q, kv, pos, batch, cache, comp,
+                                 None if self.indexer is None else (qI, wI, icomp))
+        o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        for s in batch.slices():
+            r = slice(s.lo, s.hi)
+            extra = None
+            if comp is not None:
+                entries = self.compressor.update(cache, s.index, "comp", comp[0][r], comp[1][r],
+                                                 s.start, q.dtype)
+                extra = (entries, None)
+                if self.indexer is not None:
+                    keys = self.indexer.compressor.update(cache, s.index, "index", icomp[0][r],
+                                                          icomp[1][r], s.start, q.dtype)
+                    extra = (entries, (qI[r], wI[r], keys))
+            o[r] = self._attend(q[r], kv[r], pos[r], s, cache, extra)
+        return o
+
+    def _decode_step(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
+        """The paged decode step on the triton backend: the compressor update, the CSA indexer
+        chain and the kv store on side streams beside the query path where on CUDA (SIDE_STREAMS,
+        KV_BESIDE), q_norm folded into wq_b at Q_NORM_IN_WQ_B's batch sizes."""
         T, pos = x.shape[0], batch.positions
         Hl, D = self.local_heads, self.cfg.head_dim
-        paged = get_kernel_backend() == "triton" and hasattr(cache, "block_table")  # paged pools
-        decode_step = paged and T == len(batch.seq_lens)
         side = None                     # (events, sel) of the chains queued beside the q path
-        if decode_step and SIDE_STREAMS and self.compressor is not None and x.is_cuda \
+        if SIDE_STREAMS and self.compressor is not None and x.is_cuda \
                 and kernel_path(x):    # the FP32 projections + the compressor on "comp"
             (comp, icomp, wraw, proj), ev = beside(x.device, "comp", lambda: self._comp_chain(
                 x, pos, cache))
             qa, kvx = self._project_a(x)
             side = ([ev], None)
         else:
-            qa, kvx, comp, icomp, wraw = self._project(x, pos, decode_step)
+            qa, kvx, comp, icomp, wraw = self._project(x, pos, True)
         kv = kv_ready = None            # kv_ready: the event of the kv chain queued beside
-        if decode_step and KV_BESIDE and x.is_cuda and kernel_path(x):
+        if KV_BESIDE and x.is_cuda and kernel_path(x):
             kv, kv_ready = beside(x.device, "kv", lambda: self._kv_stored(kvx, pos, cache))
-        fold = decode_step and T in Q_NORM_IN_WQ_B and self.wq_b.norm_folds(qa)  # q_norm in wq_b
+        fold = T in Q_NORM_IN_WQ_B and self.wq_b.norm_folds(qa)      # q_norm in wq_b
         indexed = self.indexer is not None
         qr = None if fold and (side is not None or not indexed) else self.q_norm(qa)  # [T, q_lora]
         if side is not None and indexed:                              # from qr on, beside wq_b
@@ -168,26 +227,11 @@ class Attention(nn.Module):
             q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
             q = self.rope(q, pos)                                     # [T, Hl, D]
             kv = self.rope(self.kv_norm(kvx), pos)                    # [T, D]
+        index = None
         if self.indexer is not None and side is None:
-            qI, wI = self.indexer.queries(qr, wraw, pos)
-        if paged:
-            o = self._kernels(q, kv, pos, batch, cache, comp, None if side is not None or
-                              self.indexer is None else (qI, wI, icomp), side, kv_ready)
-            return self._output(o, pos, x.dtype)
-        o = torch.empty(T, Hl, D, dtype=torch.float32, device=x.device)
-        for s in batch.slices():
-            r = slice(s.lo, s.hi)
-            extra = None
-            if comp is not None:
-                entries = self.compressor.update(cache, s.index, "comp", comp[0][r], comp[1][r],
-                                                 s.start, x.dtype)
-                extra = (entries, None)
-                if self.indexer is not None:
-                    keys = self.indexer.compressor.update(cache, s.index, "index", icomp[0][r],
-                                                          icomp[1][r], s.start, x.dtype)
-                    extra = (entries, (qI[r], wI[r], keys))
-            o[r] = self._attend(q[r], kv[r], pos[r], s, cache, extra)
-        return self._output(o, pos, x.dtype)
+            index = (*self.indexer.queries(qr, wraw, pos), icomp)
+        o = self._kernels(q, kv, pos, batch, cache, comp, index, side, kv_ready)
+        return self.post(o, pos, x.dtype)
 
     def _kv_rope(self, kvx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Kernel path: RoPE(kv_norm(kvx)) [T, D] in one launch."""
@@ -203,10 +247,10 @@ class Attention(nn.Module):
         cache.write_window_tokens(pos, kv)
         return kv
 
-    def _output(self, o: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def post(self, o: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """o [T, Hl, D] FP32 -> inverse RoPE, grouped wo_a, wo_b -> [T, d]. An o already in
         `dtype` (not FP32) comes de-rotated from the kernels (decode_attention's out_rope; the
-        prefill output's in-place inverse RoPE in _kernels)."""
+        prefill output's in-place inverse RoPE in _kernels). No cache: shapes from T alone."""
         T = o.shape[0]
         if o.dtype == torch.float32 and kernel_path(o):               # rounds to dtype inside
             from backfit.runtime.kernels.rope_norm import rope
@@ -279,7 +323,7 @@ class Attention(nn.Module):
         completes (per sequence, torch), the kernels attend to ring positions before each chunk,
         the chunk's own kv in flight and the entries, then the chunks' kv go to the rings.
         Decode (one token per sequence) and chunked prefill / mixed batches. -> o [T, Hl, D]:
-        FP32, or (BF16 activations) already de-rotated in the act dtype (_output skips its RoPE).
+        FP32, or (BF16 activations) already de-rotated in the act dtype (post skips its RoPE).
         side: (events, sel) when forward queued the decode step's compressor update and the CSA
         selection on side streams (SIDE_STREAMS): waited for here, before the attention reads.
         kv_ready: the event of forward's kv chain (KV_BESIDE: kv normed, rotated and stored).
@@ -320,7 +364,7 @@ class Attention(nn.Module):
                 mode = "csa"
         args = (q, kv, pos, self.attn_sink, ring, ring_scale, cache.slot_ids(), self.window, mode,
                 ent, ent_scale, tables, self.ratio, sel)
-        if decode:          # bf16: de-rotated and rounded in the merge launch (_output skips it)
+        if decode:          # bf16: de-rotated and rounded in the merge launch (post skips it)
             r = self.rope
             o = decode_attention(*args, out_rope=None if q.dtype == torch.float32 else
                                  (r.inv_freq, r.rope_dim, q.dtype))
@@ -328,7 +372,7 @@ class Attention(nn.Module):
                 cache.write_window_tokens(pos, kv)                    # after the kernel read it
         else:
             from backfit.runtime.kernels.attention_prefill import sparse_attention_prefill
-            if q.dtype == torch.float32:                              # _output de-rotates
+            if q.dtype == torch.float32:                              # post de-rotates
                 o = sparse_attention_prefill(*args, seq=seq, start=start)   # query-blocked
             else:              # stored in q.dtype, de-rotated in place (its last R lanes only)
                 from backfit.runtime.kernels.rope_norm import rope

@@ -51,10 +51,23 @@ class Block(nn.Module):
         "u" are replaced by those of the next layer."""
         if (k := decode_kernels(X)) is not None:
             return self._forward_decode(k, X, batch, cache, hc if hc is not None else {})
+        post, M, pre = self.attn_in(X, batch.positions)
+        o = self.attn.core(pre, batch, cache)
+        return self.attn_out(X, o, post, M, batch.positions, batch.tokens)
+
+    # A prefill / mixed batch's Block in two cache-free halves around attn.core (the pieces that
+    # runtime/prefill_graphs.py captures: shapes from T alone)
+    def attn_in(self, X: torch.Tensor, pos: torch.Tensor):
+        """X [T, S, d] -> (post [T, S], M [T, S, S] of hc_attn, attn.pre's tensors)."""
         u, post, M = self._hc("attn", X)                          # u [T, d]
-        X = hc_post(self.attn(self.attn_norm(u), batch, cache), X, post, M)
+        return post, M, self.attn.pre(self.attn_norm(u), pos)
+
+    def attn_out(self, X: torch.Tensor, o: torch.Tensor, post: torch.Tensor, M: torch.Tensor,
+                 pos: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """attn.core's o [T, Hl, D] -> wo_a/wo_b, hc_post, then the MoE sub-layer: X [T, S, d]."""
+        X = hc_post(self.attn.post(o, pos, X.dtype), X, post, M)
         u, post, M = self._hc("ffn", X)
-        return hc_post(self.ffn(self.ffn_norm(u), batch.tokens), X, post, M)
+        return hc_post(self.ffn(self.ffn_norm(u), tokens), X, post, M)
 
     def _forward_decode(self, k, X: torch.Tensor, batch: ForwardBatch, cache, hc: dict):
         """kernels.mhc_decode: each hc_pre with its RMSNorm (1 launch on the critical path, its
@@ -150,6 +163,22 @@ class Transformer(nn.Module):
         self._head_part = (X, hc["part"]) if hc is not None else None
         bound.commit()
         return X
+
+    def piece(self, i: int, X, o, carry, tokens: torch.Tensor, pos: torch.Tensor):
+        """Piece i (0 .. L) of a prefill / mixed forward in runtime/prefill_graphs.py's split,
+        cache-free: piece 0 embeds the tokens, piece i > 0 finishes layer i-1 from its
+        attention core's o (attn_out, with carry = its hc_attn (post, M)); every piece but the
+        last then starts layer i (attn_in) -> (X, carry, attn.pre's tensors); the last returns
+        (X, None, None). hidden() for such a batch is these pieces with each layer's attn.core
+        between them (the same calls in the same order)."""
+        if i == 0:
+            X = self.embed.streams(tokens, self.dtype, self.cfg.hc_mult)       # [T, S, d]
+        else:
+            X = self.layers[i - 1].attn_out(X, o, *carry, pos, tokens)
+        if i == len(self.layers):
+            return X, None, None
+        post, M, pre = self.layers[i].attn_in(X, pos)
+        return X, (post, M), pre
 
     def logits(self, X: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Streams [T, hc_mult, d] -> FP32 logits [T, vocab], or [n, vocab] of rows [n] (int64,
