@@ -24,13 +24,18 @@ for a forward of T = max_num_batched_tokens tokens (A = 2 bytes, bf16 activation
   logits     S·(V/tp·4 + V·16): local FP32 logits, gathered FP32 row, sampler probs + int64
              sort ids (S = max_num_seqs rows are sampled per step)
   graphs     the same workspace at T = S = max_num_seqs (decode graphs share one private pool,
-             captured largest first) + GRAPH_BYTES per captured batch size
+             captured largest first) + GRAPH_BYTES per captured batch size; with prefill graphs
+             (P = prefill_graph_tokens, default min(T, 2048) where they cost at most 10 % of the
+             KV capacity) + 2·streams + max(attention, moe) + attention at T = P (their pool,
+             each size's last streams, the static buffers the pieces share with the eager
+             attention cores) + PIECE_BYTES per piece (L + 1 a size)
   runtime    CUDA context + cuBLAS: 685 MiB measured on an H200 (torch 2.11, CUDA 13), rounded
              up to 0.75 GiB; NCCL buffers at tp > 1: 0.5 GiB, an estimate (not measured here)
 
 Engine start-up (runtime/runner.py ModelRunner.size_pools; the same `fit` as `backfit plan`):
 free memory is read with torch.cuda.mem_get_info() after loading, the workspace term above is
-subtracted as computed, and graph_bytes is 0 (no CUDA graphs are captured yet).
+subtracted as computed, and so is the graph reserve (decode, and prefill where on), before
+the graphs are captured.
 """
 
 from __future__ import annotations
@@ -45,9 +50,10 @@ from backfit.config import ModelConfig
 from backfit.formats import MANIFEST, load_manifest
 from backfit.inventory import DTYPE_BYTES, expected_tensors
 from backfit.runtime.cache.budget import (CONTEXT_BYTES, GRAPH_BYTES, NCCL_BYTES, SCORE_CHUNK,  # noqa: F401
-                                          BATCHED_TOKENS, GiB, MiB, Plan, Workspace, _gib, fit,
-                                          graph_reserve, pick_batched_tokens, runtime_reserve,
-                                          workspace)
+                                          BATCHED_TOKENS, PREFILL_GRAPH_MIN, GiB, MiB, Plan,
+                                          Workspace, _gib, fit, graph_reserve,
+                                          pick_batched_tokens, pick_prefill_graphs,
+                                          prefill_graph_reserve, runtime_reserve, workspace)
 from backfit.runtime.cache.layout import cache_layout
 
 __all__ = ["GiB", "EXPERT_SCHEMES", "MAX_NUM_SEQS", "SCORE_CHUNK",
@@ -158,20 +164,37 @@ def plan(model: str | Path | ModelConfig, tp: int | None = None, gpu_mem: int = 
          max_model_len: int | None = None, max_num_seqs: int = MAX_NUM_SEQS,
          max_num_batched_tokens: int | None = None,
          num_snapshot_slots: int | None = None, mtp: bool = False, rollback: int = 8,
-         block_size: int | None = None) -> Plan:
+         block_size: int | None = None, prefill_graph_tokens: int | None = None) -> Plan:
     """The computed plan for MODEL on cards of `gpu_mem` bytes. max_model_len None: the longest
     that fits, up to the model's limit; given: ValueError (what to change) unless it fits.
-    max_num_batched_tokens None: the engine's default on CUDA (pick_batched_tokens)."""
+    max_num_batched_tokens None: the engine's default on CUDA (pick_batched_tokens);
+    prefill_graph_tokens None: the engine's default (pick_prefill_graphs), 0: none."""
+    args = dict(tp=tp, gpu_mem=gpu_mem, utilization=utilization, experts=experts,
+                kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs, num_snapshot_slots=num_snapshot_slots, mtp=mtp,
+                rollback=rollback, block_size=block_size)
     if max_num_batched_tokens is None:
-        args = dict(tp=tp, gpu_mem=gpu_mem, utilization=utilization, experts=experts,
-                    kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
-                    max_num_seqs=max_num_seqs, num_snapshot_slots=num_snapshot_slots, mtp=mtp,
-                    rollback=rollback, block_size=block_size)
-        t, p = pick_batched_tokens(lambda t: plan(model, max_num_batched_tokens=t, **args))
+        t, p = pick_batched_tokens(lambda t: plan(model, max_num_batched_tokens=t,
+                                                  prefill_graph_tokens=prefill_graph_tokens,
+                                                  **args))
         why = "" if t == BATCHED_TOKENS[1] else (f" ({BATCHED_TOKENS[1]} would cost more than "
                                                  "10 % of the KV capacity, or not fit)")
         return Plan(**{**p.to_dict(), "notes": p.notes + (
             f"--max-num-batched-tokens not given: {t}{why}",)})
+    if prefill_graph_tokens is None:
+        p = pick_prefill_graphs(lambda pg: plan(model, max_num_batched_tokens=max_num_batched_tokens,
+                                                prefill_graph_tokens=pg, **args),
+                                max_num_batched_tokens)
+        P = p.prefill_graph_tokens
+        note = (f"--prefill-graph-tokens not given: {P}" if P else
+                "--prefill-graph-tokens not given: 0 (prefill graphs would cost more than 10 % "
+                "of the KV capacity, or not fit)")
+        return Plan(**{**p.to_dict(), "notes": p.notes + (note,)})
+    if 0 < prefill_graph_tokens < PREFILL_GRAPH_MIN or prefill_graph_tokens < 0:
+        raise ValueError(f"--prefill-graph-tokens {prefill_graph_tokens}: 0 (eager prefill) or "
+                         f"at least {PREFILL_GRAPH_MIN}")
+    pg = min(prefill_graph_tokens, max_num_batched_tokens)
+    pg = pg if pg >= PREFILL_GRAPH_MIN else 0
     if isinstance(model, ModelConfig):
         cfg, manifest, limit = model, None, max_positions(model)
     else:
@@ -200,9 +223,11 @@ def plan(model: str | Path | ModelConfig, tp: int | None = None, gpu_mem: int = 
 
     def attempt(length: int) -> Plan:
         ws = workspace(cfg, tp, max_num_batched_tokens, length, max_num_seqs).total
-        gr = graph_reserve(cfg, tp, length, max_num_seqs)
+        gr = graph_reserve(cfg, tp, length, max_num_seqs) + (
+            prefill_graph_reserve(cfg, tp, pg, length, max_num_seqs) if pg else 0)
         return fit(layout, gpu_mem - used, gpu_mem, max_model_len=length, max_num_seqs=max_num_seqs,
                    utilization=utilization, workspace_bytes=ws, graph_bytes=gr,
+                   prefill_graph_tokens=pg,
                    num_snapshot_slots=num_snapshot_slots, model_limit=limit,
                    notes=tuple(notes), **info)
 
@@ -249,7 +274,9 @@ def format_plan(p: Plan) -> str:
         ("runtime reserve", _gib(p.used_bytes - p.weight_bytes_per_rank)),
         ("activation workspace", f"{_gib(p.workspace_bytes)} ({p.max_num_batched_tokens} tokens "
                                  f"per step)"),
-        ("CUDA-graph reserve", f"{_gib(p.graph_reserve_bytes)} (decode up to {p.max_num_seqs})"),
+        ("CUDA-graph reserve", f"{_gib(p.graph_reserve_bytes)} (decode up to {p.max_num_seqs}"
+                               + (f", prefill up to {p.prefill_graph_tokens} tokens)"
+                                  if p.prefill_graph_tokens else ", no prefill graphs)")),
         ("KV pool", f"{_gib(p.kv_pool_bytes)} = {p.num_slots} slots x "
                     f"{p.slot_bytes / MiB:.1f} MiB + {p.num_blocks} blocks x "
                     f"{p.block_bytes / MiB:.3f} MiB ({p.block_size} tokens)"),

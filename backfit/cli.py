@@ -105,8 +105,11 @@ def convert(src: str, dst: str, tp: str, linears: str, experts: str, force: bool
 @click.option("--reference-device", default="cpu", show_default=True,
               help="Where the independent reference runs (cpu or cuda). Its indexer and "
                    "attention are quadratic in length: use cuda for --long-context 65536.")
+@click.option("--prefill-graphs", is_flag=True, default=False,
+              help="Run every prefill chunk through the engine's piecewise CUDA graphs "
+                   "(needs --kernels triton --device cuda; chunks padded as the engine pads them).")
 def verify(original, converted, tp, prompts_file, max_positions, activations, device, json_out,
-           kv_cache_dtype, kernels, long_context, chunk, reference_device) -> None:
+           kv_cache_dtype, kernels, long_context, chunk, reference_device, prefill_graphs) -> None:
     """Logit parity: runtime on CONVERTED vs the independent reference on ORIGINAL.
 
     Prints a weight table (every tensor dequantized vs the original), per-layer hidden-state
@@ -127,7 +130,7 @@ def verify(original, converted, tp, prompts_file, max_positions, activations, de
                             activations=activations, device=device, json_out=json_out,
                             kv_cache_dtype=kv_cache_dtype, kernels=kernels,
                             long_context=long_context, chunk=chunk,
-                            reference_device=reference_device)
+                            reference_device=reference_device, prefill_graphs=prefill_graphs)
     except (ValueError, *_user_errors()) as e:
         _fail(e)
     sys.exit(0 if report["ok"] else 1)
@@ -143,8 +146,14 @@ def engine_options(f):
                      help="GPU kernels: triton (default on CUDA) or the plain-torch reference "
                           "path (default on CPU; triton needs --device cuda)."),
         click.option("--enforce-eager", is_flag=True, default=False,
-                     help="No CUDA graphs: run decode steps eagerly (graphs are used with "
-                          "--kernels triton on CUDA at tp 1; they cost start-up time and memory)."),
+                     help="No CUDA graphs: run every step eagerly (graphs are used with "
+                          "--kernels triton on CUDA; they cost start-up time and memory)."),
+        click.option("--prefill-graph-tokens", type=int, default=None,
+                     help="Prefill and mixed steps of up to this many tokens replay piecewise "
+                          "CUDA graphs (the attention cores between them run eagerly; a step is "
+                          "padded to the next of 64, 128, 256, ...). 0 = eager prefill. Default: "
+                          "2048 (or the token budget, if smaller) where the graphs cost at most "
+                          "10% of the KV capacity, else 0."),
         click.option("--async-scheduling/--no-async-scheduling", default=None,
                      help="Overlap each step's host work (reading the sampled tokens, "
                           "detokenizing, stops, scheduling) with the next step on the GPU; "
@@ -184,7 +193,8 @@ def engine_options(f):
 
 def engine_kwargs(kw: dict) -> dict:
     """Pop the engine flags out of a command's keyword arguments -> EngineConfig fields."""
-    names = ("device", "kernels", "enforce_eager", "async_scheduling", "dtype", "kv_cache_dtype",
+    names = ("device", "kernels", "enforce_eager", "prefill_graph_tokens", "async_scheduling",
+             "dtype", "kv_cache_dtype",
              "max_model_len", "max_num_batched_tokens",
              "block_size", "enable_prefix_caching", "enable_chunked_prefill",
              "gpu_memory_utilization", "cpu_kv_cache_gib")
@@ -288,6 +298,9 @@ def serve(converted, host, port, served_model_name, aliases, api_key, max_queue,
 @click.option("--max-num-batched-tokens", type=int, default=None,
               help="Tokens per step (default: the engine's on CUDA: 8192 where it costs at "
                    "most 10% of the KV capacity, else 2048).")
+@click.option("--prefill-graph-tokens", type=int, default=None,
+              help="Count prefill graphs up to this many tokens (0: none; default: the "
+                   "engine's, up to 2048 where they cost at most 10% of the KV capacity).")
 @click.option("--num-snapshot-slots", type=int, default=None,
               help="Prefix-cache snapshot slots (default: max-num-seqs).")
 @click.option("--block-size", type=int, default=None,
@@ -298,8 +311,8 @@ def serve(converted, host, port, served_model_name, aliases, api_key, max_queue,
                    "load it yet; speculative decoding will).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan(model, tp, gpu_mem, gpu_memory_utilization, experts, kv_cache_dtype, max_model_len,
-         max_num_seqs, max_num_batched_tokens, num_snapshot_slots, block_size, mtp,
-         as_json) -> None:
+         max_num_seqs, max_num_batched_tokens, prefill_graph_tokens, num_snapshot_slots,
+         block_size, mtp, as_json) -> None:
     """Memory plan per rank: weights, activation workspace, CUDA-graph reserve, KV bytes per
     token and per sequence, KV capacity, longest context and concurrency. MODEL is an original
     or converted directory or a bare config.json. Exits 1 when --max-model-len does not fit."""
@@ -312,7 +325,8 @@ def plan(model, tp, gpu_mem, gpu_memory_utilization, experts, kv_cache_dtype, ma
                      utilization=gpu_memory_utilization, experts=experts,
                      kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                     num_snapshot_slots=num_snapshot_slots, mtp=mtp, block_size=block_size)
+                     num_snapshot_slots=num_snapshot_slots, mtp=mtp, block_size=block_size,
+                     prefill_graph_tokens=prefill_graph_tokens)
     except (ValueError, *_user_errors()) as e:
         _fail(e)
     click.echo(_json.dumps(p.to_dict(), indent=1) if as_json else format_plan(p))

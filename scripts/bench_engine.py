@@ -2,7 +2,8 @@
 
   python scripts/bench_engine.py [--model CONVERTED] [--concurrency 1,8,32] [--num-requests N]
          [--prompt-len 128] [--output-len 64] [--device cpu] [--dtype bfloat16] [--tp 1]
-         [--real-dims LAYERS [--tp-shard K] [--graphs on|off|both]]
+         [--real-dims LAYERS [--tp-shard K] [--graphs on|off|both]
+                             [--prefill-graphs on|off|both]]
          [--async-scheduling on|off|both]
 
 --real-dims N (CUDA): no checkpoint; a random model at the real DeepSeek-V4-Flash dimensions,
@@ -10,7 +11,9 @@ the first N layers of its schedule (scripts/bench_model.py, as bench_decode.py),
 kernels with CUDA graphs, the real tokenizer; every --async-scheduling mode runs on the same
 runner in one process, so on / off compare the engine's step and nothing else (a "runner"
 row gives the bare graph replay + sync of a batch, the floor the engine's decode step can reach);
---graphs both runs every mode eagerly first, then with the decode graphs, on the same runner.
+--graphs both runs every mode eagerly first, then with the decode graphs, on the same runner;
+--prefill-graphs likewise for the piecewise prefill graphs (runtime/prefill_graphs.py, sizes up
+to the smallest --max-num-batched-tokens or 2,048), captured once after the decode graphs.
 
 Without --model a tiny checkpoint is generated and converted (INT8, tp 1) in a temp dir. Each
 concurrency level keeps exactly C requests in flight (a new one is added when one finishes)
@@ -203,6 +206,8 @@ def main() -> None:
                     help="--real-dims: the slice TP rank 0 of this many holds")
     ap.add_argument("--graphs", choices=("on", "off", "both"), default="on",
                     help="--real-dims: decode steps from CUDA graphs (off: eager; both: off, on)")
+    ap.add_argument("--prefill-graphs", choices=("on", "off", "both"), default="off",
+                    help="--real-dims: prefill / mixed steps from the piecewise graphs")
     ap.add_argument("--async-scheduling", choices=("on", "off", "both"), default=None,
                     help="default: the engine's (on with CUDA at tp 1); both: off, then on")
     ap.add_argument("--json", default=None, help="write the rows here")
@@ -212,8 +217,9 @@ def main() -> None:
     levels = [int(c) for c in a.concurrency.split(",")]
     modes = {None: [None], "on": [True], "off": [False], "both": [False, True]}[a.async_scheduling]
     graph_modes = {"on": [True], "off": [False], "both": [False, True]}[a.graphs]
+    pg_modes = {"on": [True], "off": [False], "both": [False, True]}[a.prefill_graphs]
     if not a.real_dims:
-        graph_modes = [None]                    # the engine's own choice (EngineConfig)
+        graph_modes = pg_modes = [None]         # the engine's own choice (EngineConfig)
     max_len = a.prompt_len + a.output_len + 64
     rows, floor = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -235,11 +241,21 @@ def main() -> None:
             model = Path(a.model) if a.model else tiny_model(Path(tmp))
         captured = ranks.runner.graphs if ranks is not None else None
         budgets = [int(n) for n in a.max_num_batched_tokens.split(",")]
-        for graphed, mode, budget in [(g, m, b) for g in graph_modes for m in modes
-                                      for b in budgets]:
+        pieces = None
+        if ranks is not None and True in pg_modes:
+            from backfit.runtime.cache.budget import PREFILL_GRAPH_MAX
+            from backfit.runtime.prefill_graphs import PrefillGraphs
+            r = ranks.runner
+            pieces = PrefillGraphs(r.model, min(min(budgets), PREFILL_GRAPH_MAX), r.device)
+            pieces.capture(print)
+            bad = pieces.check()
+            print(f"prefill graphs check: {bad or 'passed'}")
+        for graphed, pg, mode, budget in [(g, p, m, b) for g in graph_modes for p in pg_modes
+                                          for m in modes for b in budgets]:
             kw = {} if mode is None else {"async_scheduling": mode}   # None: also older code
             if ranks is not None:
                 ranks.runner.graphs = captured if graphed else None
+                ranks.runner.prefill_graphs = pieces if pg else None
             if ranks is not None:                   # the engine's RankGroup(rc, tp) -> ours
                 engine_module.RankGroup = lambda rc, tp: ranks
             engine = LLMEngine(EngineConfig(str(model), tp=a.tp, dtype=a.dtype, device=a.device,
@@ -253,19 +269,21 @@ def main() -> None:
                               engine.model_cfg.vocab_size, seed=-C)
                 rows += [{**run_level(engine, C, a.num_requests or 2 * C, a.prompt_len,
                                       a.output_len, engine.model_cfg.vocab_size, seed=C),
-                          "graphs": graphed, "max_num_batched_tokens": budget} for C in levels]
+                          "graphs": graphed, "prefill_graphs": pg,
+                          "max_num_batched_tokens": budget} for C in levels]
             finally:
                 engine.close()
     name = f"random {a.real_dims}-layer real dims, slice of tp {a.tp_shard}" if a.real_dims \
         else model.name
     print(f"\nengine benchmark: {name}, {a.device}, {a.dtype}, tp {a.tp}, threads "
           f"{torch.get_num_threads()}, prompt {a.prompt_len}, output {a.output_len}")
-    print(f"{'conc':>5} {'chunk':>6} {'graph':>5} {'async':>5} {'reqs':>5} {'tok/s':>8} {'TTFT mean':>10} "
+    print(f"{'conc':>5} {'chunk':>6} {'graph':>5} {'pfg':>4} {'async':>5} {'reqs':>5} {'tok/s':>8} {'TTFT mean':>10} "
           f"{'p50':>8} {'p95':>8} {'decode step':>12} {'p50':>8} {'decode tok/s':>13} {'prefill step':>13} "
           f"{'engine host':>12}")
     for r in rows:
         g = {None: "-", True: "on", False: "off"}[r["graphs"]]
-        print(f"{r['concurrency']:>5} {r['max_num_batched_tokens']:>6} {g:>5} "
+        pfg = {None: "-", True: "on", False: "off"}[r["prefill_graphs"]]
+        print(f"{r['concurrency']:>5} {r['max_num_batched_tokens']:>6} {g:>5} {pfg:>4} "
               f"{'on' if r['async'] else 'off':>5} "
               f"{r['requests']:>5} "
               f"{r['tokens_per_s']:>8.1f} "

@@ -126,6 +126,7 @@ def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int):
                         max_model_len=max_len, **eager)
     r.timings, r.cfg, r.dtype, r.device = {}, cfg, torch.bfloat16, torch.device(dev)
     r.kernels, r.graphs = "torch", None
+    r.prefill_graphs, r.prefill_graph_tokens = None, 0     # bench_engine --prefill-graphs
     r.block_size, r.kv, r.model = default_block_size(cfg), "auto", model
     r.num_slots, r.num_blocks, r.max_num_batched_tokens = slots, blocks, 2048
     r.cache = PagedCache(cfg, slots, blocks, r.block_size, torch.bfloat16, "auto", dev)

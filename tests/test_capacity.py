@@ -291,3 +291,43 @@ def test_default_batched_tokens_is_8192_where_the_kv_pool_can_afford_it():
     assert pick_batched_tokens(lambda t: plan_for(t, fits=(2048,)))[0] == 2048
     with pytest.raises(ValueError, match="2048 does not fit"):
         pick_batched_tokens(lambda t: plan_for(t, fits=()))
+
+
+# ---- prefill graphs: the default and its cost ---------------------------------------------
+
+def test_pick_prefill_graphs_keeps_them_within_ten_percent():
+    from types import SimpleNamespace
+    from backfit.runtime.cache.budget import pick_prefill_graphs
+
+    def planner(with_cap, fail=False):
+        def plan_pg(P):
+            if P and fail:
+                raise ValueError("does not fit")
+            return SimpleNamespace(kv_capacity_tokens=with_cap if P else 1000,
+                                   prefill_graph_tokens=P)
+        return plan_pg
+    assert pick_prefill_graphs(planner(950), 8192).prefill_graph_tokens == 2048   # 5 % less
+    assert pick_prefill_graphs(planner(950), 512).prefill_graph_tokens == 512     # the budget
+    assert pick_prefill_graphs(planner(850), 8192).prefill_graph_tokens == 0      # 15 % less
+    assert pick_prefill_graphs(planner(950, fail=True), 8192).prefill_graph_tokens == 0
+    assert pick_prefill_graphs(planner(950), 32).prefill_graph_tokens == 0        # < 64 tokens
+
+
+def test_plan_counts_prefill_graphs_where_they_fit():
+    """TP 4 on 80 GiB: with 4-bit experts the default keeps prefill graphs (their reserve
+    counted, 1M-token contexts still fit at 0.90); INT8 experts at 0.95 have ~4 GiB of KV pool,
+    where 1.1 GiB of graphs would cost > 10 %: off, with a note."""
+    cfg = _flash()
+    mx4 = plan(cfg, tp=4, experts="mx4", utilization=0.90)
+    off = plan(cfg, tp=4, experts="mx4", utilization=0.90, prefill_graph_tokens=0)
+    assert mx4.prefill_graph_tokens == 2048 and off.prefill_graph_tokens == 0
+    assert mx4.graph_reserve_bytes - off.graph_reserve_bytes > GiB
+    assert 0.9 * off.kv_capacity_tokens <= mx4.kv_capacity_tokens < off.kv_capacity_tokens
+    assert mx4.kv_capacity_tokens >= 1_048_576
+    assert "--prefill-graph-tokens not given: 2048" in mx4.notes
+    int8 = plan(cfg, tp=4, experts="int8", utilization=0.95)
+    assert int8.prefill_graph_tokens == 0
+    assert any("prefill graphs would cost more than 10 %" in n for n in int8.notes)
+    assert plan(cfg, tp=4, experts="mx4", max_num_batched_tokens=512).prefill_graph_tokens == 512
+    with pytest.raises(ValueError, match="--prefill-graph-tokens 32: 0 .* at least 64"):
+        plan(cfg, tp=4, experts="mx4", prefill_graph_tokens=32)

@@ -61,7 +61,8 @@ class EngineConfig:
     cpu_kv_cache_gib: float = 4.0
     seed: int = 0                                 # unseeded requests draw from this stream
     kernels: str | None = None                    # triton | torch; None: triton on CUDA, else torch
-    enforce_eager: bool = False                   # True: no CUDA graphs for decode steps
+    enforce_eager: bool = False                   # True: no CUDA graphs at all
+    prefill_graph_tokens: int | None = None       # RunnerConfig's (None: auto, 0: eager)
     async_scheduling: bool | None = None          # overlap a step's host part with the next
     #                                               step's GPU work; None: on with CUDA
 
@@ -79,7 +80,7 @@ class EngineConfig:
                             self.block_size, self.max_num_seqs, self.max_num_batched_tokens,
                             self.max_model_len, self.num_snapshot_slots, self.num_blocks,
                             self.gpu_memory_utilization, self.cpu_kv_cache_gib, self.kernels,
-                            self.enforce_eager)
+                            self.enforce_eager, self.prefill_graph_tokens)
 
 
 @dataclass

@@ -17,14 +17,17 @@ the runner sets the process-wide runtime.kernels backend once, before the model 
 stacks the experts for the fused MoE right after loading (MoE.prepare_kernels).
 
 CUDA graphs (runtime/graphs.py): with the triton kernels on CUDA, pure-decode steps replay a
-graph captured at start-up for the smallest batch size that holds them; prefill, mixed steps and
---enforce-eager run eagerly. At tp > 1 every rank captures the same sizes in the same order, the
+graph captured at start-up for the smallest batch size that holds them; prefill and mixed steps
+of up to prefill_graph_tokens replay piecewise graphs (runtime/prefill_graphs.py: the
+cache-free parts of each layer captured per padded token count, the attention cores eager);
+larger steps and --enforce-eager run eagerly. At tp > 1 every rank captures the same sizes in the same order, the
 NCCL all-reduces inside (every rank then replays the same graph for a step: the step is
 broadcast, and whether a graph fits depends on the step alone).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +58,11 @@ class RunnerConfig:
     gpu_memory_utilization: float = 0.90
     cpu_kv_cache_gib: float = 4.0
     kernels: str | None = None               # triton | torch; None: triton on CUDA, torch on CPU
-    enforce_eager: bool = False              # True: no CUDA graphs for decode steps
+    enforce_eager: bool = False              # True: no CUDA graphs at all
+    prefill_graph_tokens: int | None = None  # prefill / mixed steps up to this many tokens
+    #                                          replay piecewise graphs; None: auto (up to
+    #                                          budget.PREFILL_GRAPH_MAX where they cost at most
+    #                                          10 % of the KV capacity); 0: eager
 
 
 @dataclass(frozen=True)
@@ -127,7 +134,7 @@ class ModelRunner:
         self.cache = PagedCache(self.cfg, self.num_slots, self.num_blocks, self.block_size,
                                 self.dtype, self.kv, self.device)
         self.timings["pools_s"] = time.perf_counter() - t
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         self._sampled_rows = 0                          # of the last step (its ids: `prev`)
         if self.use_graphs:
             self.capture_graphs()
@@ -152,6 +159,17 @@ class ModelRunner:
             log(f"warning: {bad}; decode runs eagerly (please report this; --enforce-eager "
                 "skips the capture)")
             self.graphs = None
+        if self.prefill_graph_tokens:
+            from backfit.runtime.prefill_graphs import PrefillGraphs
+            self.prefill_graphs = PrefillGraphs(self.model, self.prefill_graph_tokens,
+                                                self.device)
+            self.prefill_graphs.capture(log)
+            self.timings["prefill_graphs_s"] = self.prefill_graphs.capture_s
+            bad = self.prefill_graphs.check()
+            if bad is not None:
+                log(f"warning: {bad}; prefill steps run eagerly (please report this; "
+                    "--prefill-graph-tokens 0 skips the capture)")
+                self.prefill_graphs = None
 
     @property
     def num_snapshot_slots(self) -> int:
@@ -161,14 +179,23 @@ class ModelRunner:
         """(slots, blocks) from the planner's `fit` (runtime/cache/budget.py), the same
         arithmetic as `backfit plan`, on measured free memory; raises with what to change. Sets
         self.max_num_batched_tokens (the engine's chunk budget: rc's, else on CUDA
-        pick_batched_tokens, else 2,048). At tp > 1 every rank takes the smallest of the ranks'
+        pick_batched_tokens, else 2,048) and self.prefill_graph_tokens (rc's, else on CUDA with
+        graphs budget.pick_prefill_graphs: up to 2,048 where the graphs cost at most 10 % of the
+        KV capacity; 0: none). At tp > 1 every rank takes the smallest of the ranks'
         slots, blocks and budget: rank 0's block manager hands out block ids for all of them
         (self.plan stays this rank's own plan)."""
-        from backfit.runtime.cache.budget import (BATCHED_TOKENS, GiB, fit, graph_reserve,
-                                                  pick_batched_tokens, workspace)
+        from backfit.runtime.cache.budget import (BATCHED_TOKENS, PREFILL_GRAPH_MAX,
+                                                  PREFILL_GRAPH_MIN, GiB, fit, graph_reserve,
+                                                  pick_batched_tokens, pick_prefill_graphs,
+                                                  prefill_graph_reserve, workspace)
         from backfit.runtime.cache.layout import cache_layout
         from backfit.runtime.distributed import get_tp_info, min_over_ranks
         rc = self.rc
+        pg_req = rc.prefill_graph_tokens             # None: auto
+        if pg_req is not None and (pg_req < 0 or 0 < pg_req < PREFILL_GRAPH_MIN):
+            raise ValueError(f"--prefill-graph-tokens {pg_req}: 0 (eager prefill) or at least "
+                             f"{PREFILL_GRAPH_MIN}")
+        pg_on = self.use_graphs and pg_req != 0
         act = "fp32" if self.dtype == torch.float32 else "bf16"
         layout = cache_layout(self.cfg, act if self.kv == "auto" else "int8", self.block_size,
                               act_dtype=act)
@@ -176,22 +203,33 @@ class ModelRunner:
                   num_snapshot_slots=rc.num_snapshot_slots, tp=get_tp_info().size)
         measured = rc.num_blocks is None and self.device.type == "cuda"   # the default picked
         T = rc.max_num_batched_tokens or (None if measured else BATCHED_TOKENS[0])   # below
+        pg_fixed = min(pg_req or PREFILL_GRAPH_MAX, T or 0) if pg_on else 0  # T given: the count
         if rc.num_blocks is not None:                         # fixed (tests, CPU runs)
             per = layout.slot_bytes * (rc.max_num_seqs + (rc.max_num_seqs if rc.num_snapshot_slots
                                                          is None else rc.num_snapshot_slots))
             n = per + rc.num_blocks * layout.block_bytes
-            self.plan = fit(layout, n, n, utilization=1.0, max_num_batched_tokens=T, **kw)
+            self.plan = fit(layout, n, n, utilization=1.0, max_num_batched_tokens=T,
+                            prefill_graph_tokens=pg_fixed, **kw)
         elif self.device.type == "cuda":                      # after loading: what is really free
             torch.cuda.synchronize(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
             gb = graph_reserve(self.cfg, kw["tp"], rc.max_model_len, rc.max_num_seqs) \
                 if self.use_graphs else 0
+            A = self.dtype.itemsize
 
-            def plan_for(t: int):
+            def plan_pg(t: int, pg: int):
                 ws = workspace(self.cfg, kw["tp"], t, rc.max_model_len, rc.max_num_seqs,
-                               act_bytes=self.dtype.itemsize).total
+                               act_bytes=A).total
+                pb = prefill_graph_reserve(self.cfg, kw["tp"], pg, rc.max_model_len,
+                                           rc.max_num_seqs, A) if pg else 0
                 return fit(layout, free, total, utilization=rc.gpu_memory_utilization,
-                           workspace_bytes=ws, graph_bytes=gb, max_num_batched_tokens=t, **kw)
+                           workspace_bytes=ws, graph_bytes=gb + pb, max_num_batched_tokens=t,
+                           prefill_graph_tokens=pg, **kw)
+
+            def plan_for(t: int):                 # budget.pick_prefill_graphs where auto
+                if pg_on and pg_req is None:
+                    return pick_prefill_graphs(lambda pg: plan_pg(t, pg), t)
+                return plan_pg(t, min(pg_req, t) if pg_on else 0)
             T, self.plan = (T, plan_for(T)) if T else pick_batched_tokens(plan_for)
         else:                                                 # CPU: --cpu-kv-cache-gib
             budget = int(rc.cpu_kv_cache_gib * GiB)
@@ -200,8 +238,9 @@ class ModelRunner:
         blocks = self.plan.num_blocks
         if rc.num_blocks is None and self.device.type == "cpu":   # no more than can be used
             blocks = min(blocks, layout.blocks_for(rc.max_model_len) * rc.max_num_seqs)
-        slots, blocks, self.max_num_batched_tokens = min_over_ranks(
-            [self.plan.num_slots, blocks, T], self.device)
+        slots, blocks, self.max_num_batched_tokens, pg = min_over_ranks(
+            [self.plan.num_slots, blocks, T, self.plan.prefill_graph_tokens], self.device)
+        self.prefill_graph_tokens = pg if pg >= PREFILL_GRAPH_MIN else 0
         return slots, blocks
 
     @torch.no_grad()
@@ -231,15 +270,20 @@ class ModelRunner:
                 for src, dst in step.saves:
                     self.cache.copy_slot(src, dst)
                 return StepOutput(logits)
-        batch = ForwardBatch.build([(s.seq_id, list(s.tokens), s.start) for s in seqs],
-                                   self.device, [s.slot for s in seqs],
-                                   [s.block_table for s in seqs])
-        if holes:
-            fill_placeholders_(batch.tokens, prev)
-        X = self.model.hidden(batch, self.cache)                  # [T, hc, d]
+        X = None
+        if self.prefill_graphs is not None and any(len(s.tokens) > 1 for s in seqs):
+            X = self.prefill_graphs.hidden([(s.seq_id, s.tokens, s.start, s.slot, s.block_table)
+                                            for s in seqs], self.cache, prev if holes else None)
+        if X is None:                                             # eager
+            batch = ForwardBatch.build([(s.seq_id, list(s.tokens), s.start) for s in seqs],
+                                       self.device, [s.slot for s in seqs],
+                                       [s.block_table for s in seqs])
+            if holes:
+                fill_placeholders_(batch.tokens, prev)
+            X = self.model.hidden(batch, self.cache)              # [T, hc, d]
+        ends = list(itertools.accumulate(len(s.tokens) for s in seqs))
         out = StepOutput(None)
-        ends = batch.last_rows_host()                             # host ints: no sync
-        rows = [ends[i] for i, s in enumerate(seqs) if s.sample]
+        rows = [ends[i] - 1 for i, s in enumerate(seqs) if s.sample]   # last rows: host ints
         if rows:
             every = len(rows) == X.shape[0]       # pure decode: rows 0..T-1, no gather
             out.logits = self.model.logits(

@@ -296,6 +296,8 @@ def ready_line(engine, host: str, port: int, t_start: float) -> str:
     total = time.perf_counter() - t_start
     cap = e.num_blocks * e.block_size
     graphs = (f"CUDA graphs {t['graphs_s']:.1f} s" if "graphs_s" in t else "no CUDA graphs")
+    if "prefill_graphs_s" in t:
+        graphs += f" + prefill pieces {t['prefill_graphs_s']:.1f} s"
     return (f"backfit serve: ready on http://{host}:{port} (model {e.cfg.model}, tp {e.cfg.tp}, "
             f"{e.cfg.device}) | capacity: {e.num_blocks} blocks x {e.block_size} tokens = "
             f"{cap} cached tokens, {e.cfg.max_num_seqs} sequences, max_model_len "

@@ -59,7 +59,8 @@ def _runtime_pass(converted: str, seqs: list[list[int]], dtype: str, device: str
 
     paged=None: one full-sequence forward per sequence (a fresh DecodeState). Otherwise the
     engine's path: PagedCache pools (kv_cache_dtype auto|int8), every sequence in prefill chunks
-    of paged["chunk"] tokens, Triton kernels when paged["kernels"] is "triton" (CUDA)."""
+    of paged["chunk"] tokens, Triton kernels when paged["kernels"] is "triton" (CUDA), each
+    chunk replayed from the prefill CUDA graphs when paged["prefill_graphs"]."""
     from backfit.runtime.batch import ForwardBatch
     from backfit.runtime.distributed import get_tp_info
     from backfit.runtime.loader import load_model
@@ -85,14 +86,28 @@ def _runtime_pass(converted: str, seqs: list[list[int]], dtype: str, device: str
     B, n = default_block_size(cfg), paged["chunk"]
     need = [-(-len(s) // B) for s in seqs]
     cache = PagedCache(cfg, len(seqs), sum(need), B, model.dtype, paged["kv_cache_dtype"], device)
+    pg = None
+    if paged.get("prefill_graphs"):       # the engine's prefill graphs, streams kept per layer
+        from backfit.runtime.prefill_graphs import PrefillGraphs
+        pg = PrefillGraphs(model, n, torch.device(device), keep_streams=True)
+        pg.capture()
+        if (bad := pg.check()) is not None:
+            raise RuntimeError(bad)
     logits, first = [], 0
     for i, s in enumerate(seqs):
         table = list(range(first, first + need[i]))[::-1]         # reversed: tables must be read
         first += need[i]
         for a in range(0, len(s), n):
             t = time.perf_counter()
-            b = ForwardBatch.build([(i, s[a:a + n], a)], device, slots=[i], block_tables=[table])
-            logits.append(model(b, cache).float().cpu())
+            if pg is not None:                # the Blocks' hooks do not fire: pg.streams
+                X = pg.hidden([(i, s[a:a + n], a, i, table)], cache)
+                logits.append(model.logits(X).float().cpu())
+                for c, h in zip(captured, pg.streams):
+                    c.append(h.float().cpu())
+            else:
+                b = ForwardBatch.build([(i, s[a:a + n], a)], device, slots=[i],
+                                       block_tables=[table])
+                logits.append(model(b, cache).float().cpu())
             if len(s) > 4 * n and get_tp_info().rank == 0:     # long context: say where it is
                 print(f"  runtime: tokens {a}-{min(a + n, len(s))} of {len(s)} in "
                       f"{time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
@@ -150,14 +165,18 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
            activations: str = "float32", device: str = "cpu", json_out: str | Path | None = None,
            out=sys.stdout, kv_cache_dtype: str | None = None, kernels: str | None = None,
            long_context: int | None = None, chunk: int = 256,
-           reference_device: str = "cpu") -> dict:
+           reference_device: str = "cpu", prefill_graphs: bool = False) -> dict:
     """Run all checks, print the tables, return the report (report['ok'] says pass/fail).
 
     kv_cache_dtype / kernels / long_context run the runtime on the engine's paged pools (in
     prefill chunks of `chunk` tokens) instead of one full forward: int8 KV is lossy, so it is
     judged as a conversion; long_context=N checks ONE sequence of N tokens (the prompts cycled),
     where index overflows, wrong block tables and entry off-by-ones show. reference_device:
-    where the reference runs (its code and weights stay independent of the runtime's)."""
+    where the reference runs (its code and weights stay independent of the runtime's).
+    prefill_graphs (kernels triton on CUDA): every chunk through the engine's piecewise
+    prefill graphs (runtime/prefill_graphs.py), padded to its size."""
+    if prefill_graphs and (kernels != "triton" or not str(device).startswith("cuda")):
+        raise ValueError("--prefill-graphs needs --kernels triton --device cuda")
     from backfit.runtime.launch import run_on_ranks
 
     original, converted = Path(original), Path(converted)
@@ -179,9 +198,11 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
     paged = None
     if kv_cache_dtype or kernels or long_context:
         paged = {"kv_cache_dtype": "auto" if kv_cache_dtype in (None, "auto", "bf16") else
-                 kv_cache_dtype, "kernels": kernels, "chunk": chunk}
+                 kv_cache_dtype, "kernels": kernels, "chunk": chunk,
+                 "prefill_graphs": prefill_graphs}
         print(f"runtime on paged pools: kv cache {paged['kv_cache_dtype']}, kernels "
-              f"{kernels or 'torch'}, prefill chunks of {chunk}", file=out)
+              f"{kernels or 'torch'}, prefill chunks of {chunk}"
+              + (" from the prefill CUDA graphs" if prefill_graphs else ""), file=out)
     def timed(what: str, fn, *a):                  # long runs say where the time goes
         t = time.perf_counter()
         r = fn(*a)

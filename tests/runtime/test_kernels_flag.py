@@ -85,8 +85,9 @@ e = LLMEngine(EngineConfig(sys.argv[1], device="cuda", dtype="bfloat16", kernels
                            async_scheduling=sys.argv[4] == "async", tp=int(sys.argv[5])))
 prompts = [[0] + [(37 * i + 11 * j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(4)]
 out = e.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-m, g = e.ranks.runner.model, e.ranks.runner.graphs
+m, g, pg = e.ranks.runner.model, e.ranks.runner.graphs, e.ranks.runner.prefill_graphs
 print(json.dumps({"backend": get_kernel_backend(), "replays": g.replays if g else 0,
+                  "prefill_steps": pg.steps if pg else 0,
                   "stacked": [bool(lay.ffn.stacked) for lay in m.layers],
                   "tokens": [o["token_ids"] for o in out]}))
 e.close()
@@ -105,8 +106,9 @@ def _greedy(conv: Path, kernels: str, mode: str = "eager", sched: str = "sync",
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_engine_greedy_triton_equals_torch(conv):
-    """torch path = triton eager = triton with the decode steps replayed from CUDA graphs, with
-    and without async scheduling (the overlapped step: decode tokens filled on the device)."""
+    """torch path = triton eager = triton with the decode steps replayed from CUDA graphs and
+    the first step (78 prompt tokens) from the prefill pieces (padded to 128), with and without
+    async scheduling (the overlapped step: decode tokens filled on the device)."""
     ref, got = _greedy(conv, "torch"), _greedy(conv, "triton")
     graphs = _greedy(conv, "triton", "graphs")
     overlapped = _greedy(conv, "triton", "graphs", "async")
@@ -115,6 +117,7 @@ def test_engine_greedy_triton_equals_torch(conv):
     assert got["backend"] == "triton" and all(got["stacked"])       # the fused MoE ran
     assert ref["replays"] == got["replays"] == 0
     assert graphs["replays"] >= 20                                  # decode steps were graphs
+    assert graphs["prefill_steps"] >= 1 and got["prefill_steps"] == 0   # the 78-token prefill
     assert all(len(t) == 24 for t in got["tokens"])
     assert got["tokens"] == ref["tokens"]
     assert graphs["tokens"] == ref["tokens"]
@@ -135,5 +138,6 @@ def test_tp2_graphs_equal_tp2_eager(tiny_converted):
     overlapped = _greedy(conv2, "triton", "graphs", "async", tp=2)
     assert eager["replays"] == 0 and all(len(t) == 24 for t in eager["tokens"])
     assert graphs["replays"] >= 20 and overlapped["replays"] >= 20
+    assert graphs["prefill_steps"] >= 1                             # NCCL inside the pieces
     assert graphs["tokens"] == eager["tokens"]
     assert overlapped["tokens"] == eager["tokens"]

@@ -14,7 +14,8 @@ from backfit.runtime.cache.layout import CacheLayout
 
 __all__ = ["GiB", "MiB", "SCORE_CHUNK", "GRAPH_BYTES", "CONTEXT_BYTES", "NCCL_BYTES", "Workspace",
            "workspace", "capture_sizes", "graph_reserve", "runtime_reserve", "Plan", "fit",
-           "BATCHED_TOKENS", "pick_batched_tokens"]
+           "BATCHED_TOKENS", "pick_batched_tokens", "PREFILL_GRAPH_MAX", "PREFILL_GRAPH_MIN", "PIECE_BYTES",
+           "prefill_sizes", "prefill_graph_reserve", "pick_prefill_graphs"]
 
 GiB = 2 ** 30
 MiB = 2 ** 20
@@ -28,6 +29,11 @@ NCCL_BYTES = GiB // 2                   # estimate, tp > 1
 # 512 / 2,048 / 8,192 tokens: wall 247 / 304 / 440 ms, GPU busy 63 / 131 / 427 ms), so a
 # larger chunk is nearly free in time: an 8K prompt's TTFT 1,138 -> 443 ms
 BATCHED_TOKENS = (2048, 8192)
+# Prefill graphs (runtime/prefill_graphs.py): the largest padded token count by default; above
+# it a chunk is GPU-bound (the same slice, eager: 8,192 tokens 440 ms wall for 427 ms of GPU work)
+PREFILL_GRAPH_MAX = 2048
+PREFILL_GRAPH_MIN = 64                  # the smallest padded count (mhc's prefill path from 64)
+PIECE_BYTES = MiB                       # per captured prefill piece (~40 nodes; decode: above)
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,31 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(s for s in sizes if 1 <= s <= max_num_seqs)
 
 
+def prefill_sizes(max_tokens: int) -> list[int]:
+    """Padded token counts with prefill graphs: 64, 128, ... doubling, with 1,536 between 1,024
+    and 2,048 (less padding where a step starts to be GPU-bound), up to max_tokens (included
+    when it is not one of them); [] below 64 (mhc's prefill path starts at 64 tokens)."""
+    lo = PREFILL_GRAPH_MIN
+    if max_tokens < lo:
+        return []
+    sizes = {lo << k for k in range(max_tokens.bit_length()) if lo << k <= max_tokens}
+    return sorted(sizes | {x for x in (1536, max_tokens) if x <= max_tokens})
+
+
+def prefill_graph_reserve(cfg: ModelConfig, tp: int, tokens: int, max_model_len: int,
+                          num_seqs: int, act_bytes: int = 2) -> int:
+    """The prefill pieces of prefill_sizes(tokens) in one pool: a `tokens` step's streams twice
+    (the pieces' own, and every size's last streams, which stay alive: 64 + ... + tokens <
+    2·tokens rows of one third of the streams term), its larger sub-layer (the pieces'
+    intermediates), the attention term again (the static pre / o buffers the pieces and the
+    eager cores exchange), PIECE_BYTES a piece. H200, the 43-layer TP-4 slice at 2,048 tokens
+    (session 19): 0.90 GiB in the pool and buffers (graphs' own driver memory not counted)
+    against 1.10 GiB here."""
+    ws = workspace(cfg, tp, tokens, max_model_len, num_seqs, act_bytes=act_bytes)
+    pieces = len(prefill_sizes(tokens)) * (cfg.num_hidden_layers + 1)
+    return 2 * ws.streams + max(ws.attention, ws.moe) + ws.attention + pieces * PIECE_BYTES
+
+
 def graph_reserve(cfg: ModelConfig, tp: int, max_model_len: int, max_num_seqs: int) -> int:
     """The decode graphs of capture_sizes sharing one pool (a max_num_seqs step's workspace)."""
     pool = workspace(cfg, tp, max_num_seqs, max_model_len, max_num_seqs).total
@@ -112,6 +143,7 @@ class Plan:
     longest_context: int                   # one sequence, this workspace, model limit
     planned: bool = False
     notes: tuple[str, ...] = ()
+    prefill_graph_tokens: int = 0          # the largest padded count with prefill graphs; 0: none
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -125,7 +157,7 @@ def fit(layout: CacheLayout, free_bytes: int, total_bytes: int, *, max_model_len
         max_num_seqs: int, utilization: float = 0.90, workspace_bytes: int = 0,
         graph_bytes: int = 0, num_snapshot_slots: int | None = None,
         weight_bytes: int | None = None, tp: int = 1, experts: str = "",
-        max_num_batched_tokens: int = 0,
+        max_num_batched_tokens: int = 0, prefill_graph_tokens: int = 0,
         model_limit: int | None = None, planned: bool = False, notes: tuple[str, ...] = ()) -> Plan:
     """Size the pools from what is free on one rank: measured (torch.cuda.mem_get_info() after
     loading weights and starting NCCL) or computed (total - weights - runtime reserve).
@@ -170,7 +202,8 @@ def fit(layout: CacheLayout, free_bytes: int, total_bytes: int, *, max_model_len
                 max_concurrency_at_max_model_len=min(max_num_seqs, num_blocks // need),
                 longest_context=min(cap, model_limit or cap), tp=tp, experts=experts,
                 weight_bytes_per_rank=used if weight_bytes is None else weight_bytes,
-                max_num_batched_tokens=max_num_batched_tokens, planned=planned, notes=notes)
+                max_num_batched_tokens=max_num_batched_tokens, planned=planned, notes=notes,
+                prefill_graph_tokens=prefill_graph_tokens)
 
 
 def pick_batched_tokens(plan_for) -> tuple[int, Plan]:
@@ -187,3 +220,20 @@ def pick_batched_tokens(plan_for) -> tuple[int, Plan]:
     if big.kv_capacity_tokens >= 0.9 * base.kv_capacity_tokens:
         return large, big
     return small, base
+
+
+def pick_prefill_graphs(plan_pg, tokens: int) -> Plan:
+    """The default prefill graphs and their plan: plan_pg(P) -> Plan with the reserve of
+    prefill graphs up to P tokens (P = 0: none; ValueError when nothing fits). P = min(tokens,
+    PREFILL_GRAPH_MAX) unless that plan's KV capacity is below 90 % of P = 0's or it does not
+    fit; then none. Raises P = 0's ValueError when nothing fits."""
+    base = plan_pg(0)
+    P = min(tokens, PREFILL_GRAPH_MAX)
+    if P < PREFILL_GRAPH_MIN:
+        return base
+    try:
+        with_graphs = plan_pg(P)
+    except ValueError:
+        return base
+    return with_graphs if with_graphs.kv_capacity_tokens >= 0.9 * base.kv_capacity_tokens \
+        else base
