@@ -72,6 +72,38 @@ def test_pieces_equal_the_eager_forward_on_cpu(tiny_converted, tp1_process):
     assert pieces.prefill_graphs.steps == 4                 # the last step is pure decode
 
 
+def _tp_worker(rank: int, size: int, port: int, root: str, out: str) -> None:
+    torch.set_num_threads(1)
+    from backfit.runtime.distributed import destroy_distributed, init_distributed
+    from backfit.runtime.prefill_graphs import PrefillGraphs
+    from backfit.runtime.runner import ModelRunner, RunnerConfig
+    init_distributed(rank, size, port)
+    try:
+        rc = RunnerConfig(root, device="cpu", max_num_seqs=4, max_model_len=128,
+                          block_size=16, num_blocks=40)
+        plain, pieces = ModelRunner(rc), ModelRunner(rc)
+        pieces.prefill_graphs = PrefillGraphs(pieces.model, 128, pieces.device, graphs=False)
+        g = torch.Generator().manual_seed(0)
+        got = [(plain.forward(st).logits, pieces.forward(st).logits) for st in _steps(g)]
+        torch.save(got[1:], f"{out}/pieces{rank}.pt")
+    finally:
+        destroy_distributed()
+
+
+def test_pieces_equal_the_eager_forward_at_tp2(tiny_converted, tmp_path):
+    """The same on two gloo ranks: the pieces' all-reduces (wo_b, the MoE, the embedding) meet
+    in the same order as the plain forward's, padded rows included; both ranks return the same
+    gathered logits."""
+    import torch.multiprocessing as mp
+    from backfit.runtime.distributed import free_port
+    mp.spawn(_tp_worker, args=(2, free_port(), str(tiny_converted(2, "int8")), str(tmp_path)),
+             nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"pieces{r}.pt") for r in range(2))
+    assert len(r0) == 4
+    for (want, got), (want1, got1) in zip(r0, r1):
+        assert torch.equal(got, want) and torch.equal(got1, want1) and torch.equal(got, got1)
+
+
 def test_prefill_graph_tokens_is_checked(tiny_converted, tp1_process):
     from backfit.runtime.runner import ModelRunner, RunnerConfig
     conv = tiny_converted(1, "int8")

@@ -149,17 +149,7 @@ class Attention(nn.Module):
         T, Hl, D = x.shape[0], self.local_heads, self.cfg.head_dim
         qa, kvx, comp, icomp, wraw = self._project(x, pos)
         qr = self.q_norm(qa)                                          # [T, q_lora]
-        q = self.wq_b(qr).view(T, Hl, D)
-        if kernel_path(q):              # norm + RoPE in one launch each (kernels.rope_norm)
-            from backfit.runtime.kernels.rope_norm import rope
-            r = self.rope
-            q = rope(q, pos, r.inv_freq, r.rope_dim, norm=(None, self.eps))     # per-head RMS
-            kv = self._kv_rope(kvx, pos)
-        else:
-            qf = q.float()
-            q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-            q = self.rope(q, pos)                                     # [T, Hl, D]
-            kv = self.rope(self.kv_norm(kvx), pos)                    # [T, D]
+        q, kv = self._q_kv(self.wq_b(qr).view(T, Hl, D), kvx, pos)
         qI = wI = None
         if self.indexer is not None:
             qI, wI = self.indexer.queries(qr, wraw, pos)
@@ -216,22 +206,24 @@ class Attention(nn.Module):
                 self.q_norm(qa) if qr is None else qr, wraw, icomp, pos, cache, x.dtype, proj))
             side = (side[0] + [ev], sel)
         q = (self.wq_b.forward_normed(qa, self.q_norm) if fold else self.wq_b(qr)).view(T, Hl, D)
-        if kernel_path(q):              # norm + RoPE in one launch each (kernels.rope_norm)
-            from backfit.runtime.kernels.rope_norm import rope
-            r = self.rope
-            q = rope(q, pos, r.inv_freq, r.rope_dim, norm=(None, self.eps))     # per-head RMS
-            if kv is None:
-                kv = self._kv_rope(kvx, pos)
-        else:
-            qf = q.float()
-            q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-            q = self.rope(q, pos)                                     # [T, Hl, D]
-            kv = self.rope(self.kv_norm(kvx), pos)                    # [T, D]
+        q, kv = self._q_kv(q, kvx, pos, kv)
         index = None
         if self.indexer is not None and side is None:
             index = (*self.indexer.queries(qr, wraw, pos), icomp)
         o = self._kernels(q, kv, pos, batch, cache, comp, index, side, kv_ready)
         return self.post(o, pos, x.dtype)
+
+    def _q_kv(self, q: torch.Tensor, kvx: torch.Tensor, pos: torch.Tensor, kv=None):
+        """q [T, Hl, D] (wq_b's output) -> per-head RMS + RoPE; kvx [T, D] -> kv_norm + RoPE,
+        unless kv (made beside, KV_BESIDE) is given -> (q, kv) in q's dtype."""
+        if kernel_path(q):              # norm + RoPE in one launch each (kernels.rope_norm)
+            from backfit.runtime.kernels.rope_norm import rope
+            r = self.rope
+            q = rope(q, pos, r.inv_freq, r.rope_dim, norm=(None, self.eps))     # per-head RMS
+            return q, (self._kv_rope(kvx, pos) if kv is None else kv)
+        qf = q.float()
+        q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
+        return self.rope(q, pos), self.rope(self.kv_norm(kvx), pos)           # [T, Hl, D], [T, D]
 
     def _kv_rope(self, kvx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Kernel path: RoPE(kv_norm(kvx)) [T, D] in one launch."""
