@@ -15,6 +15,14 @@ import torch
 
 from backfit.runtime.cache.budget import PIECE_BYTES, prefill_graph_reserve, prefill_sizes
 
+PREV = (8, 9)                 # the "sampled ids" the placeholders of _steps' 4th step stand for
+
+
+def _forward(runner, step):
+    """runner.forward(step), with the placeholders' ids on the runner's device where it has any."""
+    holes = any(min(s.tokens) < 0 for s in step.seqs)
+    return runner.forward(step, torch.tensor(PREV, device=runner.device) if holes else None)
+
 
 def test_prefill_sizes():
     assert prefill_sizes(63) == []
@@ -34,8 +42,9 @@ def test_prefill_graph_reserve_grows_with_tokens(model_f32):
 
 def _steps(g):
     """Chunked prompts of 70 and 90 tokens (chunks of 40 / 50 / 20 beside decode rows), then a
-    new 30-token prompt beside both decodes: every prefill shape the engine makes (a lone chunk,
-    two chunks, chunks beside decode rows), from 70 tokens down to 32."""
+    new 30-token prompt beside both decodes, whose tokens are the overlapped step's placeholders
+    (-1 - r: the last step's sampled row r, `PREV`): every prefill shape the engine makes (a lone
+    chunk, two chunks, chunks beside decode rows), from 70 tokens down to 32."""
     from backfit.runtime.runner import StepInput, StepSeq
     p = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (70, 90, 30)]
     tb = [tuple(range(8 * i, 8 * i + 8)) for i in range(3)]
@@ -45,7 +54,7 @@ def _steps(g):
                      StepSeq(1, 1, tb[1], 30, tuple(p[1][30:80]), False)))
     yield StepInput((StepSeq(0, 0, tb[0], 70, (7,), True),
                      StepSeq(1, 1, tb[1], 80, tuple(p[1][80:]), True)))
-    yield StepInput((StepSeq(0, 0, tb[0], 71, (8,), True), StepSeq(1, 1, tb[1], 90, (9,), True),
+    yield StepInput((StepSeq(0, 0, tb[0], 71, (-1,), True), StepSeq(1, 1, tb[1], 90, (-2,), True),
                      StepSeq(2, 2, tb[2], 0, tuple(p[2]), True)))
     yield StepInput((StepSeq(0, 0, tb[0], 72, (5,), True), StepSeq(1, 1, tb[1], 91, (6,), True),
                      StepSeq(2, 2, tb[2], 30, (4,), True)))
@@ -63,7 +72,7 @@ def test_pieces_equal_the_eager_forward_on_cpu(tiny_converted, tp1_process):
     assert pieces.prefill_graphs.sizes == [64, 128]
     g = torch.Generator().manual_seed(0)
     for n, step in enumerate(_steps(g)):
-        want, got = plain.forward(step).logits, pieces.forward(step).logits
+        want, got = _forward(plain, step).logits, _forward(pieces, step).logits
         if n == 0:                                          # nothing samples: the cache shows it
             assert got is None and want is None
             continue
@@ -84,7 +93,7 @@ def _tp_worker(rank: int, size: int, port: int, root: str, out: str) -> None:
         plain, pieces = ModelRunner(rc), ModelRunner(rc)
         pieces.prefill_graphs = PrefillGraphs(pieces.model, 128, pieces.device, graphs=False)
         g = torch.Generator().manual_seed(0)
-        got = [(plain.forward(st).logits, pieces.forward(st).logits) for st in _steps(g)]
+        got = [(_forward(plain, st).logits, _forward(pieces, st).logits) for st in _steps(g)]
         torch.save(got[1:], f"{out}/pieces{rank}.pt")
     finally:
         destroy_distributed()
@@ -147,7 +156,7 @@ def test_prefill_graphs_replay_equals_eager_pieces(tiny_converted, tp1_process):
     pg.pieces[64][-1] = (g_last, X, None)
     g = torch.Generator().manual_seed(0)
     for n, step in enumerate(_steps(g)):
-        got, same, want = (r.forward(step).logits for r in (graphed, pieces, eager))
+        got, same, want = (_forward(r, step).logits for r in (graphed, pieces, eager))
         if n == 0:
             continue
         assert torch.equal(got, same), n
