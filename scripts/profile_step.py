@@ -1,6 +1,6 @@
 """Where a step's time goes, on the lent GPU (4 real DeepSeek-V4-Flash layers, triton kernels):
 
-    python3 scripts/profile_step.py [--trace] [--host] [--prefill N[,N..] [--syncs]
+    python3 scripts/profile_step.py [--trace] [--host] [--prefill N[,N..] [--syncs] [--prefill-graphs]
                                     [--launches K,..]]
                                     [--python DIR] [--experts int8|mx4|both] [--layers 4]
                                     [--tp-shard 1] [--out file.txt]
@@ -10,7 +10,8 @@
   --host     the host part of a batch-1 and a batch-8 graph step, piece by piece (padding into
              the pinned staging rows, the one input copy, replay(), the logits clone), each with
              its sync, against the replay's GPU time (CUDA events)
-  --prefill  the top kernels of one N-token prefill (eager), its wall time against the GPU's
+  --prefill  the top kernels of one N-token prefill (eager; with --prefill-graphs eager, then
+             through the piecewise prefill graphs), its wall time against the GPU's
              busy time, and (--syncs) every host sync it makes (torch.cuda sync debug mode),
              counted by the backfit source line that made it; --launches rope,prefill: each
              launch of the kernels so named, in order, with its duration
@@ -235,6 +236,8 @@ def main() -> None:
     ap.add_argument("--prefill", default="", metavar="N[,N..]",
                     help="prefill chunk(s) of N tokens, each profiled")
     ap.add_argument("--syncs", action="store_true", help="--prefill: list its host syncs")
+    ap.add_argument("--prefill-graphs", action="store_true",
+                    help="--prefill: each chunk eager, then through the piecewise prefill graphs")
     ap.add_argument("--launches", default="", metavar="NAMES",
                     help="--prefill: every launch of kernels whose name holds one of these "
                          "(comma-separated), in order, with its duration")
@@ -255,8 +258,19 @@ def main() -> None:
     chunks = [int(n) for n in a.prefill.split(",") if n]
     r = bd.rank_runner(raw, "cuda", 8, max(8184, a.ctx), max(chunks, default=0), a.tp_shard)
     bd.use_backend(r, "triton")
+    pieces = None
+    if a.prefill_graphs and chunks:
+        from backfit.runtime.prefill_graphs import PrefillGraphs
+        pieces = PrefillGraphs(r.model, max(chunks), r.device)
+        pieces.capture(log)
+        log(f"prefill graphs check: {pieces.check() or 'passed'}")
     for n in chunks:
-        prefill(r, n, log, a.syncs, a.launches)
+        for pg in (None, pieces) if pieces is not None else (None,):
+            r.prefill_graphs = pg
+            if pieces is not None:
+                log(f"-- {'prefill graphs' if pg else 'eager'}")
+            prefill(r, n, log, a.syncs, a.launches)
+    r.prefill_graphs = None
     if a.python:
         python_host(r, a.python, log)
     for scheme in ("int8", "mx4") if a.experts == "both" else (a.experts,):
