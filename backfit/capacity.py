@@ -182,9 +182,9 @@ def plan(model: str | Path | ModelConfig, tp: int | None = None, gpu_mem: int = 
         return Plan(**{**p.to_dict(), "notes": p.notes + (
             f"--max-num-batched-tokens not given: {t}{why}",)})
     if prefill_graph_tokens is None:
-        p = pick_prefill_graphs(lambda pg: plan(model, max_num_batched_tokens=max_num_batched_tokens,
-                                                prefill_graph_tokens=pg, **args),
-                                max_num_batched_tokens)
+        T = max_num_batched_tokens
+        p = pick_prefill_graphs(lambda pg: plan(model, max_num_batched_tokens=T,
+                                                prefill_graph_tokens=pg, **args), T)
         P = p.prefill_graph_tokens
         note = (f"--prefill-graph-tokens not given: {P}" if P else
                 "--prefill-graph-tokens not given: 0 (prefill graphs would cost more than 10 % "

@@ -277,7 +277,8 @@ def main() -> None:
         else model.name
     print(f"\nengine benchmark: {name}, {a.device}, {a.dtype}, tp {a.tp}, threads "
           f"{torch.get_num_threads()}, prompt {a.prompt_len}, output {a.output_len}")
-    print(f"{'conc':>5} {'chunk':>6} {'graph':>5} {'pfg':>4} {'async':>5} {'reqs':>5} {'tok/s':>8} {'TTFT mean':>10} "
+    print(f"{'conc':>5} {'chunk':>6} {'graph':>5} {'pfg':>4} {'async':>5} {'reqs':>5} "
+          f"{'tok/s':>8} {'TTFT mean':>10} "
           f"{'p50':>8} {'p95':>8} {'decode step':>12} {'p50':>8} {'decode tok/s':>13} {'prefill step':>13} "
           f"{'engine host':>12}")
     for r in rows:

@@ -1,6 +1,7 @@
 """The capacity tables of docs/PERFORMANCE.md ("Capacity"), printed as Markdown rows.
 
-  python scripts/capacity_table.py [CONFIG]     (default: shared/tools/configs/deepseek-v4-flash.json)
+  python scripts/capacity_table.py [CONFIG]
+                                    (default: shared/tools/configs/deepseek-v4-flash.json)
 
 Every row is `backfit plan CONFIG --tp T --experts E --kv-cache-dtype K
 --gpu-memory-utilization U` on 80 GiB cards (backfit.capacity.plan, the engine's defaults:
@@ -43,8 +44,8 @@ def main_table(cfg) -> None:
                     except ValueError:
                         from backfit.capacity import weight_bytes
                         w = weight_bytes(cfg, tp, experts).per_rank / GiB
-                        print(f"| {tp} | {experts} | {kv} | {util:.2f} | {w:.2f} | — | — | — | "
-                              "does not fit | — | no | no |")
+                        print(f"| {tp} | {experts} | {kv} | {util:.2f} | {w:.2f} | — | — | "
+                              "— | does not fit | — | no | no |")
                         continue
                     print(f"| {tp} | {experts} | {kv} | {util:.2f} | "
                           f"{p.weight_bytes_per_rank / GiB:.2f} | {p.max_num_batched_tokens} | "

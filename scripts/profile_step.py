@@ -1,6 +1,7 @@
 """Where a step's time goes, on the lent GPU (4 real DeepSeek-V4-Flash layers, triton kernels):
 
-    python3 scripts/profile_step.py [--trace] [--host] [--prefill N[,N..] [--syncs] [--prefill-graphs]
+    python3 scripts/profile_step.py [--trace] [--host] [--prefill N[,N..] [--syncs]
+                                    [--prefill-graphs]
                                     [--launches K,..]]
                                     [--python DIR] [--experts int8|mx4|both] [--layers 4]
                                     [--tp-shard 1] [--out file.txt]

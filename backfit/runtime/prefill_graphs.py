@@ -45,6 +45,7 @@ from backfit.runtime.cache.budget import PREFILL_GRAPH_MIN, prefill_sizes
 
 __all__ = ["PrefillGraphs"]
 
+
 def _rows(t, T: int):
     """pre's tensors (nested tuples, None) -> the same with each tensor's first T rows."""
     if t is None:
@@ -78,7 +79,9 @@ class PrefillGraphs:
         self.o = torch.zeros((Pm, a.local_heads, model.cfg.head_dim), dtype=o_dtype,
                              device=self.device)
         self._pre_bufs: dict[tuple, torch.Tensor] = {}
-        self.pieces: dict[int, list[tuple[torch.cuda.CUDAGraph, tuple]]] = {}
+        # size -> per piece (graph, its pre views (the last piece: its streams), its streams
+        # where keep_streams else None)
+        self.pieces: dict[int, list[tuple]] = {}
         self.capture_s, self.pool_bytes, self.steps = 0.0, 0, 0
 
     @property

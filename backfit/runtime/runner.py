@@ -20,9 +20,9 @@ CUDA graphs (runtime/graphs.py): with the triton kernels on CUDA, pure-decode st
 graph captured at start-up for the smallest batch size that holds them; prefill and mixed steps
 of up to prefill_graph_tokens replay piecewise graphs (runtime/prefill_graphs.py: the
 cache-free parts of each layer captured per padded token count, the attention cores eager);
-larger steps and --enforce-eager run eagerly. At tp > 1 every rank captures the same sizes in the same order, the
-NCCL all-reduces inside (every rank then replays the same graph for a step: the step is
-broadcast, and whether a graph fits depends on the step alone).
+larger steps and --enforce-eager run eagerly. At tp > 1 every rank captures the same sizes in
+the same order, the NCCL all-reduces inside (every rank then replays the same graph for a step:
+the step is broadcast, and whether a graph fits depends on the step alone).
 """
 
 from __future__ import annotations

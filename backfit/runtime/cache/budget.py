@@ -14,8 +14,8 @@ from backfit.runtime.cache.layout import CacheLayout
 
 __all__ = ["GiB", "MiB", "SCORE_CHUNK", "GRAPH_BYTES", "CONTEXT_BYTES", "NCCL_BYTES", "Workspace",
            "workspace", "capture_sizes", "graph_reserve", "runtime_reserve", "Plan", "fit",
-           "BATCHED_TOKENS", "pick_batched_tokens", "PREFILL_GRAPH_MAX", "PREFILL_GRAPH_MIN", "PIECE_BYTES",
-           "prefill_sizes", "prefill_graph_reserve", "pick_prefill_graphs"]
+           "BATCHED_TOKENS", "pick_batched_tokens", "PREFILL_GRAPH_MAX", "PREFILL_GRAPH_MIN",
+           "PIECE_BYTES", "prefill_sizes", "prefill_graph_reserve", "pick_prefill_graphs"]
 
 GiB = 2 ** 30
 MiB = 2 ** 20
