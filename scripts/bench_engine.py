@@ -291,7 +291,9 @@ def main() -> None:
               f"{r['ttft_mean_ms']:>8.0f}ms {r['ttft_p50_ms']:>6.0f}ms {r['ttft_p95_ms']:>6.0f}ms "
               f"{r['decode_step_ms']:>10.3f}ms {r['decode_step_p50_ms'] or 0:>6.3f}ms "
               f"{r['decode_tokens_per_s']:>13.1f} "
-              f"{r['prefill_step_ms']:>11.1f}ms {r['engine_host_ms']:>10.3f}ms")
+              f"{r['prefill_step_ms']:>11.1f}ms "
+              + (f"{r['engine_host_ms']:>10.3f}ms" if r['engine_host_ms'] == r['engine_host_ms']
+                 else f"{'-':>12}"))           # NaN: async scheduling overlaps the host part
     for C, (ms, fl) in floor.items():
         fracs = [f"graphs {'on' if r['graphs'] else 'off'} async {'on' if r['async'] else 'off'} "
                  f"{100 * fl / r['decode_step_p50_ms']:.1f} %"
