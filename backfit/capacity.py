@@ -50,9 +50,9 @@ from backfit.config import ModelConfig
 from backfit.formats import MANIFEST, load_manifest
 from backfit.inventory import DTYPE_BYTES, expected_tensors
 from backfit.runtime.cache.budget import (CONTEXT_BYTES, GRAPH_BYTES, NCCL_BYTES, SCORE_CHUNK,  # noqa: F401
-                                          BATCHED_TOKENS, PREFILL_GRAPH_MIN, GiB, MiB, Plan,
-                                          Workspace, _gib, fit, graph_reserve,
-                                          pick_batched_tokens, pick_prefill_graphs,
+                                          BATCHED_TOKENS, GiB, MiB, Plan, Workspace, _gib, fit,
+                                          graph_reserve, pick_batched_tokens,
+                                          pick_prefill_graphs, prefill_graph_count,
                                           prefill_graph_reserve, runtime_reserve, workspace)
 from backfit.runtime.cache.layout import cache_layout
 
@@ -190,11 +190,7 @@ def plan(model: str | Path | ModelConfig, tp: int | None = None, gpu_mem: int = 
                 "--prefill-graph-tokens not given: 0 (prefill graphs would cost more than 10 % "
                 "of the KV capacity, or not fit)")
         return Plan(**{**p.to_dict(), "notes": p.notes + (note,)})
-    if 0 < prefill_graph_tokens < PREFILL_GRAPH_MIN or prefill_graph_tokens < 0:
-        raise ValueError(f"--prefill-graph-tokens {prefill_graph_tokens}: 0 (eager prefill) or "
-                         f"at least {PREFILL_GRAPH_MIN}")
-    pg = min(prefill_graph_tokens, max_num_batched_tokens)
-    pg = pg if pg >= PREFILL_GRAPH_MIN else 0
+    pg = prefill_graph_count(prefill_graph_tokens, max_num_batched_tokens)
     if isinstance(model, ModelConfig):
         cfg, manifest, limit = model, None, max_positions(model)
     else:

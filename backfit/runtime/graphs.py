@@ -14,8 +14,8 @@ logits [B, V]) is captured once per batch size B in `capture_sizes` and replayed
                   scratch slot, every table entry the scratch block: nothing real is touched
   memory          every graph draws on one shared pool, captured largest first
 
-Prefill chunks, mixed steps and batches above the largest size run eagerly, as does everything
-with --enforce-eager. Capture warms each size up once on a side stream (Triton compiles there).
+Prefill chunks and mixed steps take runtime/prefill_graphs.py's pieces (or run eagerly);
+batches above the largest size run eagerly, as does everything with --enforce-eager. Capture warms each size up once on a side stream (Triton compiles there).
 At tp > 1 the graphs hold the step's NCCL collectives: every rank captures the same sizes in the
 same order (the same RunnerConfig), and for a step every rank replays the same graph or none
 (the step is broadcast; size_for and the table check depend on it alone).
@@ -32,9 +32,50 @@ import torch
 from backfit.runtime.batch import ForwardBatch, fill_placeholders_
 from backfit.runtime.cache.budget import capture_sizes
 
-__all__ = ["pad_decode_inputs", "DecodeGraphs"]
+__all__ = ["pad_decode_inputs", "DecodeGraphs", "capture_mode", "warm_up", "capture_graph",
+           "mismatch"]
 
 _ROW_LOOP = 8            # up to this many sequences pad_decode_inputs fills row by row
+
+
+def capture_mode() -> str:
+    """torch.cuda.graph's capture_error_mode. tp > 1: NCCL's watchdog thread polls the events
+    of eager collectives (the warm-up's); "global" mode would fail such a call from another
+    thread mid-capture, so the capture is thread-local (and starts with nothing in flight)."""
+    from backfit.runtime.distributed import get_tp_info
+    return "thread_local" if get_tp_info().size > 1 else "global"
+
+
+def warm_up(fn, dev: torch.device) -> None:
+    """fn() once on a side stream before its capture (Triton compiles, workspaces, NCCL
+    communicators), then a device sync: the capture starts with nothing in flight."""
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    torch.cuda.synchronize(dev)
+
+
+def capture_graph(fn, pool, what: str, fix: str):
+    """fn() captured into a new graph drawing on `pool` (None: a new one) -> (graph, fn's
+    result); a failed capture raises naming `what` and the flag that avoids it (`fix`)."""
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g, pool=pool, capture_error_mode=capture_mode()):
+            out = fn()
+    except RuntimeError as e:
+        raise RuntimeError(f"CUDA-graph capture of {what} failed: {e}; {fix}") from e
+    return g, out
+
+
+def mismatch(got: torch.Tensor, want: torch.Tensor, rel_max: float, got_is: str,
+             want_is: str) -> str | None:
+    """None if ||got - want|| / ||want|| < rel_max (False for NaN too), else what differs."""
+    rel = float((got - want).float().norm() / want.float().norm())
+    if rel < rel_max:
+        return None
+    return f"{got_is} differ from {want_is} (relative error {rel:.3g}, bound {rel_max:g})"
 
 
 def pad_decode_inputs(seqs, B: int, nblk: int, scratch_slot: int, scratch_block: int,
@@ -104,29 +145,12 @@ class DecodeGraphs:
     @torch.no_grad()
     def capture(self, log=None) -> None:
         """Capture every size, largest first, into one memory pool (inputs: all padding)."""
-        from backfit.runtime.distributed import get_tp_info
         t, dev = time.perf_counter(), self.cache.device
-        tp = get_tp_info().size
-        # tp > 1: NCCL's watchdog thread polls the events of eager collectives (the warm-up's);
-        # "global" capture mode would fail such a call from another thread mid-capture, so the
-        # capture is thread-local and starts with nothing in flight
-        mode = "thread_local" if tp > 1 else "global"
         pool = None
         for B in reversed(self.sizes):
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):                   # warm-up: compiles, workspaces,
-                self._step(B)                               # NCCL communicators
-            torch.cuda.current_stream(dev).wait_stream(side)
-            if tp > 1:
-                torch.cuda.synchronize(dev)
-            g = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(g, pool=pool, capture_error_mode=mode):
-                    out = self._step(B)
-            except RuntimeError as e:
-                raise RuntimeError(f"CUDA-graph capture of the decode step (batch {B}, tp {tp}) "
-                                   f"failed: {e}; --enforce-eager runs without graphs") from e
+            warm_up(lambda: self._step(B), dev)
+            g, out = capture_graph(lambda: self._step(B), pool, f"the decode step (batch {B})",
+                                   "--enforce-eager runs without graphs")
             pool = g.pool()
             self.graphs[B] = (g, out)
         torch.cuda.synchronize(self.cache.device)
@@ -150,11 +174,8 @@ class DecodeGraphs:
         want = self._step(B).clone()
         g, out = self.graphs[B]
         g.replay()
-        rel = float((out[:B] - want).norm() / want.norm())
-        if rel < rel_max:                                   # False for NaN too
-            return None
-        return (f"the batch-{B} graph's logits differ from the eager step's (relative error "
-                f"{rel:.3g}, bound {rel_max:g})")
+        return mismatch(out[:B], want, rel_max, f"the batch-{B} graph's logits",
+                        "the eager step's")
 
     def size_for(self, n: int) -> int | None:
         """The smallest captured batch size >= n (None: run eagerly)."""

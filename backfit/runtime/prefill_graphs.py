@@ -42,6 +42,7 @@ import torch
 
 from backfit.runtime.batch import ForwardBatch, fill_placeholders_
 from backfit.runtime.cache.budget import PREFILL_GRAPH_MIN, prefill_sizes
+from backfit.runtime.graphs import capture_graph, mismatch, warm_up
 
 __all__ = ["PrefillGraphs"]
 
@@ -127,31 +128,18 @@ class PrefillGraphs:
     def capture(self, log=None) -> None:
         """Warm every size up eagerly on padding (Triton compiles there), then capture its
         pieces into one pool, largest size first."""
-        from backfit.runtime.distributed import get_tp_info
         t, dev = time.perf_counter(), self.device
-        tp = get_tp_info().size
-        mode = "thread_local" if tp > 1 else "global"          # as DecodeGraphs.capture
         torch.cuda.empty_cache()                               # the pool's bytes: reserved
         before = torch.cuda.memory_reserved(dev)               # after less before, both
         #                                                        without cached free blocks
         pool = None
         for P in reversed(self.sizes):
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                self._eager_pieces(P)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            torch.cuda.synchronize(dev)
+            warm_up(lambda: self._eager_pieces(P), dev)
             pieces, X, carry = [], None, None
             for i in range(len(self.model.layers) + 1):
-                g = torch.cuda.CUDAGraph()
-                try:
-                    with torch.cuda.graph(g, pool=pool, capture_error_mode=mode):
-                        out = self._piece(i, P, X, carry)
-                except RuntimeError as e:
-                    raise RuntimeError(f"CUDA-graph capture of prefill piece {i} ({P} tokens, "
-                                       f"tp {tp}) failed: {e}; --prefill-graph-tokens 0 runs "
-                                       "prefill eagerly") from e
+                g, out = capture_graph(lambda: self._piece(i, P, X, carry), pool,
+                                       f"prefill piece {i} ({P} tokens)",
+                                       "--prefill-graph-tokens 0 runs prefill eagerly")
                 pool = g.pool()
                 X, carry = out[0], out[1]        # the previous piece's outputs: free to reuse
                 pieces.append((g, out[2] if i < len(self.model.layers) else X,
@@ -179,12 +167,8 @@ class PrefillGraphs:
         want = self._eager_pieces(P).clone()
         for g, *_ in self.pieces[P]:
             g.replay()
-        got = self.pieces[P][-1][1]
-        rel = float((got - want).float().norm() / want.float().norm())
-        if rel < rel_max:                                   # False for NaN too
-            return None
-        return (f"the {P}-token prefill graphs' streams differ from the eager pieces' (relative "
-                f"error {rel:.3g}, bound {rel_max:g})")
+        return mismatch(self.pieces[P][-1][1], want, rel_max,
+                        f"the {P}-token prefill graphs' streams", "the eager pieces'")
 
     # -- a step ----------------------------------------------------------------------------
     @torch.no_grad()

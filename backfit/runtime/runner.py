@@ -184,17 +184,16 @@ class ModelRunner:
         KV capacity; 0: none). At tp > 1 every rank takes the smallest of the ranks'
         slots, blocks and budget: rank 0's block manager hands out block ids for all of them
         (self.plan stays this rank's own plan)."""
-        from backfit.runtime.cache.budget import (BATCHED_TOKENS, PREFILL_GRAPH_MAX,
-                                                  PREFILL_GRAPH_MIN, GiB, fit, graph_reserve,
-                                                  pick_batched_tokens, pick_prefill_graphs,
+        from backfit.runtime.cache.budget import (BATCHED_TOKENS, PREFILL_GRAPH_MAX, GiB, fit,
+                                                  graph_reserve, pick_batched_tokens,
+                                                  pick_prefill_graphs, prefill_graph_count,
                                                   prefill_graph_reserve, workspace)
         from backfit.runtime.cache.layout import cache_layout
         from backfit.runtime.distributed import get_tp_info, min_over_ranks
         rc = self.rc
         pg_req = rc.prefill_graph_tokens             # None: auto
-        if pg_req is not None and (pg_req < 0 or 0 < pg_req < PREFILL_GRAPH_MIN):
-            raise ValueError(f"--prefill-graph-tokens {pg_req}: 0 (eager prefill) or at least "
-                             f"{PREFILL_GRAPH_MIN}")
+        if pg_req is not None:
+            prefill_graph_count(pg_req, pg_req)      # raises on a bad value, on any device
         pg_on = self.use_graphs and pg_req != 0
         act = "fp32" if self.dtype == torch.float32 else "bf16"
         layout = cache_layout(self.cfg, act if self.kv == "auto" else "int8", self.block_size,
@@ -203,7 +202,7 @@ class ModelRunner:
                   num_snapshot_slots=rc.num_snapshot_slots, tp=get_tp_info().size)
         measured = rc.num_blocks is None and self.device.type == "cuda"   # the default picked
         T = rc.max_num_batched_tokens or (None if measured else BATCHED_TOKENS[0])   # below
-        pg_fixed = min(pg_req or PREFILL_GRAPH_MAX, T or 0) if pg_on else 0  # T given: the count
+        pg_fixed = prefill_graph_count(pg_req or PREFILL_GRAPH_MAX, T) if pg_on and T else 0
         if rc.num_blocks is not None:                         # fixed (tests, CPU runs)
             per = layout.slot_bytes * (rc.max_num_seqs + (rc.max_num_seqs if rc.num_snapshot_slots
                                                          is None else rc.num_snapshot_slots))
@@ -229,7 +228,7 @@ class ModelRunner:
             def plan_for(t: int):                 # budget.pick_prefill_graphs where auto
                 if pg_on and pg_req is None:
                     return pick_prefill_graphs(lambda pg: plan_pg(t, pg), t)
-                return plan_pg(t, min(pg_req, t) if pg_on else 0)
+                return plan_pg(t, prefill_graph_count(pg_req, t) if pg_on else 0)
             T, self.plan = (T, plan_for(T)) if T else pick_batched_tokens(plan_for)
         else:                                                 # CPU: --cpu-kv-cache-gib
             budget = int(rc.cpu_kv_cache_gib * GiB)
@@ -240,7 +239,7 @@ class ModelRunner:
             blocks = min(blocks, layout.blocks_for(rc.max_model_len) * rc.max_num_seqs)
         slots, blocks, self.max_num_batched_tokens, pg = min_over_ranks(
             [self.plan.num_slots, blocks, T, self.plan.prefill_graph_tokens], self.device)
-        self.prefill_graph_tokens = pg if pg >= PREFILL_GRAPH_MIN else 0
+        self.prefill_graph_tokens = pg            # every rank's count is 0 or >= 64
         return slots, blocks
 
     @torch.no_grad()

@@ -15,7 +15,8 @@ from backfit.runtime.cache.layout import CacheLayout
 __all__ = ["GiB", "MiB", "SCORE_CHUNK", "GRAPH_BYTES", "CONTEXT_BYTES", "NCCL_BYTES", "Workspace",
            "workspace", "capture_sizes", "graph_reserve", "runtime_reserve", "Plan", "fit",
            "BATCHED_TOKENS", "pick_batched_tokens", "PREFILL_GRAPH_MAX", "PREFILL_GRAPH_MIN",
-           "PIECE_BYTES", "prefill_sizes", "prefill_graph_reserve", "pick_prefill_graphs"]
+           "PIECE_BYTES", "prefill_sizes", "prefill_graph_count", "prefill_graph_reserve",
+           "pick_prefill_graphs"]
 
 GiB = 2 ** 30
 MiB = 2 ** 20
@@ -88,6 +89,17 @@ def prefill_sizes(max_tokens: int) -> list[int]:
         return []
     sizes = {lo << k for k in range(max_tokens.bit_length()) if lo << k <= max_tokens}
     return sorted(sizes | {x for x in (1536, max_tokens) if x <= max_tokens})
+
+
+def prefill_graph_count(requested: int, tokens: int) -> int:
+    """--prefill-graph-tokens `requested` at a token budget of `tokens` -> the largest padded
+    count captured (0: none; a step never holds more than the budget); ValueError on a value
+    that is neither 0 nor at least PREFILL_GRAPH_MIN."""
+    if requested < 0 or 0 < requested < PREFILL_GRAPH_MIN:
+        raise ValueError(f"--prefill-graph-tokens {requested}: 0 (eager prefill) or at least "
+                         f"{PREFILL_GRAPH_MIN}")
+    P = min(requested, tokens)
+    return P if P >= PREFILL_GRAPH_MIN else 0
 
 
 def prefill_graph_reserve(cfg: ModelConfig, tp: int, tokens: int, max_model_len: int,
@@ -228,8 +240,8 @@ def pick_prefill_graphs(plan_pg, tokens: int) -> Plan:
     PREFILL_GRAPH_MAX) unless that plan's KV capacity is below 90 % of P = 0's or it does not
     fit; then none. Raises P = 0's ValueError when nothing fits."""
     base = plan_pg(0)
-    P = min(tokens, PREFILL_GRAPH_MAX)
-    if P < PREFILL_GRAPH_MIN:
+    P = prefill_graph_count(PREFILL_GRAPH_MAX, tokens)
+    if not P:
         return base
     try:
         with_graphs = plan_pg(P)

@@ -48,6 +48,11 @@ WO_A_GEMV = True
 Q_NORM_IN_WQ_B = (2,)
 
 
+def _paged(cache) -> bool:
+    """The triton backend on the engine's paged pools (the kernels read them in place)."""
+    return get_kernel_backend() == "triton" and hasattr(cache, "block_table")
+
+
 def layer_rotary(cfg: ModelConfig, ratio: int) -> Rotary:
     """θ=rope_theta without YaRN on window-only layers; compress_rope_theta + YaRN otherwise."""
     if ratio == 0:
@@ -136,8 +141,7 @@ class Attention(nn.Module):
         The paged decode step (one token per sequence) has its own path (_decode_step); every
         other batch is post(core(pre(x))), the split runtime/prefill_graphs.py captures around
         (pre and post touch no cache and have shapes from T alone; core reads and writes it)."""
-        paged = get_kernel_backend() == "triton" and hasattr(cache, "block_table")  # paged pools
-        if paged and x.shape[0] == len(batch.seq_lens):
+        if _paged(cache) and x.shape[0] == len(batch.seq_lens):
             return self._decode_step(x, batch, cache)
         pos = batch.positions
         return self.post(self.core(self.pre(x, pos), batch, cache), pos, x.dtype)
@@ -162,7 +166,7 @@ class Attention(nn.Module):
         rotated (the torch loop, one sequence at a time)."""
         q, kv, comp, icomp, qI, wI = pre
         pos = batch.positions
-        if get_kernel_backend() == "triton" and hasattr(cache, "block_table"):
+        if _paged(cache):
             return self._kernels(q, kv, pos, batch, cache, comp,
                                  None if self.indexer is None else (qI, wI, icomp))
         o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
