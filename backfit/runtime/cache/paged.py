@@ -18,6 +18,7 @@ D-vector (symmetric, round to nearest), dequantized on read; indexer keys and ro
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 import torch
 
@@ -188,6 +189,30 @@ class _PagedLayer:
         keep = min(pos.shape[0], R)                       # older rows of a long chunk: gone
         self.pool.ring.put((self.slots[i], pos[-keep:] % R), kv[-keep:])
 
+    # Prefill / mixed batches on the kernel path (Compressor.prefill_update, Attention._kernels):
+    # every sequence's chunk at once, from row lists built once a batch on the host.
+    def entry_rows(self, kind: str) -> torch.Tensor:
+        """int32 [K]: the batch rows whose position completes a block of `kind`'s entries."""
+        p = self._part(kind)
+        return self.bound.entry_rows(p.ratio, p.per_block)
+
+    def chunk_rows(self, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, positions, slots) int32 [K] of each sequence's last min(n, R) rows: what a
+        ring of R rows keeps of the batch (one writer a ring row)."""
+        return self.bound.chunk_rows(R)
+
+    def write_window_chunk(self, pos: torch.Tensor, kv: torch.Tensor) -> None:
+        """write_window for every sequence of the batch: kv [T, D] (kernel path: one gather,
+        one store launch; else per sequence)."""
+        ring = self.pool.ring
+        if not _kernels(kv):
+            for i, s in enumerate(self.bound.spans()):
+                self.write_window(i, pos[s], kv[s])
+            return
+        from backfit.runtime.kernels.cache_ops import store_decode
+        rows, rpos, rslots = self.chunk_rows(ring.data.shape[1])
+        store_decode(kv.index_select(0, rows), rpos, ring.data, ring.scale, slots=rslots)
+
     def _part(self, kind: str) -> _Compressed:
         return self.pool.comp if kind == "comp" else self.pool.index
 
@@ -227,13 +252,14 @@ class _BoundPaged:
         int32 and tables [B, nblk] int32 (a CUDA-graph decode step: the kernel path only)."""
         self.cache, self._device = cache, device_tables
         if batch is None:
-            self.slots = self.tables = self._host_tables = None
+            self.slots = self.tables = self._host_tables = self._lens = self._starts = None
             return
         if batch.slots is None or batch.block_tables is None:
             raise ValueError("a PagedCache batch needs slots and block tables")
         self.slots = list(batch.slots)
         self.tables = [to_device(t, torch.int64, cache.device) for t in batch.block_tables]
         self._host_tables = batch.block_tables
+        self._lens, self._starts, self._rows = batch.seq_lens, batch.starts, {}
 
     def bind(self, batch: ForwardBatch) -> "_BoundPaged":
         """An already bound cache binds to itself (Transformer.hidden calls bind)."""
@@ -247,6 +273,38 @@ class _BoundPaged:
             self._device = (to_device(self.slots, torch.int32, self.cache.device),
                             to_device(rows, torch.int32, self.cache.device))
         return self._device
+
+    def spans(self) -> list[slice]:
+        """Each sequence's rows of the flattened batch."""
+        ends = list(accumulate(self._lens))
+        return [slice(e - n, e) for e, n in zip(ends, self._lens)]
+
+    def chunk_rows(self, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """_PagedLayer.chunk_rows, built once per R (host lists, one copy; no sync)."""
+        if ("ring", R) not in self._rows:
+            rows, rpos, rslots = [], [], []
+            for s, start, slot in zip(self.spans(), self._starts, self.slots):
+                keep = range(max(s.start, s.stop - R), s.stop)
+                rows += keep
+                rpos += (start + t - s.start for t in keep)
+                rslots += [slot] * len(keep)
+            both = to_device([rows, rpos, rslots], torch.int32, self.cache.device)
+            self._rows["ring", R] = (both[0], both[1], both[2])
+        return self._rows["ring", R]
+
+    def entry_rows(self, m: int, per_block: int) -> torch.Tensor:
+        """_PagedLayer.entry_rows, built once per m; a block table too short for an entry is
+        the torch path's IndexError."""
+        if ("entry", m) not in self._rows:
+            rows = []
+            for s, start, table in zip(self.spans(), self._starts, self._host_tables):
+                j0, j1 = start // m, (start + s.stop - s.start) // m
+                if j1 > j0 and (j1 - 1) // per_block >= len(table):
+                    raise IndexError(f"entry {j1 - 1} needs block {(j1 - 1) // per_block} of "
+                                     f"a sequence with {len(table)} blocks")
+                rows += (s.start + (j + 1) * m - 1 - start for j in range(j0, j1))
+            self._rows["entry", m] = to_device(rows, torch.int32, self.cache.device)
+        return self._rows["entry", m]
 
     def layer(self, l: int) -> _PagedLayer:
         return _PagedLayer(self.cache.layers[l], self.slots, self.tables, self)

@@ -76,6 +76,13 @@ def _pool(C, Z, sc_b, sz_b, APE, b, p, slot, dd, RC, RZ, R, D, WIDTH, M: tl.cons
         virt = ((p < M) & (i < M))[:, None]
         sc = tl.where(virt, 0.0, sc)
         sz = tl.where(virt, float("-inf"), sz)
+    return _softmax_slots(sc, sz, i_ok)
+
+
+@triton.jit
+def _softmax_slots(sc, sz, i_ok):
+    """Rows c, z [NP, BD] of the N slots (i_ok; the others masked) -> Σ softmax_slots(z) ⊙ c
+    [BD] FP32: the pooling of _pool and of kernels.cache_prefill, the same operations."""
     sz = tl.where(i_ok[:, None], sz, float("-inf"))
     mx = tl.max(sz, axis=0)
     e = tl.exp(sz - mx[None, :])
@@ -107,11 +114,12 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _entry_tail(EBUF, b, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scratch, D,
+def _entry_tail(EBUF, b, tb, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scratch, D,
                 M: tl.constexpr, DP: tl.constexpr, RR: tl.constexpr, BH: tl.constexpr,
                 PB: tl.constexpr, INT8: tl.constexpr, BF16: tl.constexpr, RN: tl.constexpr):
     """Row b's pooled E [D] FP32 (EBUF) -> cast to the act dtype, RMSNorm, RoPE at (p // M)·M,
-    entry store: the ops of _rms_kernel, _rope_kernel and _store_kernel in their order."""
+    entry store into the blocks of table row tb: the ops of _rms_kernel, _rope_kernel and
+    _store_kernel in their order."""
     row = EBUF + b * D
     full = tl.arange(0, DP)
     x = tl.load(row + full, mask=full < D, other=0.0, cache_modifier=".cg")   # other blocks' E
@@ -151,7 +159,7 @@ def _entry_tail(EBUF, b, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scratch,
         rb = rb.to(tl.bfloat16).to(tl.float32)
     j = p // M                                                        # _store_kernel, "entry"
     done = (p + 1) % M == 0
-    blk = tl.load(TABLES + b * stride_tb + tl.where(done, j // PB, 0))
+    blk = tl.load(TABLES + tb * stride_tb + tl.where(done, j // PB, 0))
     i0 = tl.where(done, blk, scratch).to(tl.int64)
     at = (i0 * PB + j % PB) * D
     if INT8:
@@ -203,12 +211,12 @@ def _fused_kernel(C, Z, sc_b, sz_b, APE, POS, SLOTS, RC, RZ, EBUF, CNT, NW, eps,
     tl.store(EBUF + b * D + dd, e, mask=dd < D)
     tl.debug_barrier()                                                # the whole block stored
     if NBLK == 1:
-        _entry_tail(EBUF, b, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scratch, D, M, DP,
+        _entry_tail(EBUF, b, b, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scratch, D, M, DP,
                     RR, BH, PB, INT8, BF16, RN)
     else:
         if tl.atomic_add(CNT + b, 1, sem="acq_rel", scope="gpu") == NBLK - 1:
             tl.store(CNT + b, 0)                                      # ready for the next call
-            _entry_tail(EBUF, b, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scratch, D, M,
+            _entry_tail(EBUF, b, b, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scratch, D, M,
                         DP, RR, BH, PB, INT8, BF16, RN)
 
 

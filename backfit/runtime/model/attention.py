@@ -316,8 +316,9 @@ class Attention(nn.Module):
         """The attention core on the Triton kernels, reading the paged pools in place.
 
         Same order as the torch path: the compressors pool (and write) the entries this batch
-        completes (per sequence, torch), the kernels attend to ring positions before each chunk,
-        the chunk's own kv in flight and the entries, then the chunks' kv go to the rings.
+        completes (all sequences at once in kernels, FUSED_PREFILL; else per sequence, torch),
+        the kernels attend to ring positions before each chunk, the chunk's own kv in flight
+        and the entries, then the chunks' kv go to the rings.
         Decode (one token per sequence) and chunked prefill / mixed batches. -> o [T, Hl, D]:
         FP32, or (BF16 activations) already de-rotated in the act dtype (post skips its RoPE).
         side: (events, sel) when forward queued the decode step's compressor update and the CSA
@@ -345,13 +346,20 @@ class Attention(nn.Module):
                     self._decode_compress(self.indexer.compressor, "index", index[2],
                                           index[1] if isinstance(index[1], HeadWeights) else
                                           None, cache, pos, q.dtype)
-            for s in batch.slices() if not decode else ():
-                r = slice(s.lo, s.hi)
-                self.compressor.update(cache, s.index, "comp", comp[0][r], comp[1][r], s.start,
-                                       q.dtype, read=False)
+            elif self._fused_prefill(q):      # every sequence's chunk at once
+                self.compressor.prefill_update(cache, "comp", *comp, pos, seq, start, q.dtype)
                 if index is not None:
-                    self.indexer.compressor.update(cache, s.index, "index", index[2][0][r],
-                                                   index[2][1][r], s.start, q.dtype, read=False)
+                    self.indexer.compressor.prefill_update(cache, "index", *index[2], pos, seq,
+                                                           start, q.dtype)
+            else:                             # one sequence at a time (the torch update)
+                for s in batch.slices():
+                    r = slice(s.lo, s.hi)
+                    self.compressor.update(cache, s.index, "comp", comp[0][r], comp[1][r],
+                                           s.start, q.dtype, read=False)
+                    if index is not None:
+                        self.indexer.compressor.update(cache, s.index, "index", index[2][0][r],
+                                                       index[2][1][r], s.start, q.dtype,
+                                                       read=False)
             mode, tables = "hca", cache.block_table()
             ent, ent_scale = cache.entry_pool("comp")
             if index is not None:                                     # CSA: indexer top-k
@@ -374,9 +382,17 @@ class Attention(nn.Module):
                 from backfit.runtime.kernels.rope_norm import rope
                 o = rope(sparse_attention_prefill(*args, seq=seq, start=start, out_dtype=q.dtype),
                          pos, self.rope.inv_freq, self.rope.rope_dim, inverse=True, inplace=True)
-            for s in batch.slices():
-                cache.write_window(s.index, pos[s.lo:s.hi], kv[s.lo:s.hi])
+            if self._fused_prefill(q):
+                cache.write_window_chunk(pos, kv)
+            else:
+                for s in batch.slices():
+                    cache.write_window(s.index, pos[s.lo:s.hi], kv[s.lo:s.hi])
         return o
+
+    @staticmethod
+    def _fused_prefill(q: torch.Tensor) -> bool:
+        """A prefill / mixed batch's cache updates as batched kernels (compressor.FUSED_PREFILL)."""
+        return compressor_mod.FUSED_PREFILL and q.dtype in (torch.bfloat16, torch.float32)
 
     def _attend(self, q, kv, pos, s: SeqSlice, cache, extra) -> torch.Tensor:
         """One sequence chunk: q [n, Hl, D], kv [n, D], pos [n] -> o [n, Hl, D] FP32.

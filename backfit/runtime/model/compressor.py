@@ -22,13 +22,19 @@ from backfit.runtime.distributed import all_reduce, get_tp_info
 from backfit.runtime.kernels import kernel_path
 from backfit.runtime.layers import ColumnParallelLinear, Linear, RMSNorm, Rotary
 
-__all__ = ["Compressor", "Indexer", "ProjectedRows", "HeadWeights", "FUSED_DECODE"]
+__all__ = ["Compressor", "Indexer", "ProjectedRows", "HeadWeights", "FUSED_DECODE",
+           "FUSED_PREFILL"]
 
 # The decode kernel path of Compressor.decode_update: True = one launch per compressor
 # (kernels.cache_ops.compress_decode_fused: ape add, rows, pooling, cast, norm, RoPE, entry
 # store); False = the previous chain (torch ape add, compress_decode, cast, rms_norm, rope,
 # store_decode; ~10 launches). Same entries bit for bit either way.
 FUSED_DECODE = True
+# The kernel path of a prefill / mixed batch's compressor update: True = every sequence's chunk at
+# once (Compressor.prefill_update: kernels.cache_prefill, two launches a compressor); False =
+# `update` per sequence (~40 torch ops each). The same entries as FUSED_DECODE's kernel, token by
+# token; the torch update's to FP32 rounding.
+FUSED_PREFILL = True
 
 
 class ProjectedRows:
@@ -128,6 +134,23 @@ class Compressor(nn.Module):
         keep_from = max(0, (end // m - back) * m)                      # what the next chunk reads
         cache.write_rows(i, kind, torch.arange(start, end, device=c.device), c, z, keep_from)
         return cache.entries(i, kind, j1) if read else None
+
+    def prefill_update(self, cache, kind: str, c: torch.Tensor, z: torch.Tensor,
+                       pos: torch.Tensor, seq: torch.Tensor, start: torch.Tensor,
+                       dtype: torch.dtype) -> None:
+        """`update(read=False)` for every sequence of a prefill or mixed batch at once, on the
+        kernel path (FUSED_PREFILL, paged pools): c, z [T, width] FP32 (z with its ape row),
+        pos / seq / start [T] (each row's position, sequence and chunk start) on the device.
+        The entries the chunks complete, from the chunks' rows and the rings' older ones, then
+        each sequence's last ring rows (kernels.cache_prefill: two launches, no host sync)."""
+        from backfit.runtime.kernels.cache_prefill import compress_prefill, store_rows
+        data, scale = cache.entry_pool(kind)
+        ring_c, ring_z = cache.rows_pool(kind)
+        compress_prefill(c, z, cache.entry_rows(kind), pos, seq, start, cache.slot_ids(), ring_c,
+                         ring_z, self.norm.weight, self.norm.eps, self.rope.inv_freq,
+                         self.rope.rope_dim, data, scale, cache.block_table(),
+                         cache.scratch_block, self.ratio, self.overlap, self.head_dim, dtype)
+        store_rows(c, z, *cache.chunk_rows(ring_c.shape[1]), ring_c, ring_z)
 
     def decode_update(self, cache, kind: str, c: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
                       dtype: torch.dtype, ape_added: bool = True,

@@ -1,5 +1,6 @@
 """The small decode kernels (kernels.rope_norm: RMSNorm, RoPE; kernels.cache_ops: compressor
-pooling, cache stores, the fused compressor decode update; kernels.pointwise: SwiGLU, router top-k,
+pooling, cache stores, the fused compressor decode update; kernels.cache_prefill: its prefill
+form and the ring-rows store; kernels.pointwise: SwiGLU, router top-k,
 MoE combine, embedding, the placeholder fill; kernels.router: the router GEMV + top-k in one launch)
 compile for sm_80 on this CPU machine (test_sm80.py's helper): shared memory within 99 KB, no MMA
 (CUDA-core math), no FP8/FP4, and FMA contraction really off in RoPE (no fma.rn.f32 in its PTX: the
@@ -21,12 +22,17 @@ _FUSED_TYPES = dict(
     RC="*fp32", RZ="*fp32", EBUF="*fp32", CNT="*i32", NW="*fp32", eps="fp32", F="*fp64",
     TABLES="*i32", stride_tb="i32", DATA="*bf16", SCALE="*fp32", scratch="i32", R="i32", D="i32",
     WIDTH="i32", WRAW="*fp32", sw_b="i32", WI="*fp32", H="i32", w_scale="fp32")
+_PREFILL_TYPES = dict(
+    C="*fp32", Z="*fp32", sc_b="i32", sz_b="i32", ROWS="*i32", POS="*i64", SEQ="*i32",
+    START="*i32", SLOTS="*i32", RC="*fp32", RZ="*fp32", EBUF="*fp32", CNT="*i32", NW="*fp32",
+    eps="fp32", F="*fp64", TABLES="*i32", stride_tb="i32", DATA="*bf16", SCALE="*fp32",
+    scratch="i32", R="i32", D="i32", WIDTH="i32")
 
 
 def compile_all() -> list[dict]:
     import triton
 
-    from backfit.runtime.kernels import cache_ops, pointwise, rope_norm, router
+    from backfit.runtime.kernels import cache_ops, cache_prefill, pointwise, rope_norm, router
 
     out = []
     for n, w in ((4096, True), (1024, True), (512, False)):
@@ -57,6 +63,19 @@ def compile_all() -> list[dict]:
             HAS_APE=True, DP=d, RR=64, BH=triton.next_power_of_2(d - 64), PB=32, INT8=int8,
             BF16=True, RN=True, HAS_W=d == 128, BHW=64), dict(num_warps=4, num_stages=1),
             ("D",)))
+    for m, overlap, d, bd, int8 in ((4, True, 512, 128, False), (128, False, 512, 32, True),
+                                    (4, True, 128, 128, False)):
+        n = 2 * m if overlap else m                  # compress_prefill: CSA, HCA, indexer
+        out.append(_compile(cache_prefill._compress_prefill_kernel, dict(
+            _PREFILL_TYPES, DATA="*i8" if int8 else "*bf16"), dict(
+            M=m, OVERLAP=overlap, N=n, NP=triton.next_power_of_2(n), BD=bd, NBLK=d // bd, DP=d,
+            RR=64, BH=triton.next_power_of_2(d - 64), PB=32, INT8=int8, BF16=True, RN=True),
+            dict(num_warps=4, num_stages=1), ("D",)))
+    for width in (1024, 512):                        # store_rows: CSA, HCA rows
+        out.append(_compile(cache_prefill._rows_kernel, dict(
+            C="*fp32", Z="*fp32", sc_b="i32", sz_b="i32", ROWS="*i32", RPOS="*i32",
+            RSLOT="*i32", RC="*fp32", RZ="*fp32", R="i32", WIDTH="i32"), dict(BW=width),
+            dict(num_warps=4, num_stages=1), ("WIDTH",)))
     for mode, int8 in ((0, False), (0, True), (1, True), (1, False)):
         out.append(_compile(cache_ops._store_kernel, dict(
             X="*bf16", sx_b="i32", POS="*i64", SLOTS="*i32", TABLES="*i32", stride_tb="i32",
@@ -89,23 +108,24 @@ def compile_all() -> list[dict]:
         out.append(_compile(pointwise._placeholder_kernel, dict(T=tok, stride="i32",
                             PREV="*i64", n="i32"), dict(BLOCK=256),
                             dict(num_warps=2, num_stages=1), ()))
-    for r in out:
-        if r["kernel"] == "_fused_kernel":     # compiled again: a cache hit, for its PTX
-            r["mul_rn"] = _mul_rn_count(r)
+    for r in out:                              # compiled again: a cache hit, for the PTX
+        if r["kernel"] == "_fused_kernel":
+            r["mul_rn"] = _mul_rn_count(r, cache_ops._fused_kernel, _FUSED_TYPES)
+        if r["kernel"] == "_compress_prefill_kernel":
+            r["mul_rn"] = _mul_rn_count(r, cache_prefill._compress_prefill_kernel,
+                                        _PREFILL_TYPES)
     return out
 
 
-def _mul_rn_count(r: dict) -> int:
-    """mul.rn(.ftz).f32 instructions in the PTX of a compiled _fused_kernel result."""
+def _mul_rn_count(r: dict, fn, types: dict) -> int:
+    """mul.rn(.ftz).f32 instructions in the PTX of a compiled result r of fn."""
     import re
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from backfit.runtime.kernels import cache_ops
-    fn = cache_ops._fused_kernel
-    sig = {a: _FUSED_TYPES.get(a, "constexpr") for a in fn.arg_names}
+    sig = {a: types.get(a, "constexpr") for a in fn.arg_names}
     if r["config"]["INT8"]:
         sig["DATA"] = "*i8"
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
@@ -117,7 +137,7 @@ def _mul_rn_count(r: dict) -> int:
 
 def test_small_kernels_compile_for_sm80():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 30
+    assert len(results) == 35
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
@@ -125,7 +145,7 @@ def test_small_kernels_compile_for_sm80():
         assert not r["fp8"] and r["mma"] == [], name
         if r["kernel"] == "_rope_kernel":
             assert not r["fma_f32"], f"{name}: FP32 FMA contraction in RoPE"
-        if r["kernel"] == "_fused_kernel":         # its RoPE: explicit mul.rn / add.rn / sub.rn
+        if r["kernel"] in ("_fused_kernel", "_compress_prefill_kernel"):   # explicit mul.rn RoPE
             assert r["mul_rn"] == 4, f"{name}: {r['mul_rn']} mul.rn.f32 (FMA-free RoPE)"
 
 
