@@ -12,6 +12,7 @@ write_window per sequence, and a block table too short for an entry is the torch
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -130,7 +131,7 @@ def test_paged_prefill_update_equals_torch_update(model_f32, monkeypatch):
         seq, start = (t.to(DEV) for t in b.token_seq_start)
         ref, new = (c.bind(b) for c in twin)
         for li in (2, 3):                                         # ratio 4 (CSA), 8 (HCA)
-            mod = model_f32.layers[li].attn.compressor
+            mod = copy.deepcopy(model_f32.layers[li].attn.compressor).to(DEV)
             width = (2 if mod.overlap else 1) * mod.head_dim
             cz = torch.randn(2, pos.shape[0], width, generator=g).to(DEV)
             for s in b.slices():
