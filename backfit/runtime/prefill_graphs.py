@@ -12,9 +12,9 @@ touch no cache and take their shapes from the token count alone, so for a padded
   core i         eager, on the real T rows: attn.core(pre[:T], batch, cache) -> o [T, Hl, D],
                  copied into the static o rows the next piece reads
 
-The core keeps every per-sequence loop and host-dependent shape (compressor updates, the
-indexer's top-k, the prefill attention kernel, the ring stores); the pieces hold the ~2/3 of an
-eager layer's launches and Python that are the projections, mHC, the MoE and the all-reduces.
+The core keeps the work whose shapes depend on the step's sequences (compressor updates, batched
+over the sequences by kernels.cache_prefill; the indexer's top-k, the prefill attention kernel,
+the ring stores); the pieces hold the projections, mHC, the MoE and the all-reduces.
 
   static input   tokens and positions int64 [2, Pmax], one copy from a pinned twin a step;
                  rows T..P-1 are padding (token 0 at position 0): their rows of every piece

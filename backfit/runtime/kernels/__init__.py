@@ -13,6 +13,7 @@
   kernels.mhc        mHC hc_pre / hc_post / hc_head (FP32 logits + Sinkhorn, 2 / 1 / 2 launches)
   kernels.rope_norm  RMSNorm and RoPE, one launch each (RoPE bit-equal to the torch path)
   kernels.cache_ops  the compressors' decode update and the ring / entry stores of a decode step
+  kernels.cache_prefill  the same update for every sequence of a prefill / mixed batch at once
   kernels.pointwise  the router's top-k, the shared expert's SwiGLU, the MoE's top-k + shared sum
   kernels.ref        plain-torch references with the runtime's torch-path math (tests, fallback)
 

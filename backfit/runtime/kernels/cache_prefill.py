@@ -13,8 +13,10 @@ no host sync: the chunk form of kernels.cache_ops' decode kernels.
   store_rows        the compressor ring rows of the listed chunk rows (each sequence's last R
                     rows: what the next chunk and a rollback read), after compress_prefill has
                     read the old ones
-Replaces ~40 torch ops per compressor and sequence (Compressor.update) with two launches per
-compressor and batch. Entries agree with the torch update to FP32 rounding (Triton's exp).
+Replaces Compressor.update's torch ops per compressor and sequence with two launches per
+compressor and batch (a 512-token step of the 43-layer TP-4 slice: 5,297 -> 3,995 launches
+eagerly, docs/PERFORMANCE.md session 20). Entries agree with the torch update to FP32 rounding
+(Triton's exp).
 """
 
 from __future__ import annotations
