@@ -72,17 +72,18 @@ def _pool(C, Z, sc_b, sz_b, APE, b, p, slot, dd, RC, RZ, R, D, WIDTH, M: tl.cons
     sz = tl.load(RZ + offs, mask=ok, other=0.0)
     sc = tl.where(last, c1[None, :], sc)
     sz = tl.where(last, z1[None, :], sz)
+    return _softmax_slots(sc, sz, i, i_ok, p, M, OVERLAP)
+
+
+@triton.jit
+def _softmax_slots(sc, sz, i, i_ok, p, M: tl.constexpr, OVERLAP: tl.constexpr):
+    """Rows c, z [NP, BD] of slots i (i_ok; the others masked) of the entry ending at position
+    p -> Σ softmax_slots(z) ⊙ c [BD] FP32, CSA's virtual block -1 (c 0, z -inf) applied: the
+    pooling of _pool and of kernels.cache_prefill, the same operations."""
     if OVERLAP:                                                       # virtual block -1
         virt = ((p < M) & (i < M))[:, None]
         sc = tl.where(virt, 0.0, sc)
         sz = tl.where(virt, float("-inf"), sz)
-    return _softmax_slots(sc, sz, i_ok)
-
-
-@triton.jit
-def _softmax_slots(sc, sz, i_ok):
-    """Rows c, z [NP, BD] of the N slots (i_ok; the others masked) -> Σ softmax_slots(z) ⊙ c
-    [BD] FP32: the pooling of _pool and of kernels.cache_prefill, the same operations."""
     sz = tl.where(i_ok[:, None], sz, float("-inf"))
     mx = tl.max(sz, axis=0)
     e = tl.exp(sz - mx[None, :])
@@ -208,16 +209,28 @@ def _fused_kernel(C, Z, sc_b, sz_b, APE, POS, SLOTS, RC, RZ, EBUF, CNT, NW, eps,
     slot = tl.load(SLOTS + b).to(tl.int64)
     e = _pool(C, Z, sc_b, sz_b, APE, b, p, slot, dd, RC, RZ, R, D, WIDTH, M, OVERLAP, N, NP,
               HAS_APE)
+    _last_runs_tail(e, dd, EBUF, CNT, b, b, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE,
+                    scratch, D, M, NBLK, DP, RR, BH, PB, INT8, BF16, RN)
+
+
+@triton.jit
+def _last_runs_tail(e, dd, EBUF, CNT, b, tb, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE,
+                    scratch, D, M: tl.constexpr, NBLK: tl.constexpr, DP: tl.constexpr,
+                    RR: tl.constexpr, BH: tl.constexpr, PB: tl.constexpr, INT8: tl.constexpr,
+                    BF16: tl.constexpr, RN: tl.constexpr):
+    """This program's pooled channels e [BD] at dd -> EBUF row b; the last of the row's NBLK
+    programs (an acq_rel counter CNT[b], reset to 0 by it) runs _entry_tail on the whole row
+    (table row tb). Shared by the decode and the prefill kernels."""
     tl.store(EBUF + b * D + dd, e, mask=dd < D)
     tl.debug_barrier()                                                # the whole block stored
     if NBLK == 1:
-        _entry_tail(EBUF, b, b, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scratch, D, M, DP,
-                    RR, BH, PB, INT8, BF16, RN)
+        _entry_tail(EBUF, b, tb, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scratch, D, M,
+                    DP, RR, BH, PB, INT8, BF16, RN)
     else:
         if tl.atomic_add(CNT + b, 1, sem="acq_rel", scope="gpu") == NBLK - 1:
             tl.store(CNT + b, 0)                                      # ready for the next call
-            _entry_tail(EBUF, b, b, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scratch, D, M,
-                        DP, RR, BH, PB, INT8, BF16, RN)
+            _entry_tail(EBUF, b, tb, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scratch, D,
+                        M, DP, RR, BH, PB, INT8, BF16, RN)
 
 
 @triton.jit
@@ -304,6 +317,37 @@ def _interpreted() -> bool:
     return not isinstance(_fused_kernel, triton.runtime.jit.JITFunction)
 
 
+def pool_launch(ratio: int, overlap: bool, D: int, rows: int, device: torch.device):
+    """The pooling launch of the fused kernels for `rows` entries -> (N slots, NP, BD, channel
+    blocks, the pooled-row buffer [rows, D] FP32, the row counters of the current stream)."""
+    n = 2 * ratio if overlap else ratio
+    NP = triton.next_power_of_2(n)
+    BD = min(128, triton.next_power_of_2(D), max(16, 4096 // NP))   # compress_decode's blocks
+    nblk = triton.cdiv(D, BD)
+    ebuf = torch.empty(rows, D, dtype=torch.float32, device=device)  # pooled E, per row
+    return n, NP, BD, nblk, ebuf, stream_counters(device, rows) if nblk > 1 else ebuf
+
+
+def check_tail_args(name: str, dtype: torch.dtype, norm_weight: torch.Tensor,
+                    inv_freq: torch.Tensor, rope_dim: int, D: int, data: torch.Tensor,
+                    scale: torch.Tensor | None, tables: torch.Tensor, rows: int) -> bool:
+    """The entry tail's arguments (_entry_tail: cast, norm, RoPE, store) of `name`, checked with
+    a one-line ValueError -> whether the entry pool is INT8. tables [rows, nblk] int32."""
+    if dtype not in (torch.bfloat16, torch.float32) or norm_weight.shape != (D,) \
+            or norm_weight.dtype != torch.float32 or inv_freq.dtype != torch.float64 \
+            or inv_freq.shape != (rope_dim // 2,) or rope_dim & (rope_dim - 1) or rope_dim > D:
+        raise ValueError(f"{name}: act dtype bf16/FP32 (got {dtype}), norm weight FP32 [{D}], "
+                         f"inv_freq FP64 [{rope_dim // 2}], power-of-2 rope_dim")
+    int8 = data.dtype == torch.int8
+    if data.dim() != 3 or data.shape[2] != D or not data.is_contiguous() \
+            or int8 != (scale is not None) or (not int8 and data.dtype != dtype) \
+            or tables.dim() != 2 or tables.shape[0] != rows or tables.dtype != torch.int32:
+        raise ValueError(f"{name}: data [NB, PB, {D}] contiguous in {dtype} (or INT8 with a "
+                         f"scale), tables [{rows}, nblk] int32; got "
+                         f"{data.dtype}{list(data.shape)}, {tables.dtype}{list(tables.shape)}")
+    return int8
+
+
 def compress_decode_fused(c: torch.Tensor, z: torch.Tensor, ape: torch.Tensor | None,
                           pos: torch.Tensor, slots: torch.Tensor, ring_c: torch.Tensor,
                           ring_z: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -329,18 +373,8 @@ def compress_decode_fused(c: torch.Tensor, z: torch.Tensor, ape: torch.Tensor | 
     if ape is not None and (ape.shape != (ratio, width) or ape.dtype != torch.float32
                             or not ape.is_contiguous()):
         raise ValueError(f"compress_decode_fused: ape [{ratio}, {width}] FP32 contiguous")
-    if dtype not in (torch.bfloat16, torch.float32) or norm_weight.shape != (D,) \
-            or norm_weight.dtype != torch.float32 or inv_freq.dtype != torch.float64 \
-            or inv_freq.shape != (rope_dim // 2,) or rope_dim & (rope_dim - 1) or rope_dim > D:
-        raise ValueError(f"compress_decode_fused: act dtype bf16/FP32 (got {dtype}), norm "
-                         f"weight FP32 [{D}], inv_freq FP64 [{rope_dim // 2}], power-of-2 rope_dim")
-    int8 = data.dtype == torch.int8
-    if data.dim() != 3 or data.shape[2] != D or not data.is_contiguous() \
-            or int8 != (scale is not None) or (not int8 and data.dtype != dtype) \
-            or tables.dim() != 2 or tables.shape[0] != B or tables.dtype != torch.int32:
-        raise ValueError(f"compress_decode_fused: data [NB, PB, {D}] contiguous in {dtype} (or "
-                         f"INT8 with a scale), tables [{B}, nblk] int32; got "
-                         f"{data.dtype}{list(data.shape)}, {tables.dtype}{list(tables.shape)}")
+    int8 = check_tail_args("compress_decode_fused", dtype, norm_weight, inv_freq, rope_dim, D,
+                           data, scale, tables, B)
     wI = None
     if head_w is not None:
         w_raw, w_scale = head_w
@@ -351,12 +385,7 @@ def compress_decode_fused(c: torch.Tensor, z: torch.Tensor, ape: torch.Tensor | 
         wI = torch.empty(w_raw.shape, dtype=torch.float32, device=c.device)
     if not B:
         return wI
-    n = 2 * ratio if overlap else ratio
-    NP = triton.next_power_of_2(n)
-    BD = min(128, triton.next_power_of_2(D), max(16, 4096 // NP))   # compress_decode's blocks
-    nblk = triton.cdiv(D, BD)
-    ebuf = torch.empty(B, D, dtype=torch.float32, device=c.device)   # pooled E, per row
-    cnt = stream_counters(c.device, B) if nblk > 1 else ebuf
+    n, NP, BD, nblk, ebuf, cnt = pool_launch(ratio, overlap, D, B, c.device)
     tables = tables.contiguous()
     _fused_kernel[(B, nblk)](
         c, z, c.stride(0), z.stride(0), ape if ape is not None else c, pos.contiguous(),

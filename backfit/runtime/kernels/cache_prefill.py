@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from backfit.runtime.kernels.cache_ops import _entry_tail, _interpreted, _softmax_slots
-from backfit.runtime.streams import stream_counters
+from backfit.runtime.kernels.cache_ops import (_interpreted, _last_runs_tail, _softmax_slots,
+                                               check_tail_args, pool_launch)
 
 __all__ = ["compress_prefill", "store_rows"]
 
@@ -52,11 +52,7 @@ def _pool_chunk(C, Z, sc_b, sz_b, t, p, st, slot, dd, RC, RZ, R, D, WIDTH, M: tl
                   tl.load(RC + ring, mask=ok & ~mine, other=0.0))
     sz = tl.where(mine, tl.load(Z + trow * sz_b + col, mask=ok & mine, other=0.0),
                   tl.load(RZ + ring, mask=ok & ~mine, other=0.0))
-    if OVERLAP:                                                       # virtual block -1
-        virt = ((p < M) & (i < M))[:, None]
-        sc = tl.where(virt, 0.0, sc)
-        sz = tl.where(virt, float("-inf"), sz)
-    return _softmax_slots(sc, sz, i_ok)
+    return _softmax_slots(sc, sz, i, i_ok, p, M, OVERLAP)
 
 
 @triton.jit
@@ -80,16 +76,8 @@ def _compress_prefill_kernel(C, Z, sc_b, sz_b, ROWS, POS, SEQ, START, SLOTS, RC,
         dd = db * BD + tl.arange(0, BD)
         e = _pool_chunk(C, Z, sc_b, sz_b, t, p, st, slot, dd, RC, RZ, R, D, WIDTH, M, OVERLAP,
                         N, NP)
-        tl.store(EBUF + k * D + dd, e, mask=dd < D)
-        tl.debug_barrier()                                            # the whole block stored
-        if NBLK == 1:
-            _entry_tail(EBUF, k, s, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scratch, D,
-                        M, DP, RR, BH, PB, INT8, BF16, RN)
-        else:
-            if tl.atomic_add(CNT + k, 1, sem="acq_rel", scope="gpu") == NBLK - 1:
-                tl.store(CNT + k, 0)                                  # ready for the next call
-                _entry_tail(EBUF, k, s, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scratch,
-                            D, M, DP, RR, BH, PB, INT8, BF16, RN)
+        _last_runs_tail(e, dd, EBUF, CNT, k, s, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE,
+                        scratch, D, M, NBLK, DP, RR, BH, PB, INT8, BF16, RN)
 
 
 @triton.jit
@@ -134,29 +122,14 @@ def compress_prefill(c: torch.Tensor, z: torch.Tensor, rows: torch.Tensor, pos: 
     store_rows after it."""
     width = (2 if overlap else 1) * D
     _check_rows(c, z, pos, seq, start, slots, ring_c, ring_z, width)
-    if dtype not in (torch.bfloat16, torch.float32) or norm_weight.shape != (D,) \
-            or norm_weight.dtype != torch.float32 or inv_freq.dtype != torch.float64 \
-            or inv_freq.shape != (rope_dim // 2,) or rope_dim & (rope_dim - 1) or rope_dim > D:
-        raise ValueError(f"compress_prefill: act dtype bf16/FP32 (got {dtype}), norm weight "
-                         f"FP32 [{D}], inv_freq FP64 [{rope_dim // 2}], power-of-2 rope_dim")
-    int8 = data.dtype == torch.int8
-    if data.dim() != 3 or data.shape[2] != D or not data.is_contiguous() \
-            or int8 != (scale is not None) or (not int8 and data.dtype != dtype) \
-            or tables.dim() != 2 or tables.shape[0] != slots.shape[0] \
-            or tables.dtype != torch.int32 or rows.dim() != 1 or rows.dtype != torch.int32:
-        raise ValueError(f"compress_prefill: data [NB, PB, {D}] contiguous in {dtype} (or INT8 "
-                         f"with a scale), tables [NS, nblk] int32, rows [K] int32; got "
-                         f"{data.dtype}{list(data.shape)}, {tables.dtype}{list(tables.shape)}, "
-                         f"{rows.dtype}{list(rows.shape)}")
+    int8 = check_tail_args("compress_prefill", dtype, norm_weight, inv_freq, rope_dim, D, data,
+                           scale, tables, slots.shape[0])
+    if rows.dim() != 1 or rows.dtype != torch.int32:
+        raise ValueError(f"compress_prefill: rows [K] int32, got {rows.dtype}{list(rows.shape)}")
     K = rows.shape[0]
     if not K:
         return
-    n = 2 * ratio if overlap else ratio
-    NP = triton.next_power_of_2(n)
-    BD = min(128, triton.next_power_of_2(D), max(16, 4096 // NP))   # compress_decode's blocks
-    nblk = triton.cdiv(D, BD)
-    ebuf = torch.empty(K, D, dtype=torch.float32, device=c.device)   # pooled E, per entry
-    cnt = stream_counters(c.device, K) if nblk > 1 else ebuf
+    n, NP, BD, nblk, ebuf, cnt = pool_launch(ratio, overlap, D, K, c.device)
     tables = tables.contiguous()
     _compress_prefill_kernel[(K, nblk)](
         c, z, c.stride(0), z.stride(0), rows, pos.contiguous(), seq.contiguous(),
