@@ -15,7 +15,7 @@ kernel merges the splits and adds the sink (decode_attention's out_rope: and app
 RoPE of the output path, storing the act dtype). With one split the first kernel finishes alone.
 sparse_attention: the same kernel (PREFILL) for T queries of chunks (chunked prefill, mixed
 batches): query t of sequence seq[t] sees ring positions before its chunk's start and the
-chunk's own kv rows in flight (Attention._attend's keys), its HCA entries or CSA selection.
+chunk's own kv rows in flight (attention_torch.attend's keys), its HCA entries or CSA selection.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def decode_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode="wi
     """q [B, H, D] act dtype, kv [B, D] (this token's, not yet read from the ring), pos [B],
     sink [H] FP32, ring [S, R, D] (+ ring_scale [S, R] if int8), slots [B]; mode "hca" / "csa":
     entries [NB, PB, D] (+ entry_scale), tables [B, nblk] int, ratio; csa: sel [B, k] (-1 unused).
-    -> o [B, H, D] FP32 (the torch path's _attend output). out_rope = (inv_freq FP64 [r/2], r,
+    -> o [B, H, D] FP32 (the torch path's attend output). out_rope = (inv_freq FP64 [r/2], r,
     dtype): o de-rotated by its position and rounded to dtype instead, = rope_norm.rope(o, pos,
     inv_freq, r, inverse=True, out_dtype=dtype) (Attention._output's first step); with split KV
     it runs inside the merge launch (one launch fewer), else as that rope launch."""

@@ -74,7 +74,7 @@ def moe_routed_ref(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
 
 
 # Attention and indexer over the paged pools (kernels.attention, kernels.indexer):
-# decode_attention_ref = Attention._attend/_core for one query per sequence, gathering the window
+# decode_attention_ref = model.attention_torch.attend / scores_core for one query per sequence, gathering the window
 # and the entries from the pools per sequence (int8 dequantized as cache.paged._Store.get);
 # indexer_scores_ref / topk_select_ref = Indexer.select's scores over the paged keys, its top-k.
 __all__ += ["pool_get_ref", "decode_attention_ref", "indexer_scores_ref", "topk_select_ref"]
@@ -94,7 +94,7 @@ def decode_attention_ref(q, kv, pos, sink, ring, ring_scale, slots, window, mode
 
     Per sequence: keys = ring rows of positions max(0, p-W+1) .. p-1, then kv (in flight),
     then HCA entries j < (p+1)//ratio or CSA entries sel[b] (>= 0); scores (q·k)/sqrt(D) in FP32,
-    softmax with the per-head sink logit in the denominator only (Attention._core).
+    softmax with the per-head sink logit in the denominator only (attention_torch.scores_core).
     """
     B, H, D = q.shape
     o = torch.empty(B, H, D, dtype=torch.float32, device=q.device)
@@ -150,7 +150,7 @@ def topk_select_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
 def sparse_attention_ref(q, kv, pos, sink, ring, ring_scale, slots, window, mode="window",
                          entries=None, entry_scale=None, tables=None, ratio=0, sel=None,
                          seq=None, start=None):
-    """Chunked prefill (Attention._attend over a chunk): query t of sequence seq[t], whose chunk
+    """Chunked prefill (attention_torch.attend over a chunk): query t of sequence seq[t], whose chunk
     starts at start[t] (row t - (pos[t] - start[t]) of kv), sees ring positions
     max(0, p-W+1) .. start-1, then the chunk's kv rows up to itself, then its entries."""
     T, H, D = q.shape

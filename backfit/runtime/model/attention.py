@@ -9,8 +9,9 @@ dsv4-model.md 5.4. Per token x (after attn_norm):
   out = wo_b(concat_g wo_a[g] o_g)         (grouped low-rank output, wo_a block-diagonal)
 Heads (wq_b, sink, wo_a groups) are split across ranks; the latent KV and the compressors are
 replicated; wo_b is row-parallel. Q/KV projections run on the whole batch; the attention core
-runs per sequence against the layer cache (runtime/state.py: the interface; plain torch, FP32
-scores): it reads the window and compressed entries, and writes this chunk's, nothing else.
+reads the window and compressed entries and writes this batch's, nothing else: on the paged
+pools with the Triton kernels (_kernels, all sequences at once), else per sequence in plain
+torch against the layer cache's interface (model/attention_torch.py; runtime/state.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from backfit.config import ModelConfig
-from backfit.runtime.batch import ForwardBatch, SeqSlice
+from backfit.runtime.batch import ForwardBatch
 from backfit.runtime.distributed import all_reduce, get_tp_info
 from backfit.runtime.kernels import get_kernel_backend, kernel_path
 from backfit.runtime.layers import (ColumnParallelLinear, FusedProjection, Linear, RMSNorm,
@@ -169,20 +170,8 @@ class Attention(nn.Module):
         if _paged(cache):
             return self._kernels(q, kv, pos, batch, cache, comp,
                                  None if self.indexer is None else (qI, wI, icomp))
-        o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        for s in batch.slices():
-            r = slice(s.lo, s.hi)
-            extra = None
-            if comp is not None:
-                entries = self.compressor.update(cache, s.index, "comp", comp[0][r], comp[1][r],
-                                                 s.start, q.dtype)
-                extra = (entries, None)
-                if self.indexer is not None:
-                    keys = self.indexer.compressor.update(cache, s.index, "index", icomp[0][r],
-                                                          icomp[1][r], s.start, q.dtype)
-                    extra = (entries, (qI[r], wI[r], keys))
-            o[r] = self._attend(q[r], kv[r], pos[r], s, cache, extra)
-        return o
+        from backfit.runtime.model.attention_torch import torch_core
+        return torch_core(self, pre, batch, cache)
 
     def _decode_step(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         """The paged decode step on the triton backend: the compressor update, the CSA indexer
@@ -393,58 +382,3 @@ class Attention(nn.Module):
     def _fused_prefill(q: torch.Tensor) -> bool:
         """A prefill / mixed batch's cache updates as batched kernels (compressor.FUSED_PREFILL)."""
         return compressor_mod.FUSED_PREFILL and q.dtype in (torch.bfloat16, torch.float32)
-
-    def _attend(self, q, kv, pos, s: SeqSlice, cache, extra) -> torch.Tensor:
-        """One sequence chunk: q [n, Hl, D], kv [n, D], pos [n] -> o [n, Hl, D] FP32.
-
-        Queries are processed q_chunk at a time so a long prefill never materialises
-        [n, H, n] scores: a query block only needs the window keys from its first position - W + 1.
-        """
-        W, n = self.window, s.n
-        lo = max(0, s.start - W + 1)                                  # oldest position still visible
-        prev, prev_pos = cache.window(s.index, s.start)               # [lo .. start-1]
-        keys = torch.cat((prev.to(kv.dtype), kv)).float()             # [Wn, D], positions lo ..
-        kpos = torch.cat((prev_pos, pos))
-        cache.write_window(s.index, pos, kv)                          # (after reading it above)
-        o = torch.empty(n, self.local_heads, keys.shape[1], dtype=torch.float32, device=kv.device)
-        for a in range(0, n, self.q_chunk):
-            b = min(n, a + self.q_chunk)
-            k0 = max(0, s.start + a - W + 1 - lo)                     # first key any row can see
-            k1 = s.start + b - lo                                     # one past the last row's own
-            ex = None
-            if extra is not None and extra[0].shape[0] > 0:
-                ex = (extra[0], None if extra[1] is None else
-                      (extra[1][0][a:b], extra[1][1][a:b], extra[1][2]))
-            o[a:b] = self._core(q[a:b].float(), keys[k0:k1], kpos[k0:k1], pos[a:b], ex)
-        return o
-
-    def _core(self, qf, keys, kpos, pos, extra) -> torch.Tensor:
-        """qf [n, Hl, D] FP32, window keys [Wn, D] at kpos, extra (entries, indexer inputs)."""
-        n, W = qf.shape[0], self.window
-        wmask = (kpos[None] <= pos[:, None]) & (kpos[None] > pos[:, None] - W)   # [n, Wn]
-        scores = [torch.einsum("nhd,kd->nhk", qf, keys) * self.scale]
-        masks = [wmask[:, None, :]]
-        comp = None
-        if extra is not None:
-            entries = extra[0].float()                                # [E, D] compressed KV
-            E = entries.shape[0]
-            valid = torch.arange(E, device=qf.device)[None] < ((pos + 1) // self.ratio)[:, None]
-            if extra[1] is None:                                      # HCA: all complete entries
-                scores.append(torch.einsum("nhd,ed->nhe", qf, entries) * self.scale)
-                masks.append(valid[:, None, :])
-                comp = ("nhe,ed->nhd", entries)
-            else:                                                     # CSA: indexer top-k
-                qI, wI, ikeys = extra[1]
-                sel, ok = self.indexer.select(qI, wI, ikeys, valid)  # [n, k]
-                picked = entries[sel]                                 # [n, k, D]
-                scores.append(torch.einsum("nhd,nkd->nhk", qf, picked) * self.scale)
-                masks.append(ok[:, None, :])
-                comp = ("nhk,nkd->nhd", picked)
-        s_all = torch.cat(scores, -1).masked_fill(~torch.cat(masks, -1), float("-inf"))
-        sink = self.attn_sink.view(1, -1, 1).expand(n, -1, 1)         # per-head logit, denominator only
-        p = torch.softmax(torch.cat((s_all, sink), -1), dim=-1)[..., :-1]   # [n, Hl, keys]
-        Wn = keys.shape[0]
-        o = torch.einsum("nhk,kd->nhd", p[..., :Wn], keys)
-        if comp is not None:
-            o = o + torch.einsum(comp[0], p[..., Wn:], comp[1])
-        return o
