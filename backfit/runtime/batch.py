@@ -126,6 +126,12 @@ class ForwardBatch:
         return to_device(self.last_rows_host(), torch.int64, self.tokens.device)
 
     @cached_property
+    def memo(self) -> dict:
+        """Tensors derived from this batch alone that every layer of one forward reuses (the
+        prefill attention's query blocks and int32 positions: kernels.attention_prefill)."""
+        return {}
+
+    @cached_property
     def token_seq_start(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token: its sequence's index in the batch and its chunk's first position, int32
         [T] each on the tokens' device; built once per batch (one copy, no host sync)."""

@@ -216,13 +216,16 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
                              sel: torch.Tensor | None = None, seq: torch.Tensor | None = None,
                              start: torch.Tensor | None = None, split: int | None = None,
                              config: dict | None = None,
-                             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                             out_dtype: torch.dtype = torch.float32,
+                             memo: dict | None = None) -> torch.Tensor:
     """attention.sparse_attention's arguments and result: q [T, H, D], kv [T, D] the chunks'
     own rows, pos/seq/start [T] (seq=None: one token per sequence), slots [NS], tables
     [NS, nblk], sel [T, k] -> o [T, H, D] FP32. split is accepted and ignored (no split-KV:
     prefill has queries enough); config overrides keys of prefill_config's tiles. out_dtype: o
     stored rounded to it (bf16: = the FP32 o .to(bf16), half the bytes; the inverse RoPE that
-    follows rounds its input so anyway, and then rotates only the last R lanes in place)."""
+    follows rounds its input so anyway, and then rotates only the last R lanes in place).
+    memo: a dict living as long as pos / seq / start (ForwardBatch.memo): the int32 positions
+    and the query blocks are made once there and reused by every layer with the same tile."""
     if q.dim() != 3 or kv.shape != (q.shape[0], q.shape[2]) or pos.shape != (q.shape[0],):
         raise ValueError(f"sparse_attention_prefill: q [T, H, D], kv [T, D], pos [T]; got "
                          f"{list(q.shape)}, {list(kv.shape)}, {list(pos.shape)}")
@@ -268,13 +271,18 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
         return o
     sm90 = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
     cfg = prefill_config(mode, H, config, sm90, D, int8)
-    pos = pos.to(dev, torch.int32).contiguous()
+    memo = {} if memo is None else memo
+    if "pos32" not in memo:
+        memo["pos32"] = pos.to(dev, torch.int32).contiguous()
+    pos = memo["pos32"]
     if seq is None:                                    # decode rows: each its own chunk
         seq = torch.arange(T, dtype=torch.int32, device=dev)
         start = pos
     seq, start = seq.to(dev, torch.int32).contiguous(), start.to(dev, torch.int32).contiguous()
     n_blk = min(T, triton.cdiv(T, cfg["BQ"]) + NS)     # each chunk adds <= one partial block
-    blocks = prefill_blocks(pos, start, cfg["BQ"], n_blk)
+    if ("blocks", cfg["BQ"], n_blk) not in memo:
+        memo["blocks", cfg["BQ"], n_blk] = prefill_blocks(pos, start, cfg["BQ"], n_blk)
+    blocks = memo["blocks", cfg["BQ"], n_blk]
     slots = slots.to(dev, torch.int32).contiguous()
     dummy = ring_scale if int8 else sink
     DP = triton.next_power_of_2(D)

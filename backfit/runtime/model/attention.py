@@ -47,6 +47,9 @@ WO_A_GEMV = True
 # +39.2 us with the norm from the one loaded K tile in each of wq_b's 1,024 programs (the cross-warp
 # Σx² on every program's path; that form is deleted), +51.6 us with the first pass (the form kept)
 Q_NORM_IN_WQ_B = (2,)
+# Prefill / mixed batches on the triton path: the prefill attention's int32 positions and query
+# blocks made once a forward (ForwardBatch.memo) and reused by every layer; False: every layer.
+PREFILL_MEMO = True
 
 
 def _paged(cache) -> bool:
@@ -365,11 +368,13 @@ class Attention(nn.Module):
                 cache.write_window_tokens(pos, kv)                    # after the kernel read it
         else:
             from backfit.runtime.kernels.attention_prefill import sparse_attention_prefill
+            memo = batch.memo if PREFILL_MEMO else None
             if q.dtype == torch.float32:                              # post de-rotates
-                o = sparse_attention_prefill(*args, seq=seq, start=start)   # query-blocked
+                o = sparse_attention_prefill(*args, seq=seq, start=start, memo=memo)
             else:              # stored in q.dtype, de-rotated in place (its last R lanes only)
                 from backfit.runtime.kernels.rope_norm import rope
-                o = rope(sparse_attention_prefill(*args, seq=seq, start=start, out_dtype=q.dtype),
+                o = rope(sparse_attention_prefill(*args, seq=seq, start=start, out_dtype=q.dtype,
+                                                  memo=memo),
                          pos, self.rope.inv_freq, self.rope.rope_dim, inverse=True, inplace=True)
             if self._fused_prefill(q):
                 cache.write_window_chunk(pos, kv)

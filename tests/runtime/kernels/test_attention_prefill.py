@@ -198,6 +198,23 @@ def test_blocks_list(pre):
     assert got == [0, 2, 4, 5, 6, 8, -1, -1]
 
 
+def test_memo_reuses_positions_and_blocks(pre):
+    """memo (ForwardBatch.memo): the first call makes the int32 positions and the block list,
+    a second call (another mode and tile, as the next layer) reuses the positions, makes its own
+    blocks for its own tile; outputs equal the calls without a memo bit for bit."""
+    memo = {}
+    with one_thread():
+        for mode, cfg in (("hca", dict(BQ=4, BH=8, BN=16)), ("window", dict(BQ=8, BH=8, BN=16))):
+            c = case(3, mode, False)
+            want = pre.sparse_attention_prefill(**c, config=cfg)
+            pos32 = memo.get("pos32")
+            got = pre.sparse_attention_prefill(**c, config=cfg, memo=memo)
+            assert torch.equal(got, want), mode
+            if pos32 is not None:
+                assert memo["pos32"] is pos32                        # made once, reused
+    assert sorted(k[1] for k in memo if k != "pos32") == [4, 8]
+
+
 def test_bad_inputs(pre):
     c = case(9, "csa", False)
     with pytest.raises(ValueError, match="mode"):
