@@ -18,7 +18,6 @@ D-vector (symmetric, round to nearest), dequantized on read; indexer keys and ro
 from __future__ import annotations
 
 import math
-from itertools import accumulate
 
 import torch
 
@@ -206,8 +205,8 @@ class _PagedLayer:
         one store launch; else per sequence)."""
         ring = self.pool.ring
         if not _kernels(kv):
-            for i, s in enumerate(self.bound.spans()):
-                self.write_window(i, pos[s], kv[s])
+            for s in self.bound.batch.slices():
+                self.write_window(s.index, pos[s.lo:s.hi], kv[s.lo:s.hi])
             return
         from backfit.runtime.kernels.cache_ops import store_decode
         rows, rpos, rslots = self.chunk_rows(ring.data.shape[1])
@@ -252,14 +251,14 @@ class _BoundPaged:
         int32 and tables [B, nblk] int32 (a CUDA-graph decode step: the kernel path only)."""
         self.cache, self._device = cache, device_tables
         if batch is None:
-            self.slots = self.tables = self._host_tables = self._lens = self._starts = None
+            self.slots = self.tables = self._host_tables = self.batch = None
             return
         if batch.slots is None or batch.block_tables is None:
             raise ValueError("a PagedCache batch needs slots and block tables")
         self.slots = list(batch.slots)
         self.tables = [to_device(t, torch.int64, cache.device) for t in batch.block_tables]
         self._host_tables = batch.block_tables
-        self._lens, self._starts, self._rows = batch.seq_lens, batch.starts, {}
+        self.batch, self._rows = batch, {}          # the row lists of the prefill kernels
 
     def bind(self, batch: ForwardBatch) -> "_BoundPaged":
         """An already bound cache binds to itself (Transformer.hidden calls bind)."""
@@ -274,20 +273,15 @@ class _BoundPaged:
                             to_device(rows, torch.int32, self.cache.device))
         return self._device
 
-    def spans(self) -> list[slice]:
-        """Each sequence's rows of the flattened batch."""
-        ends = list(accumulate(self._lens))
-        return [slice(e - n, e) for e, n in zip(ends, self._lens)]
-
     def chunk_rows(self, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """_PagedLayer.chunk_rows, built once per R (host lists, one copy; no sync)."""
         if ("ring", R) not in self._rows:
             rows, rpos, rslots = [], [], []
-            for s, start, slot in zip(self.spans(), self._starts, self.slots):
-                keep = range(max(s.start, s.stop - R), s.stop)
+            for s in self.batch.slices():
+                keep = range(max(s.lo, s.hi - R), s.hi)
                 rows += keep
-                rpos += (start + t - s.start for t in keep)
-                rslots += [slot] * len(keep)
+                rpos += (s.start + t - s.lo for t in keep)
+                rslots += [self.slots[s.index]] * len(keep)
             both = to_device([rows, rpos, rslots], torch.int32, self.cache.device)
             self._rows["ring", R] = (both[0], both[1], both[2])
         return self._rows["ring", R]
@@ -297,12 +291,13 @@ class _BoundPaged:
         the torch path's IndexError."""
         if ("entry", m) not in self._rows:
             rows = []
-            for s, start, table in zip(self.spans(), self._starts, self._host_tables):
-                j0, j1 = start // m, (start + s.stop - s.start) // m
+            for s in self.batch.slices():
+                table = self._host_tables[s.index]
+                j0, j1 = s.start // m, (s.start + s.n) // m
                 if j1 > j0 and (j1 - 1) // per_block >= len(table):
                     raise IndexError(f"entry {j1 - 1} needs block {(j1 - 1) // per_block} of "
                                      f"a sequence with {len(table)} blocks")
-                rows += (s.start + (j + 1) * m - 1 - start for j in range(j0, j1))
+                rows += (s.lo + (j + 1) * m - 1 - s.start for j in range(j0, j1))
             self._rows["entry", m] = to_device(rows, torch.int32, self.cache.device)
         return self._rows["entry", m]
 

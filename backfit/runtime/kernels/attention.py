@@ -258,7 +258,7 @@ def decode_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode="wi
     entries [NB, PB, D] (+ entry_scale), tables [B, nblk] int, ratio; csa: sel [B, k] (-1 unused).
     -> o [B, H, D] FP32 (the torch path's attend output). out_rope = (inv_freq FP64 [r/2], r,
     dtype): o de-rotated by its position and rounded to dtype instead, = rope_norm.rope(o, pos,
-    inv_freq, r, inverse=True, out_dtype=dtype) (Attention._output's first step); with split KV
+    inv_freq, r, inverse=True, out_dtype=dtype) (Attention.post's first step); with split KV
     it runs inside the merge launch (one launch fewer), else as that rope launch."""
     return sparse_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode, entries,
                             entry_scale, tables, ratio, sel, split=split, out_rope=out_rope)
