@@ -7,11 +7,13 @@ lent GPU, each config's time and error against the default config's output:
 M = 32, 64 (batch-32/64 decode, CUDA-graph timed, % of copy bandwidth for the distinct experts'
 bytes) and M = 256 ... 8192 (prefill, CUDA events, TFLOP/s); configs (BM, BN, BK, warps, stages
 [, DEQ]). The session-8 figures in kernels.moe._sorted_config come from the first version of this
-sweep (M = 2048 and 8192, DEQ 0 only). --proj up / down: vary only the gate/up launch's tile
+sweep (M = 2048 and 8192, DEQ 0 only); candidates without DEQ take the default's (DEQ 2 since
+session 21). --proj up / down: vary only the gate/up launch's tile
 (the down launch keeps the default's BN, BK, warps, stages) or only the down launch's ("down"
 dict of the config; BM stays the default's, the alignment both launches share): the two can
 then be picked apart. --tp-shard N: the experts one TP-N rank holds (intermediate 2048 / N);
---experts mx4: the mx4_e2m1 stacks (kernels.moe_mx4's sorted kernel, no DEQ).
+--experts mx4: the mx4_e2m1 stacks (kernels.moe_mx4's sorted kernel, no DEQ). --deq 0,2: only
+the default tiles, once per dequantization (kernels.moe._moe_sorted_kernel's DEQ, both launches).
 Prefill rows also print the bandwidth for the distinct experts' bytes (every expert is hit from
 M ~ 256 on, and the small-M prefill of a TP-4 rank streams them all).
 """
@@ -56,12 +58,13 @@ def config(c, proj: str = "both", M: int = 0) -> dict | None:
     if c is None:
         return None
     if proj != "both":                   # one launch's tile, the other keeps the default
-        t = dict(BN=c[0], BK=c[1], num_warps=c[2], num_stages=c[3], DEQ=c[4] if len(c) > 4 else 0)
+        t = dict(BN=c[0], BK=c[1], num_warps=c[2], num_stages=c[3],
+                 DEQ=c[4] if len(c) > 4 else moe.SORTED_DEQ)
         if proj == "down":
             return dict(down=t)
         base = moe._sorted_pair(M * K, None)[1]                  # the default down tile
         return dict(t, down=dict({k: base[k] for k in ("BN", "BK", "num_warps", "num_stages")},
-                                 DEQ=base.get("DEQ", 0)))
+                                 DEQ=base["DEQ"]))
     cfg = dict(BM=c[0], BN=c[1], BK=c[2], num_warps=c[3], num_stages=c[4])
     if len(c) > 5:
         cfg["DEQ"] = c[5]
@@ -75,6 +78,7 @@ def main() -> None:
     ap.add_argument("--tp-shard", type=int, default=1, help="intermediate 2048 / N")
     ap.add_argument("--experts", choices=("int8", "mx4"), default="int8",
                     help="mx4: mx4_e2m1 stacks (kernels.moe_mx4; configs without DEQ)")
+    ap.add_argument("--deq", help="comma list: the default tiles with each DEQ (int8 only)")
     ap.add_argument("--out", help="JSON of every row")
     a = ap.parse_args()
     global I
@@ -94,12 +98,14 @@ def main() -> None:
         cands = SMALL if M <= 64 else LARGE if a.proj == "both" else PROJ
         if 64 < M <= 1024 and a.proj == "both":
             cands = LARGE + [c for c in SMALL + MID if c and c not in LARGE]
+        if a.deq:
+            cands = [("DEQ", int(d)) for d in a.deq.split(",")]
         for c in cands:
-            if c and M <= 1024 and a.proj == "both" and c[0] > 64:
+            if c and c[0] != "DEQ" and M <= 1024 and a.proj == "both" and c[0] > 64:
                 continue
             if c and a.experts == "mx4" and (len(c) > 5 or a.proj != "both"):
                 continue                                            # DEQ: int8 only
-            cfg = config(c, a.proj, M)
+            cfg = dict(DEQ=c[1]) if c and c[0] == "DEQ" else config(c, a.proj, M)
             fn = lambda cfg=cfg: moe.fused_moe(x, idx, w, *st, 10.0, path="sorted",  # noqa: E731
                                                config=cfg)
             try:

@@ -27,23 +27,27 @@ import triton.language as tl
 
 from backfit.formats import MX_GROUP
 from backfit.runtime.kernels.gemm import dot_bf16, interpreted
-from backfit.runtime.kernels.moe_decode import _dequant_mx, _moe_gemv_group_kernel, \
-    _moe_gemv_kernel, _pow2_mx, _swiglu
+from backfit.runtime.kernels.moe_decode import _dequant_bf16, _dequant_mx, \
+    _moe_gemv_group_kernel, _moe_gemv_kernel, _pow2_mx, _swiglu
 
 __all__ = ["DECODE_PAIRS", "DECODE_TABLE", "DECODE_VARIANTS", "align", "fused_moe",
            "stack_experts"]
 
 DECODE_PAIRS = 64        # up to this many (token, expert) pairs: per-pair GEMV path
 MX_BIAS = 128            # int8_mx32 exponent bias (2·e2m1 absorbs one factor 2)
+SORTED_DEQ = 2           # the sorted kernel's dequantization (_moe_sorted_kernel's DEQ)
 
 
 @triton.jit
 def _sorted_tile(q, S, s_off, k0, rk, rg, n_ok, BN: tl.constexpr, BK: tl.constexpr,
-                 DEQ: tl.constexpr):
-    """int8 codes q [BN, BK] at K offset k0 -> BF16 q·2^(e-128) (exact), exponents from S."""
-    if DEQ == 0:
+                 DEQ: tl.constexpr, F32: tl.constexpr):
+    """int8 codes q [BN, BK] at K offset k0 -> BF16 q·2^(e-128) (exact), exponents from S
+    (DEQ: see _moe_sorted_kernel; F32: the interpreter, which has no inline PTX)."""
+    if DEQ != 1:
         s = tl.load(S + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
-        return _dequant_mx(q, s, BN, BK).to(tl.bfloat16)
+        if DEQ == 0:
+            return _dequant_mx(q, s, BN, BK).to(tl.bfloat16)
+        return _dequant_bf16(q, s, BN, BK, F32)
     s = tl.load(S + s_off + (k0 + rk[None, :]) // 32, mask=n_ok[:, None], other=0)   # [BN, BK]
     return (q.to(tl.float32) * _pow2_mx(s)).to(tl.bfloat16)
 
@@ -54,9 +58,11 @@ def _moe_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        DEQ: tl.constexpr = 0):
     """Block b (BM slots of one expert) x rows [pid_n·BN, +BN). GATED: x rows by pair // k ->
-    h [slots, N] at the slot; else h rows by slot -> out [P, N] at the pair. DEQ 0: exponents
-    [BN, BK/32] broadcast by a reshape; 1: loaded per weight [BN, BK] (repeated addresses, L1
-    hits) and turned into 2^(e-128) with integer ops, no reshape (same values)."""
+    h [slots, N] at the slot; else h rows by slot -> out [P, N] at the pair. DEQ (the same BF16
+    weights, bit for bit): 0, codes to FP32 (I2F), exponents [BN, BK/32] broadcast by a reshape;
+    1, exponents loaded per weight [BN, BK] (repeated addresses, L1 hits) and turned into
+    2^(e-128) with integer ops, no reshape; 2 (the default, SORTED_DEQ), no int -> float
+    conversion: _dequant_bf16's BF16 bit trick, 4 codes a step in PTX."""
     b, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(BLOCK_E + b)
     if e >= E:
@@ -79,12 +85,12 @@ def _moe_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
         a = tl.load(A + arow[:, None].to(tl.int64) * K + k0 + rk[None, :], mask=valid[:, None],
                     other=0.0)
         q = tl.load(W1 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
-        acc1 = dot_bf16(a, tl.trans(_sorted_tile(q, S1, s_off, k0, rk, rg, n_ok, BN, BK, DEQ)),
-                        acc1, F32)
+        acc1 = dot_bf16(a, tl.trans(_sorted_tile(q, S1, s_off, k0, rk, rg, n_ok, BN, BK, DEQ,
+                                                 F32)), acc1, F32)
         if GATED:
             q = tl.load(W3 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
             acc3 = dot_bf16(a, tl.trans(_sorted_tile(q, S3, s_off, k0, rk, rg, n_ok, BN, BK,
-                                                     DEQ)), acc3, F32)
+                                                     DEQ, F32)), acc3, F32)
     mask = valid[:, None] & n_ok[None, :]
     if GATED:
         wr = tl.load(RW + pair, mask=valid, other=0.0)
@@ -187,22 +193,28 @@ def _launch_decode(kernels: dict, grid_p: int, N: int, K: int, cfg: dict, args: 
 
 def _sorted_config(P: int, down: bool = True) -> dict:
     """Tiles of the sorted path for P pairs ("down": the down launch's own BN / stages; down
-    False: without it, the mx4 scheme, whose tiles were not swept). H200, session 8
+    False: without it and without DEQ, the mx4 scheme, whose tiles were not swept). H200,
+    session 8
     (.whl/moe_prefill.py, events): T = 2048 (P = 12288) 7.07 ms -> 5.42 with BM 64 x BN 128,
     4 stages; T = 8192 (P = 49152) 14.9 -> 12.8 ms with BM 256 x BN 64, 8 warps (it loses at
     T = 2048: 10.6 ms). Session 9 (scripts/sweep_moe_sorted.py --m 8192 --proj up / down, one
     layer, ms): down BN 128 x BK 64, 8 warps, 3 stages 11.3 (BN 64: 12.9, 4 stages 11.8, BN
     256 24); gate/up stays (3 stages 12.4-12.6; 4 stages 12.2 needs 128 KB of shared memory on
-    sm_80, past the 99 KB that keeps two blocks an SM; BN 128 13.6-19.6)."""
+    sm_80, past the 99 KB that keeps two blocks an SM; BN 128 13.6-19.6). Session 21: DEQ 2
+    (int8 only: down True) at every P (one layer, sweep_moe_sorted.py --deq: tp 1 M = 64 2.15
+    -> 1.63 ms, M = 8192 11.2-11.8 -> 10.5-10.7; a TP-4 rank's M = 2048 -7 to -9 %; its M = 512
+    within the noise of DEQ 0, docs/PERFORMANCE.md)."""
     if P <= 1024:
-        return dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3)
-    if P <= 8192:
-        return dict(BM=32, BN=128, BK=64, num_warps=4, num_stages=3)
-    if P <= 32768:
-        return dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4)
+        cfg = dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3)
+    elif P <= 8192:
+        cfg = dict(BM=32, BN=128, BK=64, num_warps=4, num_stages=3)
+    elif P <= 32768:
+        cfg = dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4)
+    else:
+        cfg = dict(BM=256, BN=64, BK=64, num_warps=8, num_stages=3)
     if not down:
-        return dict(BM=256, BN=64, BK=64, num_warps=8, num_stages=3)
-    return dict(BM=256, BN=64, BK=64, num_warps=8, num_stages=3, down=dict(BN=128))
+        return cfg
+    return dict(cfg, DEQ=SORTED_DEQ, **(dict(down=dict(BN=128)) if P > 32768 else {}))
 
 
 def _sorted_pair(P: int, config: dict | None, down: bool = True) -> tuple[dict, dict]:

@@ -1,6 +1,7 @@
 """The decode GEMVs of the int8_mx32 fused MoE (kernels.moe; the math is in its docstring): one
 program per (pair, BN output rows) for up to DECODE_PAIRS pairs, and the int8_mx32 helpers the
-sorted kernel shares (_dequant_mx, _pow2_mx, _swiglu; _swiglu also serves kernels.moe_mx4).
+sorted kernel shares (_dequant_mx, _dequant_bf16, _pow2_mx, _swiglu; _swiglu also serves
+kernels.moe_mx4).
 """
 
 from __future__ import annotations
@@ -13,9 +14,50 @@ __all__: list[str] = []
 
 @triton.jit
 def _dequant_mx(q, e, BN: tl.constexpr, BK: tl.constexpr):
-    """q int8 [BN, BK], e uint8 [BN, BK/32] -> q·2^(e-128) as FP32 [BN, BK]."""
-    s = tl.exp2(e.to(tl.float32) - 128.0)                                     # [BN, BK/32]
+    """q int8 [BN, BK], e uint8 [BN, BK/32] -> q·2^(e-128) as FP32 [BN, BK]. The scale from
+    bits (_pow2_mx): tl.exp2 flushed 2^-128 and 2^-127 (bytes 0, 1) to 0 on the H200."""
+    s = _pow2_mx(e)                                                            # [BN, BK/32]
     w = tl.reshape(q.to(tl.float32), (BN, BK // 32, 32)) * s[:, :, None]
+    return tl.reshape(w, (BN, BK))
+
+
+_BF16_192 = tl.constexpr(0x4340)     # BF16 bits of 192: + q (|q| <= 63) = the bits of 192 + q
+
+# _dequant_bf16's PTX, per 4 codes (one 32-bit register $4, byte i = code i): each byte to q + 64
+# (xor 0x80 = q + 128 without borrows, minus 64), two prmt put bytes 0,1 / 2,3 under the BF16
+# high byte 0x43 (= 192 + q, two lanes each), then per lane pair fma.rn.bf16x2 (x·1 - 192 = q,
+# then q·s - 0 = q·2^(e-128); both exact). $2, $3: the pairs' scales [s, s] (one 32-group).
+_DEQ_ASM = tl.constexpr(
+    "{ .reg .b32 t, one, off, nz;"
+    " mov.b32 one, 0x3F803F80; mov.b32 off, 0xC340C340; mov.b32 nz, 0x80008000;"
+    " xor.b32 t, $4, 0x80808080; sub.u32 t, t, 0x40404040;"
+    " prmt.b32 $0, t, 0x43434343, 0x5140; prmt.b32 $1, t, 0x43434343, 0x7362;"
+    " fma.rn.bf16x2 $0, $0, one, off; fma.rn.bf16x2 $1, $1, one, off;"
+    " fma.rn.bf16x2 $0, $0, $2, nz; fma.rn.bf16x2 $1, $1, $3, nz; }")
+
+
+@triton.jit
+def _dequant_bf16(q, e, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """q int8 [BN, BK] (|q| <= 63; the format's codes are <= 12), e uint8 [BN, BK/32] -> BF16
+    q·2^(e-128), exact, without an int -> float conversion: 192 + q as BF16 bits (an integer
+    add a weight), minus 192 and times the group's 2^(e-128) in BF16 (fma.rn.bf16 on sm_80;
+    both steps exact: q and q·2^(e-128) are BF16 values wherever the latter is finite). The
+    I2F + F2F of _dequant_mx run at a quarter of the FP32 rate and bound the sorted kernel
+    where an expert has few rows (each weight is dequantized for few MMA rows). 4 codes a step
+    in PTX (_DEQ_ASM: 2.5 instructions a weight, BF16 pairs; the same steps as Triton BF16 ops
+    compile to scalar fma.rn.bf16, and ran 11 % slower at batch-64 decode on the H200). F32
+    (the interpreter: no inline PTX, and its BF16 arithmetic on bitcast values is wrong): the
+    same bits widened to FP32 and the same two exact steps there."""
+    s = _pow2_mx(e)                                                            # [BN, BK/32]
+    q = tl.reshape(q, (BN, BK // 32, 32))
+    if F32:
+        bits = q.to(tl.int32) + _BF16_192                                      # 192 + q
+        w192 = (bits << 16).to(tl.float32, bitcast=True)
+        w = ((w192 - 192.0) * s[:, :, None]).to(tl.bfloat16)
+    else:
+        sb = tl.broadcast_to(s.to(tl.bfloat16)[:, :, None], (BN, BK // 32, 32))
+        w = tl.inline_asm_elementwise(_DEQ_ASM, "=r,=r,r,r,r", [sb, q], dtype=tl.bfloat16,
+                                      is_pure=True, pack=4)
     return tl.reshape(w, (BN, BK))
 
 
@@ -106,7 +148,7 @@ def _acc_tile(acc, q, s, a, MODE: tl.constexpr):
     """acc + one tile: q int8/int32 codes [BN, G, 32], s exponent bytes [BN, G], a FP32 [1, G, 32];
     acc [BN, G] group sums (MODE 0, 1) or [BN, G, 32] per-element FMAs (MODE 2)."""
     if MODE == 0:
-        acc += tl.sum(q.to(tl.float32) * a, axis=2) * tl.exp2(s.to(tl.float32) - 128.0)
+        acc += tl.sum(q.to(tl.float32) * a, axis=2) * _pow2_mx(s)
     else:
         qf = (q.to(tl.int32) + _MAGIC_I).to(tl.float32, bitcast=True)          # 1.5·2^23 + q
         if MODE == 1:

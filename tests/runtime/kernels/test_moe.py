@@ -60,8 +60,10 @@ def test_fused_moe_matches_reference(kmoe, path, sizes):
 
 
 def test_sorted_dequant_modes_agree(kmoe):
-    """The sorted kernel's two exponent layouts (DEQ 0: reshape broadcast, 1: per-weight loads
-    and integer 2^(e-128)) compute the same BF16 weights: equal outputs, bit for bit."""
+    """The sorted kernel's dequantizations (DEQ 0: FP32 convert, exponents by a reshape
+    broadcast; 1: per-weight exponent loads and integer 2^(e-128); 2, the default: 192 + q as
+    BF16 bits, then BF16 FMAs in PTX, 4 codes a step — the interpreter runs the same steps in
+    FP32) compute the same BF16 weights: equal outputs, bit for bit."""
     E, D, I, k = 8, 128, 64, 6
     st, gen = experts(E, D, I, seed=5)
     with one_thread():
@@ -69,9 +71,11 @@ def test_sorted_dequant_modes_agree(kmoe):
             x = (torch.randn(T, D, generator=gen) * 2).bfloat16().to(DEV)
             idx, w = routing(T, k, E, gen)
             cfg = dict(BM=16, BN=32, BK=64)
-            y0 = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="sorted", config=cfg)
+            y0 = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="sorted", config=dict(cfg, DEQ=0))
             y1 = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="sorted", config=dict(cfg, DEQ=1))
             assert torch.equal(y0, y1), T
+            y = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="sorted", config=dict(cfg, DEQ=2))
+            assert torch.equal(y0, y), T
             assert rel(y1, ref.moe_routed_ref(x, idx, w, *st, LIMIT)) < TOL
             # the down launch's own tile ("down": BN, warps; BK and the K order kept): same bits
             y2 = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="sorted",
@@ -101,43 +105,68 @@ def test_decode_variants_match_reference(kmoe, variant):
             assert rel(y, want) < TOL, (variant, T, cfg)
 
 
+# every int8 code (the 16 2·e2m1 values) and 8 exponent bytes, incl. 0 and 1 (subnormal scales
+# 2^-128, 2^-127) and up to 231 (the decode fma variant's range: (1.5·2^23 + q)·2^(e-128) must
+# stay finite): two experts [2, N, K] of codes and [2, N, K/32] of bytes
+_VALS = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
+_EXPS = torch.tensor([0, 1, 2, 64, 118, 128, 140, 231], dtype=torch.uint8)
+
+
+def _code_grid(N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, c, g = torch.arange(N)[:, None], torch.arange(K)[None, :], torch.arange(K // 32)[None, :]
+    q = torch.stack((_VALS[(n + c) % 16], _VALS[(n + 3 * c) % 16]))
+    s = torch.stack((_EXPS[(n + g) % 8], _EXPS[(2 * n + g + 1) % 8]))
+    return q.to(DEV), s.to(DEV)
+
+
+def _read_back_check(out, q, s, e_of):
+    """out [K, N] = W[e_of[p]][:, p] (slot p's one-hot row) -> bit for bit q·2^(e-128) (float64,
+    exact). The interpreter flushes subnormal BF16 casts: there bytes 0, 1 are skipped; on the
+    GPU they are compared (tl.exp2 flushed them to 0 there until session 22: _pow2_mx now)."""
+    K = out.shape[0]
+    col = torch.arange(K, device=out.device)
+    exp = s[e_of, :, col // 32]                                                  # [K, N] bytes
+    want = q[e_of, :, col].double() * torch.exp2(exp.double() - 128)
+    assert ((exp < 2) & (want != 0)).any() and (want.abs() == 12 * 2.0 ** 103).any()
+    got = out.double()
+    if INTERPRET:
+        got, want = got[exp >= 2], want[exp >= 2]
+    assert torch.equal(got, want), (got != want).nonzero()[:5].tolist()
+
+
 @pytest.mark.parametrize("variant", ["base", "group", "magic", "fma", "prefetch"])
 def test_decode_variants_read_every_code_and_exponent_exactly(kmoe, variant):
-    """One-hot rows through the down-projection launch read W[ids[p]][:, p] back: every int8
-    code (the 16 2·e2m1 values) under 8 exponents up to 231 (fma's range: (1.5·2^23 + q)·2^(e-128)
-    must stay finite), bit for bit against kernels.ref's dequant. Exponents 0, 1 give subnormal
-    values (2^-128, 2^-127), which are not compared (below)."""
+    """One-hot rows through the decode down-projection launch read W[ids[p]][:, p] back: every
+    code under every exponent of _code_grid, bit for bit."""
     N, K = 16, 256
-    vals = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
-    exps = torch.tensor([0, 1, 2, 64, 118, 128, 140, 231], dtype=torch.uint8)   # fma: <= 231
-    n, c = torch.arange(N)[:, None], torch.arange(K)[None, :]
-    q = torch.stack((vals[(n + c) % 16], vals[(n + 3 * c) % 16])).to(DEV)       # [2, N, K]
-    g = torch.arange(K // 32)[None, :]
-    s = torch.stack((exps[(n + g) % 8], exps[(2 * n + g + 1) % 8])).to(DEV)     # [2, N, K/32]
+    q, s = _code_grid(N, K)
     ids = (torch.arange(K) % 2).to(torch.int32).to(DEV)
     eye = torch.eye(K, dtype=torch.bfloat16, device=DEV)
-    out = torch.empty(K, N, dtype=torch.bfloat16, device=DEV)
+    out = torch.full((K, N), float("nan"), dtype=torch.bfloat16, device=DEV)
     one = torch.ones(K, dtype=torch.float32, device=DEV)
     with one_thread():
         kmoe._launch_decode(kmoe._GEMV, K, N, K, dict(variant=variant, BN=16, BK=128,
                             num_warps=4, num_stages=2), (eye, ids, one, q, s, q, s, out, N, K, 1),
                             GATED=False, LIMIT=0.0)
-        want = torch.stack([ref.dequant_ref(q[e], s[e], "int8_mx32", torch.float32)
-                            for e in (0, 1)])                                   # [2, N, K]
-    want = want[ids.long(), :, torch.arange(K, device=DEV)]                     # [K, N]
-    got = out.float()
-    e = s[ids.long(), :, torch.arange(K, device=DEV) // 32]                      # [K, N] bytes
-    sub = (e < 2) & (want != 0)
-    assert sub.any() and (want.abs() == 12 * 2.0 ** 103).any()
-    # exponent bytes 0-1 (subnormal scales 2^-128, 2^-127) are not compared: the interpreter's
-    # bf16 cast truncates subnormal results, and on the H200 (2026-12-01) torch's CUDA dequant
-    # of the reference itself is off by FP32 ulps there (1.7632411e-38 for 1.5·2^-126, which
-    # is why the round trip below failed on the device). Real expert scales sit near 2^-7.
-    got, want = torch.where(sub, 0.0, got), torch.where(sub, 0.0, want)
-    trip = want.to(torch.bfloat16).float()                                      # exact in bf16
-    assert trip.equal(want), [(w, t) for w, t in zip(want[trip != want][:6].tolist(),
-                                                    trip[trip != want][:6].tolist())]
-    assert torch.equal(got, want), (got != want).nonzero()[:5].tolist()
+    _read_back_check(out, q, s, ids.long())
+
+
+@pytest.mark.parametrize("deq", [0, 1, 2])
+def test_sorted_dequant_reads_every_code_and_exponent_exactly(kmoe, deq):
+    """The same read through the sorted down launch (block b of BM slots: expert b % 2; slot p's
+    row is e_p), for each dequantization (DEQ 2: its PTX on a GPU)."""
+    N, K, BM = 16, 256, 16
+    q, s = _code_grid(N, K)
+    block_e = (torch.arange(K // BM) % 2).to(torch.int32).to(DEV)
+    slots = torch.arange(K, dtype=torch.int32, device=DEV)                     # pair p at slot p
+    eye = torch.eye(K, dtype=torch.bfloat16, device=DEV)
+    out = torch.full((K, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+    one = torch.ones(K, dtype=torch.float32, device=DEV)
+    with one_thread():
+        kmoe._moe_sorted_kernel[(K // BM, 1)](eye, slots, block_e, one, q, s, q, s, out, N, K, 1,
+                                              K, 2, GATED=False, LIMIT=0.0, F32=INTERPRET,
+                                              BM=BM, BN=N, BK=64, DEQ=deq)
+    _read_back_check(out, q, s, (slots.long() // BM) % 2)
 
 
 def test_swiglu_clamps_bite_and_match(kmoe):

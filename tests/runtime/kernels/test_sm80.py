@@ -34,7 +34,9 @@ def _compile(fn, types: dict, constexprs: dict, opts: dict, div16: tuple = ()) -
                 shared=c.metadata.shared, cubin=len(c.asm["cubin"]),
                 mma=sorted(set(re.findall(r"mma\.sync\.aligned\.[\w.]+", ptx))),
                 fp8=bool(re.search(r"e4m3|e5m2|e2m1", ptx)),
-                fma_f32=bool(re.search(r"fma\.rn\.f32", ptx)))
+                fma_f32=bool(re.search(r"fma\.rn\.f32", ptx)),
+                fma_bf16x2=bool(re.search(r"fma\.rn\.bf16x2", ptx)),
+                i2f=bool(re.search(r"cvt\.rn\.f32\.s(8|16|32)", ptx)))
 
 
 def compile_in_subprocess(script: str) -> list[dict]:
@@ -112,6 +114,8 @@ def test_every_kernel_config_compiles_for_sm80_within_shared_memory():
             assert r["mma"] == ["mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32"], name
         else:
             assert r["mma"] == [], name                              # GEMV / quantizer: CUDA cores
+        if r["kernel"] == "_moe_sorted_kernel":       # DEQ 2: BF16 bit trick, no int -> float
+            assert r["config"]["DEQ"] == 2 and r["fma_bf16x2"] and not r["i2f"], name
     # A [BM, 128] and W [BN, 128] INT8 tiles per stage; >= 2 buffers means cp.async pipelining
     for r in (r for r in results if r["kernel"] == "_w8a8_kernel"):
         tile = (r["config"]["BM"] + r["config"]["BN"]) * 128
