@@ -159,7 +159,7 @@ def profile_targets():
     from backfit.runtime import layers
     from backfit.runtime.model import attention, compressor, moe, transformer
     return [(transformer.Block, "forward", "block"), (attention.Attention, "forward", "attn"),
-            (attention.Attention, "_attend", "attn.core"),
+            (attention.Attention, "core", "attn.core"),
             (compressor.Compressor, "project", "attn.compressor"),
             (compressor.Compressor, "update", "attn.compressor"),
             (compressor.Indexer, "queries", "attn.indexer"),
