@@ -12,7 +12,7 @@ session 21). --proj up / down: vary only the gate/up launch's tile
 (the down launch keeps the default's BN, BK, warps, stages) or only the down launch's ("down"
 dict of the config; BM stays the default's, the alignment both launches share): the two can
 then be picked apart. --tp-shard N: the experts one TP-N rank holds (intermediate 2048 / N);
---experts mx4: the mx4_e2m1 stacks (kernels.moe_mx4's sorted kernel, no DEQ). --deq 0,2: only
+--experts mx4: the mx4_e2m1 stacks (kernels.moe_mx4's sorted kernel: DEQ 0 or 2, no 1). --deq 0,2: only
 the default tiles, once per dequantization (kernels.moe._moe_sorted_kernel's DEQ, both launches).
 Prefill rows also print the bandwidth for the distinct experts' bytes (every expert is hit from
 M ~ 256 on, and the small-M prefill of a TP-4 rank streams them all).
@@ -77,8 +77,8 @@ def main() -> None:
     ap.add_argument("--proj", default="both", choices=("both", "up", "down"))
     ap.add_argument("--tp-shard", type=int, default=1, help="intermediate 2048 / N")
     ap.add_argument("--experts", choices=("int8", "mx4"), default="int8",
-                    help="mx4: mx4_e2m1 stacks (kernels.moe_mx4; configs without DEQ)")
-    ap.add_argument("--deq", help="comma list: the default tiles with each DEQ (int8 only)")
+                    help="mx4: mx4_e2m1 stacks (kernels.moe_mx4; DEQ 0, 2)")
+    ap.add_argument("--deq", help="comma list: the default tiles with each DEQ")
     ap.add_argument("--out", help="JSON of every row")
     a = ap.parse_args()
     global I
@@ -103,8 +103,8 @@ def main() -> None:
         for c in cands:
             if c and c[0] != "DEQ" and M <= 1024 and a.proj == "both" and c[0] > 64:
                 continue
-            if c and a.experts == "mx4" and (len(c) > 5 or a.proj != "both"):
-                continue                                            # DEQ: int8 only
+            if c and c[0] != "DEQ" and a.experts == "mx4" and (len(c) > 5 or a.proj != "both"):
+                continue                                            # DEQ 1: int8 only
             cfg = dict(DEQ=c[1]) if c and c[0] == "DEQ" else config(c, a.proj, M)
             fn = lambda cfg=cfg: moe.fused_moe(x, idx, w, *st, 10.0, path="sorted",  # noqa: E731
                                                config=cfg)

@@ -35,7 +35,7 @@ __all__ = ["DECODE_PAIRS", "DECODE_TABLE", "DECODE_VARIANTS", "align", "fused_mo
 
 DECODE_PAIRS = 64        # up to this many (token, expert) pairs: per-pair GEMV path
 MX_BIAS = 128            # int8_mx32 exponent bias (2·e2m1 absorbs one factor 2)
-SORTED_DEQ = 2           # the sorted kernel's dequantization (_moe_sorted_kernel's DEQ)
+SORTED_DEQ = 2           # the sorted kernels' dequantization (their DEQ; int8 and mx4)
 
 
 @triton.jit
@@ -193,28 +193,26 @@ def _launch_decode(kernels: dict, grid_p: int, N: int, K: int, cfg: dict, args: 
 
 def _sorted_config(P: int, down: bool = True) -> dict:
     """Tiles of the sorted path for P pairs ("down": the down launch's own BN / stages; down
-    False: without it and without DEQ, the mx4 scheme, whose tiles were not swept). H200,
-    session 8
+    False: without it, the mx4 scheme, whose tiles were not swept; DEQ = SORTED_DEQ for both
+    schemes, their sorted kernels' dequantization: 0 FP32, 2 BF16 PTX). H200, session 8
     (.whl/moe_prefill.py, events): T = 2048 (P = 12288) 7.07 ms -> 5.42 with BM 64 x BN 128,
     4 stages; T = 8192 (P = 49152) 14.9 -> 12.8 ms with BM 256 x BN 64, 8 warps (it loses at
     T = 2048: 10.6 ms). Session 9 (scripts/sweep_moe_sorted.py --m 8192 --proj up / down, one
     layer, ms): down BN 128 x BK 64, 8 warps, 3 stages 11.3 (BN 64: 12.9, 4 stages 11.8, BN
     256 24); gate/up stays (3 stages 12.4-12.6; 4 stages 12.2 needs 128 KB of shared memory on
     sm_80, past the 99 KB that keeps two blocks an SM; BN 128 13.6-19.6). Session 21: DEQ 2
-    (int8 only: down True) at every P (one layer, sweep_moe_sorted.py --deq: tp 1 M = 64 2.15
+    at every P (one layer, sweep_moe_sorted.py --deq: tp 1 M = 64 2.15
     -> 1.63 ms, M = 8192 11.2-11.8 -> 10.5-10.7; a TP-4 rank's M = 2048 -7 to -9 %; its M = 512
-    within the noise of DEQ 0, docs/PERFORMANCE.md)."""
+    within the noise of DEQ 0; mx4 DEQ 2 in session 22, docs/PERFORMANCE.md)."""
     if P <= 1024:
-        cfg = dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3)
+        cfg = dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3, DEQ=SORTED_DEQ)
     elif P <= 8192:
-        cfg = dict(BM=32, BN=128, BK=64, num_warps=4, num_stages=3)
+        cfg = dict(BM=32, BN=128, BK=64, num_warps=4, num_stages=3, DEQ=SORTED_DEQ)
     elif P <= 32768:
-        cfg = dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4)
+        cfg = dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, DEQ=SORTED_DEQ)
     else:
-        cfg = dict(BM=256, BN=64, BK=64, num_warps=8, num_stages=3)
-    if not down:
-        return cfg
-    return dict(cfg, DEQ=SORTED_DEQ, **(dict(down=dict(BN=128)) if P > 32768 else {}))
+        cfg = dict(BM=256, BN=64, BK=64, num_warps=8, num_stages=3, DEQ=SORTED_DEQ)
+    return dict(cfg, down=dict(BN=128)) if down and P > 32768 else cfg
 
 
 def _sorted_pair(P: int, config: dict | None, down: bool = True) -> tuple[dict, dict]:

@@ -49,20 +49,64 @@ def _dequant_half(v, s, BN: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def _dot_tile(W, S, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, acc, F32: tl.constexpr,
               BN: tl.constexpr, BK: tl.constexpr):
-    """acc [BM, BN] + a_lo·W_evenᵀ + a_hi·W_oddᵀ over one K tile (BF16 MMA, FP32 acc)."""
+    """DEQ 0: acc [BM, BN] + a_lo·W_evenᵀ + a_hi·W_oddᵀ over one K tile (BF16 MMA, FP32 acc)."""
     b = tl.load(W + w_off + k0 // 2 + rb[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
     s = _pow2(tl.load(S + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0))
     acc = dot_bf16(a_lo, tl.trans(_dequant_half(_e2m1_lo(b), s, BN, BK)), acc, F32)
     return dot_bf16(a_hi, tl.trans(_dequant_half(_e2m1_hi(b), s, BN, BK)), acc, F32)
 
 
+# _pair_tile's PTX, per 4 bytes ($4; byte i = elements 2i, 2i+1 as low / high nibble): two prmt
+# put bytes 0, 1 (2, 3) under the two 16-bit lanes; a masked nibble times 2^12 + 2^6 (low) or
+# 2^8 + 2^2 (high) lands its sign at bit 15 and its exponent / mantissa bits at 8-6 of its
+# lane (no carries: the two copies do not overlap), the mask keeps those: BF16 e2m1·2^-126
+# (E = 0 codes as BF16 subnormals), then fma.rn.bf16x2 by 2^126 and by the group's 2^(e-127)
+# ($5, $6: the scales of bytes 0, 1 and 2, 3), both exact. $0, $1: low nibbles of bytes 0-1,
+# 2-3; $2, $3: the high ones. 3.5 integer ops and 1 BF16 FMA a weight, no I2F / F2F.
+_PAIR_ASM = tl.constexpr(
+    "{ .reg .b32 r01, r23, t, big, nz;"
+    " mov.b32 big, 0x7E807E80; mov.b32 nz, 0x80008000;"
+    " prmt.b32 r01, $4, 0, 0x4140; prmt.b32 r23, $4, 0, 0x4342;"
+    " and.b32 t, r01, 0x000F000F; mul.lo.u32 t, t, 0x1040; and.b32 $0, t, 0x81C081C0;"
+    " and.b32 t, r23, 0x000F000F; mul.lo.u32 t, t, 0x1040; and.b32 $1, t, 0x81C081C0;"
+    " and.b32 t, r01, 0x00F000F0; mul.lo.u32 t, t, 0x0104; and.b32 $2, t, 0x81C081C0;"
+    " and.b32 t, r23, 0x00F000F0; mul.lo.u32 t, t, 0x0104; and.b32 $3, t, 0x81C081C0;"
+    " fma.rn.bf16x2 $0, $0, big, nz; fma.rn.bf16x2 $1, $1, big, nz;"
+    " fma.rn.bf16x2 $2, $2, big, nz; fma.rn.bf16x2 $3, $3, big, nz;"
+    " fma.rn.bf16x2 $0, $0, $5, nz; fma.rn.bf16x2 $1, $1, $6, nz;"
+    " fma.rn.bf16x2 $2, $2, $5, nz; fma.rn.bf16x2 $3, $3, $6, nz; }")
+
+
+@triton.jit
+def _pair_tile(W, S, w_off, s_off, k0, rb, rg, n_ok, F32: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr):
+    """DEQ 2: one K tile of codes -> BF16 weights [BN, BK] in input order (element 2j, 2j+1 =
+    byte j's low, high nibble: one dot with the activations as loaded, no even / odd split);
+    _PAIR_ASM on a GPU, _dequant_half's FP32 steps in the interpreter (no inline PTX)."""
+    b = tl.load(W + w_off + k0 // 2 + rb[None, :], mask=n_ok[:, None], other=0)  # u8 [BN, BK/2]
+    s = _pow2(tl.load(S + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0))
+    if F32:
+        lo = _dequant_half(_e2m1_lo(b.to(tl.int32)), s, BN, BK)
+        hi = _dequant_half(_e2m1_hi(b.to(tl.int32)), s, BN, BK)
+    else:
+        sb = tl.reshape(tl.broadcast_to(s.to(tl.bfloat16)[:, :, None], (BN, BK // 32, 16)),
+                        (BN, BK // 2))                                       # a byte's scale
+        lo, hi = tl.inline_asm_elementwise(_PAIR_ASM, "=r,=r,=r,=r,r,r,r", [b, sb],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                           pack=4)
+    return tl.reshape(tl.join(lo, hi), (BN, BK))
+
+
 @triton.jit
 def _mx4_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, P, E,
                        GATED: tl.constexpr, BY_SLOT: tl.constexpr, LIMIT: tl.constexpr,
-                       F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                       F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       DEQ: tl.constexpr = 0):
     """Block b (BM slots of one expert) x rows [pid_n·BN, +BN). A rows by slot (BY_SLOT: the
     down projection reads h) or by pair // k (x). GATED -> h [slots, N] at the slot; else
-    out [P, N] at the pair."""
+    out [P, N] at the pair. DEQ 0: FP32 decoding, even / odd inputs in two dots a K tile
+    (_dot_tile); 2: BF16 pairs in input order from PTX, one dot (_pair_tile; the int8 sorted
+    kernel's K order, so its results equal that kernel's bit for bit at the same tile)."""
     b, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(BLOCK_E + b)
     if e >= E:
@@ -85,11 +129,19 @@ def _mx4_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
     for k0 in range(0, K, BK):
         a = tl.load(A + arow[:, None].to(tl.int64) * K + k0 + rk[None, :], mask=valid[:, None],
                     other=0.0)                                                # [BM, BK] bf16
-        a_lo, a_hi = tl.split(tl.reshape(a, (BM, BK // 2, 2)))               # even / odd inputs
-        acc1 = _dot_tile(W1, S1, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, acc1, F32, BN, BK)
-        if GATED:
-            acc3 = _dot_tile(W3, S3, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, acc3, F32,
-                             BN, BK)
+        if DEQ == 2:
+            w = _pair_tile(W1, S1, w_off, s_off, k0, rb, rg, n_ok, F32, BN, BK)
+            acc1 = dot_bf16(a, tl.trans(w), acc1, F32)
+            if GATED:
+                w = _pair_tile(W3, S3, w_off, s_off, k0, rb, rg, n_ok, F32, BN, BK)
+                acc3 = dot_bf16(a, tl.trans(w), acc3, F32)
+        else:
+            a_lo, a_hi = tl.split(tl.reshape(a, (BM, BK // 2, 2)))           # even / odd inputs
+            acc1 = _dot_tile(W1, S1, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, acc1, F32, BN,
+                             BK)
+            if GATED:
+                acc3 = _dot_tile(W3, S3, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, acc3, F32,
+                                 BN, BK)
     mask = valid[:, None] & n_ok[None, :]
     if GATED:
         wr = tl.load(RW + pair, mask=valid, other=0.0)

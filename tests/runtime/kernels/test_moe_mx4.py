@@ -62,12 +62,12 @@ def routing(T: int, k: int, E: int, gen: torch.Generator):
     return moe_support.routing(T, k, E, gen, DEV)
 
 
-@pytest.mark.parametrize("path", ["decode", "sorted"])
-def test_decoding_is_exact_for_every_code_and_exponent(kmx4, path):
+@pytest.mark.parametrize("path,deq", [("decode", None), ("sorted", 0), ("sorted", 2)])
+def test_decoding_is_exact_for_every_code_and_exponent(kmx4, path, deq):
     """Every packed byte (so every code as low and as high nibble) under each of 8 exponents,
     and the largest finite (e = 252; subnormal results of e = 0, 1 are produced but not
     compared, see below): one-hot rows read W[ids[p]][:, p] back, which must equal dequant_mx4's
-    value exactly."""
+    value exactly (sorted: both dequantizations, DEQ 2's PTX on a GPU)."""
     N, K = 16, 256                                    # 16 rows x 8 groups = 128 (hi, e) pairs
     exps = torch.tensor([0, 1, 2, 100, 127, 128, 159, 252], dtype=torch.uint8)
     q = torch.arange(N * K // 32)                     # group number
@@ -79,7 +79,8 @@ def test_decoding_is_exact_for_every_code_and_exponent(kmx4, path):
     ids = (torch.arange(K) % 2).to(DEV)
     eye = torch.eye(K, dtype=torch.bfloat16, device=DEV)
     with one_thread():
-        got = kmx4.mx4_linear_pairs(eye, ids, w, s, path=path).float()            # [K, N]
+        got = kmx4.mx4_linear_pairs(eye, ids, w, s, path=path,
+                                    config=None if deq is None else dict(DEQ=deq)).float()
         want = torch.stack([dequant_mx4(w[e], s[e]) for e in (0, 1)])            # [2, N, K]
     want = want[ids, :, torch.arange(K, device=DEV)]                             # [K, N]
     assert (want.abs() == 6 * 2.0 ** 125).any() and (want.abs() == 2.0 ** -128).any()
@@ -106,6 +107,30 @@ def test_fused_moe_mx4_matches_reference(kmx4, path, sizes):
             y = kmoe.fused_moe(x, idx, w, *st, LIMIT, path=path)     # dispatches on uint8 w1
             assert y.shape == (T, D) and y.dtype == torch.float32
             assert rel(y, want) < TOL, (path, T)
+
+
+def test_sorted_equals_the_int8_kernel_bit_for_bit(kmx4):
+    """The same expert weights as mx4_e2m1 and as int8_mx32 (quant.mxfp4_to_int8: codes 2·e2m1,
+    the exponent bytes as they are): the mx4 sorted kernel's DEQ 2 (BF16 pairs in input order,
+    one dot a K tile) equals the int8 sorted kernel at the same tiles, bit for bit; DEQ 0 (two
+    dots over even / odd inputs) only within accumulation-order noise."""
+    import backfit.runtime.kernels.moe as kmoe
+    from backfit.quant import mxfp4_to_int8
+    E, D, I, k = 8, 128, 64, 6
+    st, gen = experts(E, D, I, seed=11)
+    st8 = []
+    for wq, sc in zip(st[::2], st[1::2]):
+        pairs = [mxfp4_to_int8(wq[e].cpu(), sc[e].cpu()) for e in range(E)]
+        st8 += [torch.stack([p[0] for p in pairs]).to(DEV), torch.stack([p[1] for p in pairs]).to(DEV)]
+    with one_thread():
+        for T, cfg in ((5, dict(BM=16, BN=32, BK=64)), (40, dict(BM=32, BN=64, BK=128))):
+            x = (torch.randn(T, D, generator=gen) * 2).bfloat16().to(DEV)
+            idx, w = routing(T, k, E, gen)
+            y8 = kmoe.fused_moe(x, idx, w, *st8, LIMIT, path="sorted", config=cfg)
+            y2 = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="sorted", config=dict(cfg, DEQ=2))
+            y0 = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="sorted", config=dict(cfg, DEQ=0))
+            assert torch.equal(y2, y8), (T, rel(y2, y8))
+            assert rel(y0, y8) < TOL, T
 
 
 def test_ragged_tiles_and_clamps(kmx4):

@@ -1,6 +1,7 @@
 """The 4-bit MoE kernels (runtime.kernels.moe_mx4) compile for sm_80 on this CPU machine within
 99 KB of shared memory (test_sm80.py's _compile): the sorted kernel's dots are BF16 mma.sync
-only, the decode GEMVs use no mma (the "mma" variant: BF16 mma.sync only), and the PTX has no
+only, the decode GEMVs use no mma (the "mma" variant: BF16 mma.sync only), the sorted kernel decodes
+to BF16 pairs with fma.rn.bf16x2 (DEQ 2), and the PTX has no
 FP8/FP4 type (the e2m1 codes are decoded with integer ops) and no flush-to-zero FP32 multiply
 (the e = 0, 1 weights are subnormal).
 Shipped configs at V4-Flash TP4 shapes (K 4096, I 512). Compiled in a subprocess without
@@ -89,6 +90,8 @@ def test_mx4_moe_kernels_compile_for_sm80_within_shared_memory():
             assert r["mma"] == [BF16_MMA], name
         else:
             assert r["mma"] == [], name                              # GEMV: CUDA cores
+        if r["kernel"] == "_mx4_sorted_kernel":             # DEQ 2: BF16 pairs from PTX
+            assert r["config"]["DEQ"] == 2 and r["fma_bf16x2"], name
 
 
 if __name__ == "__main__":
