@@ -192,27 +192,32 @@ def _launch_decode(kernels: dict, grid_p: int, N: int, K: int, cfg: dict, args: 
 
 
 def _sorted_config(P: int, down: bool = True) -> dict:
-    """Tiles of the sorted path for P pairs ("down": the down launch's own BN / stages; down
-    False: without it, the mx4 scheme, whose tiles were not swept; DEQ = SORTED_DEQ for both
-    schemes, their sorted kernels' dequantization: 0 FP32, 2 BF16 PTX). H200, session 8
-    (.whl/moe_prefill.py, events): T = 2048 (P = 12288) 7.07 ms -> 5.42 with BM 64 x BN 128,
-    4 stages; T = 8192 (P = 49152) 14.9 -> 12.8 ms with BM 256 x BN 64, 8 warps (it loses at
-    T = 2048: 10.6 ms). Session 9 (scripts/sweep_moe_sorted.py --m 8192 --proj up / down, one
-    layer, ms): down BN 128 x BK 64, 8 warps, 3 stages 11.3 (BN 64: 12.9, 4 stages 11.8, BN
-    256 24); gate/up stays (3 stages 12.4-12.6; 4 stages 12.2 needs 128 KB of shared memory on
-    sm_80, past the 99 KB that keeps two blocks an SM; BN 128 13.6-19.6). Session 21: DEQ 2
-    at every P (one layer, sweep_moe_sorted.py --deq: tp 1 M = 64 2.15
-    -> 1.63 ms, M = 8192 11.2-11.8 -> 10.5-10.7; a TP-4 rank's M = 2048 -7 to -9 %; its M = 512
-    within the noise of DEQ 0; mx4 DEQ 2 in session 22, docs/PERFORMANCE.md)."""
+    """Tiles of the sorted path for P pairs; down True: int8_mx32 (the largest row has the down
+    launch's own BN), False: mx4_e2m1 (the int8 tiles but past 32K pairs its own). DEQ =
+    SORTED_DEQ for both (their sorted kernels' dequantization: 0 FP32, 2 BF16 PTX). H200:
+    session 8 (.whl/moe_prefill.py, events): T = 2048 (P = 12288) 7.07 ms -> 5.42 with BM 64 x
+    BN 128, 4 stages; T = 8192 (P = 49152) 14.9 -> 12.8 ms with BM 256 x BN 64, 8 warps (it
+    loses at T = 2048: 10.6 ms). Session 9 (scripts/sweep_moe_sorted.py --m 8192 --proj up /
+    down, one layer, ms): down BN 128 x BK 64, 8 warps, 3 stages 11.3 (BN 64: 12.9, 4 stages
+    11.8, BN 256 24); gate/up stays (3 stages 12.4-12.6; 4 stages 12.2 needs 128 KB of shared
+    memory on sm_80, past the 99 KB that keeps two blocks an SM; BN 128 13.6-19.6). Session 22
+    (sweep_moe_sorted.py --deq 0,2, one layer): DEQ 2 at every P, int8 tp 1 M = 64 2.13 -> 1.61
+    ms, M = 8192 11.45 -> 10.19, a TP-4 rank's M = 2048 -10 %, its M = 512 -7 %; mx4 -8 to -26 %.
+    mx4 past 32K pairs (--experts mx4 --m 8192, DEQ 2, one repeat): BM 64 x BN 64 x BK 64, 4
+    warps, 4 stages 11.90 ms against 13.13 for the int8 tile, the best of 14 (session 20's sweep
+    at M = 2048 on a TP-4 rank, DEQ 0, picked it too: 1.58 vs 1.69 ms; not changed there)."""
     if P <= 1024:
         cfg = dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3, DEQ=SORTED_DEQ)
     elif P <= 8192:
         cfg = dict(BM=32, BN=128, BK=64, num_warps=4, num_stages=3, DEQ=SORTED_DEQ)
     elif P <= 32768:
         cfg = dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, DEQ=SORTED_DEQ)
-    else:
-        cfg = dict(BM=256, BN=64, BK=64, num_warps=8, num_stages=3, DEQ=SORTED_DEQ)
-    return dict(cfg, down=dict(BN=128)) if down and P > 32768 else cfg
+    elif down:
+        return dict(BM=256, BN=64, BK=64, num_warps=8, num_stages=3, DEQ=SORTED_DEQ,
+                    down=dict(BN=128))
+    else:                                                 # mx4: its own tile past 32K pairs
+        cfg = dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4, DEQ=SORTED_DEQ)
+    return cfg
 
 
 def _sorted_pair(P: int, config: dict | None, down: bool = True) -> tuple[dict, dict]:
