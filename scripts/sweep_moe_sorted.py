@@ -5,15 +5,15 @@ lent GPU, each config's time and error against the default config's output:
                                         [--out FILE]
 
 M = 32, 64 (batch-32/64 decode, CUDA-graph timed, % of copy bandwidth for the distinct experts'
-bytes) and M = 256 ... 8192 (prefill, CUDA events, TFLOP/s); configs (BM, BN, BK, warps, stages
-[, DEQ]). The session-8 figures in kernels.moe._sorted_config come from the first version of this
-sweep (M = 2048 and 8192, DEQ 0 only); candidates without DEQ take the default's (DEQ 2 since
-session 21). --proj up / down: vary only the gate/up launch's tile
-(the down launch keeps the default's BN, BK, warps, stages) or only the down launch's ("down"
-dict of the config; BM stays the default's, the alignment both launches share): the two can
-then be picked apart. --tp-shard N: the experts one TP-N rank holds (intermediate 2048 / N);
---experts mx4: the mx4_e2m1 stacks (kernels.moe_mx4's sorted kernel: DEQ 0 or 2, no 1). --deq 0,2: only
-the default tiles, once per dequantization (kernels.moe._moe_sorted_kernel's DEQ, both launches).
+bytes) and M = 256 ... 8192 (prefill, CUDA events, TFLOP/s); configs (BM, BN, BK, warps,
+stages), each with the default dequantization (moe.SORTED_DEQ: DEQ 2 since session 22). The
+session-8 figures in kernels.moe._sorted_config come from the first version of this sweep (M =
+2048 and 8192, DEQ 0). --proj up / down (int8 only): vary only the gate/up launch's tile (the
+down launch keeps the default's BN, BK, warps, stages) or only the down launch's ("down" dict of
+the config; BM stays the default's, the alignment both launches share): the two can then be
+picked apart. --tp-shard N: the experts one TP-N rank holds (intermediate 2048 / N); --experts
+mx4: the mx4_e2m1 stacks (kernels.moe_mx4's sorted kernel). --deq 0,2: only the default tiles,
+once per dequantization (the sorted kernels' DEQ, both launches).
 Prefill rows also print the bandwidth for the distinct experts' bytes (every expert is hit from
 M ~ 256 on, and the small-M prefill of a TP-4 rank streams them all).
 """
@@ -34,41 +34,33 @@ from backfit.runtime.kernels import moe  # noqa: E402
 
 E, D, I, K = 256, 4096, 2048, 6
 SMALL = [None, (16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (16, 64, 256, 4, 2), (16, 32, 256, 4, 3),
-         (16, 128, 64, 4, 4), (16, 64, 128, 4, 4), (16, 256, 128, 8, 3), (16, 64, 128, 4, 3, 1),
-         (16, 128, 128, 4, 3, 1), (16, 64, 256, 4, 2, 1), (16, 32, 256, 4, 3, 1), (32, 64, 128, 4, 3)]
+         (16, 128, 64, 4, 4), (16, 64, 128, 4, 4), (16, 256, 128, 8, 3), (32, 64, 128, 4, 3)]
 LARGE = [None, (64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (128, 64, 64, 4, 4),
          (256, 64, 64, 8, 3), (256, 64, 64, 8, 4), (256, 32, 64, 4, 3), (256, 64, 32, 8, 4),
          (128, 64, 64, 8, 3), (64, 64, 128, 4, 3), (32, 128, 64, 4, 4), (64, 128, 32, 4, 4),
-         (32, 64, 64, 4, 4), (16, 64, 128, 4, 3), (64, 128, 64, 4, 4, 1), (64, 64, 64, 4, 4, 1),
-         (256, 64, 64, 8, 3, 1), (128, 64, 64, 4, 4, 1), (256, 64, 64, 8, 4, 1),
-         (32, 128, 64, 4, 4, 1), (16, 64, 128, 4, 3, 1), (128, 128, 64, 8, 3, 1)]
+         (32, 64, 64, 4, 4), (16, 64, 128, 4, 3)]
 
 # 64 < M <= 1024 (a TP-4 rank's short prefill: ~M·6/256 tokens an expert, every expert
 # streamed): LARGE's BM <= 64 rows, SMALL's and these (deeper pipelines, wider K steps)
 MID = [(16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (16, 64, 256, 4, 3), (32, 128, 128, 8, 3),
        (16, 256, 64, 4, 4), (32, 64, 256, 4, 3), (16, 128, 256, 8, 3)]
 
-# per-projection candidates at prefill sizes (--proj up|down): (BN, BK, warps, stages[, DEQ])
+# per-projection candidates at prefill sizes (--proj up|down): (BN, BK, warps, stages)
 PROJ = [None, (64, 64, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 32, 8, 4),
         (256, 64, 8, 3), (64, 128, 8, 2), (128, 128, 8, 2), (32, 64, 4, 4), (64, 64, 8, 4),
-        (128, 64, 8, 4), (64, 64, 8, 3, 1), (128, 64, 8, 3, 1)]
+        (128, 64, 8, 4)]
 
 
 def config(c, proj: str = "both", M: int = 0) -> dict | None:
     if c is None:
         return None
     if proj != "both":                   # one launch's tile, the other keeps the default
-        t = dict(BN=c[0], BK=c[1], num_warps=c[2], num_stages=c[3],
-                 DEQ=c[4] if len(c) > 4 else moe.SORTED_DEQ)
+        t = dict(BN=c[0], BK=c[1], num_warps=c[2], num_stages=c[3])
         if proj == "down":
             return dict(down=t)
         base = moe._sorted_pair(M * K, None)[1]                  # the default down tile
-        return dict(t, down=dict({k: base[k] for k in ("BN", "BK", "num_warps", "num_stages")},
-                                 DEQ=base["DEQ"]))
-    cfg = dict(BM=c[0], BN=c[1], BK=c[2], num_warps=c[3], num_stages=c[4])
-    if len(c) > 5:
-        cfg["DEQ"] = c[5]
-    return cfg
+        return dict(t, down={k: base[k] for k in ("BN", "BK", "num_warps", "num_stages")})
+    return dict(BM=c[0], BN=c[1], BK=c[2], num_warps=c[3], num_stages=c[4])
 
 
 def main() -> None:
@@ -103,8 +95,8 @@ def main() -> None:
         for c in cands:
             if c and c[0] != "DEQ" and M <= 1024 and a.proj == "both" and c[0] > 64:
                 continue
-            if c and c[0] != "DEQ" and a.experts == "mx4" and (len(c) > 5 or a.proj != "both"):
-                continue                                            # DEQ 1: int8 only
+            if c and c[0] != "DEQ" and a.experts == "mx4" and a.proj != "both":
+                continue                                            # mx4: whole tiles only
             cfg = dict(DEQ=c[1]) if c and c[0] == "DEQ" else config(c, a.proj, M)
             fn = lambda cfg=cfg: moe.fused_moe(x, idx, w, *st, 10.0, path="sorted",  # noqa: E731
                                                config=cfg)

@@ -28,7 +28,7 @@ import triton.language as tl
 from backfit.formats import MX_GROUP
 from backfit.runtime.kernels.gemm import dot_bf16, interpreted
 from backfit.runtime.kernels.moe_decode import _dequant_bf16, _dequant_mx, \
-    _moe_gemv_group_kernel, _moe_gemv_kernel, _pow2_mx, _swiglu
+    _moe_gemv_group_kernel, _moe_gemv_kernel, _swiglu
 
 __all__ = ["DECODE_PAIRS", "DECODE_TABLE", "DECODE_VARIANTS", "align", "fused_moe",
            "stack_experts"]
@@ -39,17 +39,14 @@ SORTED_DEQ = 2           # the sorted kernels' dequantization (their DEQ; int8 a
 
 
 @triton.jit
-def _sorted_tile(q, S, s_off, k0, rk, rg, n_ok, BN: tl.constexpr, BK: tl.constexpr,
+def _sorted_tile(q, S, s_off, k0, rg, n_ok, BN: tl.constexpr, BK: tl.constexpr,
                  DEQ: tl.constexpr, F32: tl.constexpr):
-    """int8 codes q [BN, BK] at K offset k0 -> BF16 q·2^(e-128) (exact), exponents from S
-    (DEQ: see _moe_sorted_kernel; F32: the interpreter, which has no inline PTX)."""
-    if DEQ != 1:
-        s = tl.load(S + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
-        if DEQ == 0:
-            return _dequant_mx(q, s, BN, BK).to(tl.bfloat16)
-        return _dequant_bf16(q, s, BN, BK, F32)
-    s = tl.load(S + s_off + (k0 + rk[None, :]) // 32, mask=n_ok[:, None], other=0)   # [BN, BK]
-    return (q.to(tl.float32) * _pow2_mx(s)).to(tl.bfloat16)
+    """int8 codes q [BN, BK] at K offset k0 -> BF16 q·2^(e-128) (exact), exponents [BN, BK/32]
+    from S (DEQ: see _moe_sorted_kernel; F32: the interpreter, which has no inline PTX)."""
+    s = tl.load(S + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
+    if DEQ == 0:
+        return _dequant_mx(q, s, BN, BK).to(tl.bfloat16)
+    return _dequant_bf16(q, s, BN, BK, F32)
 
 
 @triton.jit
@@ -59,10 +56,10 @@ def _moe_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
                        DEQ: tl.constexpr = 0):
     """Block b (BM slots of one expert) x rows [pid_n·BN, +BN). GATED: x rows by pair // k ->
     h [slots, N] at the slot; else h rows by slot -> out [P, N] at the pair. DEQ (the same BF16
-    weights, bit for bit): 0, codes to FP32 (I2F), exponents [BN, BK/32] broadcast by a reshape;
-    1, exponents loaded per weight [BN, BK] (repeated addresses, L1 hits) and turned into
-    2^(e-128) with integer ops, no reshape; 2 (the default, SORTED_DEQ), no int -> float
-    conversion: _dequant_bf16's BF16 bit trick, 4 codes a step in PTX."""
+    weights, bit for bit): 0, codes to FP32 (I2F), times the group's 2^(e-128), to BF16 (F2F);
+    2 (the default, SORTED_DEQ), no int -> float conversion: _dequant_bf16's BF16 bit trick, 4
+    codes a step in PTX. (A DEQ 1, exponents loaded per weight, lost in session 14 and went in
+    session 22.)"""
     b, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(BLOCK_E + b)
     if e >= E:
@@ -85,12 +82,12 @@ def _moe_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
         a = tl.load(A + arow[:, None].to(tl.int64) * K + k0 + rk[None, :], mask=valid[:, None],
                     other=0.0)
         q = tl.load(W1 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
-        acc1 = dot_bf16(a, tl.trans(_sorted_tile(q, S1, s_off, k0, rk, rg, n_ok, BN, BK, DEQ,
-                                                 F32)), acc1, F32)
+        acc1 = dot_bf16(a, tl.trans(_sorted_tile(q, S1, s_off, k0, rg, n_ok, BN, BK, DEQ, F32)),
+                        acc1, F32)
         if GATED:
             q = tl.load(W3 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
-            acc3 = dot_bf16(a, tl.trans(_sorted_tile(q, S3, s_off, k0, rk, rg, n_ok, BN, BK,
-                                                     DEQ, F32)), acc3, F32)
+            acc3 = dot_bf16(a, tl.trans(_sorted_tile(q, S3, s_off, k0, rg, n_ok, BN, BK, DEQ,
+                                                     F32)), acc3, F32)
     mask = valid[:, None] & n_ok[None, :]
     if GATED:
         wr = tl.load(RW + pair, mask=valid, other=0.0)

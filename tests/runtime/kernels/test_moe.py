@@ -60,10 +60,9 @@ def test_fused_moe_matches_reference(kmoe, path, sizes):
 
 
 def test_sorted_dequant_modes_agree(kmoe):
-    """The sorted kernel's dequantizations (DEQ 0: FP32 convert, exponents by a reshape
-    broadcast; 1: per-weight exponent loads and integer 2^(e-128); 2, the default: 192 + q as
-    BF16 bits, then BF16 FMAs in PTX, 4 codes a step — the interpreter runs the same steps in
-    FP32) compute the same BF16 weights: equal outputs, bit for bit."""
+    """The sorted kernel's dequantizations (DEQ 0: FP32 convert; 2, the default: 192 + q as BF16
+    bits, then BF16 FMAs in PTX, 4 codes a step — the interpreter runs the same steps in FP32)
+    compute the same BF16 weights: equal outputs, bit for bit."""
     E, D, I, k = 8, 128, 64, 6
     st, gen = experts(E, D, I, seed=5)
     with one_thread():
@@ -72,11 +71,9 @@ def test_sorted_dequant_modes_agree(kmoe):
             idx, w = routing(T, k, E, gen)
             cfg = dict(BM=16, BN=32, BK=64)
             y0 = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="sorted", config=dict(cfg, DEQ=0))
-            y1 = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="sorted", config=dict(cfg, DEQ=1))
-            assert torch.equal(y0, y1), T
             y = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="sorted", config=dict(cfg, DEQ=2))
             assert torch.equal(y0, y), T
-            assert rel(y1, ref.moe_routed_ref(x, idx, w, *st, LIMIT)) < TOL
+            assert rel(y, ref.moe_routed_ref(x, idx, w, *st, LIMIT)) < TOL
             # the down launch's own tile ("down": BN, warps; BK and the K order kept): same bits
             y2 = kmoe.fused_moe(x, idx, w, *st, LIMIT, path="sorted",
                                 config=dict(cfg, down=dict(BN=64, num_warps=2)))
@@ -151,7 +148,7 @@ def test_decode_variants_read_every_code_and_exponent_exactly(kmoe, variant):
     _read_back_check(out, q, s, ids.long())
 
 
-@pytest.mark.parametrize("deq", [0, 1, 2])
+@pytest.mark.parametrize("deq", [0, 2])
 def test_sorted_dequant_reads_every_code_and_exponent_exactly(kmoe, deq):
     """The same read through the sorted down launch (block b of BM slots: expert b % 2; slot p's
     row is e_p), for each dequantization (DEQ 2: its PTX on a GPU)."""
