@@ -204,17 +204,15 @@ def _sorted_config(P: int, down: bool = True) -> dict:
     warps, 4 stages 11.90 ms against 13.13 for the int8 tile, the best of 14 (session 20's sweep
     at M = 2048 on a TP-4 rank, DEQ 0, picked it too: 1.58 vs 1.69 ms; not changed there)."""
     if P <= 1024:
-        cfg = dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3, DEQ=SORTED_DEQ)
-    elif P <= 8192:
-        cfg = dict(BM=32, BN=128, BK=64, num_warps=4, num_stages=3, DEQ=SORTED_DEQ)
-    elif P <= 32768:
-        cfg = dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, DEQ=SORTED_DEQ)
-    elif down:
+        return dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3, DEQ=SORTED_DEQ)
+    if P <= 8192:
+        return dict(BM=32, BN=128, BK=64, num_warps=4, num_stages=3, DEQ=SORTED_DEQ)
+    if P <= 32768:
+        return dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, DEQ=SORTED_DEQ)
+    if down:
         return dict(BM=256, BN=64, BK=64, num_warps=8, num_stages=3, DEQ=SORTED_DEQ,
                     down=dict(BN=128))
-    else:                                                 # mx4: its own tile past 32K pairs
-        cfg = dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4, DEQ=SORTED_DEQ)
-    return cfg
+    return dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4, DEQ=SORTED_DEQ)   # mx4
 
 
 def _sorted_pair(P: int, config: dict | None, down: bool = True) -> tuple[dict, dict]:

@@ -49,11 +49,18 @@ def _dequant_half(v, s, BN: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def _tile_codes(W, S, w_off, s_off, k0, rb, rg, n_ok):
+    """One K tile's packed bytes uint8 [BN, BK/2] and scales 2^(e-127) FP32 [BN, BK/32]."""
+    b = tl.load(W + w_off + k0 // 2 + rb[None, :], mask=n_ok[:, None], other=0)
+    return b, _pow2(tl.load(S + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0))
+
+
+@triton.jit
 def _dot_tile(W, S, w_off, s_off, k0, rb, rg, n_ok, a_lo, a_hi, acc, F32: tl.constexpr,
               BN: tl.constexpr, BK: tl.constexpr):
     """DEQ 0: acc [BM, BN] + a_lo·W_evenᵀ + a_hi·W_oddᵀ over one K tile (BF16 MMA, FP32 acc)."""
-    b = tl.load(W + w_off + k0 // 2 + rb[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
-    s = _pow2(tl.load(S + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0))
+    b, s = _tile_codes(W, S, w_off, s_off, k0, rb, rg, n_ok)
+    b = b.to(tl.int32)
     acc = dot_bf16(a_lo, tl.trans(_dequant_half(_e2m1_lo(b), s, BN, BK)), acc, F32)
     return dot_bf16(a_hi, tl.trans(_dequant_half(_e2m1_hi(b), s, BN, BK)), acc, F32)
 
@@ -85,8 +92,7 @@ def _pair_tile(W, S, w_off, s_off, k0, rb, rg, n_ok, F32: tl.constexpr, BN: tl.c
     """DEQ 2: one K tile of codes -> BF16 weights [BN, BK] in input order (element 2j, 2j+1 =
     byte j's low, high nibble: one dot with the activations as loaded, no even / odd split);
     _PAIR_ASM on a GPU, _dequant_half's FP32 steps in the interpreter (no inline PTX)."""
-    b = tl.load(W + w_off + k0 // 2 + rb[None, :], mask=n_ok[:, None], other=0)  # u8 [BN, BK/2]
-    s = _pow2(tl.load(S + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0))
+    b, s = _tile_codes(W, S, w_off, s_off, k0, rb, rg, n_ok)
     if F32:
         lo = _dequant_half(_e2m1_lo(b.to(tl.int32)), s, BN, BK)
         hi = _dequant_half(_e2m1_hi(b.to(tl.int32)), s, BN, BK)
