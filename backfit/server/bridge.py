@@ -13,6 +13,13 @@ cancels the engine stream, which aborts the request before the engine's next ste
 blocks are free within one step). An engine failure after the first event ends the stream with
 Finish(reason="error"). If nothing comes for `keepalive_s` seconds (long prefill), a KEEPALIVE
 marker is yielded; SSE writers render it as a comment / ping.
+
+A prompt with `forced` output (tool_choice required / named; chat_format.Forced) runs as two
+engine requests that read as one: the reasoning up to the model's `</think>` (a stop token; an
+EOS there becomes `</think>`), then prompt + that output + the forced tool-call opener,
+continued within the same max_tokens (its prefix comes from the prefix cache). The opener
+reaches the parser as output and counts in completion_tokens; penalties and min_tokens see
+only the continuation's own output.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from aiohttp import web
 
 from backfit.engine.async_engine import AsyncEngine, EngineDeadError
 from backfit.engine.engine import EngineConfig, RequestOutput
+from backfit.engine.engine import Usage as EngineUsage
 from backfit.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from backfit.engine.tokenizer import load_tokenizer
 from backfit.server.chat_format import ChatEncoder, Prompt
@@ -116,13 +124,14 @@ class Bridge:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    def _admit(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+    def _admit(self, ids: list[int], params: SamplingParams,
+               admitted: bool = False) -> SamplingParams:
         if not self.ready:
             why = "shutting down" if self.draining else \
                 "failed" if getattr(self.engine, "error", None) else "loading"
             self._reject("unavailable")
             raise EngineUnavailable(f"the model is {why}; try again later")
-        if self.active >= self.capacity:
+        if self.active >= self.capacity and not admitted:     # (a forced continuation is in)
             self._reject("queue_full")
             raise QueueFull(f"Server is busy ({self.active} requests in flight), "
                             f"try again in {QueueFull.retry_after}s")
@@ -150,8 +159,10 @@ class Bridge:
                        _state: dict | None = None) -> AsyncIterator[RequestOutput | KeepAlive]:
         """Engine outputs for raw token ids (legacy completions); see the module docstring.
         _state["stopped"] = True before closing: the caller ended it (a stop string), not the
-        client (metrics)."""
-        params = self._admit(ids, params)
+        client (metrics); _state["continued"]: a forced continuation follows (metrics wait);
+        "t0", "t_first", "n_out" carry the request's timing from the first part to the second."""
+        _state = {} if _state is None else _state
+        params = self._admit(ids, params, admitted="t0" in _state)
         self.active += 1
         q: asyncio.Queue = asyncio.Queue()
         self._queues.add(q)
@@ -167,8 +178,8 @@ class Bridge:
             except BaseException as e:                 # noqa: BLE001 - handed to the consumer
                 q.put_nowait(e)
 
-        t0 = time.monotonic()
-        t_first, n_out, reason = None, 0, None
+        t0 = _state.setdefault("t0", time.monotonic())
+        t_first, n_out, reason = _state.get("t_first"), _state.get("n_out", 0), None
         task = asyncio.ensure_future(pump())
         getter = None
         try:
@@ -200,8 +211,9 @@ class Bridge:
                     t.cancel()
                     with contextlib.suppress(BaseException):
                         await t
-            if self.metrics is not None:
-                stopped = bool(_state and _state.get("stopped"))
+            _state.update(t_first=t_first, n_out=n_out)
+            if self.metrics is not None and not _state.pop("continued", False):
+                stopped = bool(_state.get("stopped"))
                 self.metrics.request_done(t0, t_first, time.monotonic(), n_out,
                                           reason if done else "stop" if stopped else "abort",
                                           disconnected=not (done or stopped))
@@ -212,7 +224,8 @@ class Bridge:
         stop: stop strings applied by the parser to content (not reasoning or arguments)."""
         parser = OutputParser(reasoning=prompt.reasoning_open, tools=tools, stop=tuple(stop))
         state: dict = {}
-        agen = self.generate(prompt.ids, params, state)
+        agen = self.generate(prompt.ids, params, state) if prompt.forced is None else \
+            self._forced(prompt, params, state)
         n_out, usage, started = 0, None, False
         try:
             try:
@@ -249,6 +262,70 @@ class Bridge:
                 yield FinishWithUsage("error", None, f"engine failed: {e}", usage=u)
         finally:
             await agen.aclose()
+
+
+    async def _forced(self, prompt: Prompt, params: SamplingParams,
+                      state: dict) -> AsyncIterator[RequestOutput | KeepAlive]:
+        """generate()'s outputs for a prompt with forced output (module docstring): the
+        reasoning's, one output holding the forced ids, then the continuation's; the last
+        one's usage covers all of them."""
+        f = prompt.forced
+        budget = (params.max_tokens if params.max_tokens is not None
+                  else self.max_model_len - len(prompt.ids))
+        out: list[int] = []                     # the reasoning as the continuation reads it
+        forced, u1 = RequestOutput(0, f.text, list(f.ids)), None
+        if not prompt.reasoning_open and budget - len(f.ids) < 1:
+            async for o in self.generate(prompt.ids, params, state):
+                yield o                             # max_tokens below the opener: not forced
+            return
+        if prompt.reasoning_open:
+            p1 = replace(params, stop_token_ids=params.stop_token_ids + (f.think_end,),
+                         include_stop_str_in_output=True)
+            async with contextlib.aclosing(self.generate(prompt.ids, p1, state)) as agen:
+                async for o in agen:
+                    if o is not KEEPALIVE and o.finished and o.finish_reason == "stop" and \
+                            o.stop_reason in (f.think_end, None):
+                        ids = o.token_ids if o.stop_reason is not None else o.token_ids[:-1]
+                        if o.stop_reason is None:       # EOS inside the reasoning: close it
+                            forced = RequestOutput(0, "</think>" + f.text, [f.think_end, *f.ids])
+                        if budget - len(out) - len(ids) - len(forced.token_ids) < 1:
+                            yield replace(o, finish_reason="length")   # no room for the call
+                            return
+                        out += ids
+                        state["continued"], u1 = True, o.usage or EngineUsage(0, 0, 0)
+                        o = replace(o, token_ids=ids, finished=False, finish_reason=None,
+                                    stop_reason=None, usage=None)
+                    elif o is not KEEPALIVE:
+                        out += o.token_ids
+                    yield o
+            if u1 is None:
+                return                              # it ended otherwise (length, abort)
+        n_before = len(out) + len(forced.token_ids)
+        p2 = replace(params, max_tokens=None if params.max_tokens is None else budget - n_before,
+                     min_tokens=max(0, params.min_tokens - n_before))
+        agen = self.generate([*prompt.ids, *out, *forced.token_ids], p2, state)
+        async with contextlib.aclosing(agen):
+            try:
+                first = await agen.__anext__()      # admission errors come before any event
+            except StopAsyncIteration:
+                return
+            except (EngineUnavailable, ValueError) as e:
+                if u1 is None:
+                    raise
+                raise EngineDeadError(f"the forced tool call could not start: {e}") from e
+            yield forced
+            o = first
+            while True:
+                if o is not KEEPALIVE and o.usage is not None:
+                    u = o.usage
+                    o = replace(o, usage=EngineUsage(
+                        len(prompt.ids), n_before + u.completion_tokens,
+                        u1.cached_tokens if u1 else min(u.cached_tokens, len(prompt.ids))))
+                yield o
+                try:
+                    o = await agen.__anext__()
+                except StopAsyncIteration:
+                    return
 
 
 @dataclass

@@ -24,7 +24,9 @@ Unconfirmed in the spec, and what we chose:
   minimal/low/medium/high → high (flash) and minimal/low → low, medium/high → high (0731);
   xhigh/max → max; no effort given → the encoder's own default (None / low).
 - tool_choice "none" hides the tools from the model (DSML would otherwise show up as text);
-  a named choice renders only that tool; "required" renders them all (no constrained decoding).
+  a named choice renders only that tool, "required" all of them; both are enforced by forcing
+  the call's opener (`Prompt.forced`, continued by `server.bridge` after the reasoning):
+  `\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="` (+ the name and `">\n` when named).
 - Request tools and response_format go on the first system message; one empty system message is
   inserted at index 0 when there is none (vLLM's choice). `{"type": "text"}` means no format.
 - History tool-call arguments: decoded once more if double-encoded; a non-object JSON value
@@ -41,7 +43,7 @@ Unconfirmed in the spec, and what we chose:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +51,7 @@ from backfit.server.protocol import ChatRequest, Message, Tool
 
 __all__ = [
     "BOS", "EOS", "USER", "ASSISTANT", "LATEST_REMINDER", "THINK_START", "THINK_END", "DSML",
-    "CONTROL_TOKENS", "EFFORT_PROMPTS", "Prompt", "ChatEncoder", "resolve_reasoning",
+    "CONTROL_TOKENS", "EFFORT_PROMPTS", "Forced", "Prompt", "ChatEncoder", "resolve_reasoning",
     "request_tools", "render_tools_text",
 ]
 
@@ -148,14 +150,25 @@ def render_tools_text(tools: tuple[Tool, ...] | list[Tool]) -> str:
 
 
 @dataclass(frozen=True)
+class Forced:
+    """Output the model must produce next (tool_choice required / named): `ids` detokenize to
+    `text`; with the reasoning open, they follow the model's `</think>` (id `think_end`)."""
+    ids: tuple[int, ...]
+    text: str
+    think_end: int
+
+
+@dataclass(frozen=True)
 class Prompt:
     """An encoded prompt. `text` is the reference string; `reasoning_open` says the prompt ends
-    inside `<think>`, so the output starts with reasoning (hand it to the parser)."""
+    inside `<think>`, so the output starts with reasoning (hand it to the parser); `forced`:
+    the tool-call opener a required / named tool_choice puts after the reasoning, or None."""
     ids: list[int]
     text: str
     thinking_mode: str
     reasoning_effort: str | None
     reasoning_open: bool
+    forced: Forced | None = None
 
 
 class _Segments:
@@ -265,8 +278,20 @@ class ChatEncoder:
 
     def encode_request(self, req: ChatRequest) -> Prompt:
         mode, effort = resolve_reasoning(req.thinking, req.reasoning_effort, self.profile)
-        return self.encode_messages(req.messages, request_tools(req), mode, effort,
-                                    req.response_format)
+        tools = request_tools(req)
+        prompt = self.encode_messages(req.messages, tools, mode, effort, req.response_format)
+        if not tools or req.tool_choice == "auto" or req.messages[-1].prefix:
+            return prompt                   # nothing to force (or a prefill to continue)
+        segs = _Segments()
+        segs.text("\n\n<")
+        segs.control(DSML)
+        segs.text("tool_calls>\n<")
+        segs.control(DSML)
+        segs.text('invoke name="' + (f'{tools[0].name}">\n' if len(tools) == 1 and
+                                      isinstance(req.tool_choice, dict) else ""))
+        forced = Forced(tuple(self._ids(segs)), "".join(t for t, _ in segs.items),
+                        self.control_ids[THINK_END])
+        return replace(prompt, forced=forced)
 
     def encode_messages(self, messages, tools=(), thinking_mode: str = "thinking",
                         reasoning_effort: str | None = None, response_format=None,

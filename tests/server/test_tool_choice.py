@@ -1,0 +1,232 @@
+"""tool_choice required / named is enforced: the encoder's forced opener (chat_format.Forced)
+and the bridge's two-part request (bridge.Bridge._forced), on a scripted engine that answers
+each request with its own script, then through the real openai SDK on the tiny model."""
+
+import asyncio
+import json
+import threading
+
+import openai
+import pytest
+import support
+from live_server import real_server
+
+from backfit.engine.engine import RequestOutput, Usage
+from backfit.server.bridge import KEEPALIVE, Bridge, FinishWithUsage
+from backfit.server.chat_format import THINK_END
+from backfit.server.metrics import Metrics
+from backfit.server.parser import fold
+from backfit.server.protocol import ChatRequest, Message, Tool
+
+D = "｜DSML｜"
+OPENER = f'\n\n<{D}tool_calls>\n<{D}invoke name="'
+TOOLS = (Tool.function("get_weather", "Weather for a city",
+                       {"type": "object", "properties": {"city": {"type": "string"}}}),
+         Tool.function("get_time", "Local time", {"type": "object", "properties": {}}))
+REST = (f'get_weather">\n<{D}parameter name="city" string="true">Paris</{D}parameter>\n'
+        f'</{D}invoke>\n</{D}tool_calls>')
+
+
+def _req(choice, thinking=True, **kw):
+    return ChatRequest(messages=(Message("user", "Weather in Paris?"),), tools=TOOLS,
+                       tool_choice=choice, thinking=thinking, **kw)
+
+
+class _Cfg:
+    max_model_len, max_num_seqs = 4096, 4
+
+
+class PhasedEngine:
+    """AsyncEngine's surface; request k plays scripts[k] = [(text, ids), ...], the last delta
+    finishing with finishes[k] = (finish_reason, stop_reason); records (prompt, params)."""
+
+    def __init__(self, scripts, finishes):
+        self.cfg, self.ready, self.error = _Cfg(), threading.Event(), None
+        self.ready.set()
+        self.scripts, self.finishes, self.calls = scripts, finishes, []
+
+    def stats(self):
+        return {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 0.0,
+                "num_blocks": 8, "num_free_blocks": 8, "prompt_tokens": 0,
+                "generation_tokens": 0}
+
+    async def generate(self, ids, params):
+        k = len(self.calls)
+        self.calls.append((list(ids), params))
+        n = 0
+        for j, (text, tids) in enumerate(self.scripts[k]):
+            await asyncio.sleep(0)
+            n += len(tids)
+            o = RequestOutput(k, text, list(tids))
+            if j == len(self.scripts[k]) - 1:
+                o.finished = True
+                o.finish_reason, o.stop_reason = self.finishes[k]
+                o.usage = Usage(len(ids), n, 7 * (k + 1))
+            yield o
+
+
+def _run(encoder, engine, req, max_tokens=64, metrics=None):
+    prompt = encoder.encode_request(req)
+    bridge = Bridge(engine, max_model_len=4096, max_num_seqs=4, metrics=metrics)
+    params = support_params(max_tokens)
+
+    async def go():
+        return [e async for e in bridge.stream(prompt, params, tools=True) if e is not KEEPALIVE]
+    return prompt, asyncio.run(go())
+
+
+def support_params(max_tokens):
+    from backfit.server.bridge import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+
+def test_encoder_forces_the_opener_for_required_and_named_only(encoder):
+    """required: the block and invoke openers up to the name; named: the name too; auto, none
+    and an assistant prefill: nothing; the ids detokenize to the text in both modes."""
+    req = encoder.encode_request(_req("required"))
+    assert req.forced.text == OPENER and req.reasoning_open
+    assert encoder.tokenizer.decode(list(req.forced.ids)) == OPENER
+    assert req.forced.think_end == encoder.tokenizer.token_to_id(THINK_END)
+    named = encoder.encode_request(_req({"type": "function", "name": "get_time"}, thinking=False))
+    assert named.forced.text == OPENER + 'get_time">\n' and not named.reasoning_open
+    assert encoder.encode_request(_req("auto")).forced is None
+    assert encoder.encode_request(_req("none")).forced is None
+    prefill = ChatRequest(messages=(Message("user", "hi"), Message("assistant", "Sure", prefix=True)),
+                          tools=TOOLS, tool_choice="required")
+    assert encoder.encode_request(prefill).forced is None
+
+
+def test_required_in_thinking_mode_continues_after_the_reasoning(encoder):
+    """The reasoning stops at </think> (a stop token, its text kept); the second request is the
+    prompt + those ids + the opener, within what is left of max_tokens; the parsed message is
+    one call, finish tool_calls, usage over both parts, the reasoning counted once."""
+    te = encoder.tokenizer.token_to_id(THINK_END)
+    eng = PhasedEngine([[("Need the", [10, 11]), (" weather.", [12]), (THINK_END, [te])],
+                        [(REST[:20], [20, 21]), (REST[20:], [22, 23, 24])]],
+                       [("stop", te), ("stop", None)])
+    metrics = Metrics("m", eng.stats)
+    prompt, events = _run(encoder, eng, _req("required"), max_tokens=64, metrics=metrics)
+    (p1, par1), (p2, par2) = eng.calls
+    k = len(prompt.forced.ids)
+    assert p1 == prompt.ids and te in par1.stop_token_ids and par1.include_stop_str_in_output
+    assert p2 == [*prompt.ids, 10, 11, 12, te, *prompt.forced.ids]
+    assert par2.max_tokens == 64 - 4 - k and par2.stop_token_ids == ()
+    msg = fold(events)
+    assert msg.reasoning == "Need the weather." and msg.content == ""
+    assert [(c.name, json.loads(c.arguments), c.error) for c in msg.tool_calls] == \
+        [("get_weather", {"city": "Paris"}, None)]
+    fin = events[-1]
+    assert isinstance(fin, FinishWithUsage) and fin.reason == "tool_calls"
+    assert fin.usage.completion_tokens == 4 + k + 5 and fin.usage.reasoning_tokens == 4
+    assert fin.usage.prompt_tokens == len(prompt.ids) and fin.usage.cached_tokens == 7
+    text = metrics.render().decode()                # one request in the metrics, not two
+    assert 'vllm:e2e_request_latency_seconds_count{model_name="m"} 1.0' in text
+
+
+def test_eos_inside_the_reasoning_is_replaced_by_think_end(encoder):
+    te = encoder.tokenizer.token_to_id(THINK_END)
+    eos = 1
+    eng = PhasedEngine([[("Hmm", [10]), ("", [eos])], [(REST, [20, 21])]],
+                       [("stop", None), ("stop", None)])
+    prompt, events = _run(encoder, eng, _req("required"))
+    assert eng.calls[1][0] == [*prompt.ids, 10, te, *prompt.forced.ids]
+    msg = fold(events)
+    assert msg.reasoning == "Hmm" and [c.name for c in msg.tool_calls] == ["get_weather"]
+    assert events[-1].usage.completion_tokens == 1 + 1 + len(prompt.forced.ids) + 2
+
+
+def test_reasoning_that_runs_out_is_not_continued(encoder):
+    """length in the reasoning: one request, finish length; </think> with no room left for the
+    opener: finish length too, no second request."""
+    eng = PhasedEngine([[("Long", [10, 11, 12])]], [("length", None)])
+    _, events = _run(encoder, eng, _req("required"), max_tokens=3)
+    assert len(eng.calls) == 1 and events[-1].reason == "length"
+    te = encoder.tokenizer.token_to_id(THINK_END)
+    eng = PhasedEngine([[("Long", [10, 11]), (THINK_END, [te])]], [("stop", te)])
+    _, events = _run(encoder, eng, _req("required"), max_tokens=5)
+    assert len(eng.calls) == 1 and events[-1].reason == "length"
+
+
+def test_named_in_chat_mode_is_one_request_with_the_opener_in_the_prompt(encoder):
+    eng = PhasedEngine([[(REST[len('get_weather">\n'):], [30, 31])]], [("stop", None)])
+    prompt, events = _run(encoder, eng, _req({"type": "function", "name": "get_weather"},
+                                             thinking=False))
+    assert len(eng.calls) == 1 and eng.calls[0][0] == [*prompt.ids, *prompt.forced.ids]
+    assert eng.calls[0][1].max_tokens == 64 - len(prompt.forced.ids)
+    msg = fold(events)
+    assert [(c.name, json.loads(c.arguments)) for c in msg.tool_calls] == \
+        [("get_weather", {"city": "Paris"})]
+    assert events[-1].reason == "tool_calls"
+    assert events[-1].usage.completion_tokens == len(prompt.forced.ids) + 2
+
+
+@pytest.fixture(scope="module")
+def real(tiny_converted):
+    with support.one_thread():
+        srv = real_server(tiny_converted(1, "int8"))
+        yield srv
+        srv.stop()
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_required_through_the_sdk_on_the_tiny_model(real, thinking):
+    """The real engine behind the openai SDK, its generate() spied on: in chat mode it gets the
+    prompt + the opener's ids and max_tokens less the opener, in thinking mode the reasoning
+    first, with </think> as a stop token (the random model never closes it in 100 tokens: one
+    request, finish length); the reply is a 200 within max_tokens either way. (The 512-id
+    tokenizer spells the opener in 49 byte tokens; a max_tokens below that is not forced.)"""
+    eng, seen = real.engine, []
+    inner = eng.generate
+
+    async def spy(ids, params):
+        seen.append((list(ids), params))
+        async for o in inner(ids, params):
+            yield o
+    eng.generate = spy
+    try:
+        c = openai.OpenAI(base_url=real.url + "/v1", api_key="none", max_retries=0)
+        r = c.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=[{"type": "function", "function": t.schema} for t in TOOLS],
+            tool_choice="required", max_tokens=100, temperature=0,
+            extra_body={"chat_template_kwargs": {"thinking": thinking}})
+    finally:
+        del eng.generate
+    forced = real.ctx.encoder.encode_request(_req("required", thinking=thinking)).forced
+    assert r.usage.completion_tokens <= 100 and len(seen) == 1
+    ids, params = seen[0]
+    assert len(ids) + params.max_tokens == r.usage.prompt_tokens + 100
+    if thinking:
+        assert forced.think_end in params.stop_token_ids and r.choices[0].finish_reason == "length"
+    else:
+        assert tuple(ids[-len(forced.ids):]) == forced.ids and params.stop_token_ids == ()
+        assert len(ids) == r.usage.prompt_tokens + len(forced.ids)
+
+
+def test_every_front_end_maps_its_forcing_choice_to_the_opener(encoder):
+    """Anthropic any / tool and Responses required / function reach the same opener as Chat."""
+    from backfit.server import anthropic, openai_responses
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    a_tools = [{"name": t.name, "description": t.schema["description"],
+                "input_schema": t.schema["parameters"]} for t in TOOLS]
+    r_tools = [{"type": "function", **t.schema} for t in TOOLS]
+    cases = [
+        (anthropic.parse_request({"model": "m", "max_tokens": 64, "messages": msgs,
+                                  "tools": a_tools, "tool_choice": {"type": "any"}}), OPENER),
+        (anthropic.parse_request({"model": "m", "max_tokens": 64, "messages": msgs,
+                                  "tools": a_tools,
+                                  "tool_choice": {"type": "tool", "name": "get_time"}}),
+         OPENER + 'get_time">\n'),
+        (openai_responses.parse_request({"model": "m", "input": "Weather in Paris?",
+                                         "tools": r_tools, "tool_choice": "required"})[0],
+         OPENER),
+        (openai_responses.parse_request({"model": "m", "input": "Weather in Paris?",
+                                         "tools": r_tools, "tool_choice": {
+                                             "type": "function", "name": "get_weather"}})[0],
+         OPENER + 'get_weather">\n'),
+    ]
+    for req, text in cases:
+        assert encoder.encode_request(req).forced.text == text
+    auto = anthropic.parse_request({"model": "m", "max_tokens": 64, "messages": msgs,
+                                    "tools": a_tools, "tool_choice": {"type": "auto"}})
+    assert encoder.encode_request(auto).forced is None
