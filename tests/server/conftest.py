@@ -1,6 +1,8 @@
 """Server test fixtures."""
 
 import pytest
+import support
+from live_server import real_server
 
 from backfit.server.chat_format import ChatEncoder
 from backfit.synthetic import write_small_tokenizer
@@ -12,3 +14,12 @@ def encoder(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
     write_small_tokenizer(d, 512)
     return ChatEncoder.from_file(d)
+
+
+@pytest.fixture(scope="module")
+def real(tiny_converted):
+    """A live server on the real tiny engine (int8, tp 1, CPU), one per test module."""
+    with support.one_thread():
+        srv = real_server(tiny_converted(1, "int8"))
+        yield srv
+        srv.stop()

@@ -6,17 +6,12 @@ import math
 
 import openai
 import pytest
-import support
-from live_server import real_server
 from test_openai_chat import post
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_converted):
-    with support.one_thread():
-        s = real_server(tiny_converted(1, "int8"))
-        yield s
-        s.stop()
+def srv(real):
+    return real
 
 
 def client(s):

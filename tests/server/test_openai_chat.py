@@ -10,8 +10,7 @@ from pathlib import Path
 
 import openai
 import pytest
-import support
-from live_server import FakeEngine, LiveServer, real_server
+from live_server import FakeEngine, LiveServer
 
 GOLDEN = Path(__file__).parent / "golden"
 D = "｜DSML｜"
@@ -26,14 +25,6 @@ CALL = ((f"\n\n<{D}tool_calls>\n<{D}invoke name=\"get_weather\">\n<{D}parameter 
          f"3</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>"))
 THINK_TOOL = [("The user wants", 2), (" weather.", 1), ("</think>", 1), ("Let me check.", 3),
               (CALL[0], 6), (CALL[1], 8)]
-
-
-@pytest.fixture(scope="module")
-def real(tiny_converted):
-    with support.one_thread():
-        srv = real_server(tiny_converted(1, "int8"))
-        yield srv
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,9 @@ import threading
 
 import openai
 import pytest
-import support
-from live_server import real_server
 
 from backfit.engine.engine import RequestOutput, Usage
-from backfit.server.bridge import KEEPALIVE, Bridge, FinishWithUsage
+from backfit.server.bridge import KEEPALIVE, Bridge, FinishWithUsage, SamplingParams
 from backfit.server.chat_format import THINK_END
 from backfit.server.metrics import Metrics
 from backfit.server.parser import fold
@@ -68,16 +66,11 @@ class PhasedEngine:
 def _run(encoder, engine, req, max_tokens=64, metrics=None):
     prompt = encoder.encode_request(req)
     bridge = Bridge(engine, max_model_len=4096, max_num_seqs=4, metrics=metrics)
-    params = support_params(max_tokens)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
     async def go():
         return [e async for e in bridge.stream(prompt, params, tools=True) if e is not KEEPALIVE]
     return prompt, asyncio.run(go())
-
-
-def support_params(max_tokens):
-    from backfit.server.bridge import SamplingParams
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
 
 def test_encoder_forces_the_opener_for_required_and_named_only(encoder):
@@ -158,14 +151,6 @@ def test_named_in_chat_mode_is_one_request_with_the_opener_in_the_prompt(encoder
         [("get_weather", {"city": "Paris"})]
     assert events[-1].reason == "tool_calls"
     assert events[-1].usage.completion_tokens == len(prompt.forced.ids) + 2
-
-
-@pytest.fixture(scope="module")
-def real(tiny_converted):
-    with support.one_thread():
-        srv = real_server(tiny_converted(1, "int8"))
-        yield srv
-        srv.stop()
 
 
 @pytest.mark.parametrize("thinking", [False, True])
