@@ -19,7 +19,8 @@
 #   verify `backfit verify --device cuda --kernels triton --activations bfloat16` (the kernels'
 #          dtype, judged against the reference's own BF16 noise) on the tiny checkpoint: prefill chunks
 #          of 256, decode (chunks of 1), int8 KV, and --long-context 4096 then $LONG (default
-#          65536; 0 skips both), each long-context chunk's time printed (VERIFY_S, default
+#          65536; 0 skips both), each long-context chunk's time printed, then prefill chunks
+#          and decode on an --experts mx4 conversion (VERIFY_MX4=0 skips; VERIFY_S, default
 #          540 s: a device call of its own)
 #   bench  scripts/bench_decode.py $BENCH_ARGS (default: 4 real Flash layers, TP1); set
 #          BENCH_COMMIT to the commit you run (the lent copy's .git is stale) for the JSON
@@ -119,6 +120,7 @@ for s in "${steps[@]}"; do
             $PY scripts/make_tiny_checkpoint.py $d/orig --small-vocab >/dev/null || exit 1
             $PY -m backfit.cli convert $d/orig $d/conv --tp 1 --quiet || exit 1
             V='$PY -m backfit.cli verify $d/orig $d/conv --device cuda --kernels triton --activations bfloat16'
+            VM='$PY -m backfit.cli verify $d/orig $d/mx4 --device cuda --kernels triton --activations bfloat16'
             st=0
             set -- '' '--chunk 1 --max-positions 256' '--kv-cache-dtype int8'
             # long context: 4096 first (its chunk times: the T = 2048 compiles vs a chunk's cost)
@@ -131,6 +133,16 @@ for s in "${steps[@]}"; do
                 grep -E '^  (reference|runtime)' $OUT/verify_\$n.log | head -n 8   # pass, chunk times
                 tail -n 12 $OUT/verify_\$n.log; echo \"exit \$s\"
             done
+            # 4-bit experts (issue 10): the same checkpoint converted --experts mx4, through the
+            # mx4 kernels (decode GEMV, sorted DEQ 2 PTX): prefill chunks and decode
+            if [ '${VERIFY_MX4:-1}' != 0 ]; then
+                $PY -m backfit.cli convert $d/orig $d/mx4 --tp 1 --experts mx4 --quiet || exit 1
+                for a in '' '--chunk 1 --max-positions 256'; do
+                    n=\$((n + 1)); echo \"-- verify mx4 \$a\"
+                    \$VM \$a > $OUT/verify_\$n.log 2>&1; s=\$?
+                    [ \$s -eq 0 ] || st=1; tail -n 12 $OUT/verify_\$n.log; echo \"exit \$s\"
+                done
+            fi
             exit \$st" ;;
     bench)
         run_step bench "${BENCH_S:-420}" $PY scripts/bench_decode.py \
