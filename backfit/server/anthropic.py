@@ -192,7 +192,8 @@ def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
     if system:
         messages.insert(0, Message("system", system))
     thinking_cfg = body["thinking"] if isinstance(body.get("thinking"), dict) else {}
-    http.get_int(thinking_cfg, "budget_tokens", lo=0)
+    budget = http.get_int(thinking_cfg, "budget_tokens", lo=0)
+    budget = budget if thinking_cfg.get("type") == "enabled" else None
     out_cfg = http.get_dict(body, "output_config", {})
     thinking, effort = reasoning_wishes(body, out_cfg.get("effort"), "output_config.effort")
     fmt = http.get_dict(out_cfg, "format")
@@ -204,8 +205,8 @@ def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
     choice, parallel = _tool_choice(body.get("tool_choice"))
     return ChatRequest(
         messages=tuple(messages), tools=_tools(http.get_list(body, "tools", [])),
-        tool_choice=choice, thinking=thinking, reasoning_effort=effort, response_format=fmt,
-        max_tokens=max_tokens, temperature=http.get_num(body, "temperature", lo=0, hi=2),
+        tool_choice=choice, thinking=thinking, reasoning_effort=effort, reasoning_budget=budget,
+        response_format=fmt, max_tokens=max_tokens, temperature=http.get_num(body, "temperature", lo=0, hi=2),
         top_p=http.get_num(body, "top_p", lo=0, hi=1), top_k=http.get_int(body, "top_k", lo=-1),
         seed=http.get_int(body, "seed", lo=-2**63, hi=2**64), stop=tuple(stop),
         stream=http.get_bool(body, "stream", False), parallel_tool_calls=parallel,

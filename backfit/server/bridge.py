@@ -14,12 +14,13 @@ blocks are free within one step). An engine failure after the first event ends t
 Finish(reason="error"). If nothing comes for `keepalive_s` seconds (long prefill), a KEEPALIVE
 marker is yielded; SSE writers render it as a comment / ping.
 
-A prompt with `forced` output (tool_choice required / named; chat_format.Forced) runs as two
-engine requests that read as one: the reasoning up to the model's `</think>` (a stop token; an
-EOS there becomes `</think>`), then prompt + that output + the forced tool-call opener,
-continued within the same max_tokens (its prefix comes from the prefix cache). The opener
-reaches the parser as output and counts in completion_tokens; penalties and min_tokens see
-only the continuation's own output.
+A prompt with `forced` output (chat_format.Forced: tool_choice required / named, a reasoning
+budget) runs as two engine requests that read as one: the reasoning up to the model's
+`</think>` (a stop token) or the budget, then prompt + that output + what is forced (`</think>`
+where the model did not write it — budget spent, or an EOS before a forced call — and the
+tool-call opener) continued within the same max_tokens, its prefix from the prefix cache.
+Forced tokens reach the parser as output and count in completion_tokens; penalties and
+min_tokens see only the continuation's own output.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from backfit.engine.engine import EngineConfig, RequestOutput
 from backfit.engine.engine import Usage as EngineUsage
 from backfit.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from backfit.engine.tokenizer import load_tokenizer
-from backfit.server.chat_format import ChatEncoder, Prompt
+from backfit.server.chat_format import THINK_END, ChatEncoder, Prompt
 from backfit.server.parser import OutputParser
 from backfit.server.protocol import Finish, Usage
 
@@ -267,43 +268,50 @@ class Bridge:
     async def _forced(self, prompt: Prompt, params: SamplingParams,
                       state: dict) -> AsyncIterator[RequestOutput | KeepAlive]:
         """generate()'s outputs for a prompt with forced output (module docstring): the
-        reasoning's, one output holding the forced ids, then the continuation's; the last
-        one's usage covers all of them."""
+        reasoning's, the forced ones (`</think>` where the model did not write it, the opener),
+        then the continuation's; the last one's usage covers all of them."""
         f = prompt.forced
-        budget = (params.max_tokens if params.max_tokens is not None
-                  else self.max_model_len - len(prompt.ids))
+        total = (params.max_tokens if params.max_tokens is not None
+                 else self.max_model_len - len(prompt.ids))
         out: list[int] = []                     # the reasoning as the continuation reads it
-        forced, u1 = RequestOutput(0, f.text, list(f.ids)), None
-        if not prompt.reasoning_open and budget - len(f.ids) < 1:
+        forced, u1 = [RequestOutput(0, f.text, list(f.ids))], None
+        if not prompt.reasoning_open and total - len(f.ids) < 1:
             async for o in self.generate(prompt.ids, params, state):
                 yield o                             # max_tokens below the opener: not forced
             return
         if prompt.reasoning_open:
-            p1 = replace(params, stop_token_ids=params.stop_token_ids + (f.think_end,),
+            cap = total if f.budget is None else max(1, min(f.budget, total))
+            p1 = replace(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap),
+                         stop_token_ids=params.stop_token_ids + (f.think_end,),
                          include_stop_str_in_output=True)
             async with contextlib.aclosing(self.generate(prompt.ids, p1, state)) as agen:
                 async for o in agen:
-                    if o is not KEEPALIVE and o.finished and o.finish_reason == "stop" and \
-                            o.stop_reason in (f.think_end, None):
-                        ids = o.token_ids if o.stop_reason is not None else o.token_ids[:-1]
-                        if o.stop_reason is None:       # EOS inside the reasoning: close it
-                            forced = RequestOutput(0, "</think>" + f.text, [f.think_end, *f.ids])
-                        if budget - len(out) - len(ids) - len(forced.token_ids) < 1:
-                            yield replace(o, finish_reason="length")   # no room for the call
-                            return
-                        out += ids
-                        state["continued"], u1 = True, o.usage or EngineUsage(0, 0, 0)
-                        o = replace(o, token_ids=ids, finished=False, finish_reason=None,
-                                    stop_reason=None, usage=None)
-                    elif o is not KEEPALIVE:
-                        out += o.token_ids
+                    if o is KEEPALIVE:
+                        yield o
+                        continue
+                    if o.finished:
+                        why = self._reasoning_end(o, f, len(out) + len(o.token_ids), cap, total)
+                        if why is not None:         # continue: close it, force the opener
+                            ids = o.token_ids[:-1] if why == "eos" else o.token_ids
+                            if why != "closed":
+                                forced.insert(0, RequestOutput(0, THINK_END, [f.think_end]))
+                            n = len(out) + len(ids) + sum(len(x.token_ids) for x in forced)
+                            if total - n < 1:
+                                yield replace(o, finish_reason="length")   # no room left
+                                return
+                            state["continued"], u1 = True, o.usage or EngineUsage(0, 0, 0)
+                            o = replace(o, token_ids=ids, finished=False, finish_reason=None,
+                                        stop_reason=None, usage=None)
+                    out += o.token_ids
                     yield o
             if u1 is None:
                 return                              # it ended otherwise (length, abort)
-        n_before = len(out) + len(forced.token_ids)
-        p2 = replace(params, max_tokens=None if params.max_tokens is None else budget - n_before,
+        forced = [x for x in forced if x.token_ids]
+        n_before = len(out) + sum(len(x.token_ids) for x in forced)
+        p2 = replace(params, max_tokens=None if params.max_tokens is None else total - n_before,
                      min_tokens=max(0, params.min_tokens - n_before))
-        agen = self.generate([*prompt.ids, *out, *forced.token_ids], p2, state)
+        agen = self.generate([*prompt.ids, *out, *(t for x in forced for t in x.token_ids)],
+                             p2, state)
         async with contextlib.aclosing(agen):
             try:
                 first = await agen.__anext__()      # admission errors come before any event
@@ -312,8 +320,9 @@ class Bridge:
             except (EngineUnavailable, ValueError) as e:
                 if u1 is None:
                     raise
-                raise EngineDeadError(f"the forced tool call could not start: {e}") from e
-            yield forced
+                raise EngineDeadError(f"the forced continuation could not start: {e}") from e
+            for x in forced:
+                yield x
             o = first
             while True:
                 if o is not KEEPALIVE and o.usage is not None:
@@ -326,6 +335,19 @@ class Bridge:
                     o = await agen.__anext__()
                 except StopAsyncIteration:
                     return
+
+    @staticmethod
+    def _reasoning_end(o: RequestOutput, f, n: int, cap: int, total: int) -> str | None:
+        """How the reasoning's last output (n tokens in all) ended, where the continuation
+        takes over: "closed" (its </think>), "eos" (an EOS before it: a call is forced only),
+        "budget" (the reasoning budget spent with room left); None: the reply ends here."""
+        if o.finish_reason == "stop" and o.stop_reason == f.think_end:
+            return "closed"
+        if o.finish_reason == "stop" and o.stop_reason is None and f.ids:
+            return "eos"
+        if o.finish_reason == "length" and f.budget is not None and n >= cap and cap < total:
+            return "budget"
+        return None
 
 
 @dataclass

@@ -27,6 +27,8 @@ Unconfirmed in the spec, and what we chose:
   a named choice renders only that tool, "required" all of them; both are enforced by forcing
   the call's opener (`Prompt.forced`, continued by `server.bridge` after the reasoning):
   `\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="` (+ the name and `">\n` when named).
+  A reasoning budget (Anthropic's `budget_tokens`) closes the reasoning with a forced
+  `</think>` once it is spent.
 - Request tools and response_format go on the first system message; one empty system message is
   inserted at index 0 when there is none (vLLM's choice). `{"type": "text"}` means no format.
 - History tool-call arguments: decoded once more if double-encoded; a non-object JSON value
@@ -151,18 +153,20 @@ def render_tools_text(tools: tuple[Tool, ...] | list[Tool]) -> str:
 
 @dataclass(frozen=True)
 class Forced:
-    """Output the model must produce next (tool_choice required / named): `ids` detokenize to
-    `text`; with the reasoning open, they follow the model's `</think>` (id `think_end`)."""
+    """Output the model is made to produce: `ids` (detokenizing to `text`: the tool-call opener
+    of tool_choice required / named, or nothing) right after the reasoning closes (`</think>`,
+    id `think_end`), which is forced after `budget` reasoning tokens when a budget is set."""
     ids: tuple[int, ...]
     text: str
     think_end: int
+    budget: int | None = None
 
 
 @dataclass(frozen=True)
 class Prompt:
     """An encoded prompt. `text` is the reference string; `reasoning_open` says the prompt ends
     inside `<think>`, so the output starts with reasoning (hand it to the parser); `forced`:
-    the tool-call opener a required / named tool_choice puts after the reasoning, or None."""
+    the tool-call opener of a required / named tool_choice and the reasoning budget, or None."""
     ids: list[int]
     text: str
     thinking_mode: str
@@ -280,17 +284,20 @@ class ChatEncoder:
         mode, effort = resolve_reasoning(req.thinking, req.reasoning_effort, self.profile)
         tools = request_tools(req)
         prompt = self.encode_messages(req.messages, tools, mode, effort, req.response_format)
-        if not tools or req.tool_choice == "auto" or req.messages[-1].prefix:
+        budget = req.reasoning_budget if prompt.reasoning_open else None
+        call = bool(tools) and req.tool_choice != "auto"
+        if not (call or budget is not None) or req.messages[-1].prefix:
             return prompt                   # nothing to force (or a prefill to continue)
         segs = _Segments()
-        segs.text("\n\n<")
-        segs.control(DSML)
-        segs.text("tool_calls>\n<")
-        segs.control(DSML)
-        segs.text('invoke name="' + (f'{tools[0].name}">\n' if len(tools) == 1 and
-                                      isinstance(req.tool_choice, dict) else ""))
+        if call:
+            segs.text("\n\n<")
+            segs.control(DSML)
+            segs.text("tool_calls>\n<")
+            segs.control(DSML)
+            segs.text('invoke name="' + (f'{tools[0].name}">\n' if len(tools) == 1 and
+                                          isinstance(req.tool_choice, dict) else ""))
         forced = Forced(tuple(self._ids(segs)), "".join(t for t, _ in segs.items),
-                        self.control_ids[THINK_END])
+                        self.control_ids[THINK_END], budget)
         return replace(prompt, forced=forced)
 
     def encode_messages(self, messages, tools=(), thinking_mode: str = "thinking",

@@ -79,6 +79,7 @@ class ChatRequest:
     tool_choice: str | dict[str, Any] = "auto"     # none | auto | required | {"name": ...}
     thinking: bool | None = None                   # None: the server default (thinking on)
     reasoning_effort: str | None = None            # none|minimal|low|medium|high|xhigh|max
+    reasoning_budget: int | None = None            # tokens of reasoning, then </think> forced
     response_format: dict[str, Any] | None = None  # a json_schema/json_object spec, or None
     max_tokens: int | None = None
     temperature: float | None = None

@@ -236,3 +236,89 @@ def test_the_opener_is_the_real_tokenizers_own_split(name):
         req = ChatRequest(messages=(Message("user", "hi"),), tools=tools, tool_choice=choice)
         f = enc.encode_request(req).forced
         assert tuple(whole[:len(f.ids)]) == f.ids and enc.tokenizer.decode(list(f.ids)) == f.text
+
+
+# ---- the reasoning budget (Anthropic thinking.budget_tokens) --------------------------------
+
+def _anthropic(thinking, **kw):
+    from backfit.server import anthropic
+    return anthropic.parse_request({"model": "m", "max_tokens": 64, "thinking": thinking,
+                                    "messages": [{"role": "user", "content": "Weather?"}], **kw})
+
+
+def test_encoder_carries_the_budget_of_enabled_thinking_only(encoder):
+    p = encoder.encode_request(_anthropic({"type": "enabled", "budget_tokens": 3}))
+    assert p.reasoning_open and p.forced.budget == 3 and p.forced.ids == ()
+    for off in ({"type": "disabled"}, {"type": "adaptive"}, {"type": "enabled"}):
+        assert encoder.encode_request(_anthropic(off)).forced is None
+    a_tools = [{"name": "get_time", "input_schema": {"type": "object"}}]
+    both = encoder.encode_request(_anthropic({"type": "enabled", "budget_tokens": 5},
+                                             tools=a_tools, tool_choice={"type": "any"}))
+    assert both.forced.budget == 5 and both.forced.text == OPENER
+
+
+def test_a_spent_budget_closes_the_reasoning_and_the_answer_follows(encoder):
+    """Budget 3: the reasoning request may write 3 tokens; cut there, `</think>` is forced and
+    the prompt + 3 ids + </think> continued for the rest of max_tokens: reasoning, then content,
+    usage over both, the forced </think> counted as reasoning."""
+    te = encoder.tokenizer.token_to_id(THINK_END)
+    eng = PhasedEngine([[("Think", [10, 11]), ("ing", [12])], [("Sunny.", [40, 41])]],
+                       [("length", None), ("stop", None)])
+    req = _anthropic({"type": "enabled", "budget_tokens": 3})
+    prompt, events = _run(encoder, eng, req, max_tokens=64)
+    (p1, par1), (p2, par2) = eng.calls
+    assert par1.max_tokens == 3 and te in par1.stop_token_ids
+    assert p2 == [*prompt.ids, 10, 11, 12, te] and par2.max_tokens == 64 - 4
+    msg = fold(events)
+    assert (msg.reasoning, msg.content, msg.tool_calls) == ("Thinking", "Sunny.", [])
+    fin = events[-1]
+    assert fin.reason == "stop" and fin.usage.completion_tokens == 3 + 1 + 2
+    assert fin.usage.reasoning_tokens == 4
+
+
+def test_reasoning_closed_within_the_budget_is_continued_as_written(encoder):
+    """The model's own </think> at token 2 of 3: nothing forced, its ids continued; a budget as
+    large as max_tokens is no budget (length ends the reply, one request)."""
+    te = encoder.tokenizer.token_to_id(THINK_END)
+    eng = PhasedEngine([[("Hm", [10]), (THINK_END, [te])], [("Sunny.", [40])]],
+                       [("stop", te), ("stop", None)])
+    prompt, events = _run(encoder, eng, _anthropic({"type": "enabled", "budget_tokens": 3}))
+    assert eng.calls[1][0] == [*prompt.ids, 10, te]
+    assert fold(events).content == "Sunny." and events[-1].usage.completion_tokens == 3
+    eng = PhasedEngine([[("Long", [10, 11, 12, 13])]], [("length", None)])
+    _, events = _run(encoder, eng, _anthropic({"type": "enabled", "budget_tokens": 9}),
+                     max_tokens=4)
+    assert len(eng.calls) == 1 and eng.calls[0][1].max_tokens == 4
+    assert events[-1].reason == "length"
+
+
+def test_budget_through_the_anthropic_sdk_on_the_tiny_model(real):
+    """budget_tokens 16 of max_tokens 80 on the real engine: the first request may write 16
+    tokens, the second continues the prompt + those (+ a forced </think> where the random model
+    did not close its reasoning); the reply's usage is within max_tokens."""
+    import anthropic as sdk
+    eng, seen, outs = real.engine, [], []
+    inner = eng.generate
+
+    async def spy(ids, params):
+        seen.append((list(ids), params))
+        outs.append([])
+        async for o in inner(ids, params):
+            outs[-1] += o.token_ids
+            yield o
+    eng.generate = spy
+    try:
+        c = sdk.Anthropic(base_url=real.url, api_key="none", max_retries=0)
+        r = c.messages.create(model="m", max_tokens=80, extra_body={"temperature": 0},
+                              thinking={"type": "enabled", "budget_tokens": 16},
+                              messages=[{"role": "user", "content": "Weather in Paris?"}])
+    finally:
+        del eng.generate
+    te = real.ctx.encoder.control_ids[THINK_END]
+    (p1, par1), (p2, par2) = seen
+    assert par1.max_tokens == 16 and te in par1.stop_token_ids
+    closed = outs[0][-1] == te
+    assert p2 == p1 + outs[0] + ([] if closed else [te])
+    assert par2.max_tokens == 80 - len(p2) + len(p1)
+    assert r.usage.output_tokens == len(p2) - len(p1) + len(outs[1]) <= 80
+    assert r.content[0].type == "thinking"
