@@ -49,6 +49,23 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from backfit.server.chat_template import (
+    ASSISTANT,
+    BOS,
+    CLIENT_EFFORT,
+    CONTROL_TOKENS,
+    DSML,
+    EFFORT_PROMPTS,
+    EOS,
+    LATEST_REMINDER,
+    REQUIRED_TOKENS,
+    RESPONSE_FORMAT,
+    THINK_END,
+    THINK_START,
+    TOOLS_HEAD,
+    TOOLS_TAIL,
+    USER,
+)
 from backfit.server.protocol import ChatRequest, Message, Tool
 
 __all__ = [
@@ -56,58 +73,6 @@ __all__ = [
     "CONTROL_TOKENS", "EFFORT_PROMPTS", "Forced", "Prompt", "ChatEncoder", "resolve_reasoning",
     "request_tools", "render_tools_text",
 ]
-
-BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-USER, ASSISTANT, LATEST_REMINDER = "<｜User｜>", "<｜Assistant｜>", "<｜latest_reminder｜>"
-THINK_START, THINK_END, DSML = "<think>", "</think>", "｜DSML｜"
-CONTROL_TOKENS = (BOS, EOS, USER, ASSISTANT, LATEST_REMINDER, THINK_START, THINK_END, DSML)
-_REQUIRED = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END)
-
-_ABS_MAX = (
-    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
-    "You MUST be very thorough in your thinking and comprehensively decompose the problem to "
-    "resolve the root cause, rigorously stress-testing your logic against all potential paths, "
-    "edge cases, and adversarial scenarios.\n"
-    "Explicitly write out your entire deliberation process, documenting every intermediate step, "
-    "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
-    "unchecked.\n\n")
-_BEYOND_MAX = (
-    "Reasoning Effort: Beyond maximum — exhaustive, relentless, and uncompromising.\n"
-    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: "
-    "exhaustively decompose the problem into its most fundamental components, trace every causal "
-    "chain to its root, and resolve the underlying cause rather than any surface symptom.\n"
-    "Do not stop reasoning until you have independently verified the solution from multiple "
-    "angles and are certain that no assumption remains unchecked and no error remains "
-    "undiscovered.\n\n")
-# profile -> encoder level -> text prepended at index 0 in thinking mode (None: encoder default)
-EFFORT_PROMPTS = {
-    "flash": {None: "", "high": "", "max": _ABS_MAX},
-    "0731": {None: "", "low": "", "high": _ABS_MAX, "max": _BEYOND_MAX},
-}
-_CLIENT_EFFORT = {  # client level -> encoder level, per profile
-    "flash": {"minimal": "high", "low": "high", "medium": "high", "high": "high",
-              "xhigh": "max", "max": "max"},
-    "0731": {"minimal": "low", "low": "low", "medium": "high", "high": "high",
-             "xhigh": "max", "max": "max"},
-}
-
-# the model's prompt, verbatim from the reference TOOLS_TEMPLATE (up to {tool_schemas})
-_TOOLS_HEAD = (
-    "## Tools\n\nYou have access to a set of tools to help answer the user's question. You can "
-    'invoke tools by writing a "<{d}tool_calls>" block like the following:\n\n<{d}tool_calls>\n'
-    '<{d}invoke name="$TOOL_NAME">\n<{d}parameter name="$PARAMETER_NAME" string="true|false">'
-    "$PARAMETER_VALUE</{d}parameter>\n...\n</{d}invoke>\n<{d}invoke name=\"$TOOL_NAME2\">\n"
-    "...\n</{d}invoke>\n</{d}tool_calls>\n\nString parameters should be specified as is and "
-    'set `string="true"`. For all other types (numbers, booleans, arrays, objects), pass the '
-    'value in JSON format and set `string="false"`.\n\nIf thinking_mode is enabled (triggered '
-    "by {s}), you MUST output your complete reasoning inside {s}...{e} BEFORE any tool calls or "
-    "final response.\n\nOtherwise, output directly after {e} with tool calls or final "
-    "response.\n\n### Available Tool Schemas\n\n").format(d=DSML, s=THINK_START, e=THINK_END)
-_TOOLS_TAIL = "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to " \
-              "invoke tool calls.\n"
-_RESPONSE_FORMAT = "## Response Format:\n\nYou MUST strictly adhere to the following schema " \
-                   "to reply:\n"
-
 
 def _to_json(value: Any) -> str:
     """The reference's to_json: ensure_ascii=False, default separators (", ", ": ")."""
@@ -123,12 +88,12 @@ def resolve_reasoning(thinking: bool | None, effort: str | None,
     if profile not in EFFORT_PROMPTS:
         raise ValueError(f"unknown reasoning-effort profile {profile!r}")
     e = effort.strip().lower() if isinstance(effort, str) else effort
-    if e is not None and e != "none" and e not in _CLIENT_EFFORT[profile]:
+    if e is not None and e != "none" and e not in CLIENT_EFFORT[profile]:
         raise ValueError(f"reasoning_effort: unknown level {effort!r} "
                          "(expected none, minimal, low, medium, high, xhigh or max)")
     if thinking is False or e == "none":
         return "chat", None
-    return "thinking", (_CLIENT_EFFORT[profile][e] if e is not None else None)
+    return "thinking", (CLIENT_EFFORT[profile][e] if e is not None else None)
 
 
 def request_tools(req: ChatRequest) -> tuple[Tool, ...]:
@@ -148,7 +113,7 @@ def request_tools(req: ChatRequest) -> tuple[Tool, ...]:
 
 def render_tools_text(tools: tuple[Tool, ...] | list[Tool]) -> str:
     """The `## Tools` block as text (control strings included verbatim)."""
-    return _TOOLS_HEAD + "\n".join(_to_json(t.schema) for t in tools) + _TOOLS_TAIL
+    return TOOLS_HEAD + "\n".join(_to_json(t.schema) for t in tools) + TOOLS_TAIL
 
 
 @dataclass(frozen=True)
@@ -267,7 +232,7 @@ class ChatEncoder:
         cfg["added_tokens"] = []            # text is never split on added tokens
         self.plain = Tokenizer.from_str(json.dumps(cfg))
         self.control_ids = {t: tokenizer.token_to_id(t) for t in CONTROL_TOKENS}
-        missing = [t for t in _REQUIRED if self.control_ids[t] is None]
+        missing = [t for t in REQUIRED_TOKENS if self.control_ids[t] is None]
         if missing:
             raise ValueError(f"tokenizer lacks the DSV4 chat tokens {missing}")
 
@@ -289,13 +254,10 @@ class ChatEncoder:
         if not (call or budget is not None) or req.messages[-1].prefix:
             return prompt                   # nothing to force (or a prefill to continue)
         segs = _Segments()
-        if call:
-            segs.text("\n\n<")
-            segs.control(DSML)
-            segs.text("tool_calls>\n<")
-            segs.control(DSML)
-            segs.text('invoke name="' + (f'{tools[0].name}">\n' if len(tools) == 1 and
-                                          isinstance(req.tool_choice, dict) else ""))
+        if call:                            # the name as text: it is the client's
+            segs.template(f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="')
+            if len(tools) == 1 and isinstance(req.tool_choice, dict):
+                segs.text(f'{tools[0].name}">\n')
         forced = Forced(tuple(self._ids(segs)), "".join(t for t, _ in segs.items),
                         self.control_ids[THINK_END], budget)
         return replace(prompt, forced=forced)
@@ -377,11 +339,11 @@ class ChatEncoder:
             segs.text(_tool_content(t["msg"].content))
             if tools:
                 segs.text("\n\n")
-                segs.template(_TOOLS_HEAD)
+                segs.template(TOOLS_HEAD)
                 segs.text("\n".join(_to_json(x.schema) for x in tools))
-                segs.text(_TOOLS_TAIL)
+                segs.text(TOOLS_TAIL)
             if response_format:
-                segs.text("\n\n" + _RESPONSE_FORMAT + _to_json(response_format))
+                segs.text("\n\n" + RESPONSE_FORMAT + _to_json(response_format))
         elif role == "user":
             segs.control(USER)
             segs.text("\n\n".join(b["text"] if b["type"] == "text"
