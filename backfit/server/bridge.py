@@ -4,6 +4,7 @@ imports `backfit.engine`.
     Bridge.generate(ids, params)  -> RequestOutput deltas (+ KEEPALIVE markers)   legacy paths
     Bridge.stream(prompt, params, tools=, stop=) -> neutral events (+ KEEPALIVE)   chat paths
         TextDelta / ReasoningDelta / ToolCall* ... Usage, Finish (a FinishWithUsage: .usage)
+        (+ TokenLogprobs of the answer's tokens when params.logprobs is set)
 
 Both raise, before their first event: `EngineUnavailable` (→ 503: loading, dead, draining),
 `QueueFull` (→ 429, 529 on the Anthropic path; with Retry-After), `ContextTooLong` (a ValueError
@@ -41,7 +42,7 @@ from backfit.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from backfit.engine.tokenizer import load_tokenizer
 from backfit.server.chat_format import THINK_END, ChatEncoder, Prompt
 from backfit.server.parser import OutputParser
-from backfit.server.protocol import Finish, Usage
+from backfit.server.protocol import Finish, TokenLogprobs, Usage
 
 __all__ = [
     "CTX",
@@ -236,7 +237,13 @@ class Bridge:
                         continue
                     started = True
                     n_out += len(o.token_ids)
+                    answer = parser.state != "REASONING"       # (the </think> chunk is not)
                     events = parser.feed(o.text, len(o.token_ids))
+                    if o.logprobs and params.logprobs is not None and answer:  # forced: none
+                        items = [(t, lp, top) for t, (lp, top) in zip(o.token_ids, o.logprobs)]
+                        if o.finished and o.finish_reason == "stop" and o.stop_reason is None:
+                            items = items[:-1]              # the EOS: not part of the answer
+                        events.insert(0, TokenLogprobs(tuple(items)))
                     if o.finished or parser.done:
                         usage = o.usage
                         stop_seq = o.stop_reason if isinstance(o.stop_reason, str) else None

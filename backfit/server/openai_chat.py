@@ -2,7 +2,8 @@
 
 Choices (api-protocols [U] points): `developer` and `function` roles map to system / tool;
 image, audio and file parts are a 400 naming `messages[i].content[j]` (V4-Flash is text-only);
-`n` > 1 and chat `logprobs` are a 400 naming the field (token logprobs: /v1/completions);
+`n` > 1 is a 400 naming the field; `logprobs` / `top_logprobs` (≤ 20) give the answer's tokens
+(chat_logprobs: after the reasoning; reasoning and forced tokens have none);
 stop strings apply to the answer text only (not to reasoning or tool arguments); a named
 `tool_choice` finishes with "stop" (OpenAI's non-streaming behaviour); `parallel_tool_calls:
 false` keeps only the first call; a tool call cut off or malformed is not returned as a call
@@ -31,6 +32,7 @@ from backfit.server.bridge import (
     FinishWithUsage,
     QueueFull,
 )
+from backfit.server.chat_logprobs import TokenText
 from backfit.server.http import (
     BadRequest,
     ClientGone,
@@ -51,6 +53,7 @@ from backfit.server.openai_request import (  # noqa: F401 (re-exported for the o
 from backfit.server.protocol import (
     ReasoningDelta,
     TextDelta,
+    TokenLogprobs,
     ToolCallArgsDelta,
     ToolCallStart,
     Usage,
@@ -151,9 +154,10 @@ async def handle(request: web.Request) -> web.StreamResponse:
         return map_exception(e)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     named = isinstance(req.tool_choice, dict)
+    lp = TokenText(ctx.encoder.tokenizer) if params.logprobs is not None else None
     if req.stream:
-        return await _stream(request, ctx, req, agen, task, cid, created, named)
-    return await _complete(ctx, req, agen, task, cid, created, named)
+        return await _stream(request, ctx, req, agen, task, cid, created, named, lp)
+    return await _complete(ctx, req, agen, task, cid, created, named, lp)
 
 
 async def _events(agen, task):
@@ -166,11 +170,13 @@ async def _events(agen, task):
         yield ev
 
 
-async def _complete(ctx, req, agen, task, cid, created, named):
-    reasoning, content, calls, fin = [], [], {}, None
+async def _complete(ctx, req, agen, task, cid, created, named, lp):
+    reasoning, content, calls, fin, logprobs = [], [], {}, None, []
     try:
         async for ev in _events(agen, task):
-            if isinstance(ev, ReasoningDelta):
+            if isinstance(ev, TokenLogprobs):
+                logprobs += lp.entries(ev.items)
+            elif isinstance(ev, ReasoningDelta):
                 reasoning.append(ev.text)
             elif isinstance(ev, TextDelta):
                 content.append(ev.text)
@@ -204,16 +210,20 @@ async def _complete(ctx, req, agen, task, cid, created, named):
         reason = "stop"
     return json_response({
         "id": cid, "object": "chat.completion", "created": created, "model": ctx.model_name,
-        "choices": [{"index": 0, "message": msg, "logprobs": None, "finish_reason": reason}],
+        "choices": [{"index": 0, "message": msg, "finish_reason": reason,
+                     "logprobs": {"content": logprobs, "refusal": None} if lp else None}],
         "usage": usage_json(fin.usage)}, headers={"x-request-id": cid})
 
 
-async def _stream(request, ctx, req, agen, task, cid, created, named):
+async def _stream(request, ctx, req, agen, task, cid, created, named, lp):
     head = {"id": cid, "object": "chat.completion.chunk", "created": created,
             "model": ctx.model_name}
+    pending: list[dict] = []                    # logprobs for the next chunk written
 
     def chunk(delta: dict, finish: str | None = None) -> dict:
-        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+        lps = {"content": pending[:], "refusal": None} if pending else None
+        pending.clear()
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": lps,
                                      "finish_reason": finish}]}
     resp = None
     try:
@@ -223,6 +233,8 @@ async def _stream(request, ctx, req, agen, task, cid, created, named):
         async for ev in _events(agen, task):
             if ev is KEEPALIVE:
                 await sse_comment(resp)
+            elif isinstance(ev, TokenLogprobs):
+                pending += lp.entries(ev.items)
             elif isinstance(ev, ReasoningDelta):
                 await sse_data(resp, chunk({"reasoning_content": ev.text}))
             elif isinstance(ev, TextDelta):

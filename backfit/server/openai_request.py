@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from backfit.server.bridge import SamplingParams
+from backfit.server.bridge import MAX_LOGPROBS, SamplingParams
 from backfit.server.http import BadRequest, get_bool, get_dict, get_int, get_list, get_num, get_str
 from backfit.server.protocol import ChatRequest, Message, Tool, ToolCall
 
@@ -193,9 +193,10 @@ def parse_request(body: dict) -> tuple[ChatRequest, SamplingParams]:
     n = get_int(body, "n", 1)
     if n != 1:
         raise BadRequest("n must be 1 (one choice per request is supported)", "n")
-    if get_bool(body, "logprobs", False) or body.get("top_logprobs") is not None:
-        raise BadRequest("logprobs are not supported on chat completions; use /v1/completions "
-                         "with logprobs", "logprobs")
+    want_lp = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if top is not None and not want_lp:
+        raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
     mt = get_int(body, "max_completion_tokens", None, lo=1)
     mt = mt if mt is not None else get_int(body, "max_tokens", None, lo=1)
     tools, choice = parse_tools(body)
@@ -216,4 +217,4 @@ def parse_request(body: dict) -> tuple[ChatRequest, SamplingParams]:
         stop=parse_stop(body), stream=bool(get_bool(body, "stream", False)),
         include_usage=opts.get("include_usage") is True,
         parallel_tool_calls=get_bool(body, "parallel_tool_calls", True))
-    return req, sampling_params(body, mt)
+    return req, sampling_params(body, mt, logprobs=(top or 0) if want_lp else None)

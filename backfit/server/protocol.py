@@ -136,6 +136,14 @@ class ToolCallEnd:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """Sampled tokens of the answer (after the reasoning), only when logprobs were asked:
+    `items` = ((token id, logprob, top [(id, logprob), ...] or None), ...) in output order,
+    yielded before the text events of the same tokens."""
+    items: tuple[tuple[int, float, list | None], ...]
+
+
+@dataclass(frozen=True)
 class Finish:
     """reason: stop | tool_calls | length | abort | error (front ends map it to their own).
     stop_sequence: the user stop string that ended the text, if any.
@@ -159,5 +167,5 @@ class Usage:
 
 
 Event = (TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd | Finish
-         | Usage)
+         | Usage | TokenLogprobs)
 FinishReason = Literal["stop", "tool_calls", "length", "abort", "error"]
