@@ -36,12 +36,13 @@ class _Cfg:
 
 class PhasedEngine:
     """AsyncEngine's surface; request k plays scripts[k] = [(text, ids), ...], the last delta
-    finishing with finishes[k] = (finish_reason, stop_reason); records (prompt, params)."""
+    finishing with finishes[k] = (finish_reason, stop_reason); records (prompt, params) and
+    counts the requests still open."""
 
     def __init__(self, scripts, finishes):
         self.cfg, self.ready, self.error = _Cfg(), threading.Event(), None
         self.ready.set()
-        self.scripts, self.finishes, self.calls = scripts, finishes, []
+        self.scripts, self.finishes, self.calls, self.open = scripts, finishes, [], 0
 
     def stats(self):
         return {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 0.0,
@@ -52,15 +53,19 @@ class PhasedEngine:
         k = len(self.calls)
         self.calls.append((list(ids), params))
         n = 0
-        for j, (text, tids) in enumerate(self.scripts[k]):
-            await asyncio.sleep(0)
-            n += len(tids)
-            o = RequestOutput(k, text, list(tids))
-            if j == len(self.scripts[k]) - 1:
-                o.finished = True
-                o.finish_reason, o.stop_reason = self.finishes[k]
-                o.usage = Usage(len(ids), n, 7 * (k + 1))
-            yield o
+        self.open += 1
+        try:
+            for j, (text, tids) in enumerate(self.scripts[k]):
+                await asyncio.sleep(0)
+                n += len(tids)
+                o = RequestOutput(k, text, list(tids))
+                if j == len(self.scripts[k]) - 1:
+                    o.finished = True
+                    o.finish_reason, o.stop_reason = self.finishes[k]
+                    o.usage = Usage(len(ids), n, 7 * (k + 1))
+                yield o
+        finally:
+            self.open -= 1
 
 
 def _run(encoder, engine, req, max_tokens=64, metrics=None):
@@ -114,6 +119,32 @@ def test_required_in_thinking_mode_continues_after_the_reasoning(encoder):
     assert fin.usage.prompt_tokens == len(prompt.ids) and fin.usage.cached_tokens == 7
     text = metrics.render().decode()                # one request in the metrics, not two
     assert 'vllm:e2e_request_latency_seconds_count{model_name="m"} 1.0' in text
+
+
+@pytest.mark.parametrize("cut", [1, 4])
+def test_a_client_gone_mid_request_closes_every_part(encoder, cut):
+    """Closing the stream after `cut` events — inside the reasoning, or inside the forced
+    continuation — leaves no engine request open (a disconnect frees its cache) and starts
+    no continuation after it; the bridge's open-stream count returns to 0."""
+    te = encoder.tokenizer.token_to_id(THINK_END)
+    eng = PhasedEngine([[("Need", [10]), (" the", [11]), (THINK_END, [te])],
+                        [(REST[:5], [20]), (REST[5:10], [21]), (REST[10:], [22])]],
+                       [("stop", te), ("stop", None)])
+    prompt = encoder.encode_request(_req("required"))
+    bridge = Bridge(eng, max_model_len=4096, max_num_seqs=4)
+
+    async def go():
+        agen = bridge.stream(prompt, SamplingParams(max_tokens=64), tools=True)
+        got = []
+        async for e in agen:
+            got.append(e)
+            if len(got) == cut:
+                break
+        await agen.aclose()
+        return got
+    asyncio.run(go())
+    assert eng.open == 0 and bridge.active == 0
+    assert len(eng.calls) == (1 if cut == 1 else 2)
 
 
 def test_eos_inside_the_reasoning_is_replaced_by_think_end(encoder):
