@@ -2,7 +2,8 @@
 
 Choices (api-protocols [U] points): `developer` and `function` roles map to system / tool;
 image, audio and file parts are a 400 naming `messages[i].content[j]` (V4-Flash is text-only);
-`n` > 1 is a 400 naming the field; `logprobs` / `top_logprobs` (≤ 20) give the answer's tokens
+`n` up to 16 choices (each its own engine request, choice i sampling with seed + i; usage counts
+the prompt once); `logprobs` / `top_logprobs` (≤ 20) give the answer's tokens
 (chat_logprobs: after the reasoning; reasoning and forced tokens have none);
 stop strings apply to the answer text only (not to reasoning or tool arguments); a named
 `tool_choice` finishes with "stop" (OpenAI's non-streaming behaviour); `parallel_tool_calls:
@@ -20,6 +21,7 @@ import contextlib
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -139,6 +141,7 @@ async def close_stream(agen, task=None) -> None:
 
 async def handle(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
+    streams: list[tuple[Any, Any]] = []        # (events, first-item task) a choice
     try:
         body = await read_json(request)
         req, params = parse_request(body)
@@ -146,18 +149,26 @@ async def handle(request: web.Request) -> web.StreamResponse:
             prompt = ctx.encoder.encode_request(req)
         except ValueError as e:
             raise BadRequest(str(e)[:500], "messages") from None
-        log.debug("chat: %d prompt tokens, thinking=%s effort=%s", len(prompt.ids),
-                  prompt.thinking_mode, prompt.reasoning_effort)
-        agen = ctx.bridge.stream(prompt, params, tools=req.tools_enabled, stop=req.stop)
-        task = await first_event(agen)
+        log.debug("chat: %d prompt tokens, thinking=%s effort=%s, n=%d", len(prompt.ids),
+                  prompt.thinking_mode, prompt.reasoning_effort, req.n)
+        for i in range(req.n):                 # choice i samples with seed + i
+            p = params if params.seed is None else replace(params, seed=params.seed + i)
+            agen = ctx.bridge.stream(prompt, p, tools=req.tools_enabled, stop=req.stop)
+            streams.append((agen, await first_event(agen)))
     except (ValueError, QueueFull, EngineUnavailable) as e:
+        for agen, task in streams:             # admitted choices of a refused request
+            await close_stream(agen, task)
         return map_exception(e)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     named = isinstance(req.tool_choice, dict)
     lp = TokenText(ctx.encoder.tokenizer) if params.logprobs is not None else None
-    if req.stream:
-        return await _stream(request, ctx, req, agen, task, cid, created, named, lp)
-    return await _complete(ctx, req, agen, task, cid, created, named, lp)
+    try:
+        if req.stream:
+            return await _stream(request, ctx, req, streams, cid, created, named, lp)
+        return await _complete(ctx, req, streams, cid, created, named, lp)
+    finally:
+        for agen, task in streams:
+            await close_stream(agen, task)
 
 
 async def _events(agen, task):
@@ -170,31 +181,38 @@ async def _events(agen, task):
         yield ev
 
 
-async def _complete(ctx, req, agen, task, cid, created, named, lp):
+def _reason(fin, named: bool, n_calls: int) -> str:
+    reason = FINISH.get(fin.reason, "stop")
+    return "stop" if reason == "tool_calls" and (named or not n_calls) else reason
+
+
+def _sum_usage(usages: list[Usage]) -> Usage:
+    """n choices of one prompt: the prompt (and its cache hits) once, the outputs summed."""
+    return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages),
+                 usages[0].cached_tokens, sum(u.reasoning_tokens for u in usages))
+
+
+async def _choice(index: int, req, agen, task, named, lp) -> tuple[dict | None, Any]:
+    """One choice's events folded -> (the choice's JSON, its FinishWithUsage) or (None, why)."""
     reasoning, content, calls, fin, logprobs = [], [], {}, None, []
-    try:
-        async for ev in _events(agen, task):
-            if isinstance(ev, TokenLogprobs):
-                logprobs += lp.entries(ev.items)
-            elif isinstance(ev, ReasoningDelta):
-                reasoning.append(ev.text)
-            elif isinstance(ev, TextDelta):
-                content.append(ev.text)
-            elif isinstance(ev, ToolCallStart):
-                calls[ev.index] = {"id": ev.id, "type": "function",
-                                   "function": {"name": ev.name, "arguments": ""}}
-            elif isinstance(ev, ToolCallArgsDelta):
-                calls[ev.index]["function"]["arguments"] += ev.text
-            elif isinstance(ev, FinishWithUsage):
-                fin = ev
-            elif getattr(ev, "error", None) is not None and hasattr(ev, "arguments"):
-                calls[ev.index]["broken"] = True         # ToolCallEnd with error
-    finally:
-        await close_stream(agen, task)
+    async for ev in _events(agen, task):
+        if isinstance(ev, TokenLogprobs):
+            logprobs += lp.entries(ev.items)
+        elif isinstance(ev, ReasoningDelta):
+            reasoning.append(ev.text)
+        elif isinstance(ev, TextDelta):
+            content.append(ev.text)
+        elif isinstance(ev, ToolCallStart):
+            calls[ev.index] = {"id": ev.id, "type": "function",
+                               "function": {"name": ev.name, "arguments": ""}}
+        elif isinstance(ev, ToolCallArgsDelta):
+            calls[ev.index]["function"]["arguments"] += ev.text
+        elif isinstance(ev, FinishWithUsage):
+            fin = ev
+        elif getattr(ev, "error", None) is not None and hasattr(ev, "arguments"):
+            calls[ev.index]["broken"] = True             # ToolCallEnd with error
     if fin is None or fin.reason == "error":
-        return error_response(503, (fin.error if fin else None) or "generation failed",
-                              "server_error", code="engine_error",
-                              headers={"Retry-After": "5"})
+        return None, (fin.error if fin else None) or "generation failed"
     tool_calls = [c for _, c in sorted(calls.items()) if not c.pop("broken", False)]
     if not req.parallel_tool_calls:
         tool_calls = tool_calls[:1]
@@ -205,63 +223,97 @@ async def _complete(ctx, req, agen, task, cid, created, named, lp):
         msg["reasoning_content"] = "".join(reasoning)
     if tool_calls:
         msg["tool_calls"] = tool_calls
-    reason = FINISH.get(fin.reason, "stop")
-    if reason == "tool_calls" and (named or not tool_calls):
-        reason = "stop"
+    return {"index": index, "message": msg, "finish_reason": _reason(fin, named, len(tool_calls)),
+            "logprobs": {"content": logprobs, "refusal": None} if lp else None}, fin
+
+
+async def _complete(ctx, req, streams, cid, created, named, lp):
+    got = await asyncio.gather(*(_choice(i, req, agen, task, named, lp)
+                                 for i, (agen, task) in enumerate(streams)))
+    failed = [why for choice, why in got if choice is None]
+    if failed:
+        return error_response(503, failed[0], "server_error", code="engine_error",
+                              headers={"Retry-After": "5"})
     return json_response({
         "id": cid, "object": "chat.completion", "created": created, "model": ctx.model_name,
-        "choices": [{"index": 0, "message": msg, "finish_reason": reason,
-                     "logprobs": {"content": logprobs, "refusal": None} if lp else None}],
-        "usage": usage_json(fin.usage)}, headers={"x-request-id": cid})
+        "choices": [choice for choice, _ in got],
+        "usage": usage_json(_sum_usage([fin.usage for _, fin in got]))},
+        headers={"x-request-id": cid})
 
 
-async def _stream(request, ctx, req, agen, task, cid, created, named, lp):
+async def _merged(streams):
+    """(choice index, event) of every choice as they come; (i, None) ends choice i."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, agen, task):
+        try:
+            async for ev in _events(agen, task):
+                await q.put((i, ev))
+        except Exception as e:                  # noqa: BLE001 - re-raised by the consumer
+            await q.put((i, e))
+        await q.put((i, None))
+    pumps = [asyncio.ensure_future(pump(i, a, t)) for i, (a, t) in enumerate(streams)]
+    try:
+        left = len(pumps)
+        while left:
+            i, ev = await q.get()
+            if isinstance(ev, Exception):
+                raise ev
+            left -= ev is None
+            yield i, ev
+    finally:
+        for t in pumps:
+            t.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def _stream(request, ctx, req, streams, cid, created, named, lp):
     head = {"id": cid, "object": "chat.completion.chunk", "created": created,
             "model": ctx.model_name}
-    pending: list[dict] = []                    # logprobs for the next chunk written
+    pending: dict[int, list[dict]] = {i: [] for i in range(len(streams))}   # next chunk's
+    n_calls, usages, resp = dict.fromkeys(pending, 0), [], None
 
-    def chunk(delta: dict, finish: str | None = None) -> dict:
-        lps = {"content": pending[:], "refusal": None} if pending else None
-        pending.clear()
-        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": lps,
+    def chunk(i: int, delta: dict, finish: str | None = None) -> dict:
+        lps = {"content": pending[i][:], "refusal": None} if pending[i] else None
+        pending[i].clear()
+        return {**head, "choices": [{"index": i, "delta": delta, "logprobs": lps,
                                      "finish_reason": finish}]}
-    resp = None
     try:
         resp = await sse_start(request, {"x-request-id": cid})
-        await sse_data(resp, chunk({"role": "assistant", "content": ""}))
-        n_calls = 0
-        async for ev in _events(agen, task):
-            if ev is KEEPALIVE:
-                await sse_comment(resp)
-            elif isinstance(ev, TokenLogprobs):
-                pending += lp.entries(ev.items)
-            elif isinstance(ev, ReasoningDelta):
-                await sse_data(resp, chunk({"reasoning_content": ev.text}))
-            elif isinstance(ev, TextDelta):
-                await sse_data(resp, chunk({"content": ev.text}))
-            elif isinstance(ev, ToolCallStart):
-                if req.parallel_tool_calls or ev.index == 0:
-                    n_calls += 1
-                    await sse_data(resp, chunk({"tool_calls": [{
-                        "index": ev.index, "id": ev.id, "type": "function",
-                        "function": {"name": ev.name, "arguments": ""}}]}))
-            elif isinstance(ev, ToolCallArgsDelta):
-                if req.parallel_tool_calls or ev.index == 0:
-                    await sse_data(resp, chunk({"tool_calls": [{
-                        "index": ev.index, "function": {"arguments": ev.text}}]}))
-            elif isinstance(ev, FinishWithUsage):
-                if ev.reason == "error":
-                    await sse_data(resp, {"error": {"message": ev.error or "generation failed",
-                                                    "type": "server_error", "param": None,
-                                                    "code": "engine_error"}})
-                else:
-                    reason = FINISH.get(ev.reason, "stop")
-                    if reason == "tool_calls" and (named or not n_calls):
-                        reason = "stop"
-                    await sse_data(resp, chunk({}, reason))
-                    if req.include_usage:
-                        await sse_data(resp, {**head, "choices": [],
-                                              "usage": usage_json(ev.usage)})
+        for i in pending:
+            await sse_data(resp, chunk(i, {"role": "assistant", "content": ""}))
+        async with contextlib.aclosing(_merged(streams)) as events:
+            async for i, ev in events:
+                if ev is KEEPALIVE:
+                    await sse_comment(resp)
+                elif isinstance(ev, TokenLogprobs):
+                    pending[i] += lp.entries(ev.items)
+                elif isinstance(ev, ReasoningDelta):
+                    await sse_data(resp, chunk(i, {"reasoning_content": ev.text}))
+                elif isinstance(ev, TextDelta):
+                    await sse_data(resp, chunk(i, {"content": ev.text}))
+                elif isinstance(ev, ToolCallStart):
+                    if req.parallel_tool_calls or ev.index == 0:
+                        n_calls[i] += 1
+                        await sse_data(resp, chunk(i, {"tool_calls": [{
+                            "index": ev.index, "id": ev.id, "type": "function",
+                            "function": {"name": ev.name, "arguments": ""}}]}))
+                elif isinstance(ev, ToolCallArgsDelta):
+                    if req.parallel_tool_calls or ev.index == 0:
+                        await sse_data(resp, chunk(i, {"tool_calls": [{
+                            "index": ev.index, "function": {"arguments": ev.text}}]}))
+                elif isinstance(ev, FinishWithUsage):
+                    if ev.reason == "error":
+                        await sse_data(resp, {"error": {"message": ev.error or "generation failed",
+                                                        "type": "server_error", "param": None,
+                                                        "code": "engine_error"}})
+                        break
+                    usages.append(ev.usage)
+                    await sse_data(resp, chunk(i, {}, _reason(ev, named, n_calls[i])))
+            else:
+                if req.include_usage and usages:
+                    await sse_data(resp, {**head, "choices": [],
+                                          "usage": usage_json(_sum_usage(usages))})
         await sse_data(resp, "[DONE]")
     except (ClientGone, ConnectionError):
         log.debug("chat %s: client went away", cid)
@@ -273,6 +325,4 @@ async def _stream(request, ctx, req, agen, task, cid, created, named, lp):
                                             "invalid_request_error", "param": None,
                                             "code": None}})
             await sse_data(resp, "[DONE]")
-    finally:
-        await close_stream(agen, task)
     return resp if resp is not None else web.Response(status=499)

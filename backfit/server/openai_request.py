@@ -12,6 +12,8 @@ from backfit.server.bridge import MAX_LOGPROBS, SamplingParams
 from backfit.server.http import BadRequest, get_bool, get_dict, get_int, get_list, get_num, get_str
 from backfit.server.protocol import ChatRequest, Message, Tool, ToolCall
 
+MAX_CHOICES = 16          # `n`: choices a chat request may ask for (each an engine request)
+
 __all__ = [
     "parse_messages",
     "parse_reasoning",
@@ -190,9 +192,7 @@ def parse_stop(body: dict) -> tuple[str, ...]:
 
 def parse_request(body: dict) -> tuple[ChatRequest, SamplingParams]:
     get_str(body, "model")
-    n = get_int(body, "n", 1)
-    if n != 1:
-        raise BadRequest("n must be 1 (one choice per request is supported)", "n")
+    n = get_int(body, "n", 1, lo=1, hi=MAX_CHOICES)
     want_lp = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if top is not None and not want_lp:
@@ -216,5 +216,5 @@ def parse_request(body: dict) -> tuple[ChatRequest, SamplingParams]:
         thinking=thinking, reasoning_effort=effort, response_format=fmt, max_tokens=mt,
         stop=parse_stop(body), stream=bool(get_bool(body, "stream", False)),
         include_usage=opts.get("include_usage") is True,
-        parallel_tool_calls=get_bool(body, "parallel_tool_calls", True))
+        parallel_tool_calls=get_bool(body, "parallel_tool_calls", True), n=n)
     return req, sampling_params(body, mt, logprobs=(top or 0) if want_lp else None)

@@ -279,3 +279,21 @@ def test_backfit_serve_tp2_subprocess(tiny_converted):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_n_choices_past_the_capacity_are_a_429_that_frees_the_admitted(tiny_converted):
+    """n = 3 with room for 2: the third choice is refused, the two admitted are aborted at
+    once (nothing keeps running for a request that got a 429); n = 2 then fits and completes."""
+    srv = _fake(tiny_converted, [("</think>", 1)] + [("x", 1)] * 5, delay=0.01,
+                max_num_seqs=2, max_queue=0)
+    try:
+        st, body, h = post(srv, "/v1/chat/completions", {"model": "m", "messages": MSG, "n": 3})
+        assert st == 429 and json.loads(body)["error"]["code"] == "rate_limit_exceeded"
+        _wait(lambda: srv.engine.running == 0)
+        assert srv.engine.aborted == 2 and srv.ctx.bridge.active == 0
+        st, body, _ = post(srv, "/v1/chat/completions", {"model": "m", "messages": MSG, "n": 2})
+        r = json.loads(body)
+        assert st == 200 and [c["message"]["content"] for c in r["choices"]] == ["xxxxx"] * 2
+        assert r["usage"]["completion_tokens"] == 12 and srv.engine.finished == 2
+    finally:
+        srv.stop()

@@ -122,3 +122,34 @@ def test_chat_logprobs_through_the_sdk(real):
 def test_bad_logprobs_are_a_400_naming_the_field(real, body, param):
     st, text, _ = post(real, "/v1/chat/completions", {"model": "m", "messages": MSG, **body})
     assert st == 400 and json.loads(text)["error"]["param"] == param
+
+
+def test_n_choices_through_the_sdk(real):
+    """n = 3, sampled with a seed: three choices indexed 0-2, each its own engine request
+    (seed, seed + 1, seed + 2: not all the same text), usage = the prompt once + the outputs
+    summed; streaming (chunks carry their choice's index) folds to the same texts; with the
+    same seed again the same three choices (so choice i is reproducible)."""
+    c = openai.OpenAI(base_url=real.url + "/v1", api_key="none", max_retries=0)
+    kw = dict(model="m", messages=MSG, max_tokens=8, temperature=1.0, seed=7, n=3,
+              extra_body={"chat_template_kwargs": {"thinking": False}})
+    r = c.chat.completions.create(**kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    texts = [ch.message.content for ch in r.choices]
+    assert len(set(texts)) > 1
+    one = c.chat.completions.create(**{**kw, "n": 1})
+    assert one.choices[0].message.content == texts[0]
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(
+        c.chat.completions.create(**{**kw, "n": 1, "seed": 7 + i}).usage.completion_tokens
+        for i in range(3))
+    got = {0: "", 1: "", 2: ""}
+    finished = set()
+    for chunk in c.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                           **kw):
+        for ch in chunk.choices:
+            got[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finished.add(ch.index)
+        if chunk.usage:
+            assert chunk.usage.completion_tokens == r.usage.completion_tokens
+    assert [got[i] for i in range(3)] == texts and finished == {0, 1, 2}

@@ -125,7 +125,7 @@ def test_user_text_never_becomes_control_tokens(real):
 def test_errors_name_the_parameter(real):
     c = client(real)
     cases = [({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-             ({"messages": MSG, "n": 2}, "n"),
+             ({"messages": MSG, "n": 17}, "n"), ({"messages": MSG, "n": 0}, "n"),
              ({"messages": MSG, "temperature": "hot"}, "temperature"),
              ({"messages": [{"role": "user", "content": [{"type": "image_url",
                                                           "image_url": {"url": "x"}}]}]},
