@@ -10,6 +10,8 @@ start-up check catches a wrong piece, and greedy decoding through the engine wit
 graphs equals the engine without them.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -58,6 +60,25 @@ def _steps(g):
                      StepSeq(2, 2, tb[2], 0, tuple(p[2]), True)))
     yield StepInput((StepSeq(0, 0, tb[0], 72, (5,), True), StepSeq(1, 1, tb[1], 91, (6,), True),
                      StepSeq(2, 2, tb[2], 30, (4,), True)))
+
+
+def test_cpu_gemm_rows_do_not_depend_on_the_row_count():
+    """The premise of the two bit-equality tests below: a GEMM row on this CPU is the same alone
+    and padded into 64 or 128 rows, in BF16 (the linears) and FP32 (mHC's projection). oneDNN's
+    AMX kernels and MKL's small-M FP32 path break it; tests/conftest.py pins both libraries to
+    kernels that keep it. Where this fails, so do those tests, for this reason."""
+    g = torch.Generator().manual_seed(0)
+    for dtype, k, n in ((torch.bfloat16, 1024, 256), (torch.bfloat16, 256, 1024),
+                        (torch.float32, 1024, 24), (torch.float32, 256, 512)):
+        w = torch.randn(n, k, generator=g).to(dtype)
+        for m, padded in ((1, 64), (7, 64), (11, 64), (50, 128), (90, 128)):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            xp = torch.cat([x, torch.zeros(padded - m, k, dtype=dtype)])
+            assert torch.equal(torch.nn.functional.linear(x, w),
+                               torch.nn.functional.linear(xp, w)[:m]), \
+                (f"{dtype} GEMM rows depend on the row count here (K {k}, N {n}, {m} rows vs "
+                 f"{padded}; ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA')}, "
+                 f"MKL_CBWR={os.environ.get('MKL_CBWR')})")
 
 
 def test_pieces_equal_the_eager_forward_on_cpu(tiny_converted, tp1_process):
