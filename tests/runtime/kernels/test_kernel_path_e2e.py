@@ -32,6 +32,7 @@ from backfit.runtime.model.transformer import Transformer  # noqa: E402
 # 10 decode steps), too long for `make test`: run it after changing how the runtime calls the
 # kernels, with
 #   BACKFIT_E2E=1 .venv/bin/python -m pytest -q tests/runtime/kernels/test_kernel_path_e2e.py
+# (both expert schemes, ~11-14 min each; BACKFIT_E2E_EXPERTS=int8 or mx4 runs one)
 pytestmark = pytest.mark.skipif(not INTERPRET or os.environ.get("BACKFIT_E2E") != "1",
                                 reason="opt-in (BACKFIT_E2E=1): ~11 min in the CPU interpreter")
 
@@ -61,13 +62,18 @@ def _run(model, backend: str, monkeypatch) -> list[torch.Tensor]:
     return out
 
 
-def test_kernel_path_equals_torch_path(tiny_converted, tp1_process, monkeypatch):
+@pytest.mark.parametrize("experts", ["int8", "mx4"])
+def test_kernel_path_equals_torch_path(tiny_converted, tp1_process, monkeypatch, experts):
     """... and with q_norm inside wq_b's GEMV at the decode steps (batch 2): a GEMV_TABLE row for
     the tiny wq_b shape (4096 x 128) and attention.Q_NORM_IN_WQ_B = (2,) as shipped, so window and
-    HCA layers take the fold and the CSA layers norm qr for their indexer."""
+    HCA layers take the fold and the CSA layers norm qr for their indexer. Both expert schemes
+    (mx4: the 4-bit decode GEMV and sorted kernels); BACKFIT_E2E_EXPERTS=int8 (or mx4) runs one."""
+    want_one = os.environ.get("BACKFIT_E2E_EXPERTS")
+    if want_one and want_one != experts:
+        pytest.skip(f"BACKFIT_E2E_EXPERTS={want_one}")
     from backfit.runtime.kernels import gemv
     from backfit.runtime.model import attention
-    conv = tiny_converted(1, "int8")
+    conv = tiny_converted(1, experts)
     model = Transformer(ModelConfig.from_file(conv / "config.json"), torch.bfloat16, mtp=False)
     load_model(model, conv)
     want = _run(model, "torch", monkeypatch)
