@@ -34,7 +34,8 @@ from backfit.runtime.model.transformer import Transformer  # noqa: E402
 #   BACKFIT_E2E=1 .venv/bin/python -m pytest -q tests/runtime/kernels/test_kernel_path_e2e.py
 # (both expert schemes, ~11-14 min each; BACKFIT_E2E_EXPERTS=int8 or mx4 runs one)
 pytestmark = pytest.mark.skipif(not INTERPRET or os.environ.get("BACKFIT_E2E") != "1",
-                                reason="opt-in (BACKFIT_E2E=1): ~11-14 min a scheme in the CPU interpreter")
+                                reason="opt-in (BACKFIT_E2E=1): ~11-14 min a scheme in the "
+                                       "CPU interpreter")
 
 BLOCK = 16
 
