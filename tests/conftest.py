@@ -6,19 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-
-# Before torch is imported: pin the CPU GEMM libraries to row-independent kernels. On newer Xeons
-# a GEMM row's result depends on how many rows ride with it: oneDNN's AMX BF16 kernels (F.linear,
-# K = 1024: rows padded to 64 or 128 differ from the same rows alone in the last bit) and MKL's
-# FP32 small-M path (mHC's [T, 1024] x [1024, 24]: T = 11 vs 64). The CPU tests that hold padded
-# shapes bit-equal to unpadded ones (the prefill pieces, tests/runtime/test_prefill_graphs.py,
-# which checks this premise first) need rows that do not. Both settings are caps that change
-# nothing on older CPUs (the CI boxes before 2026-12-05 passed without them); a value set by the
-# caller is kept.
-os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")   # oneDNN: the ISA below AMX
-os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")                   # MKL: AVX2 code, strict CNR
-
-import torch  # noqa: E402
+import torch
 
 from backfit.synthetic import write_checkpoint
 

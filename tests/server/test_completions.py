@@ -36,7 +36,9 @@ def test_echo_logprobs_score_a_continuation(srv):
     assert json.loads(body)["tokens"] == ids
     g2 = c.completions.create(model="m", prompt=ids, max_tokens=3, logprobs=2, temperature=0,
                               extra_body={"return_tokens_as_token_ids": True})
-    assert g2.choices[0].logprobs.token_logprobs == lp.token_logprobs
+    got = g2.choices[0].logprobs.token_logprobs  # another request may share the step, and the
+    assert len(got) == len(lp.token_logprobs) and all(   # CPU BLAS rounds rows by count
+        math.isclose(a, b, abs_tol=1e-4) for a, b in zip(got, lp.token_logprobs))
     gen = [int(t.split(":")[1]) for t in g2.choices[0].logprobs.tokens]
     full = ids + gen                    # echo prompt + generated ids (lm-eval's token requests)
     e = c.completions.create(model="m", prompt=full, max_tokens=0, echo=True, logprobs=1,

@@ -347,9 +347,9 @@ def _routed_manual(x, idx, wts, P, limit):
 
 def _assert_routed(y, x, idx, wts, P, cfg):
     """y = the routed experts summed by hand. Both are FP32 in two summation orders over terms
-    up to |40| (the hash-routing case: 1.1e-5 / 1.8e-5 apart at most with the default / the
-    pinned CPU GEMMs, tests/conftest.py), so the bound scales with the output; a wrong expert or
-    weight is off by O(1)."""
+    up to |40| (the hash-routing case: 1.1e-5 / 1.8e-5 apart at most on an AMX Xeon with its
+    default GEMMs / with oneDNN and MKL pinned below AMX), so the bound scales with the output;
+    a wrong expert or weight is off by O(1) (a 1 % error in one routing weight fails it)."""
     want = _routed_manual(x, idx, wts, P, cfg.swiglu_limit)
     assert torch.allclose(y, want, rtol=0, atol=2e-6 * want.abs().max().item())
 
