@@ -50,15 +50,13 @@ def main() -> None:
                    "int8 = INT8 with per-(row, 32) power-of-two scales; mx4 = the packed 4-bit "
                    "MXFP4 bytes kept as they are, half the expert bytes. Both run the Triton "
                    "fused MoE, which decodes the weights to BF16 in registers for BF16 MMA. "
-                   "Measured on an H200 (docs/PERFORMANCE.md): batch-1 decode at int8's speed "
-                   "(within 3 % either way, sessions 15-16: the 4-bit decode is bound by its "
-                   "instructions, not its bytes), batch 8 4-6 % and batch 64 8 % (session 22) "
-                   "more tokens/s with mx4; 8K prefill ~15 % slower with mx4; and mx4 "
-                   "leaves ~9x the KV pool at TP4 on 80 GiB cards (Capacity: 1M-token "
-                   "contexts; with int8 no KV fits at --gpu-memory-utilization 0.90). Better "
-                   "choice: mx4 for decode-heavy serving (chat, agents, long contexts, 80 GiB "
-                   "cards); int8 for prefill-heavy work (long prompts, short answers) on cards "
-                   "with room. bf16 = 2x the int8 bytes (verification / big machines).")
+                   "Choose mx4 for decode-heavy serving (chat, agents, long contexts) and on "
+                   "80 GiB cards: at TP4 it leaves ~9x the KV pool (1M-token contexts; with "
+                   "int8 no KV fits at --gpu-memory-utilization 0.90), and on an H200 it "
+                   "decodes as fast as int8 at batch 1 and 4-8 % faster at batch 8-64. Choose "
+                   "int8 for prefill-heavy work (long prompts, short answers) on cards with "
+                   "room: mx4 prefills ~15 % slower (docs/PERFORMANCE.md). bf16 = 2x the int8 "
+                   "bytes (verification / big machines).")
 @click.option("--force", is_flag=True, help="Replace DST if it exists (only once the new one is complete).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def convert(src: str, dst: str, tp: str, linears: str, experts: str, force: bool, quiet: bool) -> None:

@@ -157,15 +157,15 @@ def prefill_flops(r, T: int, tp: int) -> tuple[float, float]:
 def profile_targets():
     """(owner, attribute, label): the functions whose device time the profile attributes."""
     from backfit.runtime import layers
-    from backfit.runtime.model import attention, compressor, moe, transformer
-    return [(transformer.Block, "forward", "block"), (attention.Attention, "forward", "attn"),
+    from backfit.runtime.model import attention, block, compressor, moe
+    return [(block.Block, "forward", "block"), (attention.Attention, "forward", "attn"),
             (attention.Attention, "core", "attn.core"),
             (compressor.Compressor, "project", "attn.compressor"),
             (compressor.Compressor, "update", "attn.compressor"),
             (compressor.Indexer, "queries", "attn.indexer"),
             (compressor.Indexer, "select", "attn.indexer"), (moe.MoE, "forward", "moe"),
-            (moe.Gate, "route", "moe.router"), (moe.Expert, "forward", "moe.expert_mlp"), (transformer, "hc_pre", "mhc"),
-            (transformer, "hc_post", "mhc"), (layers.ParallelHead, "forward", "head"),
+            (moe.Gate, "route", "moe.router"), (moe.Expert, "forward", "moe.expert_mlp"),
+            (block, "hc_pre", "mhc"), (block, "hc_post", "mhc"), (layers.ParallelHead, "forward", "head"),
             (layers.VocabParallelEmbedding, "forward", "embed")]
 
 

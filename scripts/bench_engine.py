@@ -244,7 +244,7 @@ def main() -> None:
         pieces = None
         if ranks is not None and True in pg_modes:
             from backfit.runtime.cache.budget import PREFILL_GRAPH_MAX
-            from backfit.runtime.prefill_graphs import PrefillGraphs
+            from backfit.runtime.graphs import PrefillGraphs
             r = ranks.runner
             pieces = PrefillGraphs(r.model, min(min(budgets), PREFILL_GRAPH_MAX), r.device)
             pieces.capture(print)

@@ -27,9 +27,9 @@
 #   engine scripts/bench_engine.py --real-dims 4 (random model at the real dims, the real
 #          tokenizer, CUDA graphs) at concurrency 1 and 8, async scheduling off then on, one
 #          process ($OUT/engine.json)
-#   ab     scripts/bench_ab.py: each switch of $AB_SWITCHES (default: session 11's KV_BESIDE and
+#   ab     benchmarks/bench_ab.py: each switch of $AB_SWITCHES (default: the 2026-12-01 KV_BESIDE and
 #          MAX_SPLIT, and SIDE_STREAMS) off / at its old value against as shipped, in one process
-#   sweep  scripts/bench_kernels.py --moe-decode-sweep (fused-MoE decode variants and tiles)
+#   sweep  benchmarks/kernels/bench_kernels.py --moe-decode-sweep (fused-MoE decode variants and tiles)
 #   sweeps the other kernel sweeps: bench_gemv.py, bench_mhc.py, bench_attention_prefill.py,
 #          sweep_moe_sorted.py, bench_mhc.py --collapse, bench_topk.py --quick (each prints its
 #          table; JSON where the script writes one)
@@ -154,21 +154,21 @@ for s in "${steps[@]}"; do
     ab)
         sw=()
         for x in ${AB_SWITCHES:-backfit.runtime.model.attention:KV_BESIDE=False \
-                  backfit.runtime.kernels.attention:MAX_SPLIT=32 \
+                  backfit.runtime.kernels.attention.decode:MAX_SPLIT=32 \
                   backfit.runtime.model.attention:SIDE_STREAMS=False}; do sw+=(--switch "$x"); done
-        run_step ab "${AB_S:-300}" $PY scripts/bench_ab.py "${sw[@]}" --out "$OUT/ab.json" ;;
+        run_step ab "${AB_S:-300}" $PY benchmarks/bench_ab.py "${sw[@]}" --out "$OUT/ab.json" ;;
     sweep)
-        run_step sweep "${SWEEP_S:-280}" $PY scripts/bench_kernels.py --moe-decode-sweep \
+        run_step sweep "${SWEEP_S:-280}" $PY benchmarks/kernels/bench_kernels.py --moe-decode-sweep \
             --out "$OUT/moe_sweep.json" ;;
     sweeps)
-        run_step gemv_sweep "${SWEEP_S:-280}" $PY scripts/bench_gemv.py --out "$OUT/gemv.json"
-        run_step mhc_sweep "${SWEEP_S:-280}" $PY scripts/bench_mhc.py --out "$OUT/mhc.json"
-        run_step attn_prefill_sweep "${SWEEP_S:-280}" $PY scripts/bench_attention_prefill.py \
+        run_step gemv_sweep "${SWEEP_S:-280}" $PY benchmarks/kernels/bench_gemv.py --out "$OUT/gemv.json"
+        run_step mhc_sweep "${SWEEP_S:-280}" $PY benchmarks/kernels/bench_mhc.py --out "$OUT/mhc.json"
+        run_step attn_prefill_sweep "${SWEEP_S:-280}" $PY benchmarks/kernels/bench_attention_prefill.py \
             --out "$OUT/attention_prefill.json"
-        run_step moe_sorted_sweep "${SWEEP_S:-280}" $PY scripts/sweep_moe_sorted.py
-        run_step collapse_sweep "${SWEEP_S:-280}" $PY scripts/bench_mhc.py --collapse \
+        run_step moe_sorted_sweep "${SWEEP_S:-280}" $PY benchmarks/kernels/sweep_moe_sorted.py
+        run_step collapse_sweep "${SWEEP_S:-280}" $PY benchmarks/kernels/bench_mhc.py --collapse \
             --out "$OUT/collapse.json"
-        run_step topk_sweep "${SWEEP_S:-280}" $PY scripts/bench_topk.py --quick \
+        run_step topk_sweep "${SWEEP_S:-280}" $PY benchmarks/kernels/bench_topk.py --quick \
             --out "$OUT/topk.json" ;;
     prefill)
         # the piecewise prefill graphs: verify through them (chunks of 256, then one 4,096-token

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_model as bd  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from backfit.runtime.graphs import pad_decode_inputs  # noqa: E402
+from backfit.runtime.graphs.decode import pad_decode_inputs  # noqa: E402
 
 
 def cuda_events(fn, n: int):
@@ -59,7 +59,7 @@ def trace(r, log, ctx: int = 512) -> None:
     ev = cuda_events(lambda: r.forward(st), 1)
     t0 = prev = ev[0].time_range.start
     # the span from the first kernel after the input copy: the copy is followed by a host gap
-    # (0.6 ms in sessions 12-14) before replay() is reached, which is not the graph's time
+    # (0.6 ms in 2026-12-02) before replay() is reached, which is not the graph's time
     k1 = next((e.time_range.start for e in ev[1:] if "Memcpy" not in e.name), t0)
     log(f"batch-1 graph step at context {ctx}: {len(ev)} kernels, "
         f"busy {sum(e.device_time for e in ev) / 1e3:.3f} ms, "
@@ -261,7 +261,7 @@ def main() -> None:
     bd.use_backend(r, "triton")
     pieces = None
     if a.prefill_graphs and chunks:
-        from backfit.runtime.prefill_graphs import PrefillGraphs
+        from backfit.runtime.graphs import PrefillGraphs
         pieces = PrefillGraphs(r.model, max(chunks), r.device)
         pieces.capture(log)
         log(f"prefill graphs check: {pieces.check() or 'passed'}")

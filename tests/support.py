@@ -46,6 +46,9 @@ def kernel_module(name: str, probe: str, interpret: bool):
     import importlib
 
     import triton
+    common = importlib.import_module("backfit.runtime.kernels.common")   # dot_bf16, shared
+    if common.interpreted() != interpret:
+        importlib.reload(common)
     m = importlib.import_module(f"backfit.runtime.kernels.{name}")
     if isinstance(getattr(m, probe), triton.runtime.jit.JITFunction) == interpret:
         m = importlib.reload(m)

@@ -128,7 +128,7 @@ class ForwardBatch:
     @cached_property
     def memo(self) -> dict:
         """Tensors derived from this batch alone that every layer of one forward reuses (the
-        prefill attention's query blocks and int32 positions: kernels.attention_prefill)."""
+        prefill attention's query blocks and int32 positions: kernels.attention.prefill)."""
         return {}
 
     @cached_property

@@ -4,7 +4,7 @@ Parallel layers take GLOBAL sizes and own their shard (the converted directory i
 by rank, docs/FORMAT.md): ColumnParallel splits the output dim, RowParallel the input dim and
 all-reduces, VocabParallel splits vocabulary rows. Weights are filled by runtime.loader.
 Plain-torch path: the weight is dequantized per call in the activation dtype; with the "triton"
-backend Linear (bf16 x), Linear.forward_f32 and ParallelHead (CUDA bf16 x) use kernels.gemm.
+backend Linear (bf16 x), Linear.forward_f32 and ParallelHead (CUDA bf16 x) use kernels.linear.gemm.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ LINEAR_SCHEMES = {
     "bf16": (torch.bfloat16, None, None),
     "copy": (None, None, None),
 }
-_KERNEL_SCHEMES = ("int8_g128", "bf16", "copy")      # Linear schemes runtime.kernels.gemm runs
+_KERNEL_SCHEMES = ("int8_g128", "bf16", "copy")      # Linear schemes kernels.linear.gemm runs
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
@@ -97,28 +97,28 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if get_kernel_backend() == "triton" and x.dtype == torch.bfloat16 \
                 and self.scheme in _KERNEL_SCHEMES:
-            from backfit.runtime.kernels.gemm import linear       # imports triton on first use
+            from backfit.runtime.kernels.linear import linear       # imports triton on first use
             return linear(x, self.weight, self.scale, self.scheme)
         return F.linear(x, self.dequantized(x.dtype))
 
     def norm_folds(self, x: torch.Tensor) -> bool:
         """Whether forward_normed(x, norm) runs as one launch: kernel path, bf16 x, int8_g128 /
-        bf16 weight, at a shape kernels.gemv takes on its cuda variant (kernels.gemv.norm_fold)."""
+        bf16 weight, at a shape kernels.linear.gemv takes on its cuda variant
+        (kernels.linear.gemv.norm_fold)."""
         if not (kernel_path(x) and x.dtype == torch.bfloat16 and self.scheme in _KERNEL_SCHEMES
                 and self.weight.dtype in (torch.int8, torch.bfloat16)):
             return False
-        from backfit.runtime.kernels import gemv
+        from backfit.runtime.kernels.linear import GEMV_MAX_M, norm_fold
         M = x.numel() // x.shape[-1]
-        return 0 < M <= gemv.GEMV_MAX_M and gemv.norm_fold(M, *self.weight.shape,
-                                                            self.scheme == "int8_g128")
+        return 0 < M <= GEMV_MAX_M and norm_fold(M, *self.weight.shape, self.scheme == "int8_g128")
 
     def forward_normed(self, x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
         """self(norm(x)): one GEMV launch with the RMSNorm inside where norm_folds(x), else the
         two calls (the norm's Σx² in the GEMV's order: its bf16 input may differ by an ulp)."""
         if not self.norm_folds(x):
             return self(norm(x))
-        from backfit.runtime.kernels import gemv
-        return gemv.gemv(x, self.weight, self.scale, self.scheme, norm=(norm.weight, norm.eps))
+        from backfit.runtime.kernels.linear import gemv_linear
+        return gemv_linear(x, self.weight, self.scale, self.scheme, norm=(norm.weight, norm.eps))
 
     def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
         """x [.., in] bf16 or fp32 -> FP32 [.., out] = x·W^T in FP32 (router, compressors).
@@ -128,7 +128,7 @@ class Linear(nn.Module):
         """
         if get_kernel_backend() == "triton" and x.dtype == torch.bfloat16 and _on_gpu(x) \
                 and self.scheme in _KERNEL_SCHEMES and self.weight.dtype != torch.float32:
-            from backfit.runtime.kernels.gemm import linear       # imports triton on first use
+            from backfit.runtime.kernels.linear import linear       # imports triton on first use
             return linear(x, self.weight, self.scale, self.scheme, out_dtype=torch.float32)
         return F.linear(x.float(), self.dequantized(torch.float32))
 
@@ -172,7 +172,7 @@ class FusedProjection:
     def joint(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """x [.., K] bf16 (the kernel's activations) -> the members' outputs side by side
         [.., ΣN] (one launch)."""
-        from backfit.runtime.kernels.gemm import linear
+        from backfit.runtime.kernels.linear import linear
         return linear(x, self.weight, self.scale, self.scheme, out_dtype=out_dtype)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16):
@@ -245,7 +245,7 @@ class ParallelHead(nn.Module):
         if get_kernel_backend() == "triton" and h.dtype == torch.bfloat16 and _on_gpu(h) \
                 and self.weight.dtype == torch.bfloat16:
             # a16 kernel on the BF16 weight, FP32 accumulate and output: no 1 GB FP32 upcast
-            from backfit.runtime.kernels.gemm import linear
+            from backfit.runtime.kernels.linear import linear
             logits = linear(h, self.weight, None, "bf16", out_dtype=torch.float32)
             return all_gather(logits, dim=-1)
         return all_gather(F.linear(h.float(), self.weight.float()), dim=-1)

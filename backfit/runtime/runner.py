@@ -160,7 +160,7 @@ class ModelRunner:
                 "skips the capture)")
             self.graphs = None
         if self.prefill_graph_tokens:
-            from backfit.runtime.prefill_graphs import PrefillGraphs
+            from backfit.runtime.graphs import PrefillGraphs
             self.prefill_graphs = PrefillGraphs(self.model, self.prefill_graph_tokens,
                                                 self.device)
             self.prefill_graphs.capture(log)

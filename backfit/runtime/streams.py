@@ -4,13 +4,13 @@ most of its kernels fill a few SMs for 2-10 µs, so two chains overlap almost fo
 
 Users (triton path on CUDA only; the torch path and CPU never fork):
   model.moe       the shared expert (3 launches) beside the router and the routed launches;
-                  the combine joins it (kernels.moe.fused_moe shared_ready)
+                  the combine joins it (kernels.moe.int8.fused_moe shared_ready)
   model.attention the decode step's FP32 projections and compressor update ("comp", HCA /
                   CSA) and the CSA indexer chain ("index", after those projections: queries,
                   its compressor, scores, top-k) beside the query path (wq_a|wkv, q_norm,
                   wq_b, RoPE); decode attention joins both. Every layer: the token's kv
                   (kv_norm + RoPE + ring store, "kv") beside q_norm / wq_b / the query RoPE
-  kernels.mhc_decode  the Sinkhorn of hc_pre (post, M: read only by the hc_post after the
+  kernels.mhc.decode  the Sinkhorn of hc_pre (post, M: read only by the hc_post after the
                   sub-layer) beside the critical u + RMSNorm launch; hc_post joins it
 Rules that keep the caching allocator safe without record_stream (which graph capture does not
 track): fork with side.wait_stream(main) AFTER the side chain's inputs are queued; every tensor

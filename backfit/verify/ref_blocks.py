@@ -43,7 +43,7 @@ class Numerics:
 
 @dataclass
 class MoEStats:
-    """Counters for scripts/report_margins.py (how often clamps fire, how often bias matters)."""
+    """Counters for benchmarks/report_margins.py (how often clamps fire, how often bias matters)."""
 
     counts: dict = field(default_factory=dict)
 

@@ -88,7 +88,7 @@ def _runtime_pass(converted: str, seqs: list[list[int]], dtype: str, device: str
     cache = PagedCache(cfg, len(seqs), sum(need), B, model.dtype, paged["kv_cache_dtype"], device)
     pg = None
     if paged.get("prefill_graphs"):       # the engine's prefill graphs, streams kept per layer
-        from backfit.runtime.prefill_graphs import PrefillGraphs
+        from backfit.runtime.graphs import PrefillGraphs
         pg = PrefillGraphs(model, n, torch.device(device), keep_streams=True)
         pg.capture()
         if (bad := pg.check()) is not None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from backfit.runtime.batch import ForwardBatch
-from backfit.runtime.model.mtp import mtp_logits
+from backfit.runtime.model.draft.mtp import mtp_logits
 
 S = 300
 TOL = 1e-4

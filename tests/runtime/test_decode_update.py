@@ -81,13 +81,13 @@ def test_decode_update_kernel_paths(model_f32, kv_dtype, monkeypatch):
     import os
 
     if torch.cuda.is_available():
-        pytest.skip("interpreter test (the GPU figures: scripts/bench_compress.py)")
+        pytest.skip("interpreter test (the GPU figures: benchmarks/kernels/bench_compress.py)")
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from support import kernel_module
 
     import backfit.runtime.kernels as kpkg
     from backfit.runtime.model import compressor as cm
-    kernel_module("cache_ops", "_store_kernel", True)
+    kernel_module("cache.decode", "_store_kernel", True)
     kernel_module("rope_norm", "_rms_kernel", True)
     cfg = model_f32.cfg
     g = torch.Generator().manual_seed(11)

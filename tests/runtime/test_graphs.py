@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from backfit.runtime.cache.budget import capture_sizes, graph_reserve
-from backfit.runtime.graphs import pad_decode_inputs
+from backfit.runtime.graphs.decode import pad_decode_inputs
 
 
 def test_capture_sizes():

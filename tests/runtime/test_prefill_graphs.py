@@ -80,7 +80,7 @@ def _rel(got, want) -> float:
 
 
 def test_pieces_equal_the_eager_forward_on_cpu(tiny_converted, tp1_process):
-    from backfit.runtime.prefill_graphs import PrefillGraphs
+    from backfit.runtime.graphs import PrefillGraphs
     from backfit.runtime.runner import ModelRunner, RunnerConfig
     conv = tiny_converted(1, "int8")
     rc = RunnerConfig(str(conv), device="cpu", max_num_seqs=4, max_model_len=128,
@@ -103,7 +103,7 @@ def test_pieces_equal_the_eager_forward_on_cpu(tiny_converted, tp1_process):
 def _tp_worker(rank: int, size: int, port: int, root: str, out: str) -> None:
     torch.set_num_threads(1)
     from backfit.runtime.distributed import destroy_distributed, init_distributed
-    from backfit.runtime.prefill_graphs import PrefillGraphs
+    from backfit.runtime.graphs import PrefillGraphs
     from backfit.runtime.runner import ModelRunner, RunnerConfig
     init_distributed(rank, size, port)
     try:
@@ -152,7 +152,7 @@ def test_prefill_graphs_replay_equals_eager_pieces(tiny_converted, tp1_process):
     --prefill-graphs judges the path against the reference); the start-up check passes the
     real pieces and fails a wrong one."""
     from backfit.runtime import kernels as kpkg
-    from backfit.runtime.prefill_graphs import PrefillGraphs
+    from backfit.runtime.graphs import PrefillGraphs
     from backfit.runtime.runner import ModelRunner, RunnerConfig
     if kpkg._backend not in (None, "triton"):
         pytest.skip("this process already runs the torch backend")

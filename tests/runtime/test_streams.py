@@ -11,7 +11,7 @@ import torch
 SWITCHES = (("backfit.runtime.model.attention", "SIDE_STREAMS"),
             ("backfit.runtime.model.attention", "KV_BESIDE"),
             ("backfit.runtime.model.moe", "SHARED_STREAM"),
-            ("backfit.runtime.kernels.mhc_decode", "SINKHORN_STREAM"))
+            ("backfit.runtime.kernels.mhc.decode", "SINKHORN_STREAM"))
 
 
 def test_switches_exist_and_default_on():

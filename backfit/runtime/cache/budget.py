@@ -26,7 +26,7 @@ CONTEXT_BYTES = 3 * GiB // 4            # CUDA context + cuBLAS (685 MiB measure
 NCCL_BYTES = GiB // 2                   # estimate, tp > 1
 # --max-num-batched-tokens when not given: the larger where it costs at most 10 % of the KV
 # capacity, else the smaller (pick_batched_tokens). Prefill chunks run eagerly, and one TP-4
-# rank's 43-layer eager step costs ~0.3 s of host time below ~8K tokens (H200, session 18:
+# rank's 43-layer eager step costs ~0.3 s of host time below ~8K tokens (H200, 2026-12-03:
 # 512 / 2,048 / 8,192 tokens: wall 247 / 304 / 440 ms, GPU busy 63 / 131 / 427 ms), so a
 # larger chunk is nearly free in time: an 8K prompt's TTFT 1,138 -> 443 ms
 BATCHED_TOKENS = (2048, 8192)
@@ -109,7 +109,7 @@ def prefill_graph_reserve(cfg: ModelConfig, tp: int, tokens: int, max_model_len:
     2·tokens rows of one third of the streams term), its larger sub-layer (the pieces'
     intermediates), the attention term again (the static pre / o buffers the pieces and the
     eager cores exchange), PIECE_BYTES a piece. H200, the 43-layer TP-4 slice at 2,048 tokens
-    (session 19): 0.90 GiB in the pool and buffers (graphs' own driver memory not counted)
+    (2026-12-03): 0.90 GiB in the pool and buffers (graphs' own driver memory not counted)
     against 1.10 GiB here."""
     ws = workspace(cfg, tp, tokens, max_model_len, num_seqs, act_bytes=act_bytes)
     pieces = len(prefill_sizes(tokens)) * (cfg.num_hidden_layers + 1)

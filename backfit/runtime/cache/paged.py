@@ -44,7 +44,7 @@ def check_block_size(cfg: ModelConfig, block_size: int) -> None:
 
 
 def _kernels(x: torch.Tensor) -> bool:
-    """The decode stores run as one Triton launch (kernels.cache_ops) on the triton backend."""
+    """The decode stores run as one Triton launch (kernels.cache.decode) on the triton backend."""
     from backfit.runtime.kernels import kernel_path
     return kernel_path(x)
 
@@ -112,7 +112,8 @@ class _PagedLayer:
                  bound: "_BoundPaged | None" = None):
         self.pool, self.slots, self.tables, self.bound = pool, slots, tables, bound
 
-    # Device views for the Triton decode kernels (kernels.attention, kernels.indexer): the pools
+    # Device views for the Triton decode kernels (kernels.attention.decode,
+    # kernels.attention.indexer): the pools
     # themselves, no copies. Stores are (data [N, rows, D], FP32 scale [N, rows] or None).
     def ring_pool(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.pool.ring.data, self.pool.ring.scale
@@ -154,7 +155,7 @@ class _PagedLayer:
         other rows write the scratch block instead."""
         p, tables = self._part(kind), self.block_table()
         if _kernels(E):
-            from backfit.runtime.kernels.cache_ops import store_decode
+            from backfit.runtime.kernels.cache import store_decode
             store_decode(E, pos, p.entries.data, p.entries.scale, tables=tables, ratio=p.ratio,
                          scratch=self.scratch_block)
             return
@@ -165,7 +166,7 @@ class _PagedLayer:
         p.entries.put((blk, j % p.per_block), E)
 
     def rows_pool(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compressor rings c, z [S, R, width] FP32 themselves (kernels.cache_ops)."""
+        """The compressor rings c, z [S, R, width] FP32 themselves (kernels.cache.decode)."""
         p = self._part(kind)
         return p.c, p.z
 
@@ -173,7 +174,7 @@ class _PagedLayer:
         """Decode: sequence i's one token pos[i], kv[i] into its ring (= write_window per i)."""
         ring = self.pool.ring
         if _kernels(kv):
-            from backfit.runtime.kernels.cache_ops import store_decode
+            from backfit.runtime.kernels.cache import store_decode
             store_decode(kv, pos, ring.data, ring.scale, slots=self.slot_ids())
             return
         ring.put((self.slot_ids().long(), pos % ring.data.shape[1]), kv)
@@ -208,7 +209,7 @@ class _PagedLayer:
             for s in self.bound.batch.slices():
                 self.write_window(s.index, pos[s.lo:s.hi], kv[s.lo:s.hi])
             return
-        from backfit.runtime.kernels.cache_ops import store_decode
+        from backfit.runtime.kernels.cache import store_decode
         rows, rpos, rslots = self.chunk_rows(ring.data.shape[1])
         store_decode(kv.index_select(0, rows), rpos, ring.data, ring.scale, slots=rslots)
 

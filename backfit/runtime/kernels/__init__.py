@@ -1,26 +1,24 @@
-"""Triton kernels for the GPU fast path, and the process-wide switch that selects them.
+"""Triton kernels for the GPU fast path, grouped by operation, and the process-wide switch that
+selects them. Each room exposes the launchers the model calls through its __init__.
 
-  kernels.gemm       quantized linear: int8_g128 (W8A16 decode, W8A8 prefill), bf16/copy weights,
-                     BF16 or FP32 output (head, router, compressors)
-  kernels.moe        fused MoE for stacked int8_mx32 experts (gate+up+SwiGLU, down with routing
-                     weight; the sorted tensor-core path; decode GEMV variants in moe_decode)
-  kernels.gemv       small-M (decode) GEMV for the linears, where its table says it beats gemm's
-  kernels.moe_mx4    the same for 4-bit mx4_e2m1 experts (e2m1 decoded in registers); its decode
-                     GEMV variants in kernels.moe_mx4_decode
-  kernels.attention  sparse attention over the paged pools (decode and chunked prefill)
-  kernels.attention_prefill  the query-blocked kernel the chunked prefill runs on
-  kernels.indexer    lightning-indexer scores and top-k over the paged indexer keys
-  kernels.mhc        mHC hc_pre / hc_post / hc_head (FP32 logits + Sinkhorn, 2 / 1 / 2 launches)
-  kernels.rope_norm  RMSNorm and RoPE, one launch each (RoPE bit-equal to the torch path)
-  kernels.cache_ops  the compressors' decode update and the ring / entry stores of a decode step
-  kernels.cache_prefill  the same update for every sequence of a prefill / mixed batch at once
-  kernels.pointwise  the router's top-k, the shared expert's SwiGLU, the MoE's top-k + shared sum
-  kernels.ref        plain-torch references with the runtime's torch-path math (tests, fallback)
+  linear/     quantized linears: gemm (a16 / w8a8 launcher `linear`), gemv (small-M decode GEMVs,
+              the RMSNorm folded in, the grouped einsum), gemv_tiles (their measured table)
+  moe/        the fused MoE: common (alignment, tiles, launch sequence, expert stacks), int8 and
+              mx4 sorted kernels, their decode GEMVs (int8_decode, mx4_decode)
+  attention/  sparse attention over the paged pools: decode, prefill (+ prefill_cd, tiles), and
+              the lightning indexer's scores and top-k
+  mhc/        mHC hc_pre / hc_post / hc_head: core, decode (fused pairs), tile (prefill)
+  cache/      the compressors' pooling and the ring / entry stores: decode and prefill
+  router.py   the MoE router (GEMV + top-k) in one launch at decode
+  pointwise.py  small per-token kernels: SwiGLU, top-k route, MoE combine, embedding, placeholders
+  rope_norm.py  RMSNorm and RoPE, one launch each
+  common.py   what every room shares (the BF16 dot, interpreter check, SM count)
+  ref.py      plain-torch references with the runtime torch path's math (tests, fallback)
 
 The switch is read by runtime.layers, runtime.cache.paged and runtime.model.* (attention,
 compressor, moe, hyper). It defaults to "torch" and is set once per process, so the torch path
 stays bit-for-bit what it was unless a caller opts in. Importing this package does not import
-triton (the kernel modules do, on first use).
+triton (the kernel rooms do, on first use).
 """
 
 from __future__ import annotations

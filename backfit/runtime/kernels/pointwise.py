@@ -13,7 +13,7 @@ sync: the MoE block's (runtime/model/moe.py on the triton backend) and the embed
                       bf16 shared-expert output), stored in `dtype` (bf16 at tp 1, FP32 before
                       the all-reduce): one launch for torch's cast, sum, add (and cast back).
   combine_later(...)  moe_combine's inputs checked and kept unsummed (PairSum): the consumer,
-                      kernels.mhc_decode.hc_post, sums them in the same order in its own launch.
+                      kernels.mhc.decode.hc_post, sums them in the same order in its own launch.
   embed_streams(weight, ids, S, dtype)   the tp-1 embedding straight into the mHC streams:
                       X [T, S, d] = weight[clamp(ids, 0, V-1)] in `dtype`, S equal copies (torch:
                       clamp, gather, repeat = 3 launches); exact (a copy). start=: one rank's
@@ -141,7 +141,7 @@ def _check_combine(out: torch.Tensor, k: int, shared: torch.Tensor | None) -> tu
 
 def combine_later(out: torch.Tensor, k: int, shared: torch.Tensor | None = None,
                   dtype: torch.dtype = torch.float32) -> PairSum:
-    """moe_combine's arguments, checked, as a PairSum for kernels.mhc_decode.hc_post."""
+    """moe_combine's arguments, checked, as a PairSum for kernels.mhc.decode.hc_post."""
     _check_combine(out, k, shared)
     return PairSum(out, k, shared, dtype)
 

@@ -73,7 +73,7 @@ def moe_routed_ref(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
     return y
 
 
-# Attention and indexer over the paged pools (kernels.attention, kernels.indexer):
+# Attention and indexer over the paged pools (kernels.attention.decode, kernels.attention.indexer):
 # decode_attention_ref = model.attention_torch.attend / scores_core for one query per sequence, gathering the window
 # and the entries from the pools per sequence (int8 dequantized as cache.paged._Store.get);
 # indexer_scores_ref / topk_select_ref = Indexer.select's scores over the paged keys, its top-k.

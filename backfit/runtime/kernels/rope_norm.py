@@ -70,7 +70,7 @@ def _rope_kernel(X, Y, POS, F, W, V, D, stride_xn, eps, SIGN: tl.constexpr, R: t
     cos = tl.cos(ang).to(tl.float32)
     sin = tl.sin(ang).to(tl.float32) * SIGN
     # the rotated lanes as one contiguous [BV, R] load and store (pairs split / joined in
-    # registers): two stride-2 loads and stores cost as much as the whole vector (session 12)
+    # registers): two stride-2 loads and stores cost as much as the whole vector (2026-12-02)
     rr = tl.arange(0, R)
     ab = tl.load(X + xrow[:, None] + (D - R) + rr[None, :], mask=v_ok[:, None],
                  other=0.0).to(tl.float32)

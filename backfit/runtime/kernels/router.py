@@ -13,7 +13,7 @@ tp 1 on the H200, 4.3 + 2.9 µs in a TP-4 rank's trace, each a latency-bound lau
 The logits' FP32 sums are in another order than the separate GEMV's (gemv's fma / cuda
 variants), so the two paths agree to FP32 rounding, and a top-k can differ only between scores
 equal to that rounding (as kernels.pointwise says of its own top-k against torch's).
-FUSED = False: model.moe's Gate runs the two launches (the A/B switch of scripts/bench_ab.py).
+FUSED = False: model.moe's Gate runs the two launches (the A/B switch of benchmarks/bench_ab.py).
 """
 
 from __future__ import annotations

@@ -37,13 +37,15 @@ SIDE_STREAMS = True
 # The paged decode step on CUDA (any layer): kv_norm + RoPE of the token's kv and its ring store on
 # a side stream ("kv") beside q_norm / wq_b / the query RoPE; decode attention joins it.
 KV_BESIDE = True
-# Decode batches on the triton path: the grouped wo_a as one block-diagonal GEMV (kernels.gemv
+# Decode batches on the triton path: the grouped wo_a as one block-diagonal GEMV
+# (kernels.linear.gemv
 # gemv_grouped) at the shapes its table measured faster than the einsum (cuBLAS); False: einsum.
 WO_A_GEMV = True
 # The paged decode step on the triton path, at these batch sizes: q_norm inside wq_b's GEMV launch
-# where kernels.gemv takes wq_b's shape (a TP-4 rank at batch 1-2; Linear.norm_folds); the CSA
+# where kernels.linear.gemv takes wq_b's shape (a TP-4 rank at batch 1-2; Linear.norm_folds); the
+# CSA
 # indexer's qr is normed on its own side chain. Elsewhere q_norm's own launch, then wq_b. H200,
-# 43-layer TP-4 slice, bench_ab.py (session 16, GPU time of the replay): batch 2 -74.9 us; batch 1
+# 43-layer TP-4 slice, bench_ab.py (2026-12-02, GPU time of the replay): batch 2 -74.9 us; batch 1
 # +39.2 us with the norm from the one loaded K tile in each of wq_b's 1,024 programs (the cross-warp
 # Σx² on every program's path; that form is deleted), +51.6 us with the first pass (the form kept)
 Q_NORM_IN_WQ_B = (2,)
@@ -247,7 +249,7 @@ class Attention(nn.Module):
             o = self.rope(o.to(dtype), pos, inverse=True)             # de-rotate by query position
         o = o.view(T, self.local_groups, self.heads_per_group * self.cfg.head_dim)  # g*hpg ..
         if self._wo_a_gemv(o):                                        # one launch, [T, Gl·o_lora]
-            from backfit.runtime.kernels.gemv import gemv_grouped
+            from backfit.runtime.kernels.linear import gemv_grouped
             return self.wo_b(gemv_grouped(o.flatten(1), self.wo_a.weight, self.cfg.o_lora_rank))
         wa = self.wo_a.dequantized(dtype).view(self.local_groups, self.cfg.o_lora_rank, -1)
         zg = torch.einsum("tgi,goi->tgo", o, wa)                      # [T, Gl, o_lora]
@@ -258,7 +260,7 @@ class Attention(nn.Module):
         if not (WO_A_GEMV and kernel_path(o) and o.dtype == torch.bfloat16
                 and self.wo_a.weight.dtype == torch.bfloat16 and self.wo_a.scheme == "bf16"):
             return False
-        from backfit.runtime.kernels.gemv import GEMV_MAX_M, gemv_lookup
+        from backfit.runtime.kernels.linear import GEMV_MAX_M, gemv_lookup
         return o.shape[0] <= GEMV_MAX_M and gemv_lookup(
             o.shape[0], self.wo_a.weight.shape[0], o.shape[2], False, grouped=True) is not None
 
@@ -273,7 +275,7 @@ class Attention(nn.Module):
 
     def _select(self, qI, wI, cache, pos, seq=None) -> torch.Tensor:
         """CSA: the indexer's top-k entries per query over the paged index pool -> sel [T, k]."""
-        from backfit.runtime.kernels.indexer import indexer_scores, topk_select
+        from backfit.runtime.kernels.attention import indexer_scores, topk_select
         keys, _ = cache.entry_pool("index")
         sels = []
         for a in range(0, qI.shape[0], self.q_chunk):                 # bounds [n, NC] scores
@@ -367,7 +369,7 @@ class Attention(nn.Module):
             if kv_ready is None:                                      # else stored beside
                 cache.write_window_tokens(pos, kv)                    # after the kernel read it
         else:
-            from backfit.runtime.kernels.attention_prefill import sparse_attention_prefill
+            from backfit.runtime.kernels.attention import sparse_attention_prefill
             memo = batch.memo if PREFILL_MEMO else None
             if q.dtype == torch.float32:                              # post de-rotates
                 o = sparse_attention_prefill(*args, seq=seq, start=start, memo=memo)

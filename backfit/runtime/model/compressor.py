@@ -26,15 +26,15 @@ __all__ = ["Compressor", "Indexer", "ProjectedRows", "HeadWeights", "FUSED_DECOD
            "FUSED_PREFILL"]
 
 # The decode kernel path of Compressor.decode_update: True = one launch per compressor
-# (kernels.cache_ops.compress_decode_fused: ape add, rows, pooling, cast, norm, RoPE, entry
+# (kernels.cache.decode.compress_decode_fused: ape add, rows, pooling, cast, norm, RoPE, entry
 # store); False = the previous chain (torch ape add, compress_decode, cast, rms_norm, rope,
 # store_decode; ~10 launches). Same entries bit for bit either way.
 FUSED_DECODE = True
 # The kernel path of a prefill / mixed batch's compressor update: True = every sequence's chunk at
-# once (Compressor.prefill_update: kernels.cache_prefill, two launches a compressor); False =
+# once (Compressor.prefill_update: kernels.cache.prefill, two launches a compressor); False =
 # `update` per sequence (torch ops). The same entries as FUSED_DECODE's kernel, token by token;
 # the torch update's to FP32 rounding. H200, 43-layer TP-4 slice, a 512-token step through the
-# prefill pieces: 136.0 -> 81.7 ms (profile_step.py, session 20).
+# prefill pieces: 136.0 -> 81.7 ms (profile_step.py, 2026-12-03).
 FUSED_PREFILL = True
 
 
@@ -143,8 +143,8 @@ class Compressor(nn.Module):
         kernel path (FUSED_PREFILL, paged pools): c, z [T, width] FP32 (z with its ape row),
         pos / seq / start [T] (each row's position, sequence and chunk start) on the device.
         The entries the chunks complete, from the chunks' rows and the rings' older ones, then
-        each sequence's last ring rows (kernels.cache_prefill: two launches, no host sync)."""
-        from backfit.runtime.kernels.cache_prefill import compress_prefill, store_rows
+        each sequence's last ring rows (kernels.cache.prefill: two launches, no host sync)."""
+        from backfit.runtime.kernels.cache import compress_prefill, store_rows
         data, scale = cache.entry_pool(kind)
         ring_c, ring_z = cache.rows_pool(kind)
         compress_prefill(c, z, cache.entry_rows(kind), pos, seq, start, cache.slot_ids(), ring_c,
@@ -164,13 +164,13 @@ class Compressor(nn.Module):
         Every row pools the m (CSA: 2m) rows ending at its position, as if it completed a block;
         entry j = pos // m is written only where (pos+1) % m == 0, the others go to the cache's
         scratch block. Same operations in the same order as `update`, so the same entries. On
-        the triton backend it is one kernel (FUSED_DECODE; kernels.cache_ops, Triton's exp, so
+        the triton backend it is one kernel (FUSED_DECODE; kernels.cache.decode, Triton's exp, so
         FP32 rounding away from the torch path), else rows + pooling, then cast, norm, RoPE and
         the entry store as separate launches (bit for bit the fused kernel's entries).
         """
         m, D = self.ratio, self.head_dim
         if kernel_path(c) and FUSED_DECODE and dtype in (torch.bfloat16, torch.float32):
-            from backfit.runtime.kernels.cache_ops import compress_decode_fused
+            from backfit.runtime.kernels.cache import compress_decode_fused
             data, scale = cache.entry_pool(kind)
             wI = compress_decode_fused(
                 c, z, None if ape_added else self.ape, pos, cache.slot_ids(),
@@ -185,7 +185,7 @@ class Compressor(nn.Module):
             z = z + self.ape[pos % m]
         j = pos // m
         if kernel_path(c):          # 1 launch for rows + pooling
-            from backfit.runtime.kernels.cache_ops import compress_decode
+            from backfit.runtime.kernels.cache import compress_decode
             E = compress_decode(c, z, pos, cache.slot_ids(), *cache.rows_pool(kind), m,
                                 self.overlap, D)
             cache.write_entries_tokens(kind, pos, self.rope(self.norm(E.to(dtype)), j * m))
@@ -223,7 +223,8 @@ class Indexer(nn.Module):
 
     def queries(self, qr: torch.Tensor, w: torch.Tensor, pos: torch.Tensor):
         """qr [T, q_lora], w = weights_proj(x) [T, Hl] -> qI [T, Hl, 128] (rotated; FP32, on the
-        kernel path the act dtype: kernels.indexer reads it so, no cast launches), head weights
+        kernel path the act dtype: kernels.attention.indexer reads it so, no cast launches), head
+        weights
         [T, Hl] FP32 (w a HeadWeights: itself, formed on use)."""
         qI = self.wq_b(qr).view(qr.shape[0], self.local_heads, self.head_dim)
         qI = self.rope(qI, pos)

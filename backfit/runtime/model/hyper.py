@@ -8,9 +8,9 @@ passes), so each destination ends as a convex combination of sources. All math i
 The parameters (hc_{attn,ffn}_{fn,base,scale}, hc_head_*) are buffers of the owning block, so
 they keep their checkpoint names; `add_hc_buffers` registers them.
 With the "triton" kernel backend and CUDA bf16 streams, hc_pre / hc_post / hc_head run the fused
-kernels of runtime.kernels.mhc (same signatures and results; 2 / 1 / 2 launches at decode);
+kernels of runtime.kernels.mhc.core (same signatures and results; 2 / 1 / 2 launches at decode);
 otherwise the torch code below, which is the reference. At decode sizes the model (Block,
-Transformer) instead takes runtime.kernels.mhc_decode through `decode_kernels` (hc_post fused
+Transformer) instead takes runtime.kernels.mhc.decode through `decode_kernels` (hc_post fused
 with the next hc_pre's partials, hc_pre fused with the following RMSNorm).
 """
 
@@ -33,20 +33,21 @@ def add_hc_buffers(module: nn.Module, prefix: str, n_out: int, streams: int, dim
 
 
 def _fused(X: torch.Tensor):
-    """runtime.kernels.mhc when the triton backend is on and X is a CUDA bf16 tensor, else None."""
+    """runtime.kernels.mhc.core when the triton backend is on and X is a CUDA bf16 tensor, else
+    None."""
     if kernel_path(X) and X.dtype == torch.bfloat16:
         from backfit.runtime.kernels import mhc  # imports triton on first use
-        return mhc
+        return mhc.core
     return None
 
 
 def decode_kernels(X: torch.Tensor):
-    """runtime.kernels.mhc_decode for CUDA bf16 streams X [T, S, d] on the triton backend at
-    decode sizes (T < mhc.MIX_TORCH_T) while mhc_decode.DECODE_FUSED is on, else None."""
+    """runtime.kernels.mhc.decode for CUDA bf16 streams X [T, S, d] on the triton backend at
+    decode sizes (T < mhc.MIX_TORCH_T) while mhc.decode.DECODE_FUSED is on, else None."""
     if not (kernel_path(X) and X.dtype == torch.bfloat16):
         return None
-    from backfit.runtime.kernels import mhc, mhc_decode  # imports triton on first use
-    return mhc_decode if mhc_decode.DECODE_FUSED and X.shape[0] < mhc.MIX_TORCH_T else None
+    from backfit.runtime.kernels import mhc  # imports triton on first use
+    return mhc.decode if mhc.decode.DECODE_FUSED and X.shape[0] < mhc.MIX_TORCH_T else None
 
 
 def _mix_logits(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:

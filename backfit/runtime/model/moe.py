@@ -120,7 +120,7 @@ class MoE(nn.Module):
         self.stacked: tuple[torch.Tensor, ...] | None = None     # kernel layout; () = unsupported
 
     def prepare_kernels(self) -> bool:
-        """Post-load step: stack the routed experts for runtime.kernels.moe, int8_mx32 as
+        """Post-load step: stack the routed experts for runtime.kernels.moe.int8, int8_mx32 as
         [E, N, K] codes or mx4_e2m1 as [E, N, K/2] packed codes, each with [E, N, K/32]
         exponents (each expert's tensors become views: no extra memory once stacked). False if
         the experts are not all int8_mx32 or all mx4_e2m1 (the torch loop is used then)."""
@@ -139,7 +139,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, pairs: bool = False):
         """x [T, dim] (ffn_norm output), tokens [T] -> [T, dim] in x.dtype. pairs (the decode
         Block): at tp 1 on the triton path the routed pairs and the shared output come back
-        unsummed (kernels.pointwise.PairSum) for kernels.mhc_decode.hc_post to sum; at tp > 1
+        unsummed (kernels.pointwise.PairSum) for kernels.mhc.decode.hc_post to sum; at tp > 1
         the all-reduced FP32 sum as a PairSum of one, which hc_post rounds to x.dtype."""
         if get_kernel_backend() == "triton" and x.dtype == torch.bfloat16 and self.prepare_kernels():
             from backfit.runtime.kernels.moe import fused_moe

@@ -9,16 +9,18 @@ import importlib
 import torch
 
 LIMIT = 10.0                                  # the SwiGLU clamp of every test
-_CHAIN = ("gemm", "moe_decode", "moe", "moe_mx4_decode", "moe_mx4")   # import order
+_CHAIN = ("common", "moe.common", "moe.int8_decode", "moe.int8", "moe.mx4_decode", "moe.mx4",
+          "moe")                                                          # import order
 
 
 def moe_kernels(interpret: bool):
-    """(kernels.moe, kernels.moe_mx4), re-imported in dependency order when their Triton kernels
-    were decorated for the other mode (TRITON_INTERPRET is read at decoration)."""
+    """(the kernels.moe package, kernels.moe.mx4), re-imported in dependency order when their
+    Triton kernels were decorated for the other mode (TRITON_INTERPRET is read at decoration).
+    The package's fused_moe dispatches on the stacks; its modules: .common, .int8, .mx4."""
     mods = [importlib.import_module(f"backfit.runtime.kernels.{n}") for n in _CHAIN]
     if mods[0].interpreted() != interpret:
         mods = [importlib.reload(m) for m in mods]
-    return mods[2], mods[4]
+    return mods[-1], mods[-2]
 
 
 def stacks(weight, E: int, D: int, I: int, seed: int, up: tuple[int, int]):

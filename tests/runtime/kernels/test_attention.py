@@ -1,4 +1,5 @@
-"""Decode attention kernel (runtime.kernels.attention) against kernels.ref over random paged pools.
+"""Decode attention kernel (runtime.kernels.attention.decode) against kernels.ref over random paged
+pools.
 
 CPU: the Triton interpreter (TRITON_INTERPRET=1 set at import when there is no CUDA device).
 Pools are filled with random vectors and read through shuffled block tables and scattered slots,
@@ -35,7 +36,7 @@ W, K_RB, BLOCK = 16, 8, 16              # window, rollback rows, block size (tok
 def attn():
     import importlib
 
-    import backfit.runtime.kernels.attention as attention
+    import backfit.runtime.kernels.attention.decode as attention
     if attention._interpreted() != INTERPRET:
         attention = importlib.reload(attention)
     return attention
@@ -269,7 +270,7 @@ def test_model_decode_on_kernels_matches_torch_path(attn, model_f32, kv_dtype, m
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 512, (n,), generator=gen) for n in (9, 30)]
     want = _decode_run(model_f32, kv_dtype, prompts, 8)               # torch: backend unset
-    import backfit.runtime.kernels.attention_prefill as attn_prefill
+    import backfit.runtime.kernels.attention.prefill as attn_prefill
     calls = {"decode": 0, "chunks": 0, "prefill": 0}
     dec, chunks = attn.decode_attention, attn.sparse_attention
     pre = attn_prefill.sparse_attention_prefill

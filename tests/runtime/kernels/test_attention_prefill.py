@@ -1,4 +1,4 @@
-"""Query-blocked prefill attention (runtime.kernels.attention_prefill) against
+"""Query-blocked prefill attention (runtime.kernels.attention.prefill) against
 kernels.ref.sparse_attention_ref over random paged pools, under the Triton interpreter on CPU.
 
 Several sequences per call, chunks that start at 0 and mid-sequence (past the window, so ring
@@ -35,14 +35,14 @@ CHUNKS = [(0, 11), (40, 1), (20, 19), (150, 6), (5, 9)]
 
 @pytest.fixture(scope="module")
 def pre():
-    kernel_module("attention_tiles", "_rows_tile", INTERPRET)      # the tiles both kernels use
-    return kernel_module("attention_prefill", "_prefill_kernel", INTERPRET)
+    kernel_module("attention.tiles", "_rows_tile", INTERPRET)      # the tiles both kernels use
+    return kernel_module("attention.prefill", "_prefill_kernel", INTERPRET)
 
 
 @pytest.fixture(scope="module")
 def cd(pre):
     """The column-chunked kernel's module, decorated like `pre` (its launcher imports it)."""
-    return kernel_module("attention_prefill_cd", "_prefill_cd_kernel", INTERPRET)
+    return kernel_module("attention.prefill_cd", "_prefill_cd_kernel", INTERPRET)
 
 
 @pytest.fixture(autouse=True)
@@ -117,7 +117,7 @@ def test_prefill_attention_sweep(pre, mode, ratio, int8):
 @pytest.mark.parametrize("mode,ratio", [("window", 0), ("hca", 4), ("csa", 4)])
 @pytest.mark.parametrize("int8", [False, True])
 def test_prefill_attention_column_chunks(pre, cd, mode, ratio, int8):
-    """CD=1 (kernels.attention_prefill_cd: D in eight 16-column chunks at D 128, two programs a
+    """CD=1 (kernels.attention.prefill_cd: D in eight 16-column chunks at D 128, two programs a
     row, each its half of the columns) = the reference, at BQ 1 and (not csa) BQ 4; its BF16
     output is its FP32 output rounded, and the two halves agree on the scores (a row whose
     columns are all equal gets the same output in both halves)."""

@@ -1,4 +1,4 @@
-"""Decode cache kernels (runtime.kernels.cache_ops) against the torch path of PagedCache and
+"""Decode cache kernels (runtime.kernels.cache.decode) against the torch path of PagedCache and
 Compressor.decode_update, on twin pools (CPU: the Triton interpreter).
 
 compress_decode: the ring rows it writes are exact, the pooled entries agree with the torch
@@ -29,7 +29,7 @@ from backfit.runtime.streams import stream_counters  # noqa: E402
 
 
 def kmod():
-    return kernel_module("cache_ops", "_store_kernel", INTERPRET)
+    return kernel_module("cache.decode", "_store_kernel", INTERPRET)
 
 
 def _torch_pool(rc, rz, slots, pos, m, overlap, D):

@@ -1,4 +1,4 @@
-"""Prefill-chunk cache kernels (runtime.kernels.cache_prefill) and the paged cache's batched
+"""Prefill-chunk cache kernels (runtime.kernels.cache.prefill) and the paged cache's batched
 prefill updates (CPU: the Triton interpreter).
 
 compress_prefill + store_rows over a batch of chunks write the same entries, scales and ring
@@ -31,8 +31,8 @@ from backfit.runtime.cache.paged import PagedCache  # noqa: E402
 
 
 def kmods():
-    return (kernel_module("cache_prefill", "_compress_prefill_kernel", INTERPRET),
-            kernel_module("cache_ops", "_fused_kernel", INTERPRET))
+    return (kernel_module("cache.prefill", "_compress_prefill_kernel", INTERPRET),
+            kernel_module("cache.decode", "_fused_kernel", INTERPRET))
 
 
 def _chunks(m: int):

@@ -36,7 +36,7 @@ def _lin(n, k, scheme, g):
 @pytest.mark.parametrize("scheme", ["int8_g128", "copy"])
 def test_fused_equals_members(scheme, monkeypatch):
     from backfit.runtime import kernels as kpkg
-    from backfit.runtime.kernels import gemm
+    from backfit.runtime.kernels.linear import gemm
     monkeypatch.setattr(kpkg, "_backend", "triton")
     monkeypatch.setattr("backfit.runtime.layers._on_gpu", lambda x: True)    # interpreter
     g = torch.Generator().manual_seed(1)

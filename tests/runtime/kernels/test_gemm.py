@@ -1,4 +1,5 @@
-"""Quantized-linear kernels (runtime.kernels.gemm) against kernels.ref over a sweep of M, N, K.
+"""Quantized-linear kernels (runtime.kernels.linear.gemm) against kernels.ref over a sweep of M, N,
+K.
 
 CPU: the Triton interpreter (TRITON_INTERPRET=1 while the module is imported). Its fp32->bf16
 cast truncates instead of rounding to nearest, so interpreter tolerances are 1.5e-2 relative;
@@ -27,9 +28,10 @@ from backfit.runtime.layers import Linear
 
 
 def kernel_module():
-    """runtime.kernels.gemm, interpreted without CUDA: TRITON_INTERPRET must be set before triton
+    """runtime.kernels.linear.gemm, interpreted without CUDA: TRITON_INTERPRET must be set before
+    triton
     is first imported (its own library is decorated then), so it is set at this module's import."""
-    import backfit.runtime.kernels.gemm as gemm
+    import backfit.runtime.kernels.linear.gemm as gemm
     if gemm.interpreted() != INTERPRET:
         gemm = importlib.reload(gemm)
     return gemm
@@ -116,17 +118,17 @@ def test_bad_input_one_line_errors(gemm):
 
 
 def test_small_m_goes_to_gemv_only_at_table_shapes(gemm, monkeypatch):
-    """linear() sends M <= 8 rows to kernels.gemv where GEMV_TABLE lists the shape (an H200
+    """linear() sends M <= 8 rows to kernels.linear.gemv where GEMV_TABLE lists the shape (an H200
     win), with the same result as the a16 path to FP32 summation order; other shapes, M > 8,
     explicit path/config and FP32 weights stay on a16."""
-    from backfit.runtime.kernels import gemv
+    from backfit.runtime.kernels.linear import gemv
     gen = torch.Generator().manual_seed(3)
     q, sc = int8_weight(96, 256, gen)
     entry = ("int8", (96, 96), (256, 256), (1, 4), dict(variant="cuda", BN=4, BK=128,
                                                          num_warps=4, MAGIC=True))
     monkeypatch.setattr(gemv, "GEMV_TABLE", [entry])
     calls = []
-    real = gemv.launch                                  # linear's door into kernels.gemv
+    real = gemv.launch                                  # linear's door into kernels.linear.gemv
     monkeypatch.setattr(gemv, "launch", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     x = randn(3, 256, gen=gen)
     for out_dtype in (torch.bfloat16, torch.float32):

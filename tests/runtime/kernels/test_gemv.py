@@ -1,4 +1,4 @@
-"""Small-M GEMV kernel (runtime.kernels.gemv) against a plain-torch FP32 reference.
+"""Small-M GEMV kernel (runtime.kernels.linear.gemv) against a plain-torch FP32 reference.
 
 CPU: the Triton interpreter (TRITON_INTERPRET=1 while the module is imported). Reference: the
 weight dequantized in FP32 (q·s for int8_g128) and x @ W^T in FP64, so the bound covers only the
@@ -29,7 +29,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** (-7 if INTERPRET else -8)}
 
 @pytest.fixture(scope="module")
 def gv():
-    return kernel_module("gemv", "_gemv_kernel", INTERPRET)
+    return kernel_module("linear.gemv", "_gemv_kernel", INTERPRET)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

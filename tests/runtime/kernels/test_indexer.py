@@ -1,4 +1,5 @@
-"""Indexer kernels (runtime.kernels.indexer) against kernels.ref over random paged indexer keys.
+"""Indexer kernels (runtime.kernels.attention.indexer) against kernels.ref over random paged
+indexer keys.
 
 CPU: the Triton interpreter (TRITON_INTERPRET=1 set at import when there is no CUDA device).
 Keys are read through shuffled block tables; positions cross several 16-token blocks (4 keys
@@ -33,7 +34,7 @@ PB = BLOCK // 4
 def idx():
     import importlib
 
-    import backfit.runtime.kernels.indexer as indexer
+    import backfit.runtime.kernels.attention.indexer as indexer
     if indexer._interpreted() != INTERPRET:
         indexer = importlib.reload(indexer)
     return indexer

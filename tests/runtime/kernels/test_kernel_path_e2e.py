@@ -27,7 +27,7 @@ from backfit.runtime.cache.paged import PagedCache  # noqa: E402
 from backfit.runtime.loader import load_model  # noqa: E402
 from backfit.runtime.model.transformer import Transformer  # noqa: E402
 
-# ~11 min under the interpreter on the 2-core box (10 min 47 s at session 12, whose column-chunked
+# ~11 min under the interpreter on the 2-core box (10 min 47 s on 2026-12-02, whose column-chunked
 # prefill attention interprets slower; 6 min 16 s before, 2026-12-01: passed; 14 min 36 s with
 # 10 decode steps), too long for `make test`: run it after changing how the runtime calls the
 # kernels, with
@@ -72,7 +72,7 @@ def test_kernel_path_equals_torch_path(tiny_converted, tp1_process, monkeypatch,
     want_one = os.environ.get("BACKFIT_E2E_EXPERTS")
     if want_one and want_one != experts:
         pytest.skip(f"BACKFIT_E2E_EXPERTS={want_one}")
-    from backfit.runtime.kernels import gemv
+    from backfit.runtime.kernels.linear import gemv
     from backfit.runtime.model import attention
     conv = tiny_converted(1, experts)
     model = Transformer(ModelConfig.from_file(conv / "config.json"), torch.bfloat16, mtp=False)

@@ -1,5 +1,6 @@
-"""mHC kernels (runtime.kernels.mhc) against the torch reference (runtime.model.hyper), and the
-FP32-output linear (kernels.gemm.linear(out_dtype=float32), Linear.forward_f32, ParallelHead).
+"""mHC kernels (runtime.kernels.mhc.core) against the torch reference (runtime.model.hyper), and the
+FP32-output linear (kernels.linear.gemm.linear(out_dtype=float32), Linear.forward_f32,
+ParallelHead).
 
 CPU: the Triton interpreter (TRITON_INTERPRET=1 while the module is imported). All mHC math is
 FP32, so post and M must agree to 2e-5 relative (max abs error over max abs value; only the
@@ -37,9 +38,9 @@ FP32_NOISE = 1e-6       # x Σ|terms|: FP32 noise of a bf16 output's value (meas
 
 @pytest.fixture(scope="module")
 def mhc():
-    import backfit.runtime.kernels.gemm as gemm
-    import backfit.runtime.kernels.mhc as mod
-    import backfit.runtime.kernels.mhc_tile as tile
+    import backfit.runtime.kernels.linear.gemm as gemm
+    import backfit.runtime.kernels.mhc.core as mod
+    import backfit.runtime.kernels.mhc.tile as tile
     if gemm.interpreted() != INTERPRET:                 # triton imported before the env was set
         importlib.reload(gemm)
         importlib.reload(tile)                          # mhc's tiled prefill kernels
@@ -49,7 +50,7 @@ def mhc():
 
 @pytest.fixture(scope="module")
 def gemm(mhc):
-    import backfit.runtime.kernels.gemm as gemm
+    import backfit.runtime.kernels.linear.gemm as gemm
     return gemm
 
 
@@ -169,7 +170,7 @@ def test_deterministic_and_bad_input(mhc):
     a = mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
     b = mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
-    dec = kernel_module("mhc_decode", "_post_mix_kernel", INTERPRET)
+    dec = kernel_module("mhc.decode", "_post_mix_kernel", INTERPRET)
     calls = [(lambda: mhc.hc_post(X[:, 0], X, a[1][:, :2], a[2]), "post fp32"),
              (lambda: mhc.hc_post(X[:, 0], X, a[1].to("meta"), a[2]), "devices")]
     for pre in (mhc.hc_pre, dec.hc_pre, dec.hc_pre_async):        # one check_pre for all three
@@ -213,7 +214,7 @@ def test_tiled_prefill_dispatch_and_bad_input(mhc, monkeypatch):
     run = lambda X, **kw: mhc.hc_pre(X, fn, scale, base, ITERS, HC_EPS, NORM_EPS, **kw)  # noqa: E731
     assert all(torch.equal(a, b) for a, b in zip(run(small, prefill="tiled"), run(small)))
     assert all(torch.equal(a, b) for a, b in zip(run(big), run(big, prefill="tiled")))
-    tile_mod = kernel_module("mhc_tile", "_mix_tile_kernel", INTERPRET)
+    tile_mod = kernel_module("mhc.tile", "_mix_tile_kernel", INTERPRET)
     launches, mode = _count_launches(monkeypatch, tile_mod, ("_mix_tile_kernel",
                                                              "_collapse_tile_kernel"))
     with mode:
@@ -290,7 +291,8 @@ def test_launches_per_call(mhc, monkeypatch):
 
 def test_hyper_dispatches_only_for_cuda_bf16_with_triton(monkeypatch):
     calls = []
-    fake = type("K", (), {"hc_post": staticmethod(lambda *a: calls.append(a) or "kernel")})
+    fake = type("M", (), {"core": type("K", (), {"hc_post": staticmethod(
+        lambda *a: calls.append(a) or "kernel")})})
     import backfit.runtime.kernels as pkg
     monkeypatch.setattr(pkg, "_backend", "triton")                    # read by kernel_path()
     X = torch.zeros(1, S, 8, dtype=torch.bfloat16)

@@ -1,4 +1,5 @@
-"""mHC decode kernels (runtime.kernels.mhc_decode) against today's kernels (runtime.kernels.mhc)
+"""mHC decode kernels (runtime.kernels.mhc.decode) against today's kernels
+(runtime.kernels.mhc.core)
 and the torch reference (runtime.model.hyper + layers.RMSNorm's math), under the interpreter on
 CPU. Tolerances as test_mhc: post / M 2e-5 relative, bf16 outputs within one bf16 ulp of the
 reference's FP32 value (+ FP32 noise). Under the interpreter (one numpy op order) u, post, M and
@@ -39,10 +40,10 @@ RMS_EPS = 1e-6
 @pytest.fixture(scope="module")
 def mods():
     """(mhc, mhc_decode), decorated for the interpreter iff INTERPRET."""
-    kernel_module("gemm", "_a16_kernel", INTERPRET)
-    mhc = kernel_module("mhc", "_collapse_kernel", INTERPRET)
+    kernel_module("linear.gemm", "_a16_kernel", INTERPRET)
+    mhc = kernel_module("mhc.core", "_collapse_kernel", INTERPRET)
     kernel_module("pointwise", "_combine_kernel", INTERPRET)     # hc_post's PairSum sum
-    return mhc, kernel_module("mhc_decode", "_post_mix_kernel", INTERPRET)
+    return mhc, kernel_module("mhc.decode", "_post_mix_kernel", INTERPRET)
 
 
 def rms_ref(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

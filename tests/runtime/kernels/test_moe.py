@@ -1,4 +1,4 @@
-"""Fused MoE (runtime.kernels.moe) against kernels.ref, the device-side alignment, and the MoE
+"""Fused MoE (runtime.kernels.moe.int8) against kernels.ref, the device-side alignment, and the MoE
 module's kernel path behind the switch. CPU: Triton interpreter (see test_gemm.py on tolerances)."""
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_decode_variants_match_reference(kmoe, variant):
     BN = 128 rows), BK fitted below the request (K = 192 -> 64, I = 64), 2 and 4 warps, and
     the K loop as a cp.async pipeline (STAGES 3: same math, the interpreter ignores the depth;
     test_sm80.py compiles it)."""
-    assert variant in kmoe.DECODE_VARIANTS
+    assert variant in kmoe.int8.DECODE_VARIANTS
     E, D, I, k = 8, 192, 64, 4
     st, gen = experts(E, D, I, seed=21)
     with one_thread():
@@ -119,7 +119,7 @@ def _code_grid(N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _read_back_check(out, q, s, e_of):
     """out [K, N] = W[e_of[p]][:, p] (slot p's one-hot row) -> bit for bit q·2^(e-128) (float64,
     exact). The interpreter flushes subnormal BF16 casts: there bytes 0, 1 are skipped; on the
-    GPU they are compared (tl.exp2 flushed them to 0 there until session 22: _pow2_mx now)."""
+    GPU they are compared (tl.exp2 flushed them to 0 there until 2026-12-04: _pow2_mx now)."""
     K = out.shape[0]
     col = torch.arange(K, device=out.device)
     exp = s[e_of, :, col // 32]                                                  # [K, N] bytes
@@ -142,7 +142,7 @@ def test_decode_variants_read_every_code_and_exponent_exactly(kmoe, variant):
     out = torch.full((K, N), float("nan"), dtype=torch.bfloat16, device=DEV)
     one = torch.ones(K, dtype=torch.float32, device=DEV)
     with one_thread():
-        kmoe._launch_decode(kmoe._GEMV, K, N, K, dict(variant=variant, BN=16, BK=128,
+        kmoe.common.launch_decode(kmoe.int8._GEMV, K, N, K, dict(variant=variant, BN=16, BK=128,
                             num_warps=4, num_stages=2), (eye, ids, one, q, s, q, s, out, N, K, 1),
                             GATED=False, LIMIT=0.0)
     _read_back_check(out, q, s, ids.long())
@@ -160,7 +160,7 @@ def test_sorted_dequant_reads_every_code_and_exponent_exactly(kmoe, deq):
     out = torch.full((K, N), float("nan"), dtype=torch.bfloat16, device=DEV)
     one = torch.ones(K, dtype=torch.float32, device=DEV)
     with one_thread():
-        kmoe._moe_sorted_kernel[(K // BM, 1)](eye, slots, block_e, one, q, s, q, s, out, N, K, 1,
+        kmoe.int8._moe_sorted_kernel[(K // BM, 1)](eye, slots, block_e, one, q, s, q, s, out, N, K, 1,
                                               K, 2, GATED=False, LIMIT=0.0, F32=INTERPRET,
                                               BM=BM, BN=N, BK=64, DEQ=deq)
     _read_back_check(out, q, s, (slots.long() // BM) % 2)
@@ -188,7 +188,7 @@ def test_align_covers_every_pair_once_in_expert_blocks(kmoe):
     for T, k, E, bm in ((1, 6, 16, 16), (37, 6, 16, 16), (130, 4, 8, 64), (5, 2, 256, 16)):
         idx = torch.randint(0, E, (T, k), generator=gen).to(DEV)
         P = T * k
-        sorted_ids, block_e = kmoe.align(idx, E, bm)
+        sorted_ids, block_e = kmoe.common.align(idx, E, bm)
         assert block_e.numel() == -(-P // bm) + min(E, P)
         assert sorted_ids.numel() == block_e.numel() * bm
         real = sorted_ids[sorted_ids < P].long()
@@ -225,8 +225,8 @@ def test_unknown_decode_variant_is_a_one_line_error(kmoe):
     idx, w = routing(1, 2, 2, gen)
     with pytest.raises(ValueError, match=r"unknown decode variant 'fast', expected one of \["):
         kmoe.fused_moe(x, idx, w, *st, LIMIT, path="decode", config={"variant": "fast"})
-    assert kmoe._decode_config(4096, 6)["variant"] in kmoe.DECODE_VARIANTS        # shipped table
-    assert kmoe._decode_config(192, 6)["BK"] == 64                                 # fitted to K
+    assert kmoe.int8.decode_config(4096, 6)["variant"] in kmoe.int8.DECODE_VARIANTS        # shipped table
+    assert kmoe.int8.decode_config(192, 6)["BK"] == 64                                 # fitted to K
 
 
 def test_down_projection_takes_its_own_decode_config(kmoe, monkeypatch):
@@ -235,8 +235,8 @@ def test_down_projection_takes_its_own_decode_config(kmoe, monkeypatch):
     st, gen = experts(E, D, I, seed=6)
     x = (torch.randn(2, D, generator=gen) * 4).bfloat16().to(DEV)
     idx, w = routing(2, k, E, gen)
-    seen, real = [], kmoe._launch_decode
-    monkeypatch.setattr(kmoe, "_launch_decode", lambda kern, P, N, K, cfg, *a, **kw:
+    seen, real = [], kmoe.common.launch_decode
+    monkeypatch.setattr(kmoe.common, "launch_decode", lambda kern, P, N, K, cfg, *a, **kw:
                         seen.append((N, cfg)) or real(kern, P, N, K, cfg, *a, **kw))
     cfg = dict(variant="magic", BN=16, BK=64, down=dict(variant="prefetch", BN=32, BK=128))
     with one_thread():
@@ -244,10 +244,10 @@ def test_down_projection_takes_its_own_decode_config(kmoe, monkeypatch):
     assert rel(y, ref.moe_routed_ref(x, idx, w, *st, LIMIT)) < TOL
     assert [(n, c["variant"], c["BN"], c["BK"]) for n, c in seen] == [
         (I, "magic", 16, 64), (D, "prefetch", 32, 128)]
-    table = ((kmoe.DECODE_PAIRS, dict(cfg, down=dict(BN=64))),)
-    assert kmoe._decode_config(4096, 6, table)["BN"] == 16
-    assert kmoe._decode_config(4096, 6, table, down=True)["BN"] == 64
-    assert "down" not in kmoe._decode_pair(4096, 2048, 6, None, table)[1]
+    table = ((kmoe.common.DECODE_PAIRS, dict(cfg, down=dict(BN=64))),)
+    assert kmoe.common.decode_config(4096, 6, table)["BN"] == 16
+    assert kmoe.common.decode_config(4096, 6, table, down=True)["BN"] == 64
+    assert "down" not in kmoe.common.decode_pair(4096, 2048, 6, None, table)[1]
 
 
 def _moe_module(E: int, D: int, I: int, tp1_process):
@@ -320,16 +320,16 @@ def test_decode_table_rows_bound_the_intermediate_size(kmoe):
     of a pair take the same row."""
     small = dict(variant="magic", BN=2, BK=1024, down=dict(variant="base", BN=4, BK=512))
     big = dict(variant="magic", BN=8, BK=256, down=dict(variant="base", BN=16, BK=512))
-    table = ((6, 512, small), (kmoe.DECODE_PAIRS, big))
-    up, down = kmoe._decode_pair(4096, 512, 6, None, table)
+    table = ((6, 512, small), (kmoe.common.DECODE_PAIRS, big))
+    up, down = kmoe.common.decode_pair(4096, 512, 6, None, table)
     assert (up["BN"], up["BK"], down["BN"], down["BK"]) == (2, 1024, 4, 512)
-    up, down = kmoe._decode_pair(4096, 2048, 6, None, table)
+    up, down = kmoe.common.decode_pair(4096, 2048, 6, None, table)
     assert (up["BN"], up["BK"], down["BN"], down["BK"]) == (8, 256, 16, 512)
-    assert kmoe._decode_pair(4096, 512, 12, None, table)[0]["BN"] == 8       # P past the row
-    assert kmoe._decode_config(4096, 6, table)["BN"] == 8                    # I unknown
-    assert kmoe._decode_config(4096, 6, I=512)["BN"] == 2                    # shipped TP-4 row
-    assert kmoe._decode_config(4096, 6, I=2048)["BN"] == 8                   # shipped tp-1 row
-    from backfit.runtime.kernels import moe_mx4                                # same rule, mx4
-    assert moe_mx4._decode_config(4096, 6, I=512)["variant"] == "word"
-    assert moe_mx4._decode_config(512, 6, down=True, I=512)["BN"] == 64
-    assert moe_mx4._decode_config(4096, 6)["variant"] == "mma"
+    assert kmoe.common.decode_pair(4096, 512, 12, None, table)[0]["BN"] == 8       # P past the row
+    assert kmoe.common.decode_config(4096, 6, table)["BN"] == 8                    # I unknown
+    assert kmoe.int8.decode_config(4096, 6, I=512)["BN"] == 2                    # shipped TP-4 row
+    assert kmoe.int8.decode_config(4096, 6, I=2048)["BN"] == 8                   # shipped tp-1 row
+    from backfit.runtime.kernels.moe import mx4 as moe_mx4                                # same rule, mx4
+    assert moe_mx4.decode_config(4096, 6, I=512)["variant"] == "word"
+    assert moe_mx4.decode_config(512, 6, down=True, I=512)["BN"] == 64
+    assert moe_mx4.decode_config(4096, 6)["variant"] == "mma"

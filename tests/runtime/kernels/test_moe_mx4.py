@@ -1,4 +1,4 @@
-"""4-bit fused MoE (runtime.kernels.moe_mx4, reached through kernels.moe.fused_moe) against the
+"""4-bit fused MoE (runtime.kernels.moe.mx4, reached through kernels.moe.fused_moe) against the
 torch path's MoE math on dequant_mx4 weights; the in-kernel e2m1 x 2^(e-127) decoding bit for
 bit (one-hot inputs read the weights back); the MoE module's kernel path with mx4 experts.
 CPU: Triton interpreter (see test_gemm.py on tolerances)."""
@@ -127,7 +127,7 @@ def test_sorted_equals_the_int8_kernel_bit_for_bit(kmx4):
     the exponent bytes as they are): the mx4 sorted kernel's DEQ 2 (BF16 pairs in input order,
     one dot a K tile) equals the int8 sorted kernel at the same tiles, bit for bit in the
     interpreter; compiled, 1-2 of 640-8,192 outputs differ by about one BF16 ulp (H200,
-    session 22: rel 7.6e-10 here; mx4 DEQ 0 too, and the one-hot reads of both are exact, so
+    2026-12-04: rel 7.6e-10 here; mx4 DEQ 0 too, and the one-hot reads of both are exact, so
     the weights are equal: not traced further, the two kernels' compiled FP32 code differs).
     DEQ 0 (two dots over even / odd inputs) within accumulation-order noise."""
     import backfit.runtime.kernels.moe as kmoe
@@ -266,8 +266,9 @@ def test_moe_module_takes_the_kernel_path_with_mx4_experts(kmx4, tp1_process, mo
         assert all(ex.w1.weight.untyped_storage().data_ptr() == ptr for ex in m.experts)  # views
         assert torch.equal(m(x, tokens), torch_y)                 # stacking keeps the torch bits
         monkeypatch.setattr(moe_model, "get_kernel_backend", lambda: "triton")
-        calls, real = [], kmx4.fused_moe_mx4
-        monkeypatch.setattr(kmx4, "fused_moe_mx4", lambda *a, **kw: calls.append(1) or
+        import backfit.runtime.kernels.moe as kpkg              # fused_moe's dispatch
+        calls, real = [], kpkg.fused_moe_mx4
+        monkeypatch.setattr(kpkg, "fused_moe_mx4", lambda *a, **kw: calls.append(1) or
                             real(*a, **kw))
         y = m(x, tokens)
     assert calls == [1]                                           # the 4-bit kernel ran

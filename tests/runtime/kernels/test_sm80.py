@@ -58,7 +58,8 @@ def _split(cfg: dict) -> tuple[dict, dict]:
 
 
 def compile_all() -> list[dict]:
-    from backfit.runtime.kernels import gemm, moe
+    from backfit.runtime.kernels.linear import gemm
+    from backfit.runtime.kernels.moe import common, int8 as moe
 
     out = []
     a16 = dict(X="*bf16", W="*i8", S="*fp32", Y="*bf16", WS="*fp32", LOCK="*i32", M="i32",
@@ -80,9 +81,9 @@ def compile_all() -> list[dict]:
                   OUT="*bf16", N="i32", K="i32", TOPK="i32", SORTED="*i32", BLOCK_E="*i32",
                   P="i32", E="i32")
     # decode GEMV: the shipped configs (tp 1 and the I <= 512 rows), and each variant at the default tile and at the sweep
-    # grid's most weights per thread (scripts/bench_kernels.py --moe-decode-sweep), and a
+    # grid's most weights per thread (benchmarks/kernels/bench_kernels.py --moe-decode-sweep), and a
     # K loop pipelined 3 deep (STAGES, its cp.async buffers within the shared-memory bound)
-    decode = [moe._decode_config(4096, p, I=i) for p, i in ((6, 512), (64, 512), (6, None))] + [
+    decode = [moe.decode_config(4096, p, I=i) for p, i in ((6, 512), (64, 512), (6, None))] + [
         dict(variant=v, BN=bn, BK=bk, num_warps=wp, num_stages=ns, STAGES=st)
         for v in moe.DECODE_VARIANTS
         for bn, bk, wp, ns, st in ((16, 512, 4, 2, 1), (32, 512, 4, 2, 1), (16, 256, 4, 3, 3))]
@@ -93,7 +94,7 @@ def compile_all() -> list[dict]:
             out.append(_compile(kern, mtypes, dict(cfg, **extra, GATED=gated, LIMIT=10.0), opts,
                                 ("N", "K")))
         for p in (384, 6144, 12288, 8192 * 6):
-            cfg, opts = _split(moe._sorted_pair(p, None)[0 if gated else 1])
+            cfg, opts = _split(common.sorted_pair(p, None)[0 if gated else 1])
             out.append(_compile(moe._moe_sorted_kernel, mtypes,
                                 dict(cfg, GATED=gated, LIMIT=10.0, F32=False), opts, ("N", "K")))
     return out

@@ -21,7 +21,7 @@ BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 def compile_all() -> list[dict]:
     import triton.language as tl
 
-    from backfit.runtime.kernels import attention, indexer
+    from backfit.runtime.kernels.attention import decode as attention, indexer
 
     out = []
     types = dict(Q="*bf16", KV="*bf16", RING="*bf16", RSC="*fp32", SLOTS="*i32", POS="*i32",

@@ -1,5 +1,5 @@
-"""The query-blocked prefill attention kernel (kernels.attention_prefill, or its column-chunked
-form kernels.attention_prefill_cd where the table says CD) compiles on this CPU
+"""The query-blocked prefill attention kernel (kernels.attention.prefill, or its column-chunked
+form kernels.attention.prefill_cd where the table says CD) compiles on this CPU
 machine at real dims (64 heads, D 512, window 128; CSA ratio 4 in 32-entry blocks, HCA ratio
 128), bf16 and int8 pools, every mode:
   SM80_CONFIGS (SM80_INT8_CONFIGS with int8 pools) for sm_80 within 99 KB of shared memory (two blocks an A100 SM), BF16 mma.sync
@@ -43,8 +43,8 @@ def _sm90(fn, types, constexprs, opts) -> dict:
 def compile_all() -> list[dict]:
     import triton.language as tl
 
-    from backfit.runtime.kernels import attention_prefill as ap
-    from backfit.runtime.kernels import attention_prefill_cd as apc
+    from backfit.runtime.kernels.attention import prefill as ap
+    from backfit.runtime.kernels.attention import prefill_cd as apc
 
     out = []
     for target in (80, 90):

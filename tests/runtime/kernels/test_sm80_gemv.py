@@ -1,4 +1,5 @@
-"""The small-M GEMV kernels (kernels.gemv) compile for sm_80 on this CPU machine (test_sm80.py's
+"""The small-M GEMV kernels (kernels.linear.gemv) compile for sm_80 on this CPU machine
+(test_sm80.py's
 helper) for every config of GEMV_CANDIDATES, GEMV_TABLE and the default, int8_g128 (BF16 out) and
 BF16 weights (FP32 out; the grouped rows "bf16g": BF16 out, 1024-row groups), cuda and fma at M
 padded to 1 and 8 rows, and the cuda rows of K 1024 with the RMSNorm in the launch (norm=, at
@@ -24,7 +25,7 @@ MPS = (1, 8)
 
 def _configs() -> list[tuple[str, dict, int]]:
     """(kind, config, MP): every candidate and the default; the cuda variant at MP 1 and 8."""
-    from backfit.runtime.kernels import gemv
+    from backfit.runtime.kernels.linear import gemv
 
     out, seen = [], set()
     kinds = {**gemv.GEMV_CANDIDATES, "bf16g": []}                  # bf16g: gemv_grouped's rows
@@ -48,7 +49,7 @@ def compile_all() -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from backfit.runtime.kernels import gemv
+    from backfit.runtime.kernels.linear import gemv
 
     out = []
     for kind, cfg, mp in _configs():

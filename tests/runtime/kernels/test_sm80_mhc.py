@@ -20,7 +20,8 @@ BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
 
 def compile_all() -> list[dict]:
-    from backfit.runtime.kernels import gemm, mhc, mhc_decode, mhc_tile
+    from backfit.runtime.kernels.linear import gemm
+    from backfit.runtime.kernels.mhc import core as mhc, decode as mhc_decode, tile as mhc_tile
 
     out = []
     warps = dict(num_warps=4, num_stages=1)
@@ -69,7 +70,7 @@ def compile_all() -> list[dict]:
                             dict(S=4, NOUT=n_out, NP=max(2, 1 << n_out.bit_length()), BD=bd,
                                  HAS_FN=has_fn, KC=kc, HAS_SH=sh, FT=tl.bfloat16), warps,
                             ("D", "K")))
-    # hc_post(pre=): the next hc_pre's critical launch in the last programs (session 16's fold),
+    # hc_post(pre=): the next hc_pre's critical launch in the last programs (the 2026-12-02 fold),
     # at FOLD's tile (the one-pass u, bd_u 4096) for the attention's and the MoE's hc_post, and
     # the two-pass u at bd_u 1024
     fold_types = dict(post_types, CNT="*i32", SCALE="*fp32", BASE="*fp32", NW="*fp32", U="*bf16",

@@ -1,4 +1,4 @@
-"""The 4-bit MoE kernels (runtime.kernels.moe_mx4) compile for sm_80 on this CPU machine within
+"""The 4-bit MoE kernels (runtime.kernels.moe.mx4) compile for sm_80 on this CPU machine within
 99 KB of shared memory (test_sm80.py's _compile): the sorted kernel's dots are BF16 mma.sync
 only, the decode GEMVs use no mma (the "mma" variant: BF16 mma.sync only), the sorted kernel decodes
 to BF16 pairs with fma.rn.bf16x2 (DEQ 2), and the PTX has no
@@ -24,7 +24,8 @@ BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 def compile_all() -> list[dict]:
     import triton
 
-    from backfit.runtime.kernels import moe, moe_mx4
+    from backfit.runtime.kernels.moe import common as moe
+    from backfit.runtime.kernels.moe import mx4 as moe_mx4
 
     types = dict(A="*bf16", IDX="*i32", RW="*fp32", W1="*u8", S1="*u8", W3="*u8", S3="*u8",
                  OUT="*bf16", N="i32", K="i32", TOPK="i32", SORTED="*i32", BLOCK_E="*i32",
@@ -42,14 +43,14 @@ def compile_all() -> list[dict]:
         return dict(r, ftz_mul=bool(re.search(r"(mul|fma|cvt)[\w.]*\.ftz", ptx[0].asm["ptx"])))
     for gated, k in ((True, 4096), (False, 512)):
         for i in (None, 512):                     # the shipped tiles: tp 1, a TP-4 rank's I
-            cfg = dict(moe_mx4._decode_config(k, 6, down=not gated, I=i))
+            cfg = dict(moe_mx4.decode_config(k, 6, down=not gated, I=i))
             kern, extra = moe_mx4._GEMV4[cfg.pop("variant", "base")]
             extra = {**extra, **({"F32": False} if "F32" in extra else {})}   # compiled: BF16 MMA
             cfg, opts = _split(cfg)
             out.append(compile_one(kern, types, dict(cfg, **extra, GATED=gated, LIMIT=10.0),
                                    opts, ("N", "K")))
         for p in (384, 6144, 12288, 8192 * 6):
-            cfg, opts = _split(moe._sorted_pair(p, None, False)[0 if gated else 1])
+            cfg, opts = _split(moe.sorted_pair(p, None, False)[0 if gated else 1])
             out.append(compile_one(moe_mx4._mx4_sorted_kernel, types,
                                 dict(cfg, GATED=gated, BY_SLOT=not gated, LIMIT=10.0, F32=False),
                                 opts, ("N", "K")))
@@ -65,7 +66,7 @@ def compile_all() -> list[dict]:
                                 (True, 4096, "mma", (32, 512, 2, 2)),
                                 (True, 4096, "mma", (32, 1024, 4, 2)),
                                 (False, 512, "mma", (64, 256, 4, 3))):
-        dc = dict(moe_mx4._decode_config(k), variant=var)
+        dc = dict(moe_mx4.decode_config(k), variant=var)
         if tile:
             dc.update(BN=tile[0], BK=tile[1], num_warps=tile[2], num_stages=tile[3],
                       STAGES=1)                 # the sweep grid's tiles: plain K loops

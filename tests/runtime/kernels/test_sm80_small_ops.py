@@ -1,5 +1,5 @@
-"""The small decode kernels (kernels.rope_norm: RMSNorm, RoPE; kernels.cache_ops: compressor
-pooling, cache stores, the fused compressor decode update; kernels.cache_prefill: its prefill
+"""The small decode kernels (kernels.rope_norm: RMSNorm, RoPE; kernels.cache.decode: compressor
+pooling, cache stores, the fused compressor decode update; kernels.cache.prefill: its prefill
 form and the ring-rows store; kernels.pointwise: SwiGLU, router top-k,
 MoE combine, embedding, the placeholder fill; kernels.router: the router GEMV + top-k in one launch)
 compile for sm_80 on this CPU machine (test_sm80.py's helper): shared memory within 99 KB, no MMA
@@ -32,7 +32,8 @@ _PREFILL_TYPES = dict(
 def compile_all() -> list[dict]:
     import triton
 
-    from backfit.runtime.kernels import cache_ops, cache_prefill, pointwise, rope_norm, router
+    from backfit.runtime.kernels import pointwise, rope_norm, router
+    from backfit.runtime.kernels.cache import decode as cache_ops, prefill as cache_prefill
 
     out = []
     for n, w in ((4096, True), (1024, True), (512, False)):

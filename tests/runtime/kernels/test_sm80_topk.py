@@ -24,7 +24,7 @@ VARIANTS = [(True, False, False, 4, C), (False, True, True, 4, C), (True, True, 
 
 
 def compile_all() -> list[dict]:
-    from backfit.runtime.kernels import indexer
+    from backfit.runtime.kernels.attention import indexer
 
     assert indexer.TOPK_CHUNK == C
     out = []

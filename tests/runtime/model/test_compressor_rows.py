@@ -3,7 +3,7 @@ and how the decode step hands them on. Attention._project defers them on the pag
 only (prefill and mixed batches get z + ape and the rounded weights at once, the same bits);
 Attention._kernels passes the raw rows (ape_added=False) and the indexer's head weights to
 Compressor.decode_update, which passes HeadWeights.pending() to
-kernels.cache_ops.compress_decode_fused and gives the kernel's weights back through formed().
+kernels.cache.decode.compress_decode_fused and gives the kernel's weights back through formed().
 Projections and the kernel are stubbed here (the kernel's values: tests/runtime/
 test_decode_update.py, tests/runtime/kernels/test_cache_ops.py): what is passed, in plain torch.
 """
@@ -124,7 +124,7 @@ class _Cache:
 
 
 def test_decode_update_hands_head_weights_to_the_fused_kernel(monkeypatch):
-    from backfit.runtime.kernels import cache_ops
+    from backfit.runtime.kernels.cache import decode as cache_ops
     calls = []
 
     def fused(c, z, ape, *args):

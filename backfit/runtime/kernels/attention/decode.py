@@ -1,0 +1,357 @@
+"""Sparse decode attention over the engine's paged pools (dsv4-model.md 5.4.4, 5.4.8), in Triton.
+
+One query token per sequence b at position p, all local heads, MQA over one D-wide latent
+(K = V). Keys, read in place (no gather into a contiguous tensor):
+  window   positions lo .. p-1 (lo = max(0, p-W+1)) from the slot's ring, row pos % R, and the
+           token's own kv [B, D] (in flight: the torch path attends to it unquantized)
+  HCA      compressed entries j < (p+1)//m, block table[b, j // PB], row j % PB      (all)
+  CSA      the indexer's selection sel[b, :] (-1 = unused) from the same block pools
+int8 pools: q_int8 · scale (FP32, one per vector), rounded to the act dtype as _Store.get does.
+Scores s = (q·k)·D^-0.5 in FP32 (BF16 MMA: q and k are BF16 values, so every product is exact);
+p·V with p split into two BF16 halves (hi + lo, ~16 mantissa bits); online softmax with the
+sink only in the denominator: o = Σ e^(s-M) k / (Σ e^(s-M) + e^(sink-M)).
+Split-KV (small batches): each program handles one key range and writes (m, l, acc); a second
+kernel merges the splits and adds the sink (decode_attention's out_rope: and applies the inverse
+RoPE of the output path, storing the act dtype). With one split the first kernel finishes alone.
+sparse_attention: the same kernel (PREFILL) for T queries of chunks (chunked prefill, mixed
+batches): query t of sequence seq[t] sees ring positions before its chunk's start and the
+chunk's own kv rows in flight (attention_torch.attend's keys), its HCA entries or CSA selection.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from backfit.runtime.kernels.common import interpreted
+
+__all__ = ["decode_attention", "sparse_attention", "decode_config"]
+
+MODES = {"window": 0, "hca": 1, "csa": 2}
+
+
+@triton.jit
+def _pv(p, v, acc, F32: tl.constexpr, EXACT: tl.constexpr):
+    """acc + p @ v, p [BH, BN] FP32, v [BN, D] act-dtype values (FP32 tensor)."""
+    if F32:                                    # interpreter: BF16 dots are wrong there
+        return tl.dot(p, v, acc)
+    if EXACT:                                  # FP32 act dtype: no rounding anywhere
+        return tl.dot(p, v, acc, input_precision="ieee")
+    vb = v.to(tl.bfloat16)                     # exact: v holds BF16 values
+    hi = p.to(tl.bfloat16)
+    lo = (p - hi.to(tl.float32)).to(tl.bfloat16)
+    acc = tl.dot(hi, vb, acc)
+    return tl.dot(lo, vb, acc)
+
+
+@triton.jit
+def _qk(q, k, F32: tl.constexpr, EXACT: tl.constexpr):
+    """q [BH, D] @ k[BN, D]^T in FP32."""
+    if F32:
+        return tl.dot(q, tl.trans(k))
+    if EXACT:
+        return tl.dot(q, tl.trans(k), input_precision="ieee")
+    return tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
+
+
+@triton.jit
+def _step(q, k, ok, m_i, l_i, acc, scale, F32: tl.constexpr, EXACT: tl.constexpr):
+    """Online-softmax update with keys k [BN, D] (ok [BN]); m starts at -1e30, never -inf."""
+    s = _qk(q, k, F32, EXACT) * scale                                   # [BH, BN]
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = _pv(p, k, acc * alpha[:, None], F32, EXACT)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _load_kv(base, rows, ok, SC, dd, d_ok, D: tl.constexpr, INT8: tl.constexpr,
+             DT: tl.constexpr):
+    """Vectors base[rows] [BN, D] as FP32 act-dtype values; int8: dequantized with SC[rows]."""
+    x = tl.load(base + rows[:, None] * D + dd[None, :], mask=ok[:, None] & d_ok[None, :], other=0)
+    if INT8:
+        s = tl.load(SC + rows, mask=ok, other=0.0)
+        x = (x.to(tl.float32) * s[:, None]).to(DT)                     # = _Store.get
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SEQ, START,
+                   O, PO, PM, PL, H, R, stride_tb, n_sel, CHUNK, scale,
+                   W: tl.constexpr, RATIO: tl.constexpr, PB: tl.constexpr, MODE: tl.constexpr,
+                   INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
+                   BN: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr,
+                   EXACT: tl.constexpr, DT: tl.constexpr, PREFILL: tl.constexpr = False):
+    """Program (query b, head block, split): keys [split·CHUNK, +CHUNK) of window ++ compressed.
+
+    Decode: query b is sequence b's one token. PREFILL: query b belongs to sequence SEQ[b] whose
+    chunk starts at START[b] and at row b - (p - START[b]) of q/kv; window positions >= START[b]
+    come from kv (in flight), earlier ones from the ring."""
+    b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    hh = hb * BH + tl.arange(0, BH)
+    h_ok = hh < H
+    dd = tl.arange(0, DP)
+    d_ok = dd < D
+    b64 = b.to(tl.int64)
+    q = tl.load(Q + (b64 * H + hh[:, None]) * D + dd[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                other=0.0).to(tl.float32)                               # [BH, DP]
+    p = tl.load(POS + b).to(tl.int32)                  # int64 or int32 positions
+    if PREFILL:
+        sq = tl.load(SEQ + b).to(tl.int64)                              # sequence of query b
+        st = tl.load(START + b)
+    else:
+        sq = b64
+        st = p
+    lo = tl.maximum(p - W + 1, 0)
+    NW = p - lo + 1                                                     # window keys incl. p
+    if MODE == 1:
+        NC = (p + 1) // RATIO                                           # HCA: every valid entry
+    elif MODE == 2:
+        NC = n_sel                                                      # CSA: the selection
+    else:
+        NC = 0
+    k0 = sp * CHUNK
+    k1 = tl.minimum(k0 + CHUNK, NW + NC)
+    m_i = tl.full((BH,), -1e30, tl.float32)
+    l_i = tl.zeros((BH,), tl.float32)
+    acc = tl.zeros((BH, DP), tl.float32)
+    rn = tl.arange(0, BN)
+    slot = tl.load(SLOTS + sq).to(tl.int64)
+    cur = tl.load(KV + b64 * D + dd, mask=d_ok, other=0.0).to(tl.float32)  # this token's kv
+    for t0 in range(k0, tl.minimum(k1, NW), BN):                        # window part
+        t = t0 + rn
+        ok = t < tl.minimum(k1, NW)
+        kp = lo + t                                                     # key positions
+        is_cur = kp == p
+        rows = slot * R + (kp % R)
+        k = _load_kv(RING, rows, ok & (kp < st), RSC, dd, d_ok, D, INT8, DT)
+        if PREFILL:                                                     # chunk rows in flight
+            fly = kp >= st
+            kin = tl.load(KV + (b64 + kp - p)[:, None] * D + dd[None, :],
+                          mask=(ok & fly)[:, None] & d_ok[None, :], other=0.0)
+            k = tl.where(fly[:, None], kin.to(tl.float32), k)
+        else:
+            k = tl.where(is_cur[:, None], cur[None, :], k)
+        m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT)
+    for c0 in range(tl.maximum(k0, NW) - NW, k1 - NW, BN):              # compressed part
+        c = c0 + rn
+        ok = c < k1 - NW
+        if MODE == 2:
+            j = tl.load(SEL + b64 * n_sel + c, mask=ok, other=-1)
+            ok = ok & (j >= 0)
+        else:
+            j = c
+        j = tl.where(ok, j, 0)
+        blk = tl.load(TABLES + sq * stride_tb + j // PB, mask=ok, other=0).to(tl.int64)
+        k = _load_kv(ENT, blk * PB + j % PB, ok, ESC, dd, d_ok, D, INT8, DT)
+        m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT)
+    if SPLIT == 1:
+        sink = tl.load(SINK + hh, mask=h_ok, other=0.0)
+        M = tl.maximum(m_i, sink)
+        a = tl.exp(m_i - M)
+        o = acc * a[:, None] / (l_i * a + tl.exp(sink - M))[:, None]
+        tl.store(O + (b64 * H + hh[:, None]) * D + dd[None, :], o,
+                 mask=h_ok[:, None] & d_ok[None, :])
+    else:
+        row = (b64 * H + hh) * SPLIT + sp                                # [BH] in [B, H, SPLIT]
+        tl.store(PM + row, m_i, mask=h_ok)
+        tl.store(PL + row, l_i, mask=h_ok)
+        tl.store(PO + row[:, None] * D + dd[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_kernel(PO, PM, PL, SINK, O, H, D: tl.constexpr, DP: tl.constexpr,
+                  SPLIT: tl.constexpr, SP: tl.constexpr):
+    """(b, h): o = Σ_s e^(m_s-M) acc_s / (Σ_s e^(m_s-M) l_s + e^(sink-M)), M = max(m_s, sink)."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    row = (b.to(tl.int64) * H + h) * SPLIT
+    ss = tl.arange(0, SP)
+    s_ok = ss < SPLIT
+    dd = tl.arange(0, DP)
+    m = tl.load(PM + row + ss, mask=s_ok, other=-1e30)
+    l = tl.load(PL + row + ss, mask=s_ok, other=0.0)
+    acc = tl.load(PO + (row + ss[:, None]) * D + dd[None, :],
+                  mask=s_ok[:, None] & (dd < D)[None, :],
+                  other=0.0)                                            # [SP, DP]
+    sink = tl.load(SINK + h)
+    M = tl.maximum(tl.max(m, axis=0), sink)
+    a = tl.exp(m - M)
+    o = tl.sum(acc * a[:, None], axis=0) / (tl.sum(l * a, axis=0) + tl.exp(sink - M))
+    tl.store(O + (b.to(tl.int64) * H + h) * D + dd, o, mask=dd < D)
+
+
+@triton.jit
+def _merge_rope_kernel(PO, PM, PL, SINK, POS, F, O, H, D: tl.constexpr, R: tl.constexpr,
+                       SPLIT: tl.constexpr, SP: tl.constexpr, DH: tl.constexpr):
+    """_merge_kernel, then the inverse RoPE of _output (rope_norm._rope_kernel, SIGN -1) on the
+    merged o, stored in O's dtype: o is merged as even / odd lanes so the rotation pairs (2i,
+    2i+1) sit in registers; lanes before D - R are only rounded. Program (b, h, pair block):
+    DH pairs of the D/2 (a [SP, DH] tile per lane parity: at 20+ splits, the CSA layer's, a
+    whole head's [SP, D/2] spilled). Launched with FMA contraction off, as the rope kernel
+    (every product and sum rounded as torch does)."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    row = (b.to(tl.int64) * H + h) * SPLIT
+    ss = tl.arange(0, SP)
+    s_ok = ss < SPLIT
+    i = tl.program_id(2) * DH + tl.arange(0, DH)                       # pair index
+    m = tl.load(PM + row + ss, mask=s_ok, other=-1e30)
+    l = tl.load(PL + row + ss, mask=s_ok, other=0.0)
+    base = PO + (row + ss[:, None]) * D + 2 * i[None, :]
+    acc_e = tl.load(base, mask=s_ok[:, None], other=0.0)                # [SP, DH] lanes 2i
+    acc_o = tl.load(base + 1, mask=s_ok[:, None], other=0.0)            # lanes 2i + 1
+    sink = tl.load(SINK + h)
+    M = tl.maximum(tl.max(m, axis=0), sink)
+    a = tl.exp(m - M)
+    den = tl.sum(l * a, axis=0) + tl.exp(sink - M)
+    oe = tl.sum(acc_e * a[:, None], axis=0) / den
+    oo = tl.sum(acc_o * a[:, None], axis=0) / den
+    oe = oe.to(O.dtype.element_ty).to(tl.float32)                       # rope's rounded inputs
+    oo = oo.to(O.dtype.element_ty).to(tl.float32)
+    rot = i >= (D - R) // 2                                             # pairs of the last R dims
+    j = tl.where(rot, i - (D - R) // 2, 0)
+    ang = tl.load(POS + b).to(tl.float64) * tl.load(F + j, mask=rot, other=0.0)
+    cos = tl.where(rot, tl.cos(ang).to(tl.float32), 1.0)
+    sin = tl.where(rot, -tl.sin(ang).to(tl.float32), 0.0)              # inverse: by -pos·f
+    re = oe * cos - oo * sin
+    ro = oe * sin + oo * cos
+    out = O + (b.to(tl.int64) * H + h) * D + 2 * i
+    tl.store(out, tl.where(rot, re, oe).to(O.dtype.element_ty))
+    tl.store(out + 1, tl.where(rot, ro, oo).to(O.dtype.element_ty))
+
+
+MERGE_PAIRS = 64      # _merge_rope_kernel: rotation pairs per program (D = 512: 4 programs a head)
+# most KV splits a decode program row gets: the merge's [SP, DH] tiles at SP = next_pow2(split).
+# H200 (bench_attention.py --merge, batch 1, 2026-12-01): the CSA layer's 20 splits (SP 32) cost
+# decode + merge 31.0 / 33.7 us at ctx 512 / 32K (the merge 19.5 us of it in the step's trace);
+# capped at 16 (-> 10 splits of 64 keys, SP 16) 20.5 / 21.1 us; window / HCA rows within noise
+MAX_SPLIT = 16
+
+
+def decode_config(B: int, H: int, n_keys: int, sms: int, split: int | None = None,
+                  prefill: bool = False) -> dict:
+    """Tiles and split count: >= ~2 programs per SM when the batch alone does not fill them.
+    prefill: 16-key tiles (the in-flight kv tile is a second buffer: 32 would pass 99 KB)."""
+    BH, BN = 16, 16 if prefill else 32
+    progs = B * triton.cdiv(H, BH)
+    steps = max(1, triton.cdiv(n_keys, BN))
+    if split is None:
+        split = max(1, min(MAX_SPLIT, steps, triton.cdiv(2 * sms, progs)))
+    chunk = triton.cdiv(steps, split) * BN
+    return dict(BH=BH, BN=BN, SPLIT=triton.cdiv(max(n_keys, 1), chunk), CHUNK=chunk,
+                num_warps=4, num_stages=2)
+
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def decode_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode="window",
+                     entries=None, entry_scale=None, tables=None, ratio=0, sel=None,
+                     split=None, out_rope=None) -> torch.Tensor:
+    """q [B, H, D] act dtype, kv [B, D] (this token's, not yet read from the ring), pos [B],
+    sink [H] FP32, ring [S, R, D] (+ ring_scale [S, R] if int8), slots [B]; mode "hca" / "csa":
+    entries [NB, PB, D] (+ entry_scale), tables [B, nblk] int, ratio; csa: sel [B, k] (-1 unused).
+    -> o [B, H, D] FP32 (the torch path's attend output). out_rope = (inv_freq FP64 [r/2], r,
+    dtype): o de-rotated by its position and rounded to dtype instead, = rope_norm.rope(o, pos,
+    inv_freq, r, inverse=True, out_dtype=dtype) (Attention.post's first step); with split KV
+    it runs inside the merge launch (one launch fewer), else as that rope launch."""
+    return sparse_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode, entries,
+                            entry_scale, tables, ratio, sel, split=split, out_rope=out_rope)
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink: torch.Tensor,
+                     ring: torch.Tensor, ring_scale: torch.Tensor | None, slots: torch.Tensor,
+                     window: int, mode: str = "window", entries: torch.Tensor | None = None,
+                     entry_scale: torch.Tensor | None = None, tables: torch.Tensor | None = None,
+                     ratio: int = 0, sel: torch.Tensor | None = None,
+                     seq: torch.Tensor | None = None, start: torch.Tensor | None = None,
+                     split: int | None = None, out_rope: tuple | None = None) -> torch.Tensor:
+    """decode_attention for T queries of chunks (chunked prefill, mixed batches): q [T, H, D],
+    kv [T, D] the chunks' own rows, pos [T], seq [T] the sequence (row of slots [NS], tables
+    [NS, nblk]) and start [T] its chunk's first position; sel [T, k]. Rows of one sequence's
+    chunk are consecutive in q/kv. seq=None: one token per sequence (decode). out_rope (decode
+    only, see decode_attention): with split KV the merge de-rotates and rounds, with one split
+    the rope launch after the attention kernel does."""
+    if q.dim() != 3 or kv.shape != (q.shape[0], q.shape[2]) or pos.shape != (q.shape[0],):
+        raise ValueError(f"decode_attention: q [B, H, D], kv [B, D], pos [B]; got "
+                         f"{list(q.shape)}, {list(kv.shape)}, {list(pos.shape)}")
+    B, H, D = q.shape
+    NS = B if seq is None else slots.shape[0]
+    if (seq is None) != (start is None) or (seq is not None and (seq.shape != (B,)
+                                                                 or start.shape != (B,))):
+        raise ValueError(f"sparse_attention: seq and start [T={B}] go together")
+    if mode not in MODES:
+        raise ValueError(f"decode_attention: mode {mode!r}, expected one of {tuple(MODES)}")
+    if ring.dim() != 3 or ring.shape[2] != D or ring.shape[1] < window:
+        raise ValueError(f"decode_attention: ring [S, R>=W, {D}], got {list(ring.shape)}")
+    int8 = ring.dtype == torch.int8
+    if int8 != (ring_scale is not None) or sink.shape != (H,) or slots.shape != (NS,):
+        raise ValueError("decode_attention: int8 ring needs ring_scale (and only then); "
+                         f"sink [H={H}], slots [{NS}]")
+    if q.dtype not in _TL or kv.dtype != q.dtype or (not int8 and ring.dtype != q.dtype):
+        raise ValueError(f"decode_attention: q/kv/ring dtypes {q.dtype}/{kv.dtype}/{ring.dtype}")
+    dev = q.device
+    PB, n_sel, n_comp = 1, 0, 0
+    if mode != "window":
+        if entries is None or tables is None or entries.shape[2] != D or tables.dim() != 2 \
+                or tables.shape[0] != NS or ratio <= 0 or (entries.dtype == torch.int8) != int8 \
+                or (entry_scale is not None) != int8:
+            raise ValueError("decode_attention: hca/csa need entries [NB, PB, D] of the ring's "
+                             "storage (int8: with entry_scale), tables [B, nblk] and ratio > 0")
+        PB = entries.shape[1]
+        n_comp = tables.shape[1] * PB
+        if mode == "csa":
+            if sel is None or sel.dim() != 2 or sel.shape[0] != B:
+                raise ValueError("decode_attention: csa needs sel [B, k]")
+            sel = sel.to(device=dev, dtype=torch.int32).contiguous()
+            n_sel = n_comp = sel.shape[1]
+        tables = tables.to(device=dev, dtype=torch.int32).contiguous()
+    o = torch.empty(B, H, D, dtype=torch.float32, device=dev)
+    if B == 0:
+        return o
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+    cfg = decode_config(B, H, window + n_comp, sms, split, seq is not None)
+    S = cfg["SPLIT"]
+    po = torch.empty(B, H, S, D, dtype=torch.float32, device=dev) if S > 1 else o
+    pm = torch.empty(B, H, S, dtype=torch.float32, device=dev) if S > 1 else o
+    pl = torch.empty_like(pm) if S > 1 else o
+    dummy = ring_scale if int8 else sink
+    ent = entries if entries is not None else ring
+    grid = (B, triton.cdiv(H, cfg["BH"]), S)
+    _decode_kernel[grid](
+        q.contiguous(), kv.contiguous(), ring, dummy, slots.to(dev, torch.int32).contiguous(),
+        pos.to(dev).contiguous(), ent, entry_scale if int8 and entries is not None
+        else dummy, tables if tables is not None else slots, sel if sel is not None else slots,
+        sink.float().contiguous(), slots if seq is None else seq.to(dev, torch.int32).contiguous(),
+        slots if start is None else start.to(dev, torch.int32).contiguous(),
+        o, po, pm, pl, H, ring.shape[1],
+        tables.shape[1] if tables is not None else 0, n_sel, cfg["CHUNK"], D ** -0.5,
+        W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D,
+        DP=triton.next_power_of_2(D), BH=cfg["BH"], BN=cfg["BN"], SPLIT=S, F32=interpreted(),
+        EXACT=q.dtype == torch.float32, DT=_TL[q.dtype], PREFILL=seq is not None,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    if out_rope is not None:
+        f, r, dt = out_rope
+        if seq is not None or f.dtype != torch.float64 or f.shape != (r // 2,) or r % 2 \
+                or r > D or D & (D - 1):
+            raise ValueError(f"decode_attention: out_rope = (FP64 inv_freq [r/2], even r <= D, "
+                             f"dtype), decode only, D a power of 2; got r={r}, D={D}")
+    if out_rope is not None and S == 1:             # no merge launch: the rope kernel's own
+        from backfit.runtime.kernels.rope_norm import rope
+        return rope(o, pos, f, r, inverse=True, out_dtype=dt)
+    if out_rope is not None:
+        rot = torch.empty(B, H, D, dtype=dt, device=dev)
+        dh = min(D // 2, MERGE_PAIRS)                # D a power of 2: dh divides D / 2
+        _merge_rope_kernel[(B, H, D // 2 // dh)](
+            po, pm, pl, sink.float().contiguous(), pos.to(dev).contiguous(), f.contiguous(),
+            rot, H, D=D, R=r, SPLIT=S, SP=triton.next_power_of_2(S), DH=dh,
+            enable_fp_fusion=False)
+        return rot
+    if S > 1:
+        _merge_kernel[(B, H)](po, pm, pl, sink.float().contiguous(), o, H, D=D,
+                              DP=triton.next_power_of_2(D), SPLIT=S, SP=triton.next_power_of_2(S))
+    return o
