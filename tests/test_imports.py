@@ -63,6 +63,18 @@ RULES = [
          LEAVES + ("backfit.server",), except_files=("server/bridge.py",)),
     Rule("bridge.py: the server's one door to the engine", ("server/bridge.py",),
          LEAVES + ("backfit.server", "backfit.engine")),
+    Rule("kernels import the leaves, each other and the runtime's streams, never the model",
+         ("runtime/kernels/*",), LEAVES + ("backfit.runtime.kernels", "backfit.runtime.streams")),
+    Rule("the model reaches a kernel room through its package, not a room's module",
+         ("runtime/model/*", "runtime/layers.py", "runtime/cache/*", "runtime/batch.py"),
+         must_not=tuple(f"backfit.runtime.kernels.{room}.{mod}" for room, mods in (
+             ("linear", ("gemm", "gemv", "gemv_tiles")),
+             ("moe", ("common", "int8", "int8_decode", "mx4", "mx4_decode")),
+             ("attention", ("decode", "prefill", "prefill_cd", "tiles", "indexer")),
+             ("mhc", ("core", "decode", "tile")), ("cache", ("decode", "prefill")))
+             for mod in mods)),
+    Rule("drafters build on the blocks, never on the tower", ("runtime/model/draft/*",),
+         must_not=("backfit.runtime.model.transformer",)),
 ]
 
 
@@ -134,6 +146,65 @@ def test_the_scanner_sees_every_import_form():
     rule = next(r for r in RULES if r.files == REFERENCE_FILES)
     assert [t for t in got if not rule.allows(t)] == \
         ["backfit.runtime.layers", "backfit.runtime", "backfit.runtime.loader"]
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """backfit module -> the backfit modules it imports (a package's __init__ as the package)."""
+    graph: dict[str, set[str]] = {}
+    for _, module, path in _files():
+        name = module.removesuffix(".__init__")
+        graph.setdefault(name, set()).update(
+            t for t in backfit_imports(path.read_text(), module) if t != name)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of two or more modules (an import circle), Tarjan."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles():
+    """No two backfit modules import each other, directly or around a loop (lazy imports in
+    functions included: a circle is a design knot whether or not Python tolerates it). A
+    package's own submodules are not counted as importing their package back."""
+    graph = _module_graph()
+    for mod, targets in graph.items():                 # a submodule -> its package's __init__
+        targets -= {t for t in targets if mod.startswith(t + ".")}
+    assert len(graph) > 80
+    assert _cycles(graph) == []
+
+
+def test_the_circle_finder_sees_a_circle():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(g) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_scheduling_side_imports_no_torch():

@@ -16,9 +16,9 @@ Kernels (--kernels): "triton" (default on CUDA) or "torch" (default on CPU, the 
 the runner sets the process-wide runtime.kernels backend once, before the model is built, and
 stacks the experts for the fused MoE right after loading (MoE.prepare_kernels).
 
-CUDA graphs (runtime/graphs.py): with the triton kernels on CUDA, pure-decode steps replay a
+CUDA graphs (runtime/graphs/): with the triton kernels on CUDA, pure-decode steps replay a
 graph captured at start-up for the smallest batch size that holds them; prefill and mixed steps
-of up to prefill_graph_tokens replay piecewise graphs (runtime/prefill_graphs.py: the
+of up to prefill_graph_tokens replay piecewise graphs (runtime/graphs/prefill.py: the
 cache-free parts of each layer captured per padded token count, the attention cores eager);
 larger steps and --enforce-eager run eagerly. At tp > 1 every rank captures the same sizes in
 the same order, the NCCL all-reduces inside (every rank then replays the same graph for a step:
@@ -145,7 +145,7 @@ class ModelRunner:
                 and not self.rc.enforce_eager)
 
     def capture_graphs(self, log=None) -> None:
-        """Capture the decode graphs (runtime/graphs.py) over the current pools; progress goes
+        """Capture the decode graphs (runtime/graphs/) over the current pools; progress goes
         to stderr (stdout may be the generated text)."""
         import sys
         log = log or (lambda m: print(m, file=sys.stderr, flush=True))

@@ -30,7 +30,7 @@ NCCL_BYTES = GiB // 2                   # estimate, tp > 1
 # 512 / 2,048 / 8,192 tokens: wall 247 / 304 / 440 ms, GPU busy 63 / 131 / 427 ms), so a
 # larger chunk is nearly free in time: an 8K prompt's TTFT 1,138 -> 443 ms
 BATCHED_TOKENS = (2048, 8192)
-# Prefill graphs (runtime/prefill_graphs.py): the largest padded token count by default; above
+# Prefill graphs (runtime/graphs/prefill.py): the largest padded token count by default; above
 # it a chunk is GPU-bound (the same slice, eager: 8,192 tokens 440 ms wall for 427 ms of GPU work)
 PREFILL_GRAPH_MAX = 2048
 PREFILL_GRAPH_MIN = 64                  # the smallest padded count (mhc's prefill path from 64)
@@ -74,7 +74,7 @@ def workspace(cfg: ModelConfig, tp: int, tokens: int, max_model_len: int, num_se
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """Decode batch sizes with a CUDA graph (runtime/graphs.py): 1, 2, 4, every multiple of 8,
+    """Decode batch sizes with a CUDA graph (runtime/graphs/): 1, 2, 4, every multiple of 8,
     and max_num_seqs itself."""
     sizes = {1, 2, 4, max_num_seqs} | set(range(8, max_num_seqs + 1, 8))
     return sorted(s for s in sizes if 1 <= s <= max_num_seqs)
