@@ -25,7 +25,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
 TOL = 1e-5 if INTERPRET else 2e-4
 
-from support import one_thread, truncating_pool_get
+from support import kernel_module, one_thread, truncating_pool_get
 
 from backfit.runtime.kernels import ref
 
@@ -34,12 +34,7 @@ W, K_RB, BLOCK = 16, 8, 16              # window, rollback rows, block size (tok
 
 @pytest.fixture(scope="module")
 def attn():
-    import importlib
-
-    import backfit.runtime.kernels.attention.decode as attention
-    if attention._interpreted() != INTERPRET:
-        attention = importlib.reload(attention)
-    return attention
+    return kernel_module("attention.decode", "_decode_kernel", INTERPRET)
 
 
 @pytest.fixture(autouse=True)

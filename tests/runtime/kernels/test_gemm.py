@@ -8,7 +8,6 @@ the same checks on a GPU (marker gpu) use 5e-3. Wrong scales, rows or K ranges g
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -20,6 +19,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
 TOL = 1.5e-2 if INTERPRET else 5e-3       # interpreter: truncating fp32->bf16 casts
 
+import support  # noqa: E402
+
 from backfit.quant import quantize_int8_groups
 from backfit.runtime import kernels as kernels_pkg
 from backfit.runtime import layers
@@ -29,12 +30,9 @@ from backfit.runtime.layers import Linear
 
 def kernel_module():
     """runtime.kernels.linear.gemm, interpreted without CUDA: TRITON_INTERPRET must be set before
-    triton
-    is first imported (its own library is decorated then), so it is set at this module's import."""
-    import backfit.runtime.kernels.linear.gemm as gemm
-    if gemm.interpreted() != INTERPRET:
-        gemm = importlib.reload(gemm)
-    return gemm
+    triton is first imported (its own library is decorated then), so it is set at this module's
+    import."""
+    return support.kernel_module("linear.gemm", "_a16_kernel", INTERPRET)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -22,7 +22,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
 
 import triton  # noqa: E402  (after TRITON_INTERPRET)
-from support import one_thread
+from support import kernel_module, one_thread
 
 from backfit.runtime.kernels import ref
 
@@ -32,12 +32,7 @@ PB = BLOCK // 4
 
 @pytest.fixture(scope="module")
 def idx():
-    import importlib
-
-    import backfit.runtime.kernels.attention.indexer as indexer
-    if indexer._interpreted() != INTERPRET:
-        indexer = importlib.reload(indexer)
-    return indexer
+    return kernel_module("attention.indexer", "_score_kernel", INTERPRET)
 
 
 def case(gen, rnd, B, H, dtype=torch.bfloat16, NB=96):

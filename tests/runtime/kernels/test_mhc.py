@@ -14,7 +14,6 @@ A wrong stream, gate, index or Sinkhorn pass gives O(1) errors.
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -38,14 +37,9 @@ FP32_NOISE = 1e-6       # x Σ|terms|: FP32 noise of a bf16 output's value (meas
 
 @pytest.fixture(scope="module")
 def mhc():
-    import backfit.runtime.kernels.linear.gemm as gemm
-    import backfit.runtime.kernels.mhc.core as mod
-    import backfit.runtime.kernels.mhc.tile as tile
-    if gemm.interpreted() != INTERPRET:                 # triton imported before the env was set
-        importlib.reload(gemm)
-        importlib.reload(tile)                          # mhc's tiled prefill kernels
-        mod = importlib.reload(mod)
-    return mod
+    kernel_module("linear.gemm", "_a16_kernel", INTERPRET)   # triton imported before the env
+    kernel_module("mhc.tile", "_mix_tile_kernel", INTERPRET)  # was set: mhc's tiled prefill
+    return kernel_module("mhc.core", "_collapse_kernel", INTERPRET)
 
 
 @pytest.fixture(scope="module")
