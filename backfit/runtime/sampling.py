@@ -30,7 +30,7 @@ import torch
 from backfit.runtime.batch import to_device
 
 __all__ = ["SamplingBatch", "SampleOutput", "PendingSample", "HostSample", "process_logits",
-           "sample", "prompt_logprobs", "row_seed"]
+           "target_probs", "sample", "prompt_logprobs", "row_seed", "uniforms", "exponentials"]
 
 _EPS = 1e-5                  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 _M64 = (1 << 64) - 1
@@ -248,7 +248,7 @@ def _top_k_top_p(y: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return y.scatter(1, idx, srt.masked_fill(drop, float("-inf")))
 
 
-def _exponential(shape, batch: SamplingBatch, device) -> torch.Tensor:
+def exponentials(shape, batch: SamplingBatch, device) -> torch.Tensor:
     """q [B, V] ~ Exp(1): shared generator for all rows, then seeded rows overwritten from their
     own generator (the one per-row loop of the step; no host sync)."""
     q = torch.empty(shape, dtype=torch.float32, device=device)
@@ -258,6 +258,17 @@ def _exponential(shape, batch: SamplingBatch, device) -> torch.Tensor:
         g.manual_seed(s)
         q[row].exponential_(generator=g)
     return q.clamp_(min=1e-30)       # q = 0 would turn p / q into inf (or nan for p = 0)
+
+
+def uniforms(n: int, batch: SamplingBatch, device) -> torch.Tensor:
+    """u [B] ~ U(0, 1), as exponentials: seeded rows from a generator of their own (seeded apart
+    from their exponential draws), the rest from the shared one."""
+    u = torch.rand(n, generator=batch.generator, device=device)
+    for row, s in batch.seeds:
+        g = torch.Generator(device=device)
+        g.manual_seed(s ^ 0x5DEECE66D)
+        u[row] = torch.rand((), generator=g, device=device)
+    return u
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -288,20 +299,28 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return x
 
 
+def target_probs(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """process_logits' x [B, V] -> the distribution a sampled row draws from [B, V] fp32:
+    temperature, then top-k and top-p, then min-p, softmax (greedy rows: temperature 1, not
+    used). `sample` draws from it; speculative acceptance (runtime/speculative.py) accepts
+    against it."""
+    y = x / batch.temperature[:, None]
+    if batch.top_k is not None or batch.top_p is not None:
+        y = _top_k_top_p(y, batch)
+    if batch.min_p is not None:       # drop ids below min_p x the row's largest probability
+        p = y.softmax(-1)
+        y = y.masked_fill(p < batch.min_p[:, None] * p.amax(-1, keepdim=True), float("-inf"))
+    return y.softmax(-1)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
     """logits [B, V] (any float dtype; computed in fp32) -> SampleOutput; see the module notes."""
     x = process_logits(logits, batch)
     raw = logits.float()
     ids = x.argmax(dim=-1)                                              # [B] greedy choice
     if not batch.all_greedy:
-        y = x / batch.temperature[:, None]
-        if batch.top_k is not None or batch.top_p is not None:
-            y = _top_k_top_p(y, batch)
-        if batch.min_p is not None:   # drop ids below min_p x the row's largest probability
-            p = y.softmax(-1)
-            y = y.masked_fill(p < batch.min_p[:, None] * p.amax(-1, keepdim=True), float("-inf"))
-        p = y.softmax(-1)                                               # [B, V]
-        drawn = (p / _exponential(p.shape, batch, p.device)).argmax(dim=-1)
+        p = target_probs(x, batch)                                      # [B, V]
+        drawn = (p / exponentials(p.shape, batch, p.device)).argmax(dim=-1)
         ids = torch.where(batch.greedy, ids, drawn)
     if all(k is None for k in batch.num_logprobs):
         return SampleOutput(ids, None, None, None, list(batch.num_logprobs))
