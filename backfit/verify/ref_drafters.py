@@ -1,7 +1,7 @@
 """Reference drafter pieces: Flash MTP (dsv4-model.md 5.8) and 0731 DSpark (5.9), plain FP32.
 
-reference.py orchestrates them (Reference.mtp_draft / dspark_draft, whose docstrings state which
-positions and which KV each row uses); here are the pieces, each a function of its inputs and a
+reference.py orchestrates them (Reference.mtp_draft / dspark_draft; its module docstring states
+which positions and which KV each row uses); here are the pieces, each a function of its inputs and a
 parameter source P (P[name] -> float32 tensor, as reference.LayerParams). Both drafters are
 window-only (ratio 0) V4 blocks: RoPE base rope_theta, no YaRN (ref_attention.rope_freqs(cfg, 0)).
 

@@ -29,9 +29,9 @@ A token sequence may be passed instead of a Prefix. `tokens` = the draft tokens 
 k-token draft uses rows 0..k-1 (DSpark: k <= dspark_block_size).
 
 MTPDraft(logits [k, V], tokens [k], positions [k]) -- Flash mtp.0 chained (vLLM semantics):
-  step 1 (j = 0): input (X_p, x_{p+1}) at position p: its logits equal mtp_logits row p;
-  step j >= 1: input (Y_{j-1}, d_j) at position p + j, Y_{j-1} = the MTP block's own output
-    streams (before hc_head) of step j - 1, d_j = the step j - 1 draft (its argmax, or tokens[j-1]);
+  row j = 0: input (X_p, x_{p+1}) at position p; its logits equal mtp_logits row p (-> d_1);
+  row j >= 1: input (Y_{j-1}, d_j) at position p + j, Y_{j-1} = the MTP block's own output
+    streams (before hc_head) of row j - 1, d_j = row j - 1's draft (argmax, or tokens[j - 1]);
   the MTP window at position q sees its own KV at positions (q - W, q], W = sliding_window:
     positions < p from the prefix's MTP pass (true X_t and true x_{t+1}), p .. q - 1 from the
     chain's earlier steps, q itself. KV gets the target's fake FP8 iff qat.
