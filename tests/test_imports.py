@@ -18,7 +18,7 @@ LEAVES = ("backfit.config", "backfit.inventory", "backfit.checkpoint", "backfit.
 LEAF_FILES = tuple(m.split(".")[1] + ".py" for m in LEAVES)
 # the independent FP32 reference: sharing runtime code would let one bug hide in both sides
 REFERENCE_FILES = ("verify/reference.py", "verify/ref_attention.py", "verify/ref_blocks.py",
-                   "verify/qat.py")
+                   "verify/ref_drafters.py", "verify/qat.py")
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,26 @@ def test_flash_format(tiny_flash):
 def test_0731_format(tiny_0731):
     cfg, src = _check_format(tiny_0731)
     assert cfg.variant == "0731" and cfg.num_mtp_stages == 3
-    assert "mtp.2.markov_head.markov_w1.weight" in src.entries and "mtp.0.main_proj.scale" in src.entries
+    # the DSpark extras of dsv4-model.md 3.5 at the tiny dims, written out here (not derived from
+    # inventory.py): main_proj/main_norm on the first stage, head machinery on the last only
+    H, V, r, B = cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank, cfg.fp8_block
+    extras = {"mtp.0.main_proj.weight": ("F8_E4M3", (H, 3 * H)),
+              "mtp.0.main_proj.scale": ("F8_E8M0", (H // B, 3 * H // B)),
+              "mtp.0.main_norm.weight": ("BF16", (H,)), "mtp.2.norm.weight": ("BF16", (H,)),
+              "mtp.2.hc_head_fn": ("F32", (4, 4 * H)), "mtp.2.hc_head_base": ("F32", (4,)),
+              "mtp.2.hc_head_scale": ("F32", (1,)),
+              "mtp.2.markov_head.markov_w1.weight": ("BF16", (V, r)),
+              "mtp.2.markov_head.markov_w2.weight": ("BF16", (V, r)),
+              "mtp.2.confidence_head.proj.weight": ("BF16", (1, H + r))}
+    for name, want in extras.items():
+        assert (src.entries[name].dtype, src.entries[name].shape) == want, name
+    # a stage = a window-only layer (layers.1) with a scored router (bias, not tid2eid)
+    per_layer = {n.split(".", 2)[2] for n in src.entries if n.startswith("layers.1.")}
+    per_layer = per_layer - {"ffn.gate.tid2eid"} | {"ffn.gate.bias"}
+    for s in range(3):                                      # each stage: its extras, nothing else
+        own = {n.split(".", 2)[2] for n in extras if n.startswith(f"mtp.{s}.")}
+        rest = {n.split(".", 2)[2] for n in src.entries if n.startswith(f"mtp.{s}.")}
+        assert rest == per_layer | own, s
 
 
 def test_config_has_real_key_set():

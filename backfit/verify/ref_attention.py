@@ -1,7 +1,9 @@
 """Reference attention (dsv4-model.md section 5.4): q/kv paths, RoPE (+YaRN), compressors,
 lightning indexer, sparse attention with sink, grouped output projection.
 
-Full-sequence causal prefill. Shapes: S = tokens, nh = heads, D = head_dim, R = RoPE dims (the
+`attention` is the main tower's full-sequence causal prefill; `context_attention` is the drafters'
+(new rows over given KV rows, an explicit mask); both share q_path / kv_path / attend / out_path.
+Shapes: S = tokens, nh = heads, D = head_dim, R = RoPE dims (the
 LAST R of every head), T = compressed entries (S // ratio), nI/DI = indexer heads/head dim.
 """
 
@@ -15,8 +17,9 @@ from backfit.config import ModelConfig
 from backfit.verify.qat import indexer_fake_fp4, kv_fake_fp8
 from backfit.verify.ref_blocks import Numerics, rms_norm
 
-__all__ = ["apply_rope", "attention", "compressor", "hadamard", "indexer", "rope_cos_sin",
-           "rope_freqs", "sparse_attention", "yarn_range"]
+__all__ = ["apply_rope", "attend", "attention", "compressor", "context_attention", "hadamard",
+           "indexer", "kv_path", "out_path", "q_path", "rope_cos_sin", "rope_freqs",
+           "sparse_attention", "yarn_range"]
 
 QUERY_CHUNK = 256       # queries per attention block: memory O(chunk * (chunk + window + T))
 
@@ -157,6 +160,22 @@ def indexer(x: torch.Tensor, qr: torch.Tensor, P, cfg: ModelConfig, freqs: torch
     return out
 
 
+def attend(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor,
+           sink: torch.Tensor) -> torch.Tensor:
+    """One softmax per head over the allowed keys plus the head's sink logit (section 5.4.8).
+
+    q [S, nh, D]; keys [L, D] (K = V); ok [S, L] bool, which keys each query may use; sink [nh]
+    is a logit in the denominator only. Returns [S, nh, D] float32.
+    """
+    S, nh, D = q.shape
+    keys = keys.float()
+    logits = torch.einsum("shd,td->sht", q.float(), keys) * D ** -0.5      # [S, nh, L]
+    logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
+    sinks = sink.float().view(1, nh, 1).expand(S, nh, 1)
+    probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]  # drop sink
+    return torch.einsum("sht,td->shd", probs, keys)
+
+
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor | None,
                      comp_ok, sink: torch.Tensor, window: int) -> torch.Tensor:
     """One softmax over window KV and compressed entries, with a per-head sink in the denominator.
@@ -165,45 +184,63 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor | Non
     [p1 - p0, T] = which compressed entries each query may use. Returns [S, nh, D] float32.
     """
     S, nh, D = q.shape
-    scale = D ** -0.5
     out = torch.empty(S, nh, D, dtype=torch.float32, device=q.device)
     for p0 in range(0, S, QUERY_CHUNK):
         p1 = min(S, p0 + QUERY_CHUNK)
         lo = max(0, p0 - window + 1)
-        keys = kv[lo:p1].float()                                         # [L, D]
+        keys = kv[lo:p1]                                                 # [L, D]
         pq = torch.arange(p0, p1, device=q.device)[:, None]
         pk = torch.arange(lo, p1, device=q.device)[None, :]
         ok = (pk <= pq) & (pk > pq - window)                             # window incl. itself
         if comp is not None and comp.shape[0]:
-            keys = torch.cat([keys, comp.float()], dim=0)                # [L + T, D]
+            keys = torch.cat([keys.float(), comp.float()], dim=0)        # [L + T, D]
             ok = torch.cat([ok, comp_ok(p0, p1)], dim=1)
-        logits = torch.einsum("shd,td->sht", q[p0:p1].float(), keys) * scale   # [s, nh, L(+T)]
-        logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
-        sinks = sink.float().view(1, nh, 1).expand(p1 - p0, nh, 1)
-        probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]  # drop sink
-        out[p0:p1] = torch.einsum("sht,td->shd", probs, keys)
+        out[p0:p1] = attend(q[p0:p1], keys, ok, sink)
     return out
+
+
+# ---- the three halves of a layer's attention -----------------------------------------------------
+def q_path(x: torch.Tensor, P, cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor,
+           nx: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [S, H] (after attn_norm) -> (q [S, nh, D] RoPE'd with cos/sin [S, R/2], qr [S, q_lora]).
+
+    Low rank, then a per-head unweighted RMS over all D dims, then RoPE on the last R dims.
+    """
+    S, nh, D, eps = x.shape[0], cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
+    qr = rms_norm(nx.lin(x, P["attn.wq_a.weight"]), P["attn.q_norm.weight"], eps)   # [S, q_lora]
+    q = nx.lin(qr, P["attn.wq_b.weight"]).view(S, nh, D)
+    q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + eps)         # act dtype, as reference
+    return apply_rope(q, cos[:, None], sin[:, None]), qr
+
+
+def kv_path(x: torch.Tensor, P, cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor,
+            nx: Numerics, fake_quant: bool) -> torch.Tensor:
+    """x [S, H] -> the single latent kv [S, D] (used as K and V): kv_norm(wkv x), RoPE on the
+    last R dims, then (fake_quant) the section 4.5 FP8 round trip of the leading D - R dims."""
+    kv = rms_norm(nx.lin(x, P["attn.wkv.weight"]), P["attn.kv_norm.weight"], cfg.rms_norm_eps)
+    kv = apply_rope(kv, cos, sin)
+    return kv_fake_fp8(kv, cfg.qk_rope_head_dim) if fake_quant else kv
+
+
+def out_path(o: torch.Tensor, P, cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor,
+             nx: Numerics) -> torch.Tensor:
+    """o [S, nh, D] float32 -> [S, H]: de-rotate by the QUERY position (cos/sin [S, R/2]), grouped
+    wo_a (BF16 einsum, no act quant), wo_b."""
+    S, g = o.shape[0], cfg.o_groups
+    o = apply_rope(o.to(nx.act), cos[:, None], sin[:, None], inverse=True)
+    wo_a = P["attn.wo_a.weight"].view(g, cfg.o_lora_rank, -1)            # [g, o_lora, nh*D/g]
+    z = torch.einsum("sgd,grd->sgr", o.reshape(S, g, -1), wo_a.to(nx.act))   # [S, g, o_lora]
+    return nx.lin(z.flatten(1), P["attn.wo_b.weight"])
 
 
 def attention(x: torch.Tensor, P, cfg: ModelConfig, ratio: int, nx: Numerics) -> torch.Tensor:
     """x [S, H] (after attn_norm) -> attention output [S, H] in nx.act, for a layer of `ratio`."""
-    S, nh, D = x.shape[0], cfg.num_attention_heads, cfg.head_dim
-    R, eps = cfg.qk_rope_head_dim, cfg.rms_norm_eps
+    S, D = x.shape[0], cfg.head_dim
     pos = torch.arange(S, device=x.device)
     freqs = rope_freqs(cfg, ratio)                                       # one table per layer
     cos, sin = rope_cos_sin(freqs, pos)                                  # [S, R/2]
-
-    # q path: low rank, per-head unweighted RMS over all D dims, RoPE on the last R dims
-    qr = rms_norm(nx.lin(x, P["attn.wq_a.weight"]), P["attn.q_norm.weight"], eps)   # [S, q_lora]
-    q = nx.lin(qr, P["attn.wq_b.weight"]).view(S, nh, D)
-    q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + eps)         # act dtype, as reference
-    q = apply_rope(q, cos[:, None], sin[:, None])
-
-    # single latent KV, used as both K and V
-    kv = rms_norm(nx.lin(x, P["attn.wkv.weight"]), P["attn.kv_norm.weight"], eps)    # [S, D]
-    kv = apply_rope(kv, cos, sin)
-    if nx.qat:
-        kv = kv_fake_fp8(kv, R)
+    q, qr = q_path(x, P, cfg, cos, sin, nx)
+    kv = kv_path(x, P, cfg, cos, sin, nx, nx.qat)                        # [S, D]
 
     comp, comp_ok = None, None
     if ratio:
@@ -221,11 +258,22 @@ def attention(x: torch.Tensor, P, cfg: ModelConfig, ratio: int, nx: Numerics) ->
             def comp_ok(p0, p1):                                         # entry j < (p + 1) // m
                 p = torch.arange(p0, p1, device=x.device)[:, None]
                 return torch.arange(T, device=x.device)[None, :] < (p + 1) // ratio
-    o = sparse_attention(q, kv, comp, comp_ok, P["attn.attn_sink"], cfg.sliding_window).to(nx.act)
+    o = sparse_attention(q, kv, comp, comp_ok, P["attn.attn_sink"], cfg.sliding_window)
+    return out_path(o, P, cfg, cos, sin, nx)
 
-    # output: de-rotate by the query position, grouped wo_a (BF16 einsum, no act quant), wo_b
-    o = apply_rope(o, cos[:, None], sin[:, None], inverse=True)
-    g = cfg.o_groups
-    wo_a = P["attn.wo_a.weight"].view(g, cfg.o_lora_rank, -1)            # [g, o_lora, nh*D/g]
-    z = torch.einsum("sgd,grd->sgr", o.reshape(S, g, -1), wo_a.to(nx.act))   # [S, g, o_lora]
-    return nx.lin(z.flatten(1), P["attn.wo_b.weight"])
+
+def context_attention(x: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor, ok: torch.Tensor,
+                      P, cfg: ModelConfig, nx: Numerics,
+                      kv_fake_quant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of T new rows over given context KV plus their own KV, window-only RoPE (ratio 0:
+    rope_theta, no YaRN) -- the drafters' attention (sections 5.8, 5.9).
+
+    x [T, H] (after attn_norm) at absolute positions pos [T]; ctx [L, D] KV rows already RoPE'd at
+    their own positions; ok [T, L + T] bool: which of (the L context rows, then the T new rows)
+    each query sees. Returns (output [T, H] in nx.act, the new rows' kv [T, D]).
+    """
+    cos, sin = rope_cos_sin(rope_freqs(cfg, 0), pos)                     # [T, R/2]
+    q, _ = q_path(x, P, cfg, cos, sin, nx)
+    kv = kv_path(x, P, cfg, cos, sin, nx, kv_fake_quant)
+    o = attend(q, torch.cat([ctx.to(kv.dtype), kv]), ok, P["attn.attn_sink"])
+    return out_path(o, P, cfg, cos, sin, nx), kv
