@@ -184,6 +184,13 @@ class _PagedLayer:
         prev = torch.arange(max(0, start - self.pool.W + 1), start, device=ring.data.device)
         return ring.get((self.slots[i], prev % ring.data.shape[1])), prev
 
+    def ring_positions(self, i: int, lo: int, hi: int):
+        """Sequence i's ring rows of positions lo .. hi-1 (hi - lo <= W + K, all written) ->
+        (kv [hi - lo, D] in the act dtype, positions): a drafter's context (DSpark's stages)."""
+        ring = self.pool.ring
+        pos = torch.arange(lo, hi, device=ring.data.device)
+        return ring.get((self.slots[i], pos % ring.data.shape[1])), pos
+
     def write_window(self, i: int, pos: torch.Tensor, kv: torch.Tensor) -> None:
         R = self.pool.ring.data.shape[1]
         keep = min(pos.shape[0], R)                       # older rows of a long chunk: gone

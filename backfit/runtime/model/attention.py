@@ -223,6 +223,13 @@ class Attention(nn.Module):
         q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
         return self.rope(q, pos), self.rope(self.kv_norm(kvx), pos)           # [T, Hl, D], [T, D]
 
+    def kv(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [T, d] (normed attention input) -> its kv [T, D]: wkv, kv_norm, RoPE (as pre)."""
+        kvx = self.wkv(x)
+        if kernel_path(kvx):
+            return self._kv_rope(kvx, pos)
+        return self.rope(self.kv_norm(kvx), pos)
+
     def _kv_rope(self, kvx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Kernel path: RoPE(kv_norm(kvx)) [T, D] in one launch."""
         from backfit.runtime.kernels.rope_norm import rope

@@ -59,6 +59,13 @@ class Block(nn.Module):
         u, post, M = self._hc("attn", X)                          # u [T, d]
         return post, M, self.attn.pre(self.attn_norm(u), pos)
 
+    def attn_kv(self, X: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The KV [T, D] this layer's attention would write for streams X [T, S, d] at pos
+        (hc_pre, attn_norm, wkv, kv_norm, RoPE): a row's KV depends on that row alone, so a
+        drafter fills its ring from rows it never runs whole."""
+        u, _, _ = self._hc("attn", X)
+        return self.attn.kv(self.attn_norm(u), pos)
+
     def attn_out(self, X: torch.Tensor, o: torch.Tensor, post: torch.Tensor, M: torch.Tensor,
                  pos: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """attn.core's o [T, Hl, D] -> wo_a/wo_b, hc_post, then the MoE sub-layer: X [T, S, d]."""

@@ -15,7 +15,7 @@ from backfit.config import ModelConfig
 from backfit.runtime.batch import ForwardBatch
 from backfit.runtime.layers import ParallelHead, RMSNorm, VocabParallelEmbedding
 from backfit.runtime.model.block import Block
-from backfit.runtime.model.draft.mtp import MTPBlock
+from backfit.runtime.model.draft import build_drafter
 from backfit.runtime.model.hyper import add_hc_buffers, decode_kernels, hc_head
 from backfit.runtime.state import DecodeState
 
@@ -23,7 +23,8 @@ __all__ = ["Transformer"]
 
 
 class Transformer(nn.Module):
-    """The main tower (+ the Flash MTP block when mtp=True; DSpark stages are not implemented)."""
+    """The main tower, and with mtp=True the checkpoint's drafter blocks under `mtp` (Flash: the
+    MTP block mtp.0; 0731: the three DSpark stages mtp.0..2; runtime.model.draft)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, mtp: bool = True):
         super().__init__()
@@ -40,11 +41,14 @@ class Transformer(nn.Module):
         # checkpoint prefixes this model deliberately does not hold (the loader reports them)
         self.skipped_prefixes: tuple[str, ...] = ()
         self._head_part = None    # (streams, their hc_head partials) of the last hidden()
-        self.mtp = nn.ModuleList()
-        if mtp and cfg.variant == "flash" and cfg.num_mtp_stages:
-            self.mtp = nn.ModuleList(MTPBlock(cfg) for _ in range(cfg.num_mtp_stages))
-        elif cfg.num_mtp_stages:
+        self.mtp = build_drafter(cfg) if mtp else nn.ModuleList()
+        if cfg.num_mtp_stages and not len(self.mtp):
             self.skipped_prefixes = ("mtp.",)
+        # DSpark's taps: the mean over the streams after these layers, kept by hidden() as
+        # `taps` [T, n·d] for the drafter's context pass (None when no DSpark stages)
+        self.tap_layers = tuple(cfg.dspark_target_layer_ids or ()) if len(self.mtp) and \
+            cfg.variant == "0731" else ()
+        self.taps: torch.Tensor | None = None
 
     def prepare_kernels(self) -> None:
         """Post-load step of the triton path (after load_model): every layer's fused projections
@@ -71,13 +75,16 @@ class Transformer(nn.Module):
         # _head_part for logits(X) of this very X; the torch path and prefill ignore hc
         k = decode_kernels(X)
         hc = {"part": None, "u": None} if k is not None else None
-        n = len(self.layers)
+        n, taps = len(self.layers), []
         for i, layer in enumerate(self.layers):
             if hc is not None:
                 nxt = self.layers[i + 1] if i + 1 < n else None
                 hc["next_fn"] = nxt.hc_attn_fn if nxt is not None else self.hc_head_fn
                 hc["next_pre"] = nxt.pre_args(k, "attn") if nxt is not None else None
             X = layer(X, batch, bound.layer(i), hc=hc)
+            if i in self.tap_layers:
+                taps.append(X.float().mean(1).to(X.dtype))             # [T, d]
+        self.taps = torch.cat(taps, -1) if taps else None
         self._head_part = (X, hc["part"]) if hc is not None else None
         bound.commit()
         return X
