@@ -33,6 +33,7 @@ from backfit.engine.block_manager import BlockManager
 from backfit.engine.sampling_params import SamplingParams
 from backfit.engine.scheduler import ScheduledSeq, ScheduledStep, Scheduler
 from backfit.engine.sequence import Sequence
+from backfit.engine.speculative import SpecStats, VerifyResult, verify
 from backfit.engine.tokenizer import TextStream, load_tokenizer
 from backfit.runtime.runner import RunnerConfig, StepInput, StepSeq, resolve_kernels
 from backfit.runtime.sampling import PendingSample, SamplingBatch, prompt_logprobs, sample
@@ -65,6 +66,10 @@ class EngineConfig:
     prefill_graph_tokens: int | None = None       # RunnerConfig's (None: auto, 0: eager)
     async_scheduling: bool | None = None          # overlap a step's host part with the next
     #                                               step's GPU work; None: on with CUDA
+    speculative_method: str | None = None         # "mtp" (Flash) | "dspark" (0731)
+    num_speculative_tokens: int = 0               # k: drafts verified per decode step
+    speculative_disable_by_batch_size: int | None = None   # no speculation with more decoding
+    #                                               requests than this (None: always on)
 
     def __post_init__(self):
         resolve_kernels(self.kernels, self.device)   # a bad choice fails before ranks start
@@ -80,7 +85,8 @@ class EngineConfig:
                             self.block_size, self.max_num_seqs, self.max_num_batched_tokens,
                             self.max_model_len, self.num_snapshot_slots, self.num_blocks,
                             self.gpu_memory_utilization, self.cpu_kv_cache_gib, self.kernels,
-                            self.enforce_eager, self.prefill_graph_tokens)
+                            self.enforce_eager, self.prefill_graph_tokens,
+                            self.speculative_method, self.num_speculative_tokens)
 
 
 @dataclass
@@ -119,6 +125,7 @@ class _Launched:
     tokens: torch.Tensor | None                   # [len(rows)] int64 on the device
     host: PendingSample | None                    # the same ids (and logprobs) on their way
     all_logits: dict                              # seq_id -> [n, V] (prompt logprobs)
+    verified: VerifyResult | None = None          # the speculative rows' emitted tokens (read)
 
 
 class LLMEngine:
@@ -135,11 +142,15 @@ class LLMEngine:
         self.max_num_batched_tokens = cfg.max_num_batched_tokens or r.max_num_batched_tokens
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    self.max_num_batched_tokens, cfg.max_model_len,
-                                   cfg.enable_chunked_prefill, self.model_cfg.eos_token_id)
+                                   cfg.enable_chunked_prefill, self.model_cfg.eos_token_id,
+                                   cfg.num_speculative_tokens,
+                                   cfg.speculative_disable_by_batch_size)
+        self.spec = SpecStats(cfg.num_speculative_tokens)
         self.requests: dict[int, _Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = 0
         self._ids = itertools.count()
         self._gen = torch.Generator(device=r.device).manual_seed(cfg.seed)
+        self._host_gen = torch.Generator().manual_seed(cfg.seed)   # the draft draws' seeds
         self.overlap = cfg.overlap
         self._pending: _Launched | None = None    # overlap: the step launched last, unread
 
@@ -196,7 +207,14 @@ class LLMEngine:
         return outputs
 
     def _can_overlap(self) -> bool:
-        return self.overlap and not any(s.params.has_penalties for s in self.scheduler.running)
+        """Overlap the next step with this one's read-back: not when a request needs the
+        host's token history (penalties) or the next step may speculate (its positions depend
+        on this step's accepted drafts)."""
+        sch = self.scheduler
+        speculating = sch.k > 0 and (sch.spec_max_batch is None
+                                     or len(sch.running) <= sch.spec_max_batch)
+        return self.overlap and not speculating and \
+            not any(s.params.has_penalties for s in sch.running)
 
     def _drain_if_idle(self) -> None:
         """Read the pending step now when none of its requests is live (its rows were wasted):
@@ -208,22 +226,43 @@ class LLMEngine:
     def _launch(self, sched: ScheduledStep) -> _Launched:
         """Forward + sampling on the device, the ids' copy to the host started; no host sync."""
         prev = self._pending.tokens if self._pending is not None else None
-        step = StepInput(tuple(StepSeq(s.seq.seq_id, s.seq.slot, tuple(s.seq.block_table),
-                                       s.start, tuple(s.token_ids), s.sample,
-                                       self._wants_prompt_logprobs(s))
-                               for s in sched.seqs),
-                         tuple(sched.restores), tuple(sched.saves))
+        step = StepInput(tuple(self._step_seq(s) for s in sched.seqs), tuple(sched.restores),
+                         tuple(sched.saves),
+                         int(torch.randint(1 << 62, (), generator=self._host_gen)))
         out = self.ranks.forward(step, prev)
-        rows = [s for s in sched.seqs if s.sample]
+        rows = [s for s in sched.seqs if s.sample and not s.draft]
+        spec = [s for s in sched.seqs if s.draft]
+        logits = out.logits
+        verified = None
+        if spec:                                  # rows: 1 for a plain seq, 1 + k verifying
+            at, plain_at, spec_at = 0, [], []
+            for s in sched.seqs:
+                if s.sample:
+                    (spec_at if s.draft else plain_at).extend(range(at, at + 1 + s.draft))
+                    at += 1 + s.draft
+            dev = logits.device
+            verified = verify(logits[torch.tensor(spec_at, device=dev)], spec, out.draft,
+                              self.model_cfg.vocab_size, self.model_cfg.eos_token_id, self._gen)
+            logits = logits[torch.tensor(plain_at, device=dev)] if rows else None
         tokens = host = None
         if rows:
             seqs = [s.seq for s in rows]
             sb = SamplingBatch.build([q.params for q in seqs], [q.output_ids for q in seqs],
                                      [q.prompt_ids for q in seqs], self.model_cfg.vocab_size,
-                                     out.logits.device, self.model_cfg.eos_token_id, self._gen)
-            so = sample(out.logits, sb)
+                                     logits.device, self.model_cfg.eos_token_id, self._gen)
+            so = sample(logits, sb)
             tokens, host = so.token_ids, so.to_host_async()
-        return _Launched(sched, rows, tokens, host, out.all_logits)
+        return _Launched(sched, rows, tokens, host, out.all_logits, verified)
+
+    def _step_seq(self, s: ScheduledSeq) -> StepSeq:
+        """A scheduled chunk as the runner's StepSeq: the token after a chunk that does not end
+        the known tokens, and a verifying sequence's draft count and draw temperature."""
+        seq, end = s.seq, s.start + len(s.token_ids)
+        nxt = seq.token_range(end, end + 1)[0] if end < seq.length else -1
+        temp = seq.params.temperature if s.draft else 0.0
+        return StepSeq(seq.seq_id, seq.slot, tuple(seq.block_table), s.start,
+                       tuple(s.token_ids), s.sample, self._wants_prompt_logprobs(s), s.draft,
+                       nxt if nxt >= 0 else -1, temp)
 
     def _resolve_pending(self) -> list[RequestOutput]:
         p, self._pending = self._pending, None
@@ -241,19 +280,36 @@ class LLMEngine:
         rows = launched.rows
         host = launched.host.wait() if rows else None
         sampled = {s.seq.seq_id: t for s, t in zip(rows, host.token_ids)} if rows else {}
+        lps = {s.seq.seq_id: [(host.logprobs[b], host.top[b])] for b, s in enumerate(rows)}
+        v = launched.verified
+        if v is not None:                             # the verifying rows, already read
+            spec = [s for s in launched.sched.seqs if s.draft]
+            rows = rows + spec
+            for s, toks, lp, k in zip(spec, v.tokens, v.logprobs, v.drafted):
+                sampled[s.seq.seq_id], lps[s.seq.seq_id] = toks, lp
+                if live(s):
+                    self.spec.add(k, len(toks) - 1)
         finished = {q.seq_id: q for q in self.scheduler.resolve(launched.sched, sampled)}
         outputs = []
-        for b, s in enumerate(rows):
+        for s in rows:
             if not live(s):                           # ended (abort, a stop) before this step
                 continue                              # was read: its row was wasted
             rid = s.seq.seq_id
             req = self.requests[rid]
-            tok = sampled[rid]
-            self.generation_tokens_total += 1
-            delta = req.stream.append(tok)
-            o = RequestOutput(rid, delta.text, [tok])
-            if s.seq.params.logprobs is not None:
-                o.logprobs = [(host.logprobs[b], host.top[b])]
+            got = sampled[rid]
+            toks = got if isinstance(got, list) else [got]
+            text, delta, n = "", None, 0
+            for tok in toks:                          # a verified run: token by token
+                delta = req.stream.append(tok)
+                text, n = text + delta.text, n + 1
+                if delta.finished:                    # a stop inside the run: the rest is
+                    break                             # not delivered
+            if n < len(toks):                         # usage counts what was delivered
+                del s.seq.output_ids[s.start + len(s.token_ids) - s.seq.num_prompt + n:]
+            self.generation_tokens_total += n
+            o = RequestOutput(rid, text, toks[:n])
+            if s.seq.params.logprobs is not None and lps.get(rid) is not None:
+                o.logprobs = lps[rid][:n]
             if req.prompt_logprobs is not None:
                 o.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
             if delta.finished or rid in finished:
@@ -291,7 +347,11 @@ class LLMEngine:
                 "prefix_cache_queries": bm.cache_query_tokens,
                 "prefix_cache_hits": bm.cache_hit_tokens,
                 "prompt_tokens": self.prompt_tokens_total,
-                "generation_tokens": self.generation_tokens_total}
+                "generation_tokens": self.generation_tokens_total,
+                "spec_decode_num_drafts": self.spec.num_drafts,
+                "spec_decode_num_draft_tokens": self.spec.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.spec.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.spec.accepted_per_pos)}
 
     def _usage(self, seq: Sequence) -> Usage:
         return Usage(seq.num_prompt, seq.num_output, seq.num_cached_tokens)

@@ -41,6 +41,8 @@ class ScheduledSeq(NamedTuple):
     start: int               # position of token_ids[0]; the forward writes start .. start+n-1
     token_ids: list[int]
     sample: bool             # the chunk reaches the last known token: sample the next one
+    draft: int = 0           # speculative: k tokens drafted after token_ids (one token) and
+    #                          verified in the same forward (positions start .. start + k)
 
 
 @dataclass
@@ -62,7 +64,8 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
                  enable_chunked_prefill: bool = True,
-                 eos_token_id: int | Iterable[int] | None = None):
+                 eos_token_id: int | Iterable[int] | None = None,
+                 num_speculative_tokens: int = 0, speculative_max_batch: int | None = None):
         for name, v in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(v, int) or v < 1:
@@ -82,6 +85,8 @@ class Scheduler:
         self._unadvanced = False                  # schedule() returned a step not advanced
         self._unresolved = 0                      # advanced steps not yet resolved (0..2)
         self._external: set[int] = set()          # deferred finish() calls, reported when freed
+        self.k = num_speculative_tokens           # drafts per speculative decode (0: off)
+        self.spec_max_batch = speculative_max_batch  # no speculation with more decodes than this
 
     @property
     def has_work(self) -> bool:
@@ -120,6 +125,8 @@ class Scheduler:
         running = self.running
         decodes_left = sum(1 for s in running
                            if s.length - s.num_computed == 1 and not self._ends(s))
+        speculate = self.k > 0 and self._unresolved == 0 and (
+            self.spec_max_batch is None or decodes_left <= self.spec_max_batch)
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -130,9 +137,12 @@ class Scheduler:
             if todo <= 0:
                 raise RuntimeError(f"sequence {seq.seq_id} has no token to run (rolled back "
                                    f"without appending the next one?)")
+            k = 0
             if todo == 1:
                 decodes_left -= 1
                 n = 1
+                if speculate:                   # drafts from what the budget leaves over
+                    k = min(self._draft_room(seq), max(0, budget - 1 - decodes_left))
             elif self._chunkable(seq):          # leave one token per later decode
                 n = self._chunk(seq, seq.num_computed, budget - decodes_left)
             else:
@@ -140,7 +150,7 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while not self.bm.grow(seq, n):
+            while not self.bm.grow(seq, n + k):
                 victim = next(v for v in reversed(running) if not self._ends(v))
                 #                                 newest not yet in the step (all after i)
                 if victim is not seq and victim.length - victim.num_computed == 1:
@@ -149,8 +159,13 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self._emit(step, seq, n)
-                budget -= n
+                if k:
+                    step.seqs.append(ScheduledSeq(seq, seq.num_computed,
+                                                  seq.token_range(seq.num_computed, seq.length),
+                                                  True, k))
+                else:
+                    self._emit(step, seq, n)
+                budget -= n + k
                 i += 1
         while (self.waiting and budget > 0 and not step.preempted
                and len(running) < self.max_num_seqs and self.bm.num_free_slots):
@@ -205,11 +220,21 @@ class Scheduler:
                 if seq.seq_id not in sampled:
                     raise KeyError(f"no sampled token for sequence {seq.seq_id} (its row asked)")
                 k = item.start + len(item.token_ids) - seq.num_prompt   # its output index
-                token = seq.output_ids[k] = sampled[seq.seq_id]
-                reason = self._stop_reason(seq, token, k + 1)
-                if reason is not None:
-                    self._end(seq, reason)
-                    finished.append(seq)
+                got = sampled[seq.seq_id]
+                for j, token in enumerate(got if isinstance(got, list) else [got]):
+                    if j:                       # speculative: the draft's row is computed
+                        seq.num_computed += 1
+                        seq.output_ids.append(token)
+                    else:
+                        seq.output_ids[k] = token
+                    reason = self._stop_reason(seq, token, k + j + 1)
+                    if reason is not None:      # later tokens of the accepted run: dropped
+                        self._end(seq, reason)
+                        finished.append(seq)
+                        break
+                else:
+                    if item.draft:
+                        self.bm.commit(seq)
             if seq.finishing is not None and seq.in_flight == 0:
                 reason, seq.finishing = seq.finishing, None
                 self._finish(seq, reason)
@@ -241,6 +266,14 @@ class Scheduler:
         return self.finish(seq_id, "abort")
 
     # ---- internals ----
+    def _draft_room(self, seq: Sequence) -> int:
+        """Drafts a decoding seq may verify this step: k, fewer where max_model_len or
+        max_tokens would cut the emitted run anyway (1 + k tokens at most)."""
+        room = self.max_model_len - 1 - seq.num_computed     # positions c .. c + k < L
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output - 1)
+        return max(0, min(self.k, room))
+
     def _chunkable(self, seq: Sequence) -> bool:
         # a preempted sequence's prompt + output may exceed the budget: it must still progress
         return self.enable_chunked_prefill or seq.length > self.max_num_batched_tokens

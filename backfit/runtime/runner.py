@@ -27,6 +27,7 @@ the step is broadcast, and whether a graph fits depends on the step alone).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -63,6 +64,8 @@ class RunnerConfig:
     #                                          replay piecewise graphs; None: auto (up to
     #                                          budget.PREFILL_GRAPH_MAX where they cost at most
     #                                          10 % of the KV capacity); 0: eager
+    speculative_method: str | None = None    # "mtp" (Flash) | "dspark" (0731): load the drafter
+    num_speculative_tokens: int = 0          # k drafted tokens a speculative step verifies
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,10 @@ class StepSeq:
     tokens: tuple[int, ...]                  # new tokens (a prefill chunk or one decode token)
     sample: bool                             # return the last row's logits
     all_logits: bool = False                 # return every row (prompt logprobs, echo)
+    draft: int = 0                           # > 0: draft this many tokens after `tokens` (one
+    #                                          token, x_c) and verify them: every row sampled
+    next_token: int = -1                     # the token after the chunk, when known (drafter)
+    temperature: float = 0.0                 # draft draws (0: greedy drafts)
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ class StepInput:
     seqs: tuple[StepSeq, ...]
     restores: tuple[tuple[int, int], ...] = ()   # (snapshot slot, seq slot) before the forward
     saves: tuple[tuple[int, int], ...] = ()      # (seq slot, snapshot slot) after it
+    draft_seed: int = 0                          # seeds the draft draws (alike on every rank)
 
 
 @dataclass
@@ -88,6 +96,7 @@ class StepOutput:
     logits: torch.Tensor | None              # [num sample seqs, V] FP32, in step order (a graph
     #                                          replay: a view, valid until the next forward)
     all_logits: dict[int, torch.Tensor] = field(default_factory=dict)   # seq_id -> [n, V]
+    draft: object | None = None              # model.draft.Draft of the drafting sequences
 
 
 def resolve_kernels(kernels: str | None, device: str | torch.device) -> str:
@@ -123,8 +132,10 @@ class ModelRunner:
             self.kv = "auto"
         elif self.kv not in ("auto", "int8"):
             raise ValueError(f"--kv-cache-dtype {self.kv!r}: choose auto, bf16 or int8")
+        from backfit.runtime.drafting import check_speculative
+        check_speculative(rc.speculative_method, rc.num_speculative_tokens, self.cfg)
         t = time.perf_counter()
-        self.model = Transformer(self.cfg, self.dtype, mtp=False)
+        self.model = Transformer(self.cfg, self.dtype, mtp=rc.speculative_method is not None)
         load_model(self.model, rc.model, self.device)
         if self.kernels == "triton":                    # stacked experts before pool sizing
             self.model.prepare_kernels()
@@ -132,7 +143,12 @@ class ModelRunner:
         t = time.perf_counter()
         self.num_slots, self.num_blocks = self.size_pools()
         self.cache = PagedCache(self.cfg, self.num_slots, self.num_blocks, self.block_size,
-                                self.dtype, self.kv, self.device)
+                                self.dtype, self.kv, self.device, mtp_layers=len(self.model.mtp))
+        self.drafting = None
+        if rc.speculative_method is not None:
+            from backfit.runtime.drafting import Drafting
+            self.drafting = Drafting(self.model, self.cache, self.num_slots,
+                                     rc.num_speculative_tokens)
         self.timings["pools_s"] = time.perf_counter() - t
         self.graphs = self.prefill_graphs = None
         self._sampled_rows = 0                          # of the last step (its ids: `prev`)
@@ -197,7 +213,7 @@ class ModelRunner:
         pg_on = self.use_graphs and pg_req != 0
         act = "fp32" if self.dtype == torch.float32 else "bf16"
         layout = cache_layout(self.cfg, act if self.kv == "auto" else "int8", self.block_size,
-                              act_dtype=act)
+                              act_dtype=act, draft_layers=len(self.model.mtp))
         kw = dict(max_model_len=rc.max_model_len, max_num_seqs=rc.max_num_seqs,
                   num_snapshot_slots=rc.num_snapshot_slots, tp=get_tp_info().size)
         measured = rc.num_blocks is None and self.device.type == "cuda"   # the default picked
@@ -260,9 +276,22 @@ class ModelRunner:
             raise ValueError("the step has placeholder tokens but no previous sampled ids")
         if holes and tp.size > 1:
             prev = broadcast_from_rank0(prev.contiguous())
-        self._sampled_rows = sum(s.sample for s in seqs)
-        if self.graphs is not None and all(len(s.tokens) == 1 and s.sample and not s.all_logits
-                                           for s in seqs):
+        self._sampled_rows = sum(s.sample + s.draft for s in seqs)
+        draft = None
+        if any(s.draft for s in seqs):            # d_1..d_k of each, filled in as placeholders
+            if holes:
+                raise ValueError("a speculative step cannot take an overlapped step's tokens")
+            draft = self.drafting.draft([s for s in seqs if s.draft], step.draft_seed)
+            prev, holes, r, k = draft.ids.flatten(), True, 0, draft.ids.shape[1]
+            expanded = []
+            for s in seqs:
+                expanded.append(dataclasses.replace(s, tokens=s.tokens + tuple(
+                    -1 - r - j for j in range(s.draft))))
+                r += k if s.draft else 0
+            seqs = expanded
+        graphs = self.drafting is None            # the drafter reads every forward's rows
+        if graphs and self.graphs is not None and all(
+                len(s.tokens) == 1 and s.sample and not s.all_logits for s in seqs):
             logits = self.graphs.run([(s.tokens[0], s.start, s.slot, s.block_table) for s in seqs],
                                      prev if holes else None)
             if logits is not None:
@@ -270,7 +299,7 @@ class ModelRunner:
                     self.cache.copy_slot(src, dst)
                 return StepOutput(logits)
         X = None
-        if self.prefill_graphs is not None and any(len(s.tokens) > 1 for s in seqs):
+        if graphs and self.prefill_graphs is not None and any(len(s.tokens) > 1 for s in seqs):
             X = self.prefill_graphs.hidden([(s.seq_id, s.tokens, s.start, s.slot, s.block_table)
                                             for s in seqs], self.cache, prev if holes else None)
         if X is None:                                             # eager
@@ -280,9 +309,16 @@ class ModelRunner:
             if holes:
                 fill_placeholders_(batch.tokens, prev)
             X = self.model.hidden(batch, self.cache)              # [T, hc, d]
+            if self.drafting is not None:
+                self.drafting.context(X, self.model.taps, batch, step.seqs,
+                                      self.cache.bind(batch))
         ends = list(itertools.accumulate(len(s.tokens) for s in seqs))
-        out = StepOutput(None)
-        rows = [ends[i] - 1 for i, s in enumerate(seqs) if s.sample]   # last rows: host ints
+        out = StepOutput(None, draft=draft)
+        rows = []                                 # the sampled rows (host ints): the last row,
+        for i, s in enumerate(seqs):              # every row of a drafting sequence
+            if s.sample:
+                first = ends[i] - 1 - (s.draft if s.draft else 0)
+                rows += range(first, ends[i])
         if rows:
             every = len(rows) == X.shape[0]       # pure decode: rows 0..T-1, no gather
             out.logits = self.model.logits(

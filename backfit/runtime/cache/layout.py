@@ -146,7 +146,7 @@ def cache_layout(cfg: ModelConfig, kv_dtype: str = "bf16", block_size: int | Non
                  rollback: int = ROLLBACK, act_dtype: str = "bf16",
                  draft_layers: int = 0) -> CacheLayout:
     """The pools' layout for `cfg`. block_size defaults to default_block_size (Flash 128, tiny
-    64); draft_layers adds window-only rings for MTP / DSpark stages (the engine loads none yet)."""
+    64); draft_layers adds window-only rings for MTP / DSpark stages (with speculative decoding)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv cache dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
     if act_dtype not in ACT_DTYPES:
