@@ -8,6 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from backfit.runtime.kernels.moe.common import _pair_program, _pair_store
+
 __all__: list[str] = []
 
 
