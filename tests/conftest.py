@@ -28,20 +28,21 @@ def tiny_0731(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_converted(tiny_flash, tmp_path_factory):
-    """tiny_converted(tp, kind="int8" | "bf16" | "mx4") -> tiny_flash converted with
-    --linears/--experts kind (mx4: --linears int8 --experts mx4), built once per (tp, kind) and
-    shared by every test: read-only (copy to corrupt)."""
+def tiny_converted(request, tmp_path_factory):
+    """tiny_converted(tp, kind="int8" | "bf16" | "mx4", variant="flash" | "0731") -> that tiny
+    checkpoint converted with --linears/--experts kind (mx4: --linears int8 --experts mx4),
+    built once per (tp, kind, variant) and shared by every test: read-only (copy to corrupt)."""
     from backfit.convert.run import convert
-    built: dict[tuple[int, str], Path] = {}
+    built: dict[tuple[int, str, str], Path] = {}
 
-    def get(tp: int, kind: str = "int8") -> Path:
-        if (tp, kind) not in built:
-            dst = tmp_path_factory.mktemp("conv") / f"{kind}_tp{tp}"
-            convert(tiny_flash, dst, tp=tp, linears="int8" if kind == "mx4" else kind,
+    def get(tp: int, kind: str = "int8", variant: str = "flash") -> Path:
+        if (tp, kind, variant) not in built:
+            src = request.getfixturevalue("tiny_flash" if variant == "flash" else "tiny_0731")
+            dst = tmp_path_factory.mktemp("conv") / f"{variant}_{kind}_tp{tp}"
+            convert(src, dst, tp=tp, linears="int8" if kind == "mx4" else kind,
                     experts=kind, progress=False)
-            built[tp, kind] = dst
-        return built[tp, kind]
+            built[tp, kind, variant] = dst
+        return built[tp, kind, variant]
     return get
 
 

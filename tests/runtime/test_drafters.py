@@ -31,11 +31,8 @@ def rel(a, b) -> float:
 
 
 @pytest.fixture(scope="module")
-def conv_0731(tiny_0731, tmp_path_factory):
-    from backfit.convert.run import convert
-    dst = tmp_path_factory.mktemp("conv") / "bf16_0731"
-    convert(tiny_0731, dst, tp=1, linears="bf16", experts="bf16", progress=False)
-    return dst
+def conv_0731(tiny_converted):
+    return tiny_converted(1, "bf16", "0731")
 
 
 def _runtime(root):

@@ -1,0 +1,170 @@
+"""Speculative decoding through the engine (CPU, float32, the tiny Flash and 0731 checkpoints):
+greedy output with speculation equals greedy output without, token for token, under every
+engine feature a decode step meets; the drafts the engine verifies are the reference's drafts for
+each request's own history; bad configs are one-line errors.
+
+The tiny models' own drafters accept little (random weights), so the engine's accept / rollback
+paths are also driven by an oracle drafter: the plain run's greedy continuation with every 4th
+draft wrong (tests only; the real drafters are held to the reference in
+tests/runtime/test_drafters.py and here)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from support import one_thread
+
+from backfit.engine.engine import EngineConfig, LLMEngine
+from backfit.engine.sampling_params import SamplingParams
+from backfit.runtime.model.draft import Draft
+
+GREEDY = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+METHODS = {"mtp": ("flash", 3), "dspark": ("0731", 5)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    with one_thread():
+        yield
+
+
+def make(conv, spec=None, k=None, **kw) -> LLMEngine:
+    base = dict(model=str(conv), dtype="float32", block_size=16, max_num_seqs=8,
+                max_num_batched_tokens=64, max_model_len=512, num_blocks=200,
+                async_scheduling=False)
+    if spec is not None:
+        base.update(speculative_method=spec, num_speculative_tokens=k)
+    base.update(kw)
+    return LLMEngine(EngineConfig(**base))
+
+
+def prompts(n, seed=0, lo=5, hi=70, shared=0):
+    r = random.Random(seed)
+    head = [r.randrange(3, 500) for _ in range(shared)]
+    return [head + [r.randrange(3, 500) for _ in range(r.randrange(lo, hi))] for _ in range(n)]
+
+
+def run(engine, ps, params=GREEDY, arrive_every=0):
+    """Generate; arrive_every > 0: request i joins after i * arrive_every steps (continuous
+    batching: rows shift as requests join and leave)."""
+    if not arrive_every:
+        return [o["token_ids"] for o in engine.generate(ps, params)]
+    plist = params if isinstance(params, list) else [params] * len(ps)
+    ids, out, step = [], {}, 0
+    while len(ids) < len(ps) or engine.has_unfinished():
+        if len(ids) < len(ps) and step % arrive_every == 0:
+            ids.append(engine.add_request(ps[len(ids)], plist[len(ids)]))
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+        step += 1
+    return [out.get(i, []) for i in ids]
+
+
+@pytest.fixture(scope="module", params=list(METHODS))
+def method(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def conv(method, tiny_converted):
+    return tiny_converted(1, "int8", METHODS[method][0])
+
+
+def oracle(engine, want: dict[int, list[int]], wrong_every: int = 4):
+    """Replace the runner's drafts by the plain run's continuation (want[seq_id] = prompt +
+    greedy output), every `wrong_every`-th position off by one id."""
+    d = engine.ranks.runner.drafting
+    V = engine.model_cfg.vocab_size
+
+    def draft(seqs, seed):
+        ids = []
+        for s in seqs:
+            full = want[s.seq_id]
+            row = [full[s.start + j] if s.start + j < len(full) else 3 for j in range(1, d.k + 1)]
+            ids.append([(t + 1) % V if (s.start + j) % wrong_every == 0 else t
+                        for j, t in enumerate(row, 1)])
+        ids = torch.tensor(ids)
+        return Draft(ids, None, torch.zeros(*ids.shape, V), None)
+    d.draft = draft
+
+
+def test_greedy_equals_plain_with_arrivals_chunks_and_prefix_hits(method, conv):
+    ps = prompts(6, seed=1, shared=40)                  # shared 40-token head: prefix hits
+    plain = make(conv)
+    want = run(plain, ps)
+    plain.close()
+    e = make(conv, method, METHODS[method][1], max_num_batched_tokens=32)   # chunked prompts
+    got = run(e, ps, arrive_every=3)
+    st = e.stats()
+    e.close()
+    assert got == want
+    assert st["spec_decode_num_drafts"] > 20 and st["prefix_cache_hits"] > 0
+    assert st["spec_decode_num_draft_tokens"] >= st["spec_decode_num_drafts"]
+
+
+def test_oracle_drafts_accept_roll_back_and_stay_lossless(method, conv):
+    """Long accepted runs, rejections every 4th position, stops and limits inside a run."""
+    ps = prompts(5, seed=2)
+    plain = make(conv)
+    base = [o["token_ids"] for o in plain.generate(ps, GREEDY)]
+    # a stop id inside request 0's run, max_tokens that cut others mid-run, EOS honoured
+    params = [SamplingParams(max_tokens=14, temperature=0, ignore_eos=True,
+                             stop_token_ids=[base[0][6]]),
+              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, logprobs=2),
+              GREEDY, SamplingParams(max_tokens=11, temperature=0, ignore_eos=True,
+                                     min_tokens=3)]
+    want = plain.generate(ps, params)
+    plain.close()
+    e = make(conv, method, METHODS[method][1])
+    oracle(e, {i: p + w for i, (p, w) in enumerate(zip(ps, base))})
+    got = e.generate(ps, params)
+    st = e.stats()
+    e.close()
+    assert [g["token_ids"] for g in got] == [w["token_ids"] for w in want]
+    assert [g["finish_reason"] for g in got] == [w["finish_reason"] for w in want]
+    assert [g["usage"].completion_tokens for g in got] == [len(w["token_ids"]) for w in want]
+    for a, b in zip(got[2]["logprobs"], want[2]["logprobs"]):      # every emitted token's
+        assert abs(a[0] - b[0]) < 1e-4                              # raw logprob
+        assert [t for t, _ in a[1]] == [t for t, _ in b[1]]
+    assert st["spec_decode_num_accepted_tokens"] > 0.4 * st["spec_decode_num_draft_tokens"]
+    assert st["spec_decode_num_accepted_tokens_per_pos"][1] > 0     # runs past one draft
+
+
+def test_preemption_and_int8_kv_stay_lossless(method, conv):
+    ps = prompts(6, seed=3, lo=30, hi=60)
+    plain = make(conv, kv_cache_dtype="int8")
+    base = run(plain, ps)
+    plain.close()
+    e = make(conv, method, METHODS[method][1], kv_cache_dtype="int8", num_blocks=14,
+             max_model_len=200)
+    oracle(e, {i: p + w for i, (p, w) in enumerate(zip(ps, base))}, wrong_every=3)
+    got = run(e, ps)
+    st = e.stats()
+    e.close()
+    assert st["num_preemptions"] > 0 and got == base
+
+
+def test_speculation_turns_off_above_the_batch_size(conv, method):
+    ps = prompts(4, seed=4)
+    e = make(conv, method, 2, speculative_disable_by_batch_size=2)
+    got = run(e, ps)
+    st = e.stats()
+    e.close()
+    plain = make(conv)
+    assert got == run(plain, ps)
+    plain.close()
+    assert 0 < st["spec_decode_num_drafts"]       # only once two or fewer were decoding
+
+
+def test_bad_speculative_configs_are_one_line_errors(tiny_converted):
+    flash, v0731 = tiny_converted(1, "int8"), tiny_converted(1, "int8", "0731")
+    for conv, spec, k, msg in ((flash, "dspark", 3, "needs a DeepSeek-V4-Flash-0731"),
+                               (v0731, "mtp", 2, "needs a DeepSeek-V4-Flash checkpoint"),
+                               (flash, "mtp", 8, "verifies 1..7"),
+                               (v0731, "dspark", 6, "verifies 1..5"),
+                               (flash, "eagle", 2, "choose one of mtp, dspark")):
+        with pytest.raises(ValueError, match=msg):
+            make(conv, spec, k)
