@@ -105,31 +105,34 @@ def test_greedy_equals_plain_with_arrivals_chunks_and_prefix_hits(method, conv):
 
 
 def test_oracle_drafts_accept_roll_back_and_stay_lossless(method, conv):
-    """Long accepted runs, rejections every 4th position, stops and limits inside a run."""
+    """Long accepted runs, rejections every 3rd position (the rings' rejected rows rewritten,
+    across CSA / HCA entry ends), stops and limits inside a run; every emitted token's raw
+    logprob within 1e-4 of the plain run's (a wrong row in a compressor ring moves them by far
+    more, while the argmax often survives)."""
     ps = prompts(5, seed=2)
+    lp = dict(temperature=0, ignore_eos=True, logprobs=2)
     plain = make(conv)
-    base = [o["token_ids"] for o in plain.generate(ps, GREEDY)]
-    # a stop id inside request 0's run, max_tokens that cut others mid-run, EOS honoured
-    params = [SamplingParams(max_tokens=14, temperature=0, ignore_eos=True,
-                             stop_token_ids=[base[0][6]]),
-              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, logprobs=2),
-              GREEDY, SamplingParams(max_tokens=11, temperature=0, ignore_eos=True,
-                                     min_tokens=3)]
+    base = [o["token_ids"] for o in plain.generate(ps, SamplingParams(max_tokens=26, **lp))]
+    params = [SamplingParams(max_tokens=26, stop_token_ids=[base[0][6]], **lp),  # stop in a run
+              SamplingParams(max_tokens=5, **lp), SamplingParams(max_tokens=9, **lp),
+              SamplingParams(max_tokens=26, **lp),
+              SamplingParams(max_tokens=11, min_tokens=3, **lp)]
     want = plain.generate(ps, params)
     plain.close()
     e = make(conv, method, METHODS[method][1])
-    oracle(e, {i: p + w for i, (p, w) in enumerate(zip(ps, base))})
+    oracle(e, {i: p + w for i, (p, w) in enumerate(zip(ps, base))}, wrong_every=3)
     got = e.generate(ps, params)
     st = e.stats()
     e.close()
     assert [g["token_ids"] for g in got] == [w["token_ids"] for w in want]
     assert [g["finish_reason"] for g in got] == [w["finish_reason"] for w in want]
     assert [g["usage"].completion_tokens for g in got] == [len(w["token_ids"]) for w in want]
-    for a, b in zip(got[2]["logprobs"], want[2]["logprobs"]):      # every emitted token's
-        assert abs(a[0] - b[0]) < 1e-4                              # raw logprob
-        assert [t for t, _ in a[1]] == [t for t, _ in b[1]]
-    assert st["spec_decode_num_accepted_tokens"] > 0.4 * st["spec_decode_num_draft_tokens"]
+    for g, w in zip(got, want):
+        assert len(g["logprobs"]) == len(w["logprobs"])
+        for a, b in zip(g["logprobs"], w["logprobs"]):
+            assert abs(a[0] - b[0]) < 1e-4, (a[0], b[0])
+            assert [t for t, _ in a[1]] == [t for t, _ in b[1]]
+    assert st["spec_decode_num_accepted_tokens"] > 0.3 * st["spec_decode_num_draft_tokens"]
     assert st["spec_decode_num_accepted_tokens_per_pos"][1] > 0     # runs past one draft
 
 
