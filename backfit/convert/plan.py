@@ -12,7 +12,7 @@ from pathlib import Path
 from backfit.checkpoint import TensorEntry
 from backfit.config import ModelConfig
 from backfit.formats import INT8_GROUP, MX_GROUP, shard_dim_for
-from backfit.inventory import expected_tensors
+from backfit.inventory import expected_tensors, is_vision_tensor
 
 __all__ = ["Output", "Action", "plan_conversion", "ConvertError", "EXPERT_KINDS"]
 
@@ -84,6 +84,9 @@ def plan_conversion(entries: dict[str, TensorEntry], cfg: ModelConfig, tp: int,
     expected = expected_tensors(cfg)
     for name, e in entries.items():
         exp = expected.get(name)
+        if exp is None and is_vision_tensor(name) and cfg.vision is None:
+            raise ConvertError(f"{e.file}: {name}: a Vision-Exp tensor, but config.json has no "
+                               f"vision_n_layers > 0 (a text-only config for a vision checkpoint?)")
         if exp is None:
             raise ConvertError(f"{e.file}: {name}: unknown tensor (not in the DeepSeek-V4 inventory "
                                f"implied by config.json)")
