@@ -82,11 +82,12 @@ def plan_conversion(entries: dict[str, TensorEntry], cfg: ModelConfig, tp: int,
     if experts not in EXPERT_KINDS:
         raise ConvertError(f"--experts {experts!r}: choose one of {', '.join(EXPERT_KINDS)}")
     expected = expected_tensors(cfg)
+    stray = None if cfg.vision else next((n for n in entries if is_vision_tensor(n)), None)
+    if stray:                                # before the hash layers' bias says "unknown tensor"
+        raise ConvertError(f"{entries[stray].file}: {stray}: a Vision-Exp tensor, but config.json "
+                           f"has no vision_n_layers > 0 (a text-only config for a vision checkpoint?)")
     for name, e in entries.items():
         exp = expected.get(name)
-        if exp is None and is_vision_tensor(name) and cfg.vision is None:
-            raise ConvertError(f"{e.file}: {name}: a Vision-Exp tensor, but config.json has no "
-                               f"vision_n_layers > 0 (a text-only config for a vision checkpoint?)")
         if exp is None:
             raise ConvertError(f"{e.file}: {name}: unknown tensor (not in the DeepSeek-V4 inventory "
                                f"implied by config.json)")
