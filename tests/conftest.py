@@ -21,6 +21,7 @@ os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")                   # MKL: AVX2 c
 import torch  # noqa: E402
 
 from backfit.synthetic import write_checkpoint
+from support import VISION_DIMS
 
 # `make test` runs two pytest-xdist workers on the 2-core CI box: one torch thread each (OpenMP
 # with two threads stalls 10-40x whenever another process holds a core, tests/support.py)
@@ -62,10 +63,6 @@ def tiny_flash_real_vocab(tmp_path_factory) -> Path:
     """Flash variant with the real 129,280-id vocabulary and the real tokenizer."""
     return write_checkpoint(tmp_path_factory.mktemp("tiny") / "flash_v", "flash", seed=0)
 
-
-# the vision checkpoint's experts are cut down (8 x 256 instead of 16 x 1024): four times faster
-# to write and to run through the reference, and still convertible at tp 1 and 2
-VISION_DIMS = dict(n_routed_experts=8, moe_intermediate_size=256)
 
 
 @pytest.fixture(scope="session")

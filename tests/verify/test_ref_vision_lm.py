@@ -15,7 +15,8 @@ from backfit.verify.ref_blocks import route
 from backfit.verify.reference import Reference
 from backfit.vision import (IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_PAD, IMAGE_START, prepare,
                             splice)
-from support import one_thread
+from backfit.synthetic import tiny_config_dict
+from support import VISION_DIMS, one_thread
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -25,8 +26,10 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def cfg(tiny_vision) -> ModelConfig:
-    return ModelConfig.from_file(tiny_vision / "config.json")
+def cfg() -> ModelConfig:
+    """tiny_vision's config, without writing the checkpoint (the tests that need weights ask
+    for tiny_vision)."""
+    return ModelConfig.from_dict(tiny_config_dict("vision", vocab_size=512, **VISION_DIMS))
 
 
 # ---- (d) router goldens ------------------------------------------------------------------------
@@ -242,3 +245,18 @@ def test_in_span_positions_see_later_image_rows(tiny_vision, prompt, monkeypatch
     diff = (h - base).flatten(1).norm(dim=1) / base.flatten(1).norm(dim=1)    # per position
     assert span.lead == 1 and (diff[:a] == 0).all()                           # text + lead pad
     assert (diff[a:b + 1] > 1e-4).all()                                       # the whole span
+
+
+def test_reference_pass_takes_image_prompts(tiny_vision, cfg):
+    """`backfit verify`'s reference pass on built-in image prompts (image_prompts.py): one logit
+    row per position, and the text before each image exactly as in a text-only forward of it."""
+    from backfit.verify.image_prompts import image_prompts
+    from backfit.verify.run import _reference_pass
+    seqs = image_prompts(tiny_vision / "tokenizer.json", cfg, n_images=2)
+    assert [len(s.images) for s in seqs] == [1, 1] and seqs[0].ids[0] == cfg.bos_token_id
+    out = _reference_pass(tiny_vision, seqs, torch.float32)
+    assert out["logits"].shape[0] == sum(len(s.ids) for s in seqs)
+    assert len(out["hidden"]) == cfg.num_hidden_layers
+    a = seqs[0].spans[0].start
+    text = Reference(tiny_vision).forward(seqs[0].ids[:a])["logits"]
+    assert torch.allclose(out["logits"][:a], text, rtol=0, atol=1e-5 * text.abs().max())
