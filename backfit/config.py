@@ -72,7 +72,8 @@ class VisionConfig:
             return None
         missing = [k for k in VISION_KEYS if k not in d]
         if missing:
-            raise ConfigError(f"{source}: vision_n_layers > 0 but missing key(s) {', '.join(missing)}")
+            raise ConfigError(f"{source}: vision_n_layers > 0 but missing key(s) "
+                              f"{', '.join(missing)}")
         v = cls(**{k.removeprefix("vision_"): d[k] for k in VISION_KEYS})
         if v.dim % v.n_heads or v.head_dim % 4:
             raise ConfigError(f"{source}: vision_dim / vision_n_heads must be a multiple of 4 "
@@ -80,7 +81,7 @@ class VisionConfig:
         if v.patch_size < 1 or v.downsample_ratio < 1 or v.max_wh_ratio < 1:
             raise ConfigError(f"{source}: vision_patch_size, vision_downsample_ratio and "
                               f"vision_max_wh_ratio must be positive")
-        if v.max_n_token < 16:           # the budget search needs max_n_token - 3 >= 8; 16 is plenty
+        if v.max_n_token < 16:           # the budget search needs max_n_token - 3 >= 8
             raise ConfigError(f"{source}: vision_max_n_token {v.max_n_token} is below 16")
         return v
 

@@ -193,7 +193,6 @@ class _Weights:
     def plain(self, name: str, info: TensorInfo) -> torch.Tensor:
         """Every non-quantized tensor, by name."""
         c, shape, leaf = self.c, info.shape, name.rsplit(".", 1)[-1]
-        H = c.hidden_size
         if name.endswith("tid2eid"):                          # distinct experts per token
             return torch.rand(shape[0], c.n_routed_experts, generator=self.g).argsort(1)[:, :shape[1]]
         if name == "embed.weight":

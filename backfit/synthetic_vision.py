@@ -32,7 +32,7 @@ TINY_VISION = dict(REAL_VISION, vision_n_layers=2, vision_dim=128, vision_n_head
 
 PATCH_GAIN = 2.0          # patches are ~0.5 RMS (pixels in [-1, 1]): the stream starts ~1 RMS
 BLOCK_OUT_GAIN = 0.15     # wo and w2: each block changes a trained-like share of the residual
-ALIGNER_OUT_GAIN = 3.0    # image rows at about the embedding rows' RMS (measured, docs/SYNTHETIC.md)
+ALIGNER_OUT_GAIN = 3.0    # image rows at ~1.25x the embedding rows' RMS (docs/SYNTHETIC.md)
 BIAS_STD = 0.02           # the Linear biases of tower and aligner
 ROUTER_BIAS = 0.12        # bias_vl: drawn like the text bias (synthetic.ROUTER_BIAS), independently
 

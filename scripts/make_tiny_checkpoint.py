@@ -1,6 +1,7 @@
 """Write a tiny DeepSeek-V4 checkpoint in the exact original on-disk format.
 
-    python scripts/make_tiny_checkpoint.py OUT_DIR [--variant flash|0731|vision] [--seed N] [--small-vocab]
+    python scripts/make_tiny_checkpoint.py OUT_DIR [--variant flash|0731|vision] [--seed N]
+                                           [--small-vocab]
 
 Same tensor names, dtypes, shape rules, shard layout, index and config keys as the real
 DeepSeek-V4-Flash (or -0731, or -Vision-Exp) repository; small dimensions (see

@@ -67,6 +67,6 @@ def tiny_flash_real_vocab(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_vision(tmp_path_factory) -> Path:
-    """Vision-Exp variant (0731 text architecture + ViT, aligner, sentinels, bias_vl), small vocab."""
+    """Vision-Exp variant (0731 text + ViT, aligner, sentinels, bias_vl), small vocab."""
     return write_checkpoint(tmp_path_factory.mktemp("tiny") / "vision", "vision", seed=0,
                             small_vocab=True, **VISION_DIMS)

@@ -124,10 +124,11 @@ def test_full_size_vision_inventory_matches_the_spec():
              else n.split(".")[0] if "." in n else "image_*")
         kinds[k] = kinds.get(k, 0) + 1
     assert kinds == {"vision": 259, "aligner": 4, "image_*": 4, "bias_vl": 46, "hash bias": 3}
-    params = sum(math.prod(t.shape) for n, t in extra.items() if not n.startswith(("layers", "mtp")))
-    assert params == 466_393_088
-    assert all(t.dtype == "BF16" for n, t in extra.items() if not n.startswith(("layers", "mtp")))
-    assert all(extra[n] == TensorInfo("F32", (256,)) for n in extra if n.startswith(("layers", "mtp")))
+    lm = [n for n in extra if n.startswith(("layers", "mtp"))]
+    tower = [n for n in extra if n not in lm]
+    assert sum(math.prod(extra[n].shape) for n in tower) == 466_393_088
+    assert all(extra[n].dtype == "BF16" for n in tower)
+    assert all(extra[n] == TensorInfo("F32", (256,)) for n in lm)
     assert {n.split(".ffn")[0] for n in extra if n.endswith("gate.bias")} == \
         {"layers.0", "layers.1", "layers.2"}
     # the fused layouts of section 3

@@ -84,8 +84,9 @@ def plan_conversion(entries: dict[str, TensorEntry], cfg: ModelConfig, tp: int,
     expected = expected_tensors(cfg)
     stray = None if cfg.vision else next((n for n in entries if is_vision_tensor(n)), None)
     if stray:                                # before the hash layers' bias says "unknown tensor"
-        raise ConvertError(f"{entries[stray].file}: {stray}: a Vision-Exp tensor, but config.json "
-                           f"has no vision_n_layers > 0 (a text-only config for a vision checkpoint?)")
+        raise ConvertError(f"{entries[stray].file}: {stray}: a Vision-Exp tensor, but "
+                           f"config.json has no vision_n_layers > 0 (a text-only config for a "
+                           f"vision checkpoint?)")
     for name, e in entries.items():
         exp = expected.get(name)
         if exp is None:

@@ -2,7 +2,8 @@
 lightning indexer, sparse attention with sink, grouped output projection.
 
 Full-sequence causal prefill; with images, the window branch of in-span positions also sees the
-whole image span (`window` bounds from ref_vision, dsv4-vision.md 11.2). Shapes: S = tokens, nh = heads, D = head_dim, R = RoPE dims (the
+whole image span (`window` bounds from ref_vision, dsv4-vision.md 11.2).
+Shapes: S = tokens, nh = heads, D = head_dim, R = RoPE dims (the
 LAST R of every head), T = compressed entries (S // ratio), nI/DI = indexer heads/head dim.
 """
 

@@ -7,7 +7,7 @@
                 GELU + Linear -> [gh * gw, H], rows row-major over the LM grid
     embed:      the LM input: text rows from embed.weight, image-block rows overwritten by the
                 sentinels and the aligner rows (in N-layout order, perm), before hc expansion
-    routing:    ImageRows.is_image (all five block types) -> bias_vl in every gate (ref_blocks.route)
+    routing:    ImageRows.is_image (all five block types) -> bias_vl in every gate (route)
     visibility: in-span positions [IMAGE_START, IMAGE_END] see the whole span in the window
                 branch (window_bounds); compressed entries and the indexer stay causal
 
@@ -143,7 +143,8 @@ def image_visibility(ids: torch.Tensor, vocab_size: int,
     ends = (ids == vocab_size + IMAGE_END).nonzero().flatten().tolist()
     if len(starts) != len(ends) or any(not a < b for a, b in zip(starts, ends)) or \
             any(not b < a for b, a in zip(ends, starts[1:])):
-        raise ValueError(f"image spans do not pair up: IMAGE_START at {starts}, IMAGE_END at {ends}")
+        raise ValueError(f"image spans do not pair up: IMAGE_START at {starts}, "
+                         f"IMAGE_END at {ends}")
     for a, b in zip(starts, ends):
         pos = torch.arange(a, b + 1, device=ids.device)
         left[a:b + 1] = (pos - a).clamp(max=max_tokens - 1)

@@ -131,7 +131,8 @@ def splice(segments: Sequence, vocab_size: int, start: int = 0,
             if max_n_token is not None and lead + len(block) > max_n_token:
                 raise ValueError(f"image {len(spans)}: block of {lead + len(block)} positions "
                                  f"exceeds vision_max_n_token {max_n_token}")
-            spans.append(ImageSpan(len(spans), pos, lead, lead + len(block), len(block.perm), seg.key))
+            spans.append(ImageSpan(len(spans), pos, lead, lead + len(block), len(block.perm),
+                                   seg.key))
             images.append(seg)
             ids += [vocab_size + IMAGE_PAD] * lead + [vocab_size + t for t in block.types]
             continue

@@ -31,7 +31,7 @@ def test_vision_tensors_pass_through_replicated(tiny_vision, converted):
     m, dst = converted
     src = SafetensorsDir(tiny_vision)
     vision = [n for n in src.entries if is_vision_tensor(n)]
-    assert len(vision) == 3 + 8 * 2 + 4 + 4 + 9                      # tower, aligner, image_*, bias_vl
+    assert len(vision) == 3 + 8 * 2 + 4 + 4 + 9           # tower, aligner, image_*, bias_vl
     headers = {}
     for name in vision + ["layers.1.ffn.gate.bias"]:
         t = m["tensors"][name]

@@ -130,7 +130,7 @@ def test_visibility_mask_two_images(two_images, cfg, window):
     M = _mask(ids, V, window, 384)
     assert torch.equal(M, _rule(ids, V, window, 384))
     a, b = two_images.spans[1].span_start, two_images.spans[1].span_end
-    assert M[a, b] and M[b, a] and not M[a - 1, a]        # in-span both ways; the pad before: causal
+    assert M[a, b] and M[b, a] and not M[a - 1, a]        # in-span both ways; the pad: causal
     assert M[b + 1].sum() == min(window, b + 2)           # text after the span: causal window
 
 
@@ -158,7 +158,8 @@ def test_sparse_attention_honours_the_bounds(two_images, cfg, monkeypatch):
     rows = ref_vision.image_rows(ids, cfg)
     S, nh, D = len(ids), 2, 16
     g = torch.Generator().manual_seed(0)
-    q, kv, sink = torch.randn(S, nh, D, generator=g), torch.randn(S, D, generator=g), torch.randn(nh)
+    q, kv = torch.randn(S, nh, D, generator=g), torch.randn(S, D, generator=g)
+    sink = torch.randn(nh, generator=g)
     out = ref_attention.sparse_attention(q, kv, None, None, sink, cfg.sliding_window, rows.window)
     k = torch.arange(S)
     M = (k[None] >= rows.window[0][:, None]) & (k[None] <= rows.window[1][:, None])
@@ -221,7 +222,8 @@ def test_image_rows_route_by_bias_vl_in_every_layer(tiny_vision, prompt, monkeyp
     span = prompt.spans[0]
     want = torch.zeros(len(prompt.ids), dtype=torch.bool)
     want[span.start:span.start + span.length] = True
-    assert [h for h, _ in got] == [ref.cfg.is_hash_layer(i) for i in range(ref.cfg.num_hidden_layers)]
+    layers = range(ref.cfg.num_hidden_layers)
+    assert [h for h, _ in got] == [ref.cfg.is_hash_layer(i) for i in layers]
     assert all(m is not None and torch.equal(m, want) for _, m in got)
 
 

@@ -37,7 +37,8 @@ TABLE = [
 ]
 
 
-@pytest.mark.parametrize("size,resized,vit,lm,length", TABLE, ids=[f"{s[0]}x{s[1]}" for s, *_ in TABLE])
+@pytest.mark.parametrize("size,resized,vit,lm,length", TABLE,
+                         ids=[f"{s[0]}x{s[1]}" for s, *_ in TABLE])
 def test_resize_table(size, resized, vit, lm, length):
     p = resize_plan(*size, VC)
     assert (p.width, p.height) == resized
