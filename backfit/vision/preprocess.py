@@ -7,6 +7,7 @@ size shrunk until the N-layout block fits `max_n_token - 3` positions (3 = the m
 a splice can add, block.py). Pixels are resized with Pillow's BICUBIC (+ antialias):
 letterboxed into the target with grey 127 (`ImageOps.pad`), or stretched when the original is
 at least `max_wh_ratio` times as wide as high. Ports that resample with torchvision or cv2 differ.
+EXIF orientation is not applied: the reference does not either (Image.open + convert("RGB")).
 
 The result keeps the resized uint8 pixels (3 B a pixel; 96 images of 0.6 Mpx are ~175 MB) and
 makes the float patches on demand.
