@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-__all__ = ["ModelConfig", "ConfigError"]
+__all__ = ["ModelConfig", "ConfigError", "VisionConfig", "VISION_KEYS"]
 
 
 class ConfigError(ValueError):
@@ -23,6 +23,67 @@ _REQUIRED = (
     "hc_mult", "hc_sinkhorn_iters", "hc_eps", "rms_norm_eps", "rope_theta", "compress_rope_theta",
     "rope_scaling", "routed_scaling_factor", "swiglu_limit", "scoring_func",
 )
+
+
+# the 10 `vision_*` keys of DeepSeek-V4-Flash-Vision-Exp (dsv4-vision.md section 2), in order
+VISION_KEYS = ("vision_n_layers", "vision_dim", "vision_n_heads", "vision_inter_dim",
+               "vision_patch_size", "vision_rope_theta", "vision_downsample_ratio",
+               "vision_max_n_token", "vision_min_pixels", "vision_max_wh_ratio")
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The ViT + aligner of a Vision-Exp checkpoint (field = config key without `vision_`).
+
+    norm_eps is not in config.json: the tower's RMSNorms hard-code 1e-6 whatever the LM's
+    rms_norm_eps (1e-20 in Vision-Exp), dsv4-vision.md section 1.
+    """
+
+    n_layers: int
+    dim: int
+    n_heads: int
+    inter_dim: int
+    patch_size: int
+    rope_theta: float
+    downsample_ratio: int
+    max_n_token: int
+    min_pixels: int
+    max_wh_ratio: int
+    norm_eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Flattened patch: 3 channels x patch x patch, channel-major (c, y, x)."""
+        return 3 * self.patch_size ** 2
+
+    @property
+    def aligner_dim(self) -> int:
+        """Aligner input: one ratio x ratio fold of ViT outputs, channel-major."""
+        return self.dim * self.downsample_ratio ** 2
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str) -> "VisionConfig | None":
+        """None when vision_n_layers is absent or 0 (a text-only model), else all 10 keys."""
+        if not d.get("vision_n_layers"):
+            return None
+        missing = [k for k in VISION_KEYS if k not in d]
+        if missing:
+            raise ConfigError(f"{source}: vision_n_layers > 0 but missing key(s) "
+                              f"{', '.join(missing)}")
+        v = cls(**{k.removeprefix("vision_"): d[k] for k in VISION_KEYS})
+        if v.dim % v.n_heads or v.head_dim % 4:
+            raise ConfigError(f"{source}: vision_dim / vision_n_heads must be a multiple of 4 "
+                              f"(2-D RoPE: half the head per axis, in pairs)")
+        if v.patch_size < 1 or v.downsample_ratio < 1 or v.max_wh_ratio < 1:
+            raise ConfigError(f"{source}: vision_patch_size, vision_downsample_ratio and "
+                              f"vision_max_wh_ratio must be positive")
+        if v.max_n_token < 16:           # the budget search needs max_n_token - 3 >= 8
+            raise ConfigError(f"{source}: vision_max_n_token {v.max_n_token} is below 16")
+        return v
 
 
 @dataclass(frozen=True)
@@ -64,13 +125,15 @@ class ModelConfig:
     dspark_noise_token_id: int | None = None
     dspark_target_layer_ids: tuple[int, ...] | None = None
     dspark_markov_rank: int | None = None
+    vision: VisionConfig | None = None       # None: text-only (vision_n_layers absent or 0)
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
         missing = [k for k in _REQUIRED if k not in d]
         if missing:
             raise ConfigError(f"{source}: missing key(s) {', '.join(missing)}")
-        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d and k != "vision"}
+        kw["vision"] = VisionConfig.from_dict(d, source)
         kw["compress_ratios"] = tuple(int(r) for r in d["compress_ratios"])
         if d.get("dspark_target_layer_ids") is not None:
             kw["dspark_target_layer_ids"] = tuple(d["dspark_target_layer_ids"])

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from backfit.inventory import VISION_PREFIXES
+
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "SCHEMES", "INT8_GROUP", "MX_GROUP",
            "MX_EXP_BIAS", "rank_dir", "load_manifest", "FormatError", "shard_dim_for"]
 
@@ -48,7 +50,10 @@ _SHARD_RULES = (
 
 def shard_dim_for(name: str) -> int | None:
     """Dimension along which tensor `name` is split across ranks; None = replicated."""
-    if name.startswith("mtp.") and ".markov_head." in name:
+    # The Vision-Exp tower, aligner and sentinels (dsv4-vision.md section 3) are replicated
+    # (0.93 GB BF16 per rank, docs/FORMAT.md); their `w1`/`w2` are plain Linears that the expert
+    # rules below must not split.
+    if name.startswith(VISION_PREFIXES) or (name.startswith("mtp.") and ".markov_head." in name):
         return None
     for suffixes, dim in _SHARD_RULES:
         if name in suffixes or name.endswith(tuple(s for s in suffixes if s.startswith("."))):

@@ -1,7 +1,9 @@
 """The expected tensor inventory (name -> dtype, shape) of an original DeepSeek-V4 checkpoint.
 
-Pure function of ModelConfig, following dsv4-model.md section 3. It is what the checkpoint
-generator writes and what the converter validates a source against. No torch.
+Pure function of ModelConfig, following dsv4-model.md section 3 (and dsv4-vision.md section 3 for
+a Vision-Exp config: the ViT, aligner and sentinel tensors, `ffn.gate.bias_vl` in every MoE gate,
+`ffn.gate.bias` on the hash layers too). It is what the checkpoint generator writes and what the
+converter validates a source against. No torch.
 """
 
 from __future__ import annotations
@@ -11,7 +13,11 @@ from dataclasses import dataclass
 
 from backfit.config import ModelConfig
 
-__all__ = ["TensorInfo", "expected_tensors", "DTYPE_BYTES", "shard_of", "shard_names"]
+__all__ = ["TensorInfo", "expected_tensors", "DTYPE_BYTES", "shard_of", "shard_names",
+           "VISION_PREFIXES", "is_vision_tensor"]
+
+# top-level names of the vision side (dsv4-vision.md section 3): no `model.` prefix
+VISION_PREFIXES = ("vision.", "aligner.", "image_")
 
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1,
                "I32": 4, "I64": 8}
@@ -75,8 +81,10 @@ def _layer(t: dict, c: ModelConfig, p: str, ratio: int, hashed: bool) -> None:
     add(f + ".gate.weight", (E, H), "BF16")
     if hashed:
         add(f + ".gate.tid2eid", (c.vocab_size, c.num_experts_per_tok), "I64")
-    else:
+    if not hashed or c.vision:            # Vision-Exp hash layers carry an (unused) bias too
         add(f + ".gate.bias", (E,), "F32")
+    if c.vision:                          # selection bias of image-block rows
+        add(f + ".gate.bias_vl", (E,), "F32")
     fp8(f + ".shared_experts.w1", I, H)
     fp8(f + ".shared_experts.w3", I, H)
     fp8(f + ".shared_experts.w2", H, I)
@@ -92,6 +100,40 @@ def _hc_head(t: dict, c: ModelConfig, p: str) -> None:
     t[p + "hc_head_scale"] = TensorInfo("F32", (1,))
 
 
+def _vision(t: dict, c: ModelConfig) -> None:
+    """ViT blocks, final norm, aligner and the four LM-space sentinels, all BF16."""
+    v, H = c.vision, c.hidden_size
+    D = v.dim
+
+    def bf16(name, *shape):
+        t[name] = TensorInfo("BF16", shape)
+
+    bf16("vision.patch_embed.proj.weight", D, v.patch_dim)
+    bf16("vision.patch_embed.proj.bias", D)
+    for b in range(v.n_layers):
+        p = f"vision.blocks.{b}."
+        bf16(p + "norm1.weight", D)
+        bf16(p + "attn.wqkv.weight", 3 * D, D)         # rows [q | k | v], heads contiguous
+        bf16(p + "attn.wqkv.bias", 3 * D)
+        bf16(p + "attn.wo.weight", D, D)
+        bf16(p + "attn.wo.bias", D)
+        bf16(p + "norm2.weight", D)
+        bf16(p + "mlp.w1.weight", 2 * v.inter_dim, D)  # rows [gate | up], no bias
+        bf16(p + "mlp.w2.weight", D, v.inter_dim)
+    bf16("vision.norm.weight", D)
+    bf16("aligner.w1.weight", H, v.aligner_dim)
+    bf16("aligner.w1.bias", H)
+    bf16("aligner.w2.weight", H, H)
+    bf16("aligner.w2.bias", H)
+    for s in ("image_start", "image_pad", "image_newline", "image_end"):
+        bf16(s, H)
+
+
+def is_vision_tensor(name: str) -> bool:
+    """True for the tensors a Vision-Exp checkpoint adds (tower, aligner, sentinels, bias_vl)."""
+    return name.startswith(VISION_PREFIXES) or name.endswith(".gate.bias_vl")
+
+
 def expected_tensors(c: ModelConfig) -> dict[str, TensorInfo]:
     """Every tensor of the original checkpoint, in on-disk shard order."""
     t: dict[str, TensorInfo] = {}
@@ -102,6 +144,8 @@ def expected_tensors(c: ModelConfig) -> dict[str, TensorInfo]:
     t["norm.weight"] = TensorInfo("BF16", (H,))
     t["head.weight"] = TensorInfo("BF16", (V, H))
     _hc_head(t, c, "")
+    if c.vision:                                          # in the tail shard (shard_of)
+        _vision(t, c)
     bf16 = lambda name, shape: t.__setitem__(name, TensorInfo("BF16", tuple(shape)))  # noqa: E731
 
     def fp8(name, o, i):
@@ -141,7 +185,7 @@ def shard_of(name: str, c: ModelConfig) -> int:
         return int(rest.split(".", 1)[0]) + 2
     if head == "mtp":
         return c.num_hidden_layers + 3 + int(rest.split(".", 1)[0])
-    return c.num_hidden_layers + 2                          # norm, head, hc_head_*
+    return c.num_hidden_layers + 2                 # norm, head, hc_head_*, vision, aligner, image_*
 
 
 def shard_names(c: ModelConfig) -> list[str]:

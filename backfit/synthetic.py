@@ -3,7 +3,9 @@
 Same tensor names, dtypes, shape rules, shard layout, index and config key set as the real
 Flash / Flash-0731 repos; small dimensions; every structural feature present (hash layers with
 tid2eid, window-only layers, CSA ratio-4 layers with a 16-head indexer, HCA layers with a small
-ratio, a small window, MTP or DSpark). Weights are drawn to look trained rather than uniform:
+ratio, a small window, MTP or DSpark; the `vision` variant adds the Vision-Exp tower, aligner,
+sentinels and `bias_vl` to the 0731 text architecture, backfit/synthetic_vision.py). Weights are
+drawn to look trained rather than uniform:
 Student-t tails, lognormal row/column scale spread, a few outlier rows (so FP8 tiles use many
 block exponents and INT8 re-quantization error is non-trivial), expert rows large enough that
 the SwiGLU clamp fires, a router bias that changes some selections, LM-head rows with a strong
@@ -25,8 +27,9 @@ import torch
 
 from backfit.checkpoint import ShardWriter
 from backfit.config import ModelConfig
-from backfit.inventory import TensorInfo, expected_tensors, shard_names, shard_of
+from backfit.inventory import TensorInfo, expected_tensors, is_vision_tensor, shard_names, shard_of
 from backfit.quant import e8m0_pow2_scale, encode_e2m1, encode_e4m3
+from backfit.synthetic_vision import draw_vision, vision_keys
 
 __all__ = ["TINY_DIMS", "tiny_config_dict", "write_checkpoint", "write_small_tokenizer"]
 
@@ -43,7 +46,13 @@ TINY_DIMS = dict(
 
 
 def tiny_config_dict(variant: str = "flash", vocab_size: int = 129280, **dims) -> dict:
-    """config.json with the real key set (same order as the published file), small values."""
+    """config.json with the real key set (same order as the published file), small values.
+
+    variant: flash | 0731 | vision (0731 + the Vision-Exp differences: 3 next-n layers,
+    rms_norm_eps 1e-20, the 10 `vision_*` keys; dims may override those too)."""
+    vision = {k: dims.pop(k) for k in list(dims) if k.startswith("vision_")}
+    if vision and variant != "vision":
+        raise ValueError(f"vision_* dims need variant 'vision', got {variant!r}")
     d = {**TINY_DIMS, **dims}
     ratios = list(d.pop("main_ratios"))
     n_mtp = 1 if variant == "flash" else 3
@@ -71,13 +80,15 @@ def tiny_config_dict(variant: str = "flash", vocab_size: int = 129280, **dims) -
         "use_cache": True, "vocab_size": vocab_size, "compress_rope_theta": 160000,
         "compress_ratios": ratios + [0] * n_mtp,
     }
-    if variant == "0731":
+    if variant in ("0731", "vision"):
         L = len(ratios)
         noise = 128799 if vocab_size == 129280 else vocab_size - 1     # a reserved placeholder id
         cfg.update(dspark_block_size=5, dspark_noise_token_id=noise,
                    dspark_target_layer_ids=[L - 3, L - 2, L - 1], dspark_markov_rank=32)
     elif variant != "flash":
-        raise ValueError(f"unknown variant {variant!r} (flash or 0731)")
+        raise ValueError(f"unknown variant {variant!r} (flash, 0731 or vision)")
+    if variant == "vision":                       # dsv4-vision.md section 1: the config diff
+        cfg.update(num_nextn_predict_layers=3, rms_norm_eps=1e-20, **vision_keys(**vision))
     return cfg
 
 
@@ -144,17 +155,26 @@ class _Weights:
         cols = torch.exp(0.25 * self.randn(1, k))
         return z * rows * cols * (gain / math.sqrt(k) / 1.29)   # 1.29 = std of t(5)
 
-    def linear(self, n: int, k: int, gain: float, outlier_rows: float = 0.02) -> torch.Tensor:
+    def linear(self, n: int, k: int, gain: float, outlier_rows: float = 0.02,
+               writes: bool = False) -> torch.Tensor:
         """A weight [n, k] aligned with the stream subspace S when it reads (k = H) or writes
-        (n = H) the stream; the output magnitude for a stream-like input is that of heavy()."""
+        (n = H, or `writes` for an [H, H] writer) the stream; the output magnitude for a
+        stream-like input is that of heavy()."""
         H, r = self.c.hidden_size, self.r
-        if k == H:                      # reader: rows in S; x in S gives |W x| like heavy()
+        if k == H and not writes:       # reader: rows in S; x in S gives |W x| like heavy()
             aligned = _matmul(self.heavy(n, r, gain, outlier_rows), self.S.T) * math.sqrt(r / k)
         elif n == H:                    # writer: columns in S, same output norm as heavy()
             aligned = _matmul(self.S, self.heavy(r, k, gain, outlier_rows)) * math.sqrt(n / r)
         else:                           # internal (wq_b, wo_a, ...): unstructured
             return self.heavy(n, k, gain, outlier_rows)
         return _blend(aligned, self.heavy(n, k, gain, outlier_rows))
+
+    def embedding(self, n: int) -> torch.Tensor:
+        """n embedding-like rows [n, H]: in S, EMBED_GAIN x a layer update (docs/SYNTHETIC.md)."""
+        H = self.c.hidden_size
+        rows = self.heavy(n, self.r, gain=EMBED_GAIN * math.sqrt(H), outlier_rows=0.0)
+        iso = self.heavy(n, H, gain=EMBED_GAIN * math.sqrt(H), outlier_rows=0.0)
+        return _blend(_matmul(rows, self.S.T), iso)
 
     def fp8(self, n: int, k: int, gain: float) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek FP8: per 128x128 tile, scale 2^ceil(log2(amax/448)) as UE8M0, e4m3 codes."""
@@ -178,13 +198,10 @@ class _Weights:
     def plain(self, name: str, info: TensorInfo) -> torch.Tensor:
         """Every non-quantized tensor, by name."""
         c, shape, leaf = self.c, info.shape, name.rsplit(".", 1)[-1]
-        H = c.hidden_size
         if name.endswith("tid2eid"):                          # distinct experts per token
             return torch.rand(shape[0], c.n_routed_experts, generator=self.g).argsort(1)[:, :shape[1]]
         if name == "embed.weight":
-            rows = self.heavy(shape[0], self.r, gain=EMBED_GAIN * math.sqrt(H), outlier_rows=0.0)
-            iso = self.heavy(*shape, gain=EMBED_GAIN * math.sqrt(H), outlier_rows=0.0)
-            return _blend(_matmul(rows, self.S.T), iso)
+            return self.embedding(shape[0])
         if name == "head.weight":
             return self._head(shape)
         if "norm" in name:                                    # RMSNorm gains around 1
@@ -255,7 +272,7 @@ def _tensor_source(w: _Weights, name: str, info: TensorInfo, pair: dict) -> torc
             q, s = w.fp8(n, k, gain)
         pair[sname if leaf == "weight" else wname] = s if leaf == "weight" else q
         return q if leaf == "weight" else s
-    out = w.plain(name, info)
+    out = draw_vision(w, name, info.shape) if is_vision_tensor(name) else w.plain(name, info)
     return out.to(torch.bfloat16) if info.dtype == "BF16" else out
 
 

@@ -1,9 +1,11 @@
 """Write a tiny DeepSeek-V4 checkpoint in the exact original on-disk format.
 
-    python scripts/make_tiny_checkpoint.py OUT_DIR [--variant flash|0731] [--seed N] [--small-vocab]
+    python scripts/make_tiny_checkpoint.py OUT_DIR [--variant flash|0731|vision] [--seed N]
+                                           [--small-vocab]
 
 Same tensor names, dtypes, shape rules, shard layout, index and config keys as the real
-DeepSeek-V4-Flash (or -0731) repository; small dimensions (see backfit/synthetic.py).
+DeepSeek-V4-Flash (or -0731, or -Vision-Exp) repository; small dimensions (see
+backfit/synthetic.py and backfit/synthetic_vision.py).
 """
 
 import argparse
@@ -19,7 +21,7 @@ from backfit.synthetic import write_checkpoint  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir")
-    ap.add_argument("--variant", choices=["flash", "0731"], default="flash")
+    ap.add_argument("--variant", choices=["flash", "0731", "vision"], default="flash")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small-vocab", action="store_true",
                     help="512-id byte-level tokenizer instead of the real 129,280-id one (faster)")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from backfit.synthetic import write_checkpoint
+from support import VISION_DIMS
 
 # `make test` runs two pytest-xdist workers on the 2-core CI box: one torch thread each (OpenMP
 # with two threads stalls 10-40x whenever another process holds a core, tests/support.py)
@@ -50,3 +51,11 @@ def tiny_converted(request, tmp_path_factory):
 def tiny_flash_real_vocab(tmp_path_factory) -> Path:
     """Flash variant with the real 129,280-id vocabulary and the real tokenizer."""
     return write_checkpoint(tmp_path_factory.mktemp("tiny") / "flash_v", "flash", seed=0)
+
+
+
+@pytest.fixture(scope="session")
+def tiny_vision(tmp_path_factory) -> Path:
+    """Vision-Exp variant (0731 text + ViT, aligner, sentinels, bias_vl), small vocab."""
+    return write_checkpoint(tmp_path_factory.mktemp("tiny") / "vision", "vision", seed=0,
+                            small_vocab=True, **VISION_DIMS)

@@ -18,7 +18,7 @@ LEAVES = ("backfit.config", "backfit.inventory", "backfit.checkpoint", "backfit.
 LEAF_FILES = tuple(m.split(".")[1] + ".py" for m in LEAVES)
 # the independent FP32 reference: sharing runtime code would let one bug hide in both sides
 REFERENCE_FILES = ("verify/reference.py", "verify/ref_attention.py", "verify/ref_blocks.py",
-                   "verify/ref_drafters.py", "verify/qat.py")
+                   "verify/ref_drafters.py", "verify/qat.py", "verify/ref_vision.py")
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,16 @@ TORCH_FREE = ("engine/sequence.py", "engine/block_manager.py", "engine/scheduler
               "engine/sampling_params.py", "engine/tokenizer.py")
 RULES = [
     Rule("leaves import only stdlib, torch, safetensors", LEAF_FILES, LEAVES),
-    Rule("synthetic builds checkpoints from the leaves", ("synthetic.py",), LEAVES),
+    Rule("synthetic builds checkpoints from the leaves", ("synthetic.py", "synthetic_vision.py"),
+         LEAVES + ("backfit.synthetic_vision",)),
     Rule("convert never imports runtime", ("convert/*",), LEAVES + ("backfit.convert",)),
-    Rule("verify consumes runtime", ("verify/*",), LEAVES + ("backfit.runtime", "backfit.verify")),
+    # image preprocessing sits upstream of runtime, engine and server: torch, Pillow, the leaves
+    Rule("vision preprocessing is a leaf package", ("vision/*",), LEAVES + ("backfit.vision",)),
+    Rule("verify consumes runtime", ("verify/*",),
+         LEAVES + ("backfit.runtime", "backfit.verify", "backfit.vision")),
     Rule("the reference is independent of runtime", REFERENCE_FILES,
-         LEAVES + tuple("backfit." + f[:-3].replace("/", ".") for f in REFERENCE_FILES)),
+         LEAVES + ("backfit.vision",)
+         + tuple("backfit." + f[:-3].replace("/", ".") for f in REFERENCE_FILES)),
     Rule("nothing imports cli, demo, server or verify from below", ("*",), must_not=TOP,
          except_files=("cli.py", "demo.py", "verify/*", "server/*")),
     Rule("server never imports cli, demo or verify", ("server/*",), must_not=TOP[:2] + TOP[3:]),

@@ -2,11 +2,12 @@
 
 import importlib.util
 import json
+import math
 
 import pytest
 
 from backfit.config import ModelConfig
-from backfit.inventory import expected_tensors, shard_names, shard_of
+from backfit.inventory import TensorInfo, expected_tensors, shard_names, shard_of
 
 from support import SHARED
 
@@ -91,3 +92,58 @@ def test_published_config_key_set_is_what_we_parse():
     cfg = ModelConfig.from_dict(raw)
     assert cfg.num_mtp_stages == 1 and [cfg.ratio(i) for i in range(4)] == [0, 0, 4, 128]
     assert cfg.is_hash_layer(2) and not cfg.is_hash_layer(3)
+
+
+def _vision_config():
+    """Vision-Exp = the 0731 config + the section 1 diff (3 next-n layers, eps 1e-20, vision_*)."""
+    from backfit.synthetic_vision import REAL_VISION
+    path = SHARED / "tools" / "configs" / "deepseek-v4-flash-0731.json"
+    if path.exists():
+        raw = json.loads(path.read_text())
+    else:
+        from backfit.synthetic import tiny_config_dict
+        raw = tiny_config_dict("0731", **FLASH_DIMS)
+        raw.update(dspark_target_layer_ids=[40, 41, 42], dspark_markov_rank=256)
+    raw.update(num_nextn_predict_layers=3, rms_norm_eps=1e-20, **REAL_VISION)
+    return ModelConfig.from_dict(raw)
+
+
+def test_full_size_vision_inventory_matches_the_spec():
+    """dsv4-vision.md section 3: 0731's 72,317 tensors + 316 = 72,633 in the same 48 shards;
+    167,811,372,792 bytes; the vision side by kind and its 466,393,088 parameters."""
+    cfg, plain = _vision_config(), _config("0731")
+    inv, base = expected_tensors(cfg), expected_tensors(plain)
+    assert cfg.vision.n_layers == 32 and cfg.rms_norm_eps == 1e-20 and cfg.variant == "0731"
+    assert len(inv) == 72_633 and len(shard_names(cfg)) == 48
+    assert sum(t.nbytes for t in inv.values()) == 167_811_372_792
+    extra = {n: t for n, t in inv.items() if n not in base}
+    assert set(base) <= set(inv) and all(inv[n] == base[n] for n in base)
+    kinds = {}
+    for n in extra:
+        k = ("bias_vl" if n.endswith("bias_vl") else "hash bias" if n.endswith("gate.bias")
+             else n.split(".")[0] if "." in n else "image_*")
+        kinds[k] = kinds.get(k, 0) + 1
+    assert kinds == {"vision": 259, "aligner": 4, "image_*": 4, "bias_vl": 46, "hash bias": 3}
+    lm = [n for n in extra if n.startswith(("layers", "mtp"))]
+    tower = [n for n in extra if n not in lm]
+    assert sum(math.prod(extra[n].shape) for n in tower) == 466_393_088
+    assert all(extra[n].dtype == "BF16" for n in tower)
+    assert all(extra[n] == TensorInfo("F32", (256,)) for n in lm)
+    assert {n.split(".ffn")[0] for n in extra if n.endswith("gate.bias")} == \
+        {"layers.0", "layers.1", "layers.2"}
+    # the fused layouts of section 3
+    assert inv["vision.blocks.31.attn.wqkv.weight"].shape == (3072, 1024)
+    assert inv["vision.blocks.0.mlp.w1.weight"].shape == (5632, 1024)
+    assert inv["vision.patch_embed.proj.weight"].shape == (1024, 588)
+    assert inv["aligner.w1.weight"].shape == (4096, 9216)
+
+
+def test_vision_keys_switch_on_vision_n_layers():
+    from backfit.config import ConfigError
+    from backfit.synthetic import tiny_config_dict
+    raw = tiny_config_dict("vision")
+    assert ModelConfig.from_dict(raw).vision.norm_eps == 1e-6       # the tower's own eps
+    assert ModelConfig.from_dict(dict(raw, vision_n_layers=0)).vision is None
+    del raw["vision_patch_size"]
+    with pytest.raises(ConfigError, match="missing key.*vision_patch_size"):
+        ModelConfig.from_dict(raw)

@@ -169,3 +169,48 @@ def test_forward_statistics_look_trained(tiny_flash):
     e = rms_norm(ref._embed(torch.tensor(ids)), top["norm.weight"], ref.cfg.rms_norm_eps)
     direct = e.float() @ ref.ckpt.read("head.weight").float().T
     assert (direct.argmax(-1) == logits.argmax(-1)).float().mean() < 0.8
+
+
+def test_vision_format(tiny_vision):
+    """dsv4-vision.md sections 1-3 on the tiny checkpoint: the 0731 layout underneath, the config
+    diff, every vision-side tensor with its real name and dtype, bias_vl in every MoE gate (DSpark
+    stages included), in the shards the index names."""
+    cfg, src = _check_format(tiny_vision)
+    raw = json.loads((tiny_vision / "config.json").read_text())
+    assert raw["architectures"] == ["DeepseekV4ForCausalLM"] and cfg.variant == "0731"
+    assert raw["num_nextn_predict_layers"] == 3 and raw["rms_norm_eps"] == 1e-20
+    assert list(raw)[-10:] == [k for k in raw if k.startswith("vision_")]     # the 10 keys, last
+    v = cfg.vision
+    assert (v.patch_size, v.downsample_ratio, v.max_n_token) == (14, 3, 384)
+    assert (v.min_pixels, v.max_wh_ratio, v.norm_eps) == (147456, 8, 1e-6)
+    e = src.entries
+    gates = [f"layers.{i}" for i in range(cfg.num_hidden_layers)] + \
+        [f"mtp.{k}" for k in range(cfg.num_mtp_stages)]
+    for p in gates:
+        assert (e[p + ".ffn.gate.bias_vl"].dtype, e[p + ".ffn.gate.bias_vl"].shape) == ("F32", (8,))
+        assert e[p + ".ffn.gate.bias"].dtype == "F32"                  # hash layers: unused bias
+    assert "layers.0.ffn.gate.tid2eid" in e
+    for s in ("image_start", "image_pad", "image_newline", "image_end"):
+        assert (e[s].dtype, e[s].shape) == ("BF16", (cfg.hidden_size,))
+    assert e["vision.patch_embed.proj.weight"].shape == (v.dim, 588)
+    assert e["aligner.w1.weight"].shape == (cfg.hidden_size, 9 * v.dim)
+    tower = [n for n in e if n.startswith(("vision.", "aligner."))]
+    assert len(tower) == 3 + 8 * v.n_layers + 4 and all(e[n].dtype == "BF16" for n in tower)
+    with safe_open(tiny_vision / e["image_pad"].file.name, framework="pt") as f:
+        assert f.get_tensor("image_pad").dtype == torch.bfloat16
+
+
+def test_vision_weights_look_trained(tiny_vision):
+    """The sentinels sit at the embedding rows' scale and in the stream subspace those rows span;
+    bias_vl is not the text bias (image rows route differently)."""
+    src = SafetensorsDir(tiny_vision)
+    emb = src.read("embed.weight").float()
+    rms = emb.square().mean(1).sqrt().median()
+    basis = torch.linalg.svd(emb, full_matrices=False).Vh[:32]        # the stream subspace S
+    for s in ("image_start", "image_pad", "image_newline", "image_end"):
+        x = src.read(s).float()
+        assert 0.3 < x.square().mean().sqrt() / rms < 3, s
+        assert (basis @ x).norm() / x.norm() > 0.9, s                 # ISOTROPIC 0.1 outside S
+    for i in range(3, 6):
+        assert not torch.equal(src.read(f"layers.{i}.ffn.gate.bias_vl"),
+                               src.read(f"layers.{i}.ffn.gate.bias"))

@@ -7,6 +7,7 @@ With the converter's checks (transforms.py) it cannot occur in a completed conve
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import sys
@@ -48,7 +49,8 @@ def finalize(partial: Path, src: Path, cfg: ModelConfig, actions: list[Action],
         "schemes": {"linears": options["linears"], "experts": options["experts"],
                     "meaning": SCHEMES},
         "model": {"variant": cfg.variant, "num_hidden_layers": cfg.num_hidden_layers,
-                  "num_mtp_stages": cfg.num_mtp_stages},
+                  "num_mtp_stages": cfg.num_mtp_stages,
+                  "vision": dataclasses.asdict(cfg.vision) if cfg.vision else None},
         "source": {"files": {f: j["source"] for f, j in sorted(journals.items())}},
         "ranks": [{"dir": rank_dir(".", r).name,
                    "bytes": sum(j["bytes_out"][r] for j in journals.values())} for r in range(tp)],

@@ -12,7 +12,7 @@ from pathlib import Path
 from backfit.checkpoint import TensorEntry
 from backfit.config import ModelConfig
 from backfit.formats import INT8_GROUP, MX_GROUP, shard_dim_for
-from backfit.inventory import expected_tensors
+from backfit.inventory import expected_tensors, is_vision_tensor
 
 __all__ = ["Output", "Action", "plan_conversion", "ConvertError", "EXPERT_KINDS"]
 
@@ -82,6 +82,11 @@ def plan_conversion(entries: dict[str, TensorEntry], cfg: ModelConfig, tp: int,
     if experts not in EXPERT_KINDS:
         raise ConvertError(f"--experts {experts!r}: choose one of {', '.join(EXPERT_KINDS)}")
     expected = expected_tensors(cfg)
+    stray = None if cfg.vision else next((n for n in entries if is_vision_tensor(n)), None)
+    if stray:                                # before the hash layers' bias says "unknown tensor"
+        raise ConvertError(f"{entries[stray].file}: {stray}: a Vision-Exp tensor, but "
+                           f"config.json has no vision_n_layers > 0 (a text-only config for a "
+                           f"vision checkpoint?)")
     for name, e in entries.items():
         exp = expected.get(name)
         if exp is None:

@@ -1,8 +1,10 @@
 """Reference attention (dsv4-model.md section 5.4): q/kv paths, RoPE (+YaRN), compressors,
 lightning indexer, sparse attention with sink, grouped output projection.
 
-`attention` is the main tower's full-sequence causal prefill; `context_attention` is the drafters'
-(new rows over given KV rows, an explicit mask); both share q_path / kv_path / attend / out_path.
+`attention` is the main tower's full-sequence causal prefill (with images, the window branch of
+in-span positions also sees the whole image span: `window` bounds from ref_vision, dsv4-vision.md
+11.2); `context_attention` is the drafters' (new rows over given KV rows, an explicit mask); both
+share q_path / kv_path / attend / out_path.
 Shapes: S = tokens, nh = heads, D = head_dim, R = RoPE dims (the
 LAST R of every head), T = compressed entries (S // ratio), nI/DI = indexer heads/head dim.
 """
@@ -177,21 +179,31 @@ def attend(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor,
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor | None,
-                     comp_ok, sink: torch.Tensor, window: int) -> torch.Tensor:
+                     comp_ok, sink: torch.Tensor, window: int,
+                     bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One softmax over window KV and compressed entries, with a per-head sink in the denominator.
 
     q [S, nh, D]; kv [S, D] (window KV, K = V); comp [T, D] or None; comp_ok(p0, p1) -> bool
-    [p1 - p0, T] = which compressed entries each query may use. Returns [S, nh, D] float32.
+    [p1 - p0, T] = which compressed entries each query may use. bounds: None for the causal
+    window of `window` keys, else (first, last) [S] long: the window keys of each query, both
+    inclusive (image prompts, ref_vision.window_bounds). Returns [S, nh, D] float32.
     """
     S, nh, D = q.shape
     out = torch.empty(S, nh, D, dtype=torch.float32, device=q.device)
     for p0 in range(0, S, QUERY_CHUNK):
         p1 = min(S, p0 + QUERY_CHUNK)
-        lo = max(0, p0 - window + 1)
-        keys = kv[lo:p1]                                                 # [L, D]
         pq = torch.arange(p0, p1, device=q.device)[:, None]
-        pk = torch.arange(lo, p1, device=q.device)[None, :]
-        ok = (pk <= pq) & (pk > pq - window)                             # window incl. itself
+        if bounds is None:
+            lo, hi = max(0, p0 - window + 1), p1
+        else:
+            first, last = bounds[0][p0:p1, None], bounds[1][p0:p1, None]
+            lo, hi = int(first.min()), int(last.max()) + 1
+        keys = kv[lo:hi].float()                                         # [L, D]
+        pk = torch.arange(lo, hi, device=q.device)[None, :]
+        if bounds is None:
+            ok = (pk <= pq) & (pk > pq - window)                         # window incl. itself
+        else:
+            ok = (pk >= first) & (pk <= last)
         if comp is not None and comp.shape[0]:
             keys = torch.cat([keys.float(), comp.float()], dim=0)        # [L + T, D]
             ok = torch.cat([ok, comp_ok(p0, p1)], dim=1)
@@ -233,8 +245,12 @@ def out_path(o: torch.Tensor, P, cfg: ModelConfig, cos: torch.Tensor, sin: torch
     return nx.lin(z.flatten(1), P["attn.wo_b.weight"])
 
 
-def attention(x: torch.Tensor, P, cfg: ModelConfig, ratio: int, nx: Numerics) -> torch.Tensor:
-    """x [S, H] (after attn_norm) -> attention output [S, H] in nx.act, for a layer of `ratio`."""
+def attention(x: torch.Tensor, P, cfg: ModelConfig, ratio: int, nx: Numerics,
+              window: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [S, H] (after attn_norm) -> attention output [S, H] in nx.act, for a layer of `ratio`.
+
+    window: per-query window key bounds for an image prompt (sparse_attention's `bounds`); the
+    compressed entries and the indexer stay causal whatever it says."""
     S, D = x.shape[0], cfg.head_dim
     pos = torch.arange(S, device=x.device)
     freqs = rope_freqs(cfg, ratio)                                       # one table per layer
@@ -258,7 +274,7 @@ def attention(x: torch.Tensor, P, cfg: ModelConfig, ratio: int, nx: Numerics) ->
             def comp_ok(p0, p1):                                         # entry j < (p + 1) // m
                 p = torch.arange(p0, p1, device=x.device)[:, None]
                 return torch.arange(T, device=x.device)[None, :] < (p + 1) // ratio
-    o = sparse_attention(q, kv, comp, comp_ok, P["attn.attn_sink"], cfg.sliding_window)
+    o = sparse_attention(q, kv, comp, comp_ok, P["attn.attn_sink"], cfg.sliding_window, window)
     return out_path(o, P, cfg, cos, sin, nx)
 
 

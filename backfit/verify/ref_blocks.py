@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from backfit.config import ModelConfig
 from backfit.verify.qat import act_quant
 
-__all__ = ["MoEStats", "Numerics", "hc_head", "hc_post", "hc_pre", "moe", "rms_norm", "sinkhorn"]
+__all__ = ["MoEStats", "Numerics", "hc_head", "hc_post", "hc_pre", "moe", "rms_norm", "route",
+           "sinkhorn"]
 
 
 @dataclass(frozen=True)
@@ -132,26 +133,49 @@ def _swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tenso
     return nx.lin(h.to(nx.act), w2)
 
 
-def moe(x: torch.Tensor, tokens: torch.Tensor, P, cfg: ModelConfig, hashed: bool,
-        nx: Numerics, stats: MoEStats | None = None) -> torch.Tensor:
-    """x [S, H] (after ffn_norm) -> routed + shared expert output [S, H] in nx.act.
+def route(x: torch.Tensor, tokens: torch.Tensor, P, cfg: ModelConfig, hashed: bool,
+          stats: MoEStats | None = None,
+          is_image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: x [S, H] -> (experts [S, k] long, weights [S, k] float32).
 
-    P: the layer's parameter source (P[name] -> float32 tensor, P.expert(e) -> (w1, w3, w2)).
+    is_image [S] bool (a Vision-Exp prompt: every image-block position, dsv4-vision.md 11.1):
+    those rows select top-k of s + bias_vl, in the hash layers too (their tid2eid row and the
+    hash layers' own bias are not used); text rows route as without images. The bias never
+    enters the weights.
     """
-    k, limit = cfg.num_experts_per_tok, cfg.swiglu_limit
+    k = cfg.num_experts_per_tok
     logits = F.linear(x.float(), P["ffn.gate.weight"].float())          # [S, E], router in FP32
     s = torch.sqrt(F.softplus(logits))                                   # sqrtsoftplus scores
     if hashed:                                                           # fixed token -> experts
-        idx = P["ffn.gate.tid2eid"][tokens].long()                       # [S, k]
+        ids = tokens if is_image is None else torch.where(is_image, 0, tokens)
+        idx = P["ffn.gate.tid2eid"][ids].long()                          # [S, k]
+        if is_image is not None:
+            vl = torch.topk(s + P["ffn.gate.bias_vl"].float(), k, dim=-1).indices
+            idx = torch.where(is_image[:, None], vl, idx)
     else:                                                                # bias for selection only
-        idx = torch.topk(s + P["ffn.gate.bias"].float(), k, dim=-1).indices
+        bias = P["ffn.gate.bias"].float()
+        if is_image is not None:
+            bias = torch.where(is_image[:, None], P["ffn.gate.bias_vl"].float(), bias)
+        idx = torch.topk(s + bias, k, dim=-1).indices
         if stats is not None:
             plain = torch.topk(s, k, dim=-1).indices
             kept = (plain.unsqueeze(-1) == idx.unsqueeze(-2)).any(-1).sum(-1)   # [S] in both
             stats.add("bias_changed_selection", (kept < k).sum(), kept.numel())
             stats.add("bias_swapped_experts", (k - kept).sum(), kept.numel() * k)
     w = s.gather(1, idx)
-    w = w / w.sum(dim=-1, keepdim=True) * cfg.routed_scaling_factor     # [S, k]
+    return idx, w / w.sum(dim=-1, keepdim=True) * cfg.routed_scaling_factor
+
+
+def moe(x: torch.Tensor, tokens: torch.Tensor, P, cfg: ModelConfig, hashed: bool,
+        nx: Numerics, stats: MoEStats | None = None,
+        is_image: torch.Tensor | None = None) -> torch.Tensor:
+    """x [S, H] (after ffn_norm) -> routed + shared expert output [S, H] in nx.act.
+
+    P: the layer's parameter source (P[name] -> float32 tensor, P.expert(e) -> (w1, w3, w2));
+    is_image: see route().
+    """
+    limit = cfg.swiglu_limit
+    idx, w = route(x, tokens, P, cfg, hashed, stats, is_image)          # [S, k] each
 
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)      # FP32 accumulator
     for e in torch.unique(idx).tolist():                   # one expert dequantized at a time

@@ -9,6 +9,8 @@ drafter blocks' non-expert weights, kept for the next draft).
     ref = Reference(ckpt_dir)                      # float32, no fake quant: the exact semantics
     out = ref.forward(tokens, capture=True)        # logits [S, V]; hidden (per layer); final
     mtp = ref.mtp_logits(tokens)                   # Flash mtp.0: row t predicts token t + 2
+    p = splice([ids_a, prepare(png_bytes, ref.cfg.vision), ids_b], ref.cfg.vocab_size)
+    out = ref.forward(p.ids, images=p.images)      # Vision-Exp image prompt (backfit.vision)
 
 dtype=torch.bfloat16 rounds activations where DeepSeek's reference stores BF16 (router, mHC,
 compressor pooling, norms and the head stay FP32); qat=True adds the section 4.5 fake-quant points.
@@ -74,6 +76,7 @@ from backfit.verify.ref_drafters import (
     mtp_input,
     window_attention,
 )
+from backfit.verify.ref_vision import ImageRows, embed_with_images
 
 __all__ = ["DSparkDraft", "LayerParams", "MTPDraft", "Prefix", "Reference", "decoder_layer"]
 
@@ -120,19 +123,22 @@ class LayerParams:
 
 def decoder_layer(X: torch.Tensor, tokens: torch.Tensor, P: LayerParams, cfg: ModelConfig,
                   ratio: int, hashed: bool, nx: Numerics,
-                  stats: MoEStats | None = None, attn=None) -> torch.Tensor:
+                  stats: MoEStats | None = None, attn=None,
+                  image: ImageRows | None = None) -> torch.Tensor:
     """One block (section 5.3) over the whole sequence: X [S, N, H] -> X' [S, N, H].
 
-    attn(x [S, H] after attn_norm) -> [S, H] replaces the causal prefill attention (drafters)."""
+    attn(x [S, H] after attn_norm) -> [S, H] replaces the causal prefill attention (drafters);
+    image: an image prompt's bias_vl rows and window bounds (ref_vision.py)."""
     eps = cfg.rms_norm_eps
     if attn is None:
         def attn(x):
-            return attention(x, P, cfg, ratio, nx)
+            return attention(x, P, cfg, ratio, nx, image.window if image else None)
     u, post, M = hc_pre(X, P["hc_attn_fn"], P["hc_attn_base"], P["hc_attn_scale"], cfg)
     a = attn(rms_norm(u, P["attn_norm.weight"], eps))
     X = hc_post(a, X, post, M)
     u, post, M = hc_pre(X, P["hc_ffn_fn"], P["hc_ffn_base"], P["hc_ffn_scale"], cfg)
-    f = moe(rms_norm(u, P["ffn_norm.weight"], eps), tokens, P, cfg, hashed, nx, stats)
+    f = moe(rms_norm(u, P["ffn_norm.weight"], eps), tokens, P, cfg, hashed, nx, stats,
+            image.is_image if image else None)
     return hc_post(f, X, post, M)
 
 
@@ -185,27 +191,35 @@ class Reference:
         h = rms_norm(h, norm_w, self.cfg.rms_norm_eps)
         return h, self._logits(h)
 
-    def _tokens(self, tokens) -> torch.Tensor:
+    def _tokens(self, tokens, images: bool = False) -> torch.Tensor:
+        """ids [S]; with images, ids vocab_size + type (backfit.vision) mark image blocks."""
         t = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(-1)
         if t.numel() == 0:
             raise ValueError("empty token sequence")
-        if int(t.max()) >= self.cfg.vocab_size or int(t.min()) < 0:
-            raise ValueError(f"token id out of range [0, {self.cfg.vocab_size})")
+        top = self.cfg.vocab_size + (5 if images else 0)
+        if int(t.max()) >= top or int(t.min()) < 0:
+            raise ValueError(f"token id out of range [0, {top})")
         return t
 
     # ---- main tower -------------------------------------------------------------------------
     @torch.no_grad()
     def tower(self, tokens: torch.Tensor, capture: bool = False,
-              taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, list, list]:
+              taps: tuple[int, ...] = (), images=None) -> tuple[torch.Tensor, list, list]:
         """tokens [S] -> (pre-hc_head streams X [S, N, H], per-layer X list if capture,
-        [mean over the streams of X after layer i, for i in taps] ([S, H] each))."""
-        cfg = self.cfg
-        X = self._embed(tokens).unsqueeze(1).repeat(1, cfg.hc_mult, 1)   # [S, N, H], plain copies
+        [mean over the streams of X after layer i, for i in taps] ([S, H] each)).
+        images: the PreparedImages of an image prompt, in order (ref_vision.py)."""
+        cfg, rows = self.cfg, None
+        if images:
+            e, rows = embed_with_images(self._embed, tokens, images, self.params, cfg, self.nx,
+                                        self.device)
+        else:
+            e = self._embed(tokens)
+        X = e.unsqueeze(1).repeat(1, cfg.hc_mult, 1)                    # [S, N, H], plain copies
         hidden, tapped = [], {}
         for layer in range(cfg.num_hidden_layers):
             P = self.params(f"layers.{layer}.")                           # built, used, dropped
             X = decoder_layer(X, tokens, P, cfg, cfg.ratio(layer), cfg.is_hash_layer(layer),
-                              self.nx, self.stats)
+                              self.nx, self.stats, image=rows)
             del P
             if capture:
                 hidden.append(X.clone())
@@ -214,10 +228,15 @@ class Reference:
         return X, hidden, [tapped[i] for i in taps]
 
     @torch.no_grad()
-    def forward(self, tokens, capture: bool = False) -> dict:
-        """tokens LongTensor [S] -> {'logits' [S, V] float32; with capture: 'hidden', 'final'}."""
-        tokens = self._tokens(tokens)
-        X, hidden, _ = self.tower(tokens, capture)
+    def forward(self, tokens, capture: bool = False, images=None) -> dict:
+        """tokens LongTensor [S] -> {'logits' [S, V] float32; with capture: 'hidden', 'final'}.
+
+        images: for a Vision-Exp checkpoint, the PreparedImages of a prompt spliced by
+        backfit.vision.splice (its .ids as tokens, its .images here)."""
+        if images and self.cfg.vision is None:
+            raise ValueError(f"{self.dir}: images given, but config.json has no vision tower")
+        tokens = self._tokens(tokens, bool(images))
+        X, hidden, _ = self.tower(tokens, capture, images=images)
         top = self.params("")
         final, logits = self._head(X, top, top["norm.weight"])
         out = {"logits": logits}

@@ -114,12 +114,13 @@ def _runtime_pass(converted: str, seqs: list[list[int]], dtype: str, device: str
     return {"logits": torch.cat(logits), "hidden": [torch.cat(c) for c in captured]}
 
 
-def _reference_pass(original: Path, seqs: list[list[int]], dtype: torch.dtype,
-                    device: str = "cpu") -> dict:
-    """The reference's logits and per-layer hidden states of seqs, returned on the CPU."""
+def _reference_pass(original: Path, seqs: list, dtype: torch.dtype, device: str = "cpu") -> dict:
+    """The reference's logits and per-layer hidden states of seqs, returned on the CPU. A seq is
+    a list of ids, or a backfit.vision.VisionPrompt (image_prompts.py) on a Vision-Exp model."""
     from backfit.verify.reference import Reference
     ref = Reference(original, dtype=dtype, device=device)
-    outs = [ref.forward(torch.tensor(s, device=device), capture=True) for s in seqs]
+    outs = [ref.forward(torch.tensor(getattr(s, "ids", s), device=device), capture=True,
+                        images=getattr(s, "images", None)) for s in seqs]
     return {"logits": torch.cat([o["logits"].float().cpu() for o in outs]),
             "hidden": [torch.cat([o["hidden"][i].float().cpu() for o in outs])
                        for i in range(len(outs[0]["hidden"]))]}
