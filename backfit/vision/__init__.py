@@ -34,10 +34,10 @@ The independent FP32 reference of the same path is backfit/verify/ref_vision.py.
 """
 
 from backfit.vision.block import (IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_PAD, IMAGE_START,
-                                  ImageBlock, ImageCountError, ImageSpan, VisionPrompt,
-                                  check_counts, image_block, lead_pad, splice)
+                                  ImageBlock, image_block, lead_pad)
 from backfit.vision.cache import ImageCache
 from backfit.vision.preprocess import ImageError, Plan, PreparedImage, prepare, resize_plan
+from backfit.vision.prompt import ImageCountError, ImageSpan, VisionPrompt, check_counts, splice
 
 __all__ = ["IMAGE", "IMAGE_END", "IMAGE_NEW_LINE", "IMAGE_PAD", "IMAGE_START", "ImageBlock",
            "ImageCache", "ImageCountError", "ImageError", "ImageSpan", "Plan", "PreparedImage",

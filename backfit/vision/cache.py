@@ -1,7 +1,7 @@
 """A bounded LRU of PreparedImages by content key (preprocess.content_key).
 
 What it holds is position-free: resized pixels, grids and the pad-free block. The leading pad
-depends on where an image lands in a prompt and is added by block.splice every time, so a hit
+depends on where an image lands in a prompt and is added by prompt.splice every time, so a hit
 at another start residue is always right (dsv4-vision.md section 13, B1: vLLM cached blocks with
 their pad, keyed by bytes only, and a shifted image brought 124 embeddings to 125 slots).
 """
