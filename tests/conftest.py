@@ -30,15 +30,16 @@ def tiny_0731(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_converted(request, tmp_path_factory):
-    """tiny_converted(tp, kind="int8" | "bf16" | "mx4", variant="flash" | "0731") -> that tiny
-    checkpoint converted with --linears/--experts kind (mx4: --linears int8 --experts mx4),
+    """tiny_converted(tp, kind="int8" | "bf16" | "mx4", variant="flash" | "0731" | "vision") ->
+    that tiny checkpoint converted with --linears/--experts kind (mx4: --linears int8
+    --experts mx4),
     built once per (tp, kind, variant) and shared by every test: read-only (copy to corrupt)."""
     from backfit.convert.run import convert
     built: dict[tuple[int, str, str], Path] = {}
 
     def get(tp: int, kind: str = "int8", variant: str = "flash") -> Path:
         if (tp, kind, variant) not in built:
-            src = request.getfixturevalue("tiny_flash" if variant == "flash" else "tiny_0731")
+            src = request.getfixturevalue(f"tiny_{variant}")
             dst = tmp_path_factory.mktemp("conv") / f"{variant}_{kind}_tp{tp}"
             convert(src, dst, tp=tp, linears="int8" if kind == "mx4" else kind,
                     experts=kind, progress=False)

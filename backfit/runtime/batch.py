@@ -8,6 +8,9 @@ step is a batch with one token per sequence.
 With the engine's paged cache (runtime/cache/paged.py) each sequence also carries its slot (the
 fixed-size state: window ring, compressor rows) and its block table (block i holds the
 compressed entries of positions i*block_size ...); the plain DecodeState ignores both.
+
+A batch with Vision-Exp images carries BatchImages (built by runtime/images.py): the LM-input
+rows of its image-block positions and, per token, the in-image span its window also sees.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-__all__ = ["ForwardBatch", "SeqSlice", "to_device", "fill_placeholders_"]
+__all__ = ["BatchImages", "ForwardBatch", "SeqSlice", "to_device", "fill_placeholders_"]
 
 
 def to_device(data, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
@@ -60,6 +63,20 @@ class SeqSlice:
 
 
 @dataclass(frozen=True)
+class BatchImages:
+    """The image blocks inside a batch (every block whole in its sequence's chunk).
+
+    rows / at: the embedding rows of the image-block positions (sentinels and aligner rows,
+    dsv4-vision.md section 10) and their rows in the batch. span_lo / span_hi: per token, the
+    window keys it sees beyond the causal window (section 11.2): for a position inside a span
+    IMAGE_START a .. IMAGE_END b, (a, b); for every other token its own position twice."""
+    rows: torch.Tensor            # [n, d] activation dtype
+    at: torch.Tensor              # [n] int64
+    span_lo: torch.Tensor         # [T] int32 absolute positions
+    span_hi: torch.Tensor         # [T] int32
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     tokens: torch.Tensor          # [T] int64, sequences concatenated
     positions: torch.Tensor       # [T] int64 absolute positions
@@ -68,6 +85,7 @@ class ForwardBatch:
     starts: tuple[int, ...]       # tokens already cached per sequence = position of its first token
     slots: tuple[int, ...] | None = None                     # paged cache: slot per sequence
     block_tables: tuple[tuple[int, ...], ...] | None = None  # paged cache: block ids per sequence
+    images: BatchImages | None = None                        # Vision-Exp image blocks
 
     def __post_init__(self):
         T = int(self.tokens.shape[0])
@@ -87,8 +105,10 @@ class ForwardBatch:
     @classmethod
     def build(cls, seqs: Sequence[tuple[int, Sequence[int] | torch.Tensor, int]],
               device: str | torch.device = "cpu", slots: Sequence[int] | None = None,
-              block_tables: Sequence[Sequence[int]] | None = None) -> "ForwardBatch":
-        """From [(seq_id, new token ids, start position), ...] (+ paged-cache slots/tables)."""
+              block_tables: Sequence[Sequence[int]] | None = None,
+              images: BatchImages | None = None) -> "ForwardBatch":
+        """From [(seq_id, new token ids, start position), ...] (+ paged-cache slots/tables,
+        image blocks)."""
         toks, pos = [], []
         for _, t, start in seqs:
             t = torch.as_tensor(t, dtype=torch.int64).reshape(-1)
@@ -100,7 +120,7 @@ class ForwardBatch:
                    tuple(int(s[2]) for s in seqs),
                    None if slots is None else tuple(int(x) for x in slots),
                    None if block_tables is None else tuple(tuple(int(b) for b in t)
-                                                           for t in block_tables))
+                                                           for t in block_tables), images)
 
     @classmethod
     def single(cls, tokens: Sequence[int] | torch.Tensor, start: int = 0, seq_id: int = 0,

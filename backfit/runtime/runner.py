@@ -81,6 +81,8 @@ class StepSeq:
     #                                          token, x_c) and verify them: every row sampled
     next_token: int = -1                     # the token after the chunk, when known (drafter)
     temperature: float = 0.0                 # draft draws (0: greedy drafts)
+    images: tuple = ()                       # Vision-Exp: (ImageSpan, PreparedImage) of every
+    #                                          image block inside this chunk (whole)
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,10 @@ class ModelRunner:
             self.drafting = Drafting(self.model, self.cache, self.num_slots,
                                      rc.num_speculative_tokens)
         self.timings["pools_s"] = time.perf_counter() - t
+        self.image_cache = None                         # Vision-Exp: aligner rows by image key
+        if self.cfg.vision is not None:
+            from backfit.runtime.images import EmbeddingCache
+            self.image_cache = EmbeddingCache(self.model)
         self.graphs = self.prefill_graphs = None
         self._sampled_rows = 0                          # of the last step (its ids: `prev`)
         if self.use_graphs:
@@ -289,7 +295,8 @@ class ModelRunner:
                     -1 - r - j for j in range(s.draft))))
                 r += k if s.draft else 0
             seqs = expanded
-        graphs = self.drafting is None            # the drafter reads every forward's rows
+        images = self._images(seqs)               # image steps run eagerly
+        graphs = self.drafting is None and images is None   # (the drafter reads every row)
         if graphs and self.graphs is not None and all(
                 len(s.tokens) == 1 and s.sample and not s.all_logits for s in seqs):
             logits = self.graphs.run([(s.tokens[0], s.start, s.slot, s.block_table) for s in seqs],
@@ -305,7 +312,7 @@ class ModelRunner:
         if X is None:                                             # eager
             batch = ForwardBatch.build([(s.seq_id, list(s.tokens), s.start) for s in seqs],
                                        self.device, [s.slot for s in seqs],
-                                       [s.block_table for s in seqs])
+                                       [s.block_table for s in seqs], images)
             if holes:
                 fill_placeholders_(batch.tokens, prev)
             X = self.model.hidden(batch, self.cache)              # [T, hc, d]
@@ -331,3 +338,14 @@ class ModelRunner:
         for src, dst in step.saves:
             self.cache.copy_slot(src, dst)
         return out
+
+    def _images(self, seqs):
+        """The step's image blocks as BatchImages (runtime/images.py: the tower for images not
+        seen yet, the count check of every sequence), or None without images."""
+        if self.image_cache is None:
+            if any(s.images for s in seqs):
+                raise ValueError("this checkpoint has no vision tower; the step has images")
+            return None
+        from backfit.runtime.images import batch_images
+        return batch_images(self.model, self.image_cache,
+                            [(s.tokens, s.start, s.images) for s in seqs])

@@ -13,7 +13,8 @@ from backfit.runtime.distributed import TPInfo
 from backfit.runtime.layers import Linear, Rotary, yarn_inv_freq
 
 RUNTIME = Path(__file__).resolve().parents[2] / "backfit" / "runtime"
-ALLOWED = {"backfit.config", "backfit.formats", "backfit.checkpoint", "backfit.quant"}
+ALLOWED = {"backfit.config", "backfit.formats", "backfit.checkpoint", "backfit.quant",
+           "backfit.vision"}          # image preprocessing: upstream of the runtime
 
 
 def _sources():

@@ -5,7 +5,8 @@ sync: the MoE block's (runtime/model/moe.py on the triton backend) and the embed
                       h = silu(min(g, L)) · clamp(u, ±L) [T, I] in gu.dtype (FP32 math; the
                       shared expert: no routing weight)
   route(logits, ...)  the router after its FP32 projection: s = sqrt(softplus(logits)), experts
-                      = top-k of s + bias (or tid2eid[token] on hash layers), weights
+                      = top-k of s + bias (or tid2eid[token] on hash layers; Vision-Exp image
+                      rows, token >= vocab: top-k of s + bias_vl), weights
                       s[expert] / Σ s[expert] · routed_scaling_factor -> ids [T, k] int64,
                       weights [T, k] FP32; best first, ties to the lower expert id.
   moe_combine(out, k, shared, dtype)   the routed experts' per-pair outputs out [T·k, D] bf16
@@ -54,9 +55,12 @@ _KEY_MIN = tl.constexpr(-(2 ** 63))     # below every top-k key: taken or not an
 
 @triton.jit
 def _route_row(LOGITS, BIAS, TID2EID, TOKENS, IDX, W, E, scale, t, K: tl.constexpr,
-               HASH: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr, CG: tl.constexpr = False):
+               HASH: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr, CG: tl.constexpr,
+               BIAS_VL, V, VL: tl.constexpr):
     """Token t: E router logits -> K expert ids (best first) and normalised weights. CG: the
-    logits are read from L2 (written by other programs of the same launch: kernels.router)."""
+    logits are read from L2 (written by other programs of the same launch: kernels.router).
+    VL (Vision-Exp): a token id >= V is an image-block row: it selects the top-k of s + BIAS_VL
+    (on a hash layer too, whose tid2eid it never reads; dsv4-vision.md 11.1)."""
     e = tl.arange(0, BE)
     ok = e < E
     if CG:
@@ -72,19 +76,22 @@ def _route_row(LOGITS, BIAS, TID2EID, TOKENS, IDX, W, E, scale, t, K: tl.constex
     ids = tl.zeros((KP,), tl.int64)
     if HASH:
         tok = tl.load(TOKENS + t)
+        if VL:
+            tok = tl.where(tok >= V, 0, tok)                     # never index with a block id
         ids = tl.load(TID2EID + tok * K + j, mask=j < K, other=0).to(tl.int64)
-    else:
-        # K rounds of argmax, one reduction each: the selection score's bits in signed-integer
-        # order (+ 0.0: -0 as +0, which compare equal) over BE-1-e, so the max key is the best
-        # score and, among equal scores, the lowest id
-        sb = s + tl.load(BIAS + e, mask=ok, other=0.0) + 0.0
-        b = sb.to(tl.int32, bitcast=True)
-        b = b ^ ((b >> 31) & 0x7FFFFFFF)                         # float order as int order
-        key = tl.where(ok, (b.to(tl.int64) << 32) | (BE - 1 - e), _KEY_MIN)
-        for i in tl.static_range(K):
-            pick = BE - 1 - (tl.max(key, axis=0) & 0xFFFFFFFF)
-            ids = tl.where(j == i, pick.to(tl.int64), ids)
-            key = tl.where(e == pick, _KEY_MIN, key)
+    if (not HASH) or VL:
+        if HASH:
+            sb = s
+        else:
+            sb = s + tl.load(BIAS + e, mask=ok, other=0.0)
+        if VL:
+            img = tl.load(TOKENS + t) >= V
+            sb = tl.where(img, s + tl.load(BIAS_VL + e, mask=ok, other=0.0), sb)
+        sel = _topk_ids(sb, e, ok, j, BE, K, KP)
+        if HASH:
+            ids = tl.where(img, sel, ids)
+        else:
+            ids = sel
     w = tl.sum(tl.where(e[None, :] == ids[:, None], s[None, :], 0.0), axis=1)   # s[ids], [KP]
     w = tl.where(j < K, w, 0.0)
     w = w / tl.sum(w, axis=0) * scale
@@ -93,10 +100,28 @@ def _route_row(LOGITS, BIAS, TID2EID, TOKENS, IDX, W, E, scale, t, K: tl.constex
 
 
 @triton.jit
-def _route_kernel(LOGITS, BIAS, TID2EID, TOKENS, IDX, W, E, scale,
-                  K: tl.constexpr, HASH: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
+def _topk_ids(sb, e, ok, j, BE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
+    """The K best of the selection scores sb [BE] (ok: real experts) as ids [KP], best first:
+    K rounds of argmax, one reduction each, over the scores' bits in signed-integer order
+    (+ 0.0: -0 as +0, which compare equal) and BE-1-e, so the max key is the best score and,
+    among equal scores, the lowest id."""
+    b = (sb + 0.0).to(tl.int32, bitcast=True)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)                             # float order as int order
+    key = tl.where(ok, (b.to(tl.int64) << 32) | (BE - 1 - e), _KEY_MIN)
+    ids = tl.zeros((KP,), tl.int64)
+    for i in tl.static_range(K):
+        pick = BE - 1 - (tl.max(key, axis=0) & 0xFFFFFFFF)
+        ids = tl.where(j == i, pick.to(tl.int64), ids)
+        key = tl.where(e == pick, _KEY_MIN, key)
+    return ids
+
+
+@triton.jit
+def _route_kernel(LOGITS, BIAS, TID2EID, TOKENS, IDX, W, E, scale, BIAS_VL, V,
+                  K: tl.constexpr, HASH: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr,
+                  VL: tl.constexpr):
     _route_row(LOGITS, BIAS, TID2EID, TOKENS, IDX, W, E, scale, tl.program_id(0).to(tl.int64),
-               K, HASH, BE, KP)
+               K, HASH, BE, KP, False, BIAS_VL, V, VL)
 
 
 @triton.jit
@@ -174,24 +199,28 @@ def swiglu(gu: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def route(logits: torch.Tensor, k: int, scale: float, bias: torch.Tensor | None = None,
-          tid2eid: torch.Tensor | None = None, tokens: torch.Tensor | None = None):
+          tid2eid: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
+          bias_vl: torch.Tensor | None = None, vocab: int = 0):
     """logits [T, E] FP32 (x·Gᵀ) -> (ids [T, k] int64, weights [T, k] FP32): bias [E] (scored
-    routing) or tid2eid [vocab, k] with tokens [T] (hash routing)."""
+    routing) or tid2eid [vocab, k] with tokens [T] (hash routing). bias_vl [E] FP32 with tokens
+    (Vision-Exp): rows whose token id is >= vocab select the top-k of s + bias_vl instead."""
     T, E = logits.shape
     if logits.dtype != torch.float32 or (bias is None) == (tid2eid is None) \
-            or (tid2eid is not None and (tokens is None or tid2eid.shape[1] != k)):
+            or (tid2eid is not None and (tokens is None or tid2eid.shape[1] != k)) \
+            or (bias_vl is not None and (tokens is None or bias_vl.shape != (E,) or vocab < 1)):
         raise ValueError("route: FP32 logits [T, E] and either bias [E] or tid2eid [vocab, k] "
-                         "with tokens [T]")
+                         "with tokens [T] (bias_vl [E]: with tokens and vocab)")
     logits = logits.contiguous()
     ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     if T:
-        hashed = tid2eid is not None
+        hashed, vl = tid2eid is not None, bias_vl is not None
         _route_kernel[(T,)](logits, bias if not hashed else logits,
                             tid2eid.contiguous() if hashed else ids,
-                            tokens.contiguous() if hashed else ids, ids, w, E, float(scale),
-                            K=k, HASH=hashed, BE=triton.next_power_of_2(E),
-                            KP=triton.next_power_of_2(k), num_warps=4)
+                            tokens.contiguous() if hashed or vl else ids, ids, w, E, float(scale),
+                            bias_vl if vl else logits, int(vocab), K=k, HASH=hashed,
+                            BE=triton.next_power_of_2(E), KP=triton.next_power_of_2(k), VL=vl,
+                            num_warps=4)
     return ids, w
 
 

@@ -149,10 +149,11 @@ def topk_select_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def sparse_attention_ref(q, kv, pos, sink, ring, ring_scale, slots, window, mode="window",
                          entries=None, entry_scale=None, tables=None, ratio=0, sel=None,
-                         seq=None, start=None):
+                         seq=None, start=None, span=None):
     """Chunked prefill (attention_torch.attend over a chunk): query t of sequence seq[t], whose chunk
     starts at start[t] (row t - (pos[t] - start[t]) of kv), sees ring positions
-    max(0, p-W+1) .. start-1, then the chunk's kv rows up to itself, then its entries."""
+    max(0, p-W+1) .. start-1, then the chunk's kv rows up to itself, then its entries. span
+    (lo, hi) [T]: the chunk's rows at positions lo[t] .. hi[t] are window keys of t too."""
     T, H, D = q.shape
     o = torch.empty(T, H, D, dtype=torch.float32, device=q.device)
     for t in range(T):
@@ -160,7 +161,12 @@ def sparse_attention_ref(q, kv, pos, sink, ring, ring_scale, slots, window, mode
         lo = max(0, p - window + 1)
         prev = torch.arange(min(lo, st), st, device=q.device)
         r0 = t - (p - st)
-        fly = kv[r0 + max(0, lo - st):t + 1]
+        first, last = max(lo, st), p                    # in-flight positions first .. last
+        fly_pos = torch.arange(first, last + 1)
+        if span is not None and int(span[0][t]) <= int(span[1][t]):
+            a, z = int(span[0][t]), int(span[1][t])
+            fly_pos = torch.unique(torch.cat((fly_pos, torch.arange(a, z + 1))))
+        fly = kv[r0 + (fly_pos - st).to(q.device)]
         keys = torch.cat((pool_get_ref(ring, ring_scale, (int(slots[b]), prev % ring.shape[1]),
                                        q.dtype), fly)).float()
         if mode != "window":

@@ -1,6 +1,7 @@
 """The MoE router at decode in ONE launch: logits = x·Gᵀ (BF16 G [E, d], FP32 sums) and the
 route after it (kernels.pointwise.route: s = sqrt(softplus(logits)), the top-k of s + bias or
-tid2eid[token], weights s[ids] / Σ · routed_scaling_factor), SM80-safe, no host sync.
+tid2eid[token], or of s + bias_vl for a Vision-Exp image-block row, weights s[ids] / Σ ·
+routed_scaling_factor), SM80-safe, no host sync.
 
 The decode step ran them as two launches (the GEMV, then pointwise's route: ~3.6 + 2.1 µs at
 tp 1 on the H200, 4.3 + 2.9 µs in a TP-4 rank's trace, each a latency-bound launch). Here:
@@ -40,8 +41,8 @@ def router_config(M: int) -> dict:
 
 @triton.jit
 def _router_kernel(X, G, LOGITS, CNT, BIAS, TID2EID, TOKENS, IDX, WOUT, E, D, stride_xm, scale,
-                   K: tl.constexpr, HASH: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr):
+                   BIAS_VL, V, K: tl.constexpr, HASH: tl.constexpr, BE: tl.constexpr,
+                   KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, VL: tl.constexpr):
     """Program (n, t): logits[t, rows n·BN..+BN) = x[t] · G[rows]ᵀ; the last of token t's
     programs to arrive routes token t (ids IDX [M, K] int64, weights WOUT [M, K] FP32), so the
     tokens' routes run in parallel (one program routing all 8 of a batch cost +11 µs a layer)."""
@@ -61,16 +62,19 @@ def _router_kernel(X, G, LOGITS, CNT, BIAS, TID2EID, TOKENS, IDX, WOUT, E, D, st
     tl.debug_barrier()                                  # every thread's logits stored
     if tl.atomic_add(CNT + t, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         tl.store(CNT + t, 0)                            # ready for the next launch
-        _route_row(LOGITS, BIAS, TID2EID, TOKENS, IDX, WOUT, E, scale, t, K, HASH, BE, KP,
-                   CG=True)
+        _route_row(LOGITS, BIAS, TID2EID, TOKENS, IDX, WOUT, E, scale, t, K, HASH, BE, KP, True,
+                   BIAS_VL, V, VL)
 
 
 def router(x: torch.Tensor, weight: torch.Tensor, k: int, scale: float,
            bias: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
-           tokens: torch.Tensor | None = None, config: dict | None = None):
+           tokens: torch.Tensor | None = None, config: dict | None = None,
+           bias_vl: torch.Tensor | None = None, vocab: int = 0):
     """x [T, d] bf16 (T <= ROUTER_MAX_M), weight [E, d] bf16 -> (ids [T, k] int64, weights
     [T, k] FP32) = pointwise.route(x·weightᵀ in FP32, ...): bias [E] FP32 (scored routing) or
-    tid2eid [vocab, k] with tokens [T] (hash routing). config: router_config's overrides."""
+    tid2eid [vocab, k] with tokens [T] (hash routing); bias_vl [E] FP32 with tokens: rows whose
+    token is >= vocab (Vision-Exp image blocks) select with it. config: router_config's
+    overrides."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > ROUTER_MAX_M \
             or (x.shape[0] > 1 and x.stride(1) != 1):
         raise ValueError(f"router: bf16 x [T <= {ROUTER_MAX_M}, d] with unit stride, got "
@@ -84,8 +88,13 @@ def router(x: torch.Tensor, weight: torch.Tensor, k: int, scale: float,
     hashed = tid2eid is not None
     if (bias is None) != hashed or (hashed and (tokens is None or tokens.shape != (T,)
                                                 or tid2eid.shape[1] != k)) \
-            or (bias is not None and (bias.shape != (E,) or bias.dtype != torch.float32)):
-        raise ValueError("router: either FP32 bias [E] or tid2eid [vocab, k] with tokens [T]")
+            or (bias is not None and (bias.shape != (E,) or bias.dtype != torch.float32)) \
+            or (bias_vl is not None and (tokens is None or tokens.shape != (T,) or vocab < 1
+                                         or bias_vl.shape != (E,)
+                                         or bias_vl.dtype != torch.float32)):
+        raise ValueError("router: either FP32 bias [E] or tid2eid [vocab, k] with tokens [T] "
+                         "(bias_vl: FP32 [E] with tokens [T] and vocab)")
+    vl = bias_vl is not None
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
     w = torch.empty(T, k, dtype=torch.float32, device=x.device)
     if T == 0:
@@ -96,7 +105,8 @@ def router(x: torch.Tensor, weight: torch.Tensor, k: int, scale: float,
     _router_kernel[(triton.cdiv(E, cfg["BN"]), T)](
         x, weight, logits, stream_counters(x.device, T),
         logits if hashed else bias, tid2eid.contiguous() if hashed else ids,
-        tokens.contiguous() if hashed else ids, ids, w, E, D, x.stride(0) if T > 1 else D,
-        float(scale), K=k, HASH=hashed, BE=triton.next_power_of_2(E),
-        KP=triton.next_power_of_2(k), BN=cfg["BN"], BK=BK, num_warps=cfg["num_warps"])
+        tokens.contiguous() if hashed or vl else ids, ids, w, E, D, x.stride(0) if T > 1 else D,
+        float(scale), bias_vl if vl else logits, int(vocab), K=k, HASH=hashed,
+        BE=triton.next_power_of_2(E), KP=triton.next_power_of_2(k), BN=cfg["BN"], BK=BK,
+        VL=vl, num_warps=cfg["num_warps"])
     return ids, w

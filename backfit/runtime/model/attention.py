@@ -378,12 +378,14 @@ class Attention(nn.Module):
         else:
             from backfit.runtime.kernels.attention import sparse_attention_prefill
             memo = batch.memo if PREFILL_MEMO else None
+            img = batch.images                # image spans: bidirectional window (11.2)
+            span = None if img is None else (img.span_lo, img.span_hi)
             if q.dtype == torch.float32:                              # post de-rotates
-                o = sparse_attention_prefill(*args, seq=seq, start=start, memo=memo)
+                o = sparse_attention_prefill(*args, seq=seq, start=start, memo=memo, span=span)
             else:              # stored in q.dtype, de-rotated in place (its last R lanes only)
                 from backfit.runtime.kernels.rope_norm import rope
                 o = rope(sparse_attention_prefill(*args, seq=seq, start=start, out_dtype=q.dtype,
-                                                  memo=memo),
+                                                  memo=memo, span=span),
                          pos, self.rope.inv_freq, self.rope.rope_dim, inverse=True, inplace=True)
             if self._fused_prefill(q):
                 cache.write_window_chunk(pos, kv)

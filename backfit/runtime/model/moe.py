@@ -65,40 +65,54 @@ class Expert(nn.Module):
 
 
 class Gate(Linear):
-    """Router weight [E, dim] (replicated) plus `bias` [E] (scored) or `tid2eid` [vocab, k] (hash)."""
+    """Router weight [E, dim] (replicated) plus `bias` [E] (scored) or `tid2eid` [vocab, k] (hash).
+
+    Vision-Exp (cfg.vision): also `bias_vl` [E], the selection bias of image-block rows (token id
+    >= vocab_size: all five block types), on every gate, hash layers included: such a row
+    selects the top-k of s + bias_vl, never tid2eid (dsv4-vision.md 11.1). The hash layers'
+    own `bias` is on disk there and loaded, but no forward reads it."""
 
     def __init__(self, cfg: ModelConfig, hashed: bool):
         super().__init__(cfg.hidden_size, cfg.n_routed_experts)
         self.hashed, self.topk = hashed, cfg.num_experts_per_tok
-        self.route_scale = cfg.routed_scaling_factor
+        self.route_scale, self.vocab = cfg.routed_scaling_factor, cfg.vocab_size
         if cfg.scoring_func != "sqrtsoftplus":
             raise ValueError(f"scoring_func {cfg.scoring_func!r} not supported (sqrtsoftplus)")
+        E = cfg.n_routed_experts
         if hashed:
             self.register_buffer("tid2eid", torch.empty(cfg.vocab_size, self.topk, dtype=torch.int64))
-        else:
-            self.register_buffer("bias", torch.empty(cfg.n_routed_experts, dtype=torch.float32))
+        if not hashed or cfg.vision is not None:
+            self.register_buffer("bias", torch.empty(E, dtype=torch.float32))
+        self.register_buffer("bias_vl", None if cfg.vision is None else
+                             torch.empty(E, dtype=torch.float32))
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim] -> (expert ids [T, k] int64, weights [T, k] FP32)."""
+        kw = dict(bias=None if self.hashed else self.bias,
+                  tid2eid=self.tid2eid if self.hashed else None, tokens=tokens)
+        if self.bias_vl is not None:
+            kw.update(bias_vl=self.bias_vl, vocab=self.vocab)
         if kernel_path(x) and self._fused_router(x):                   # GEMV + route: 1 launch
             from backfit.runtime.kernels.router import router
-            return router(x, self.weight, self.topk, self.route_scale,
-                          bias=None if self.hashed else self.bias,
-                          tid2eid=self.tid2eid if self.hashed else None, tokens=tokens)
+            return router(x, self.weight, self.topk, self.route_scale, **kw)
         logits = self.forward_f32(x)                                  # [T, E] FP32
         if kernel_path(x):                                             # one launch after the GEMV
             from backfit.runtime.kernels.pointwise import route
-            return route(logits, self.topk, self.route_scale,
-                         bias=None if self.hashed else self.bias,
-                         tid2eid=self.tid2eid if self.hashed else None, tokens=tokens)
+            return route(logits, self.topk, self.route_scale, **kw)
         s = torch.sqrt(F.softplus(logits))                            # [T, E] FP32 router
-        if self.hashed:
-            idx = self.tid2eid[tokens].long()                         # fixed experts, no top-k
-        else:
-            idx = (s + self.bias).topk(self.topk, dim=-1).indices     # bias only for selection
+        if self.bias_vl is None:
+            if self.hashed:
+                idx = self.tid2eid[tokens].long()                     # fixed experts, no top-k
+            else:
+                idx = (s + self.bias).topk(self.topk, dim=-1).indices  # bias only for selection
+        else:                                                          # image rows: bias_vl
+            img = (tokens >= self.vocab)[:, None]                     # [T, 1]
+            text_bias = self.bias_vl if self.hashed else self.bias    # (hash: text rows unused)
+            idx = (s + torch.where(img, self.bias_vl, text_bias)).topk(self.topk, dim=-1).indices
+            if self.hashed:
+                idx = torch.where(img, idx, self.tid2eid[tokens.masked_fill(img[:, 0], 0)].long())
         w = s.gather(1, idx)
         return idx, w / w.sum(-1, keepdim=True) * self.route_scale
-
 
     def _fused_router(self, x: torch.Tensor) -> bool:
         """kernels.router takes it (kernel path): a decode batch, bf16 x and a bf16 weight."""

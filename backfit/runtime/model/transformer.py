@@ -1,6 +1,12 @@
 """DeepSeek-V4 transformer: embed -> 4 streams -> blocks (mHC around attention and MoE) ->
 hc_head collapse -> norm -> head. dsv4-model.md 5.1-5.7.
 
+Vision-Exp (cfg.vision): the image tower `vision` + `aligner` and the four sentinels `image_*`
+(runtime.model.vision) are part of the model; a batch with images (ForwardBatch.images,
+runtime/images.py) has its image-block rows (ids >= vocab_size, never used to index the
+embedding) overwritten by the sentinels and aligner rows before the hc expansion
+(dsv4-vision.md section 10).
+
 forward(batch, cache) runs any mix of prefill chunks and decode steps: each sequence's chunk
 continues its cache entry (DecodeState or the paged pools; none = one full-sequence forward). Logits are FP32
 over the full vocabulary (all-gathered across ranks), for every token or each sequence's last.
@@ -38,6 +44,11 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.head = ParallelHead(d, cfg.vocab_size)
         add_hc_buffers(self, "hc_head", S, S, d)
+        if cfg.vision is not None:                # replicated on every rank, BF16 as on disk
+            from backfit.runtime.model.vision import Aligner, VisionTower, add_sentinels
+            self.vision = VisionTower(cfg.vision)
+            self.aligner = Aligner(cfg.vision, d)
+            add_sentinels(self, cfg)
         # checkpoint prefixes this model deliberately does not hold (the loader reports them)
         self.skipped_prefixes: tuple[str, ...] = ()
         self._head_part = None    # (streams, their hc_head partials) of the last hidden()
@@ -69,7 +80,7 @@ class Transformer(nn.Module):
         """
         cache = cache if cache is not None else self.new_state()
         bound = cache.bind(batch)
-        X = self.embed.streams(batch.tokens, self.dtype, self.cfg.hc_mult)   # [T, 4, d]: copies
+        X = self.embed_streams(batch)                                   # [T, 4, d]: copies
         # mhc_decode path: each layer's last hc_post also computes the next layer's hc_attn
         # partials (carried in hc), the last layer's those of hc_head, kept with the streams in
         # _head_part for logits(X) of this very X; the torch path and prefill ignore hc
@@ -89,6 +100,17 @@ class Transformer(nn.Module):
         bound.commit()
         return X
 
+    def embed_streams(self, batch: ForwardBatch) -> torch.Tensor:
+        """The batch's embedding as the hc_mult streams [T, S, d]; with images (batch.images)
+        the image-block rows are looked up at id 0 and then overwritten by their rows."""
+        img = batch.images
+        if img is None:
+            return self.embed.streams(batch.tokens, self.dtype, self.cfg.hc_mult)
+        ids = batch.tokens.masked_fill(batch.tokens >= self.cfg.vocab_size, 0)
+        X = self.embed.streams(ids, self.dtype, self.cfg.hc_mult)
+        X[img.at] = img.rows.to(X.dtype)[:, None, :].expand(-1, X.shape[1], -1)
+        return X
+
     def piece(self, i: int, X, o, carry, tokens: torch.Tensor, pos: torch.Tensor):
         """Piece i (0 .. L) of a prefill / mixed forward in runtime/prefill_graphs.py's split,
         cache-free: piece 0 embeds the tokens, piece i > 0 finishes layer i-1 from its
@@ -98,6 +120,7 @@ class Transformer(nn.Module):
         between them (the same calls in the same order)."""
         if i == 0:
             X = self.embed.streams(tokens, self.dtype, self.cfg.hc_mult)       # [T, S, d]
+            #   (image steps never come here: the runner runs them eagerly)
         else:
             X = self.layers[i - 1].attn_out(X, o, *carry, pos, tokens)
         if i == len(self.layers):

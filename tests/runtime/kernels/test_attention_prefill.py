@@ -229,3 +229,46 @@ def test_bad_inputs(pre):
         pre.sparse_attention_prefill(**c, config=dict(BN=8))
     with pytest.raises(ValueError, match="CD needs D >= 128"):
         pre.sparse_attention_prefill(**c, config=dict(CD=1))
+
+
+# Vision-Exp image spans (IMAGE_START .. IMAGE_END positions) inside chunks 0, 2 and 3 of CHUNKS:
+# one in a chunk from 0, one longer than the window in a mid-sequence chunk (its first rows mix
+# ring and in-flight keys), one short one in the middle of a chunk
+SPANS = {0: (2, 9), 2: (21, 38), 3: (151, 154)}
+
+
+def span_of(c):
+    """(lo, hi) [T] int32: a query's image span, its own position twice outside spans."""
+    lo, hi = c["pos"].clone(), c["pos"].clone()
+    for i, (a, b) in SPANS.items():
+        m = (c["seq"] == i) & (c["pos"] >= a) & (c["pos"] <= b)
+        lo[m], hi[m] = a, b
+    return lo.int(), hi.int()
+
+
+@pytest.mark.parametrize("mode,ratio", [("window", 0), ("hca", 4)])
+def test_prefill_attention_image_spans(pre, cd, mode, ratio):
+    """span= (dsv4-vision.md 11.2): every query inside an image span also sees the span's
+    in-flight keys after it (and before its window), the plain and the column-chunked kernels
+    alike, one and four queries a block; rows outside the spans and the entries are untouched
+    (= the causal op). (The ring, int8 or not, and the CSA selections are read as without
+    spans: a span's keys are all in flight.)"""
+    c = case(30 + ratio, mode, False, ratio=max(ratio, 4), D=128)
+    span = span_of(c)
+    with one_thread():
+        want = ref.sparse_attention_ref(**c, span=span)
+        causal = ref.sparse_attention_ref(**c)
+        for cfg in (dict(BQ=4, BH=8, BN=16), dict(CD=1, BQ=1, BH=8, BN=16, num_warps=4,
+                                                   num_stages=2)):
+            got = pre.sparse_attention_prefill(**c, config=cfg, span=span)
+            assert rel(got, want) < TOL, (mode, cfg)
+    inside = (span[0] != c["pos"].int()) | (span[1] != c["pos"].int())
+    assert rel(want[~inside], causal[~inside]) == 0
+    last = torch.tensor([False] * len(inside))
+    for i, (a, b) in SPANS.items():
+        last |= (c["seq"] == i) & (c["pos"] == b)
+    sees_more = inside & ~last                          # keys after it: another output
+    d = (want - causal).flatten(1).norm(dim=1) / causal.flatten(1).norm(dim=1)
+    assert d[sees_more].min() > 1e-3
+    with pytest.raises(ValueError, match="span"):
+        pre.sparse_attention_prefill(**c, span=(span[0][:3], span[1][:3]))

@@ -182,3 +182,51 @@ def test_fill_placeholders(T, R, dtype, stride):
     assert torch.equal(fill_placeholders_(ref, prev), want)           # kernel_path off: torch
     with pytest.raises(ValueError, match="fill_placeholders_"):
         k.fill_placeholders_(got[:, 0].float(), prev.to(DEV))
+
+
+def _route_vl_ref(logits, k, scale, tokens, V, bias=None, tid2eid=None, bias_vl=None):
+    """Vision-Exp (dsv4-vision.md 11.1), row by row: a token >= V selects the top-k of
+    s + bias_vl, others as without images (tid2eid or the top-k of s + bias)."""
+    s = torch.sqrt(F.softplus(logits.cpu()))
+    idx = []
+    for t, tok in enumerate(tokens.tolist()):
+        if tok >= V:
+            idx.append((s[t] + bias_vl.cpu()).topk(k).indices)
+        elif tid2eid is not None:
+            idx.append(tid2eid[tok].cpu().long())
+        else:
+            idx.append((s[t] + bias.cpu()).topk(k).indices)
+    idx = torch.stack(idx)
+    w = s.gather(1, idx)
+    return idx.to(DEV), (w / w.sum(-1, keepdim=True) * scale).to(DEV)
+
+
+def vl_case(T, E, k, V, seed):
+    """Distinct scores; bias forces experts 0..k-1, bias_vl E-k..E-1 into a selection (so a row
+    routed by the wrong bias picks a wrong set); tokens mix text ids and all five block ids."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.stack([torch.randperm(E, generator=g).float() for _ in range(T)])
+    logits = (logits / E * 50 - 25).to(DEV)
+    bias, bias_vl = torch.zeros(E), torch.zeros(E)
+    bias[:k], bias_vl[E - k:] = 100.0, 100.0
+    tokens = torch.randint(0, V, (T,), generator=g)
+    tokens[1::2] = V + torch.arange(T)[1::2] % 5              # IMAGE_START .. IMAGE_END ids
+    tid2eid = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(V)])
+    return logits, bias.to(DEV), bias_vl.to(DEV), tokens.to(DEV), tid2eid.to(DEV)
+
+
+@pytest.mark.parametrize("hashed", [False, True], ids=["scored", "hash"])
+def test_route_bias_vl(hashed):
+    """bias_vl: image-block rows (token >= vocab, every type) select with bias_vl, hash layers
+    included (their tid2eid never read at an out-of-vocabulary id); text rows unchanged."""
+    m = kmod()
+    T, E, k, V = 10, 20, 3, 50
+    logits, bias, bias_vl, tokens, tid2eid = vl_case(T, E, k, V, 5)
+    kw = dict(tid2eid=tid2eid) if hashed else dict(bias=bias)
+    ids, w = m.route(logits, k, 1.5, tokens=tokens, bias_vl=bias_vl, vocab=V, **kw)
+    rid, rw = _route_vl_ref(logits, k, 1.5, tokens, V, bias_vl=bias_vl, **kw)
+    assert torch.equal(ids, rid)
+    torch.testing.assert_close(w, rw, rtol=1e-6, atol=1e-6)
+    assert set(ids[1].tolist()) == set(range(E - k, E))       # an image row: bias_vl's set
+    with pytest.raises(ValueError, match="route"):
+        m.route(logits, k, 1.0, bias=bias, bias_vl=bias_vl, vocab=V)        # no tokens

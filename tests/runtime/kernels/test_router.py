@@ -64,6 +64,26 @@ def test_router_equals_gemv_then_route(T, E, D, k):
     torch.testing.assert_close(wt, rw, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("hashed", [False, True], ids=["scored", "hash"])
+def test_router_bias_vl(hashed):
+    """Vision-Exp: the fused launch routes image-block rows (token >= vocab) with bias_vl, hash
+    layers included, as pointwise.route does (test_pointwise's oracle)."""
+    from test_pointwise import _route_vl_ref, vl_case
+    m = kmod()
+    T, E, D, k, V = 8, 20, 64, 3, 50
+    g = torch.Generator().manual_seed(3)
+    x, w = _case(T, E, D, g)
+    _, bias, bias_vl, tokens, tid2eid = vl_case(T, E, k, V, 6)
+    kw = dict(tid2eid=tid2eid) if hashed else dict(bias=bias)
+    ids, wt = m.router(x, w, k, 1.5, tokens=tokens, bias_vl=bias_vl, vocab=V, **kw)
+    logits = (x.double() @ w.double().T).float()
+    rid, rw = _route_vl_ref(logits, k, 1.5, tokens, V, bias_vl=bias_vl, **kw)
+    assert torch.equal(ids, rid)
+    torch.testing.assert_close(wt, rw, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="router: either"):
+        m.router(x, w, k, 1.0, bias=bias, bias_vl=bias_vl)                    # no vocab
+
+
 def test_router_config_override_and_strided_rows():
     """Several rows a program, a K loop of several steps, x rows from a wider tensor."""
     m = kmod()

@@ -9,6 +9,7 @@ Real widths."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -85,16 +86,17 @@ def compile_all() -> list[dict]:
     out.append(_compile(pointwise._swiglu_kernel, dict(GU="*bf16", H="*bf16", I="i32",
                         stride_gu="i32"), dict(LIMIT=10.0, BI=1024), dict(num_warps=4, num_stages=1),
                         ("I", "stride_gu")))
-    for hashed in (False, True):
+    for hashed, vl in itertools.product((False, True), (False, True)):   # vl: Vision-Exp
         out.append(_compile(pointwise._route_kernel, dict(
             LOGITS="*fp32", BIAS="*fp32", TID2EID="*i64", TOKENS="*i64", IDX="*i64", W="*fp32",
-            E="i32", scale="fp32"), dict(K=6, HASH=hashed, BE=256, KP=8),
-            dict(num_warps=4, num_stages=1)))
-    for hashed in (False, True):                         # router_config's tile
+            E="i32", scale="fp32", BIAS_VL="*fp32", V="i32"),
+            dict(K=6, HASH=hashed, BE=256, KP=8, VL=vl), dict(num_warps=4, num_stages=1)))
+    for hashed, vl in itertools.product((False, True), (False, True)):   # router_config's tile
         out.append(_compile(router._router_kernel, dict(
             X="*bf16", G="*bf16", LOGITS="*fp32", CNT="*i32", BIAS="*fp32", TID2EID="*i64",
             TOKENS="*i64", IDX="*i64", WOUT="*fp32", E="i32", D="i32", stride_xm="i32",
-            scale="fp32"), dict(K=6, HASH=hashed, BE=256, KP=8, BN=1, BK=4096),
+            scale="fp32", BIAS_VL="*fp32", V="i32"),
+            dict(K=6, HASH=hashed, BE=256, KP=8, BN=1, BK=4096, VL=vl),
             dict(num_warps=8, num_stages=1), ("D", "stride_xm")))
     for shard in (False, True):                          # embed_streams: tp 1, a vocab shard
         out.append(_compile(pointwise._embed_kernel, dict(
@@ -138,7 +140,7 @@ def _mul_rn_count(r: dict, fn, types: dict) -> int:
 
 def test_small_kernels_compile_for_sm80():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 35
+    assert len(results) == 39
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name

@@ -4,6 +4,8 @@ The same op as attention.sparse_attention with seq/start (chunked prefill, mixed
 of sequence seq[t], whose chunk starts at position start[t] (row t - (pos[t] - start[t]) of q/kv),
 sees ring positions max(0, p-W+1) .. start-1, the chunk's own kv rows up to itself (in flight),
 then its HCA entries j < (p+1)//ratio or its CSA selection sel[t] (-1 = unused). MQA: K = V.
+With span (Vision-Exp image prompts) query t also sees the in-flight rows span_lo[t] ..
+span_hi[t] (its whole image span, dsv4-vision.md 11.2); the entries stay causal.
 
 One program per (block of BQ consecutive queries of one chunk, block of BH heads): its M = BQ·BH
 rows (query qi = r // BH, head r % BH) are one matmul operand, so every key tile is loaded once
@@ -30,7 +32,7 @@ import triton.language as tl
 
 from backfit.runtime.kernels.common import interpreted
 from backfit.runtime.kernels.attention.tiles import (_block_rows, _entry_tile, _finish,
-                                                     _kv_tile, _ring_tile)
+                                                     _fly_mask, _fly_range, _kv_tile, _ring_tile)
 
 __all__ = ["PREFILL_CONFIGS", "SM80_CONFIGS", "SM80_INT8_CONFIGS", "prefill_blocks",
            "prefill_config", "sparse_attention_prefill"]
@@ -99,11 +101,11 @@ def _step(q, k, ok, m_i, l_i, acc, scale, F32: tl.constexpr, EXACT: tl.constexpr
 
 @triton.jit
 def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SEQ, START,
-                    BLOCKS, O, T, H, R, stride_tb, n_sel, scale,
+                    BLOCKS, O, SPAN_LO, SPAN_HI, T, H, R, stride_tb, n_sel, scale,
                     W: tl.constexpr, RATIO: tl.constexpr, PB: tl.constexpr, MODE: tl.constexpr,
                     INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
                     BH: tl.constexpr, BN: tl.constexpr, F32: tl.constexpr, EXACT: tl.constexpr,
-                    DT: tl.constexpr):
+                    DT: tl.constexpr, SPAN: tl.constexpr):
     """Program (block i, head block hb): rows r = (query t0 + r // BH, head hb·BH + r % BH)."""
     M: tl.constexpr = BQ * BH
     if MODE == 2:
@@ -133,11 +135,13 @@ def _prefill_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, S
         ok = (kp[None, :] <= p_r[:, None]) & (kp[None, :] > p_r[:, None] - W) & k_ok[None, :]
         m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT, DT)
     row0 = t0.to(tl.int64) - p0                                        # kv row of position 0
-    for k0 in range(tl.maximum(lo, st), p_last + 1, BN):
+    kv_lo, kv_hi, s_lo, s_hi = _fly_range(SPAN_LO, SPAN_HI, trow, H, row_ok, p0, p_last, p_r, lo,
+                                          st, SPAN)
+    for k0 in range(kv_lo, kv_hi + 1, BN):
         kp = k0 + rn
-        k_ok = kp <= p_last
+        k_ok = kp <= kv_hi
         k = _kv_tile(KV, row0 + kp, k_ok, dd, d_ok, D, F32, DT)
-        ok = (kp[None, :] <= p_r[:, None]) & (kp[None, :] > p_r[:, None] - W) & k_ok[None, :]
+        ok = _fly_mask(kp, k_ok, p_r, s_lo, s_hi, W, SPAN)
         m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale, F32, EXACT, DT)
     if MODE == 1:                                                      # HCA: all valid entries
         n_r = (p_r + 1) // RATIO                                       # [M] entries per row
@@ -217,7 +221,9 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
                              start: torch.Tensor | None = None, split: int | None = None,
                              config: dict | None = None,
                              out_dtype: torch.dtype = torch.float32,
-                             memo: dict | None = None) -> torch.Tensor:
+                             memo: dict | None = None,
+                             span: tuple[torch.Tensor, torch.Tensor] | None = None
+                             ) -> torch.Tensor:
     """attention.sparse_attention's arguments and result: q [T, H, D], kv [T, D] the chunks'
     own rows, pos/seq/start [T] (seq=None: one token per sequence), slots [NS], tables
     [NS, nblk], sel [T, k] -> o [T, H, D] FP32. split is accepted and ignored (no split-KV:
@@ -225,7 +231,10 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
     stored rounded to it (bf16: = the FP32 o .to(bf16), half the bytes; the inverse RoPE that
     follows rounds its input so anyway, and then rotates only the last R lanes in place).
     memo: a dict living as long as pos / seq / start (ForwardBatch.memo): the int32 positions
-    and the query blocks are made once there and reused by every layer with the same tile."""
+    and the query blocks are made once there and reused by every layer with the same tile.
+    span: (lo, hi) [T] int32 (Vision-Exp image prompts, ForwardBatch.images): query t also sees
+    the chunk's keys at positions lo[t] .. hi[t] (its image span, after it too; lo = hi = pos
+    outside spans); every span must lie inside its query's chunk."""
     if q.dim() != 3 or kv.shape != (q.shape[0], q.shape[2]) or pos.shape != (q.shape[0],):
         raise ValueError(f"sparse_attention_prefill: q [T, H, D], kv [T, D], pos [T]; got "
                          f"{list(q.shape)}, {list(kv.shape)}, {list(pos.shape)}")
@@ -248,6 +257,8 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
         raise ValueError(f"sparse_attention_prefill: q/kv/ring dtypes "
                          f"{q.dtype}/{kv.dtype}/{ring.dtype}")
     dev = q.device
+    if span is not None and (seq is None or span[0].shape != (T,) or span[1].shape != (T,)):
+        raise ValueError(f"sparse_attention_prefill: span (lo, hi) [T={T}] each, with seq")
     PB, n_sel = 1, 0
     if mode != "window":
         if entries is None or tables is None or entries.shape[2] != D or tables.dim() != 2 \
@@ -290,11 +301,13 @@ def sparse_attention_prefill(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tenso
             entries if entries is not None else ring,
             entry_scale if int8 and entries is not None else dummy,
             tables if tables is not None else slots, sel if sel is not None else slots,
-            sink.float().contiguous(), seq, start, blocks, o, T, H, ring.shape[1],
+            sink.float().contiguous(), seq, start, blocks, o,
+            *((pos, pos) if span is None else
+              (t.to(dev, torch.int32).contiguous() for t in span)), T, H, ring.shape[1],
             tables.shape[1] if tables is not None else 0, n_sel, D ** -0.5)
     common = dict(W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D, DP=DP,
                   BQ=cfg["BQ"], BH=cfg["BH"], BN=cfg["BN"], F32=interpreted(),
-                  EXACT=q.dtype == torch.float32, DT=_TL[q.dtype],
+                  EXACT=q.dtype == torch.float32, DT=_TL[q.dtype], SPAN=span is not None,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg.get("CD"):                                  # column-chunked: two halves of D
         from backfit.runtime.kernels.attention.prefill_cd import _prefill_cd_kernel

@@ -21,7 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backfit.runtime.kernels.attention.tiles import _block_rows, _entry_row, _finish, _rows_tile
+from backfit.runtime.kernels.attention.tiles import (_block_rows, _entry_row, _finish, _fly_mask,
+                                                     _fly_range, _rows_tile)
 
 
 @triton.jit
@@ -107,11 +108,12 @@ def _store(O, trow, row_ok, acc, a, den, dc, c: tl.constexpr, CW: tl.constexpr,
 
 @triton.jit
 def _prefill_cd_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SEQ, START,
-                       BLOCKS, O, T, H, R, stride_tb, n_sel, scale,
+                       BLOCKS, O, SPAN_LO, SPAN_HI, T, H, R, stride_tb, n_sel, scale,
                        W: tl.constexpr, RATIO: tl.constexpr, PB: tl.constexpr,
                        MODE: tl.constexpr, INT8: tl.constexpr, D: tl.constexpr,
                        DP: tl.constexpr, BQ: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-                       F32: tl.constexpr, EXACT: tl.constexpr, DT: tl.constexpr):
+                       F32: tl.constexpr, EXACT: tl.constexpr, DT: tl.constexpr,
+                       SPAN: tl.constexpr):
     """Program (block i, head block hb, half dc): _prefill_kernel's rows, columns of half dc."""
     M: tl.constexpr = BQ * BH
     CW: tl.constexpr = DP // 8
@@ -141,12 +143,14 @@ def _prefill_cd_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK
                                           x5, x6, x7, ok, m_i, l_i, a0, a1, a2, a3, scale, F32,
                                           EXACT, DT)
     row0 = t0.to(tl.int64) - p0                                        # kv row of position 0
-    for k0 in range(tl.maximum(lo, st), p_last + 1, BN):               # the chunk's own rows
+    kv_lo, kv_hi, s_lo, s_hi = _fly_range(SPAN_LO, SPAN_HI, trow, H, row_ok, p0, p_last, p_r, lo,
+                                          st, SPAN)
+    for k0 in range(kv_lo, kv_hi + 1, BN):                             # the chunk's own rows
         kp = k0 + rn
-        k_ok = kp <= p_last
+        k_ok = kp <= kv_hi
         x0, x1, x2, x3, x4, x5, x6, x7 = _load8(KV, KV, row0 + kp, k_ok, dc, CW, D, False, F32,
                                                 DT)
-        ok = (kp[None, :] <= p_r[:, None]) & (kp[None, :] > p_r[:, None] - W) & k_ok[None, :]
+        ok = _fly_mask(kp, k_ok, p_r, s_lo, s_hi, W, SPAN)
         m_i, l_i, a0, a1, a2, a3 = _step8(q0, q1, q2, q3, q4, q5, q6, q7, x0, x1, x2, x3, x4,
                                           x5, x6, x7, ok, m_i, l_i, a0, a1, a2, a3, scale, F32,
                                           EXACT, DT)

@@ -1,7 +1,8 @@
 """The key and row tiles of the two chunked-prefill attention kernels (kernels.attention.prefill's
 plain one and kernels.attention.prefill_cd's column-chunked one): loads of ring rows, in-flight kv
 rows and compressed entries through the block tables (int8 pools dequantized as _Store.get), a
-program's query-block rows, and the sink's share of the softmax denominator.
+program's query-block rows, the in-flight key range and mask (with Vision-Exp image spans), and
+the sink's share of the softmax denominator.
 """
 
 from __future__ import annotations
@@ -89,6 +90,35 @@ def _block_rows(BLOCKS, SEQ, START, POS, T, H, i, hb, BQ: tl.constexpr, BH: tl.c
     row_ok = (qi < p_last - p0 + 1) & (hh < H)                        # [M]
     trow = (t0 + qi).to(tl.int64) * H + hh                             # row of q/o [T·H]
     return t0, sq0.to(tl.int64), st, p0, p_last, p0 + qi, hh, row_ok, trow
+
+
+@triton.jit
+def _fly_range(SPAN_LO, SPAN_HI, trow, H, row_ok, p0, p_last, p_r, lo, st, SPAN: tl.constexpr):
+    """The block's in-flight key positions kv_lo .. kv_hi, and each row's image span (s_lo,
+    s_hi) [M]. Without SPAN: max(lo, st) .. p_last (the causal window's part in the chunk).
+    With SPAN (image prompts): widened to every row's span, which lies in the chunk; a spare
+    row's span is the empty (p_last, p0)."""
+    kv_lo = tl.maximum(lo, st)
+    kv_hi = p_last
+    s_lo = p_r
+    s_hi = p_r
+    if SPAN:
+        tok = trow // H                                                # the row's token
+        s_lo = tl.where(row_ok, tl.load(SPAN_LO + tok, mask=row_ok, other=0), p_last)
+        s_hi = tl.where(row_ok, tl.load(SPAN_HI + tok, mask=row_ok, other=0), p0)
+        kv_lo = tl.maximum(tl.minimum(lo, tl.min(s_lo, axis=0)), st)
+        kv_hi = tl.maximum(p_last, tl.max(s_hi, axis=0))
+    return kv_lo, kv_hi, s_lo, s_hi
+
+
+@triton.jit
+def _fly_mask(kp, k_ok, p_r, s_lo, s_hi, W: tl.constexpr, SPAN: tl.constexpr):
+    """[M, BN]: in-flight key positions kp (k_ok) each row sees: its causal window band
+    (p-W < kp <= p) and, with SPAN, its image span s_lo .. s_hi."""
+    ok = (kp[None, :] <= p_r[:, None]) & (kp[None, :] > p_r[:, None] - W)
+    if SPAN:
+        ok = ok | ((kp[None, :] >= s_lo[:, None]) & (kp[None, :] <= s_hi[:, None]))
+    return ok & k_ok[None, :]
 
 
 @triton.jit
