@@ -106,8 +106,12 @@ def convert(src: str, dst: str, tp: str, linears: str, experts: str, force: bool
 @click.option("--prefill-graphs", is_flag=True, default=False,
               help="Run every prefill chunk through the engine's piecewise CUDA graphs "
                    "(needs --kernels triton --device cuda; chunks padded as the engine pads them).")
+@click.option("--images", type=int, default=None, metavar="N",
+              help="Image prompts checked besides the text (Vision-Exp checkpoints; default 2 "
+                   "there, 0 elsewhere): synthetic images of the built-in sizes.")
 def verify(original, converted, tp, prompts_file, max_positions, activations, device, json_out,
-           kv_cache_dtype, kernels, long_context, chunk, reference_device, prefill_graphs) -> None:
+           kv_cache_dtype, kernels, long_context, chunk, reference_device, prefill_graphs,
+           images) -> None:
     """Logit parity: runtime on CONVERTED vs the independent reference on ORIGINAL.
 
     Prints a weight table (every tensor dequantized vs the original), per-layer hidden-state
@@ -128,7 +132,8 @@ def verify(original, converted, tp, prompts_file, max_positions, activations, de
                             activations=activations, device=device, json_out=json_out,
                             kv_cache_dtype=kv_cache_dtype, kernels=kernels,
                             long_context=long_context, chunk=chunk,
-                            reference_device=reference_device, prefill_graphs=prefill_graphs)
+                            reference_device=reference_device, prefill_graphs=prefill_graphs,
+                            images=images)
     except (ValueError, *_user_errors()) as e:
         _fail(e)
     sys.exit(0 if report["ok"] else 1)

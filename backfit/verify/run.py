@@ -7,6 +7,10 @@ Three checks, each number meaning one thing (docs/VERIFICATION.md):
   logits      mean/max KL(ref || runtime), top-1 / top-5 agreement, max |dlogit|
 Each is a gate of its own (report["gates"]): a check passes only when all three pass, and a NaN
 metric always fails.
+On a Vision-Exp checkpoint the sequences also hold image prompts (image_prompts.py: synthetic
+images spliced between the text prompts): the runtime runs them through its tower, fusion,
+bias_vl routing and in-span attention (image blocks never split across paged chunks), the
+reference through its own (ref_vision.py), under the same three gates.
 The thresholds depend on what is compared: a lossless conversion with float32 activations must
 match to float rounding ("semantics"), the INT8 conversion with float32 activations must keep
 top-1 and KL ("conversion"), and bfloat16 activations are judged against the reference's own
@@ -53,7 +57,33 @@ def prompt_sequences(tokenizer_json: Path, prompts: list[str], max_positions: in
     return seqs
 
 
-def _runtime_pass(converted: str, seqs: list[list[int]], dtype: str, device: str,
+def _ids(s) -> list[int]:
+    """A sequence's ids: a list of ids, or a backfit.vision.VisionPrompt's."""
+    return list(getattr(s, "ids", s))
+
+
+def _items(s, a: int, b: int) -> tuple:
+    """(tokens, start, (span, image) pairs) of positions a .. b-1 of a sequence, for
+    runtime.images.batch_images (no images for a list of ids)."""
+    pairs = [(sp, im) for sp, im in zip(getattr(s, "spans", ()), getattr(s, "images", ()))
+             if a <= sp.start < b]
+    return _ids(s)[a:b], a, pairs
+
+
+def _chunks(s, n: int):
+    """(a, b) prefill chunks of about n positions; a cut that would fall inside an image block
+    moves to the block's start (or, for a block at the chunk's start, to its end)."""
+    L, a = len(_ids(s)), 0
+    while a < L:
+        b = min(L, a + n)
+        for sp in getattr(s, "spans", ()):
+            if sp.start < b < sp.start + sp.length:
+                b = sp.start if sp.start > a else sp.start + sp.length
+        yield a, b
+        a = b
+
+
+def _runtime_pass(converted: str, seqs: list, dtype: str, device: str,
                   paged: dict | None = None) -> dict:
     """Runs on every rank: load this rank's shard, forward each sequence, capture layer outputs.
 
@@ -78,13 +108,22 @@ def _runtime_pass(converted: str, seqs: list[list[int]], dtype: str, device: str
     captured: list[list[torch.Tensor]] = [[] for _ in model.layers]
     for i, layer in enumerate(model.layers):
         layer.register_forward_hook(lambda m, a, out, i=i: captured[i].append(out.float().cpu()))
+    emb = None
+    if cfg.vision is not None:                    # the tower's rows by image, for every chunk
+        from backfit.runtime.images import EmbeddingCache, batch_images
+        emb = EmbeddingCache(model)
+
+    def images(items: list[tuple]):
+        return None if emb is None else batch_images(model, emb, items)
     if paged is None:
-        logits = [model(ForwardBatch.single(s, device=device)).float().cpu() for s in seqs]
+        logits = [model(ForwardBatch.build([(0, _ids(s), 0)], device,
+                                           images=images([_items(s, 0, len(_ids(s)))])))
+                  .float().cpu() for s in seqs]
         return {"logits": torch.cat(logits), "hidden": [torch.cat(c) for c in captured]}
     from backfit.runtime.cache.layout import default_block_size
     from backfit.runtime.cache.paged import PagedCache
     B, n = default_block_size(cfg), paged["chunk"]
-    need = [-(-len(s) // B) for s in seqs]
+    need = [-(-len(_ids(s)) // B) for s in seqs]
     cache = PagedCache(cfg, len(seqs), sum(need), B, model.dtype, paged["kv_cache_dtype"], device)
     pg = None
     if paged.get("prefill_graphs"):       # the engine's prefill graphs, streams kept per layer
@@ -97,19 +136,21 @@ def _runtime_pass(converted: str, seqs: list[list[int]], dtype: str, device: str
     for i, s in enumerate(seqs):
         table = list(range(first, first + need[i]))[::-1]         # reversed: tables must be read
         first += need[i]
-        for a in range(0, len(s), n):
+        ids = _ids(s)
+        for a, e in _chunks(s, n):
             t = time.perf_counter()
-            if pg is not None:                # the Blocks' hooks do not fire: pg.streams
-                X = pg.hidden([(i, s[a:a + n], a, i, table)], cache)
+            item = _items(s, a, e)
+            if pg is not None and not item[2]:   # the Blocks' hooks do not fire: pg.streams
+                X = pg.hidden([(i, ids[a:e], a, i, table)], cache)
                 logits.append(model.logits(X).float().cpu())
                 for c, h in zip(captured, pg.streams):
                     c.append(h.float().cpu())
             else:
-                b = ForwardBatch.build([(i, s[a:a + n], a)], device, slots=[i],
-                                       block_tables=[table])
+                b = ForwardBatch.build([(i, ids[a:e], a)], device, slots=[i],
+                                       block_tables=[table], images=images([item]))
                 logits.append(model(b, cache).float().cpu())
-            if len(s) > 4 * n and get_tp_info().rank == 0:     # long context: say where it is
-                print(f"  runtime: tokens {a}-{min(a + n, len(s))} of {len(s)} in "
+            if len(ids) > 4 * n and get_tp_info().rank == 0:   # long context: say where it is
+                print(f"  runtime: tokens {a}-{e} of {len(ids)} in "
                       f"{time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     return {"logits": torch.cat(logits), "hidden": [torch.cat(c) for c in captured]}
 
@@ -119,7 +160,7 @@ def _reference_pass(original: Path, seqs: list, dtype: torch.dtype, device: str 
     a list of ids, or a backfit.vision.VisionPrompt (image_prompts.py) on a Vision-Exp model."""
     from backfit.verify.reference import Reference
     ref = Reference(original, dtype=dtype, device=device)
-    outs = [ref.forward(torch.tensor(getattr(s, "ids", s), device=device), capture=True,
+    outs = [ref.forward(torch.tensor(_ids(s), device=device), capture=True,
                         images=getattr(s, "images", None)) for s in seqs]
     return {"logits": torch.cat([o["logits"].float().cpu() for o in outs]),
             "hidden": [torch.cat([o["hidden"][i].float().cpu() for o in outs])
@@ -166,7 +207,8 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
            activations: str = "float32", device: str = "cpu", json_out: str | Path | None = None,
            out=sys.stdout, kv_cache_dtype: str | None = None, kernels: str | None = None,
            long_context: int | None = None, chunk: int = 256,
-           reference_device: str = "cpu", prefill_graphs: bool = False) -> dict:
+           reference_device: str = "cpu", prefill_graphs: bool = False,
+           images: int | None = None) -> dict:
     """Run all checks, print the tables, return the report (report['ok'] says pass/fail).
 
     kv_cache_dtype / kernels / long_context run the runtime on the engine's paged pools (in
@@ -175,7 +217,9 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
     where index overflows, wrong block tables and entry off-by-ones show. reference_device:
     where the reference runs (its code and weights stay independent of the runtime's).
     prefill_graphs (kernels triton on CUDA): every chunk through the engine's piecewise
-    prefill graphs (runtime/prefill_graphs.py), padded to its size."""
+    prefill graphs (runtime/prefill_graphs.py), padded to its size. images: image prompts
+    (image_prompts.py) checked besides the text on a Vision-Exp checkpoint (default 2 there;
+    none with long_context)."""
     if prefill_graphs and (kernels != "triton" or not str(device).startswith("cuda")):
         raise ValueError("--prefill-graphs needs --kernels triton --device cuda")
     from backfit.runtime.launch import run_on_ranks
@@ -196,6 +240,16 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
                             long_context or max_positions, cfg.bos_token_id)
     if long_context:                                   # one sequence: the prompts back to back
         seqs = [[t for s in seqs for t in s][:long_context]]
+    n_img = images if images is not None else (2 if cfg.vision and not long_context else 0)
+    if n_img and cfg.vision is None:
+        raise ValueError(f"--images {n_img}: {converted} has no vision tower "
+                         f"(config.json vision_n_layers)")
+    if n_img:
+        from backfit.verify.image_prompts import image_prompts
+        seqs += image_prompts(converted / "tokenizer.json", cfg, n_img, prompts or PROMPTS)
+        print(f"image prompts: {n_img} ({sum(len(s.ids) for s in seqs[-n_img:])} positions, "
+              f"{sum(sp.length for s in seqs[-n_img:] for sp in s.spans)} in image blocks)",
+              file=out)
     paged = None
     if kv_cache_dtype or kernels or long_context:
         paged = {"kv_cache_dtype": "auto" if kv_cache_dtype in (None, "auto", "bf16") else
@@ -230,7 +284,8 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
         if f is not None:
             m["floor_rel"] = f
     lm = logit_metrics(got["logits"], ref["logits"])
-    print(f"\nhidden states ({sum(map(len, seqs))} positions, {len(seqs)} sequences, "
+    positions = sum(len(_ids(s)) for s in seqs)
+    print(f"\nhidden states ({positions} positions, {len(seqs)} sequences, "
           f"activations {activations}, tp={tp}, reference on {reference_device}):", file=out)
     print(format_table(rows, ["max_abs", "rel", "cos", "rel_limit"] + (["floor_rel"] if floor_rel else [])),
           file=out)
@@ -241,7 +296,8 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
     gates = {"weights": w_problems, "hidden": _judge_hidden(rows, limits),
              "logits": _judge(kind, lm, floor)}
     problems = [p for g in gates.values() for p in g]
-    report = {"check": kind, "activations": activations, "tp": tp, "positions": sum(map(len, seqs)),
+    report = {"check": kind, "activations": activations, "tp": tp, "positions": positions,
+              "images": n_img,
               "paged": paged, "long_context": long_context, "reference_device": reference_device,
               "weights": {k: {"tensors": len(v), "rel_max": max(v)} for k, v in by_scheme.items()},
               "hidden": [{"layer": i, **m} for i, (_, m) in enumerate(rows)], "logits": lm,
