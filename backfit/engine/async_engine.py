@@ -80,9 +80,10 @@ class AsyncEngine:
     def _command(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, params, fut = cmd
+            _, rid, prompt, params, fut, images = cmd
             try:
-                fut.set_result(self.engine.add_request(prompt, params, request_id=rid))
+                fut.set_result(self.engine.add_request(prompt, params, request_id=rid,
+                                                       images=images))
             except Exception as e:                    # a bad request: the caller's error
                 fut.set_exception(e)
         elif kind == "abort":
@@ -101,16 +102,17 @@ class AsyncEngine:
         loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine failed: {e!r}"))
 
     # ---- event-loop side -----------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int],
-                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; raises ValueError for a request that cannot run."""
+    async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                       images: tuple = ()) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; raises ValueError for a request that cannot run.
+        images: a Vision-Exp prompt's (ImageSpan, PreparedImage) pairs (LLMEngine.add_request)."""
         if self.error is not None:
             raise EngineDeadError(f"engine failed: {self.error!r}")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         rid = next(self._ids)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)      # before any output can come
-        self._cmds.put(("add", rid, list(prompt_ids), params, fut))
+        self._cmds.put(("add", rid, list(prompt_ids), params, fut, tuple(images)))
         done = False
         try:
             await asyncio.wrap_future(fut)                          # ValueError: bad request

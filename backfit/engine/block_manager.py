@@ -7,13 +7,16 @@ Ids only; the runner owns the memory. Three pools:
                   at a block boundary (the runner's slot pool has `total_slots` slots)
 
 Prefix cache. A full block is registered under hash(parent hash, its B token ids) and keeps its
-key (parent block id, token tuple); a hit compares that key, so a hash collision is a miss, and
+key (parent block id, token tuple; with images, Sequence.block_key adds the content key of every
+image block it overlaps); a hit compares that key, so a hash collision is a miss, and
 the parent is a block *id*, exact by induction: unregistering a block unregisters its registered
 descendants with it, so a reused id is never a stale parent. A block computed again while its twin
 is registered is swapped for the twin. Registered blocks with no reference stay cached
 (`evictable`, LRU) and count as free; taking one evicts it. A snapshot hangs on the registered block that ends at its boundary:
 a prefix is reusable up to the last matched block that has one (window ring and compressor rows
-cannot be rebuilt from cached entries). Snapshots are LRU too; unregistering a block drops its own.
+cannot be rebuilt from cached entries); snapshots are saved only at boundaries that cut no image
+block (Sequence.cache_boundary), so a hit never ends inside one. Snapshots are LRU too;
+unregistering a block drops its own.
 
 Invariant: a running sequence's registered blocks are the leading blocks of its table, and each
 one's parent is the block before it, so a referenced block's ancestors are referenced too and
@@ -120,18 +123,18 @@ class BlockManager:
         if not self.enable_prefix_caching or \
                 getattr(seq.params, "prompt_logprobs", None) is not None:
             return PrefixHit([], None, 0)
-        B, ids = self.block_size, seq.all_ids
+        B = self.block_size
         chain, best, parent, h = [], 0, _ROOT, _ROOT
-        for i in range((len(ids) - 1) // B):          # boundaries i*B+B < len(ids)
-            tokens = tuple(ids[i * B:(i + 1) * B])
+        for i in range((seq.length - 1) // B):        # boundaries i*B+B < length
+            tokens = seq.block_key(i * B, (i + 1) * B)            # ids (+ image contents)
             h = block_hash(h, tokens)
             b = self.by_hash.get(h)
             if b is None or self.key_of[b] != (parent, tokens):   # miss, or a collision
                 break
             chain.append(b)
             parent = b
-            if b in self.snap_of:
-                best = i + 1
+            if b in self.snap_of:                     # (never inside an image block: saved
+                best = i + 1                          # at Sequence.cache_boundary only)
         if not best:
             return PrefixHit([], None, 0)
         return PrefixHit(chain[:best], self.snap_of[chain[best - 1]], best * B)
@@ -284,7 +287,7 @@ class BlockManager:
         """Register block i of seq (all of its positions computed); its parent is block i-1."""
         B, b = self.block_size, seq.block_table[i]
         parent = seq.block_table[i - 1] if i else _ROOT
-        tokens = tuple(seq.token_range(i * B, (i + 1) * B))
+        tokens = seq.block_key(i * B, (i + 1) * B)
         h = block_hash(self.hash_of[parent] if i else _ROOT, tokens)
         other = self.by_hash.get(h)
         if other is None:

@@ -38,6 +38,8 @@ from backfit.engine.tokenizer import TextStream, load_tokenizer
 from backfit.runtime.runner import RunnerConfig, StepInput, StepSeq, resolve_kernels
 from backfit.runtime.sampling import PendingSample, SamplingBatch, prompt_logprobs, sample
 from backfit.runtime.workers import RankGroup
+from backfit.vision import check_counts
+from backfit.vision.block import N_TYPES
 
 __all__ = ["EngineConfig", "RequestOutput", "Usage", "LLMEngine"]
 
@@ -156,23 +158,39 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    request_id: int | None = None) -> int:
-        """Queue a request; raises ValueError (clear message) if it can never run."""
+                    request_id: int | None = None, images: tuple = ()) -> int:
+        """Queue a request; raises ValueError (clear message) if it can never run. images:
+        a Vision-Exp prompt's (ImageSpan, PreparedImage) pairs (backfit.vision.splice), its
+        ids vocab_size + type at their blocks."""
         params = params or SamplingParams()
         rid = next(self._ids) if request_id is None else request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid} is already in use")
-        V = self.model_cfg.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= int(t) < V]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {V})")
-        seq = Sequence(rid, [int(t) for t in prompt_ids], params)
+        self._check_ids(prompt_ids, images, params)
+        seq = Sequence(rid, [int(t) for t in prompt_ids], params, images)
         self.scheduler.add(seq)                      # raises for oversized requests
         limit = self.cfg.max_model_len - len(prompt_ids)
-        stream = TextStream(self.tokenizer, params, self.model_cfg.eos_token_id, prompt_ids, limit)
+        text = [t for t in prompt_ids if t < self.model_cfg.vocab_size] if images else prompt_ids
+        stream = TextStream(self.tokenizer, params, self.model_cfg.eos_token_id, text, limit)
         self.requests[rid] = _Request(seq, stream)
         self.prompt_tokens_total += len(prompt_ids)
         return rid
+
+    def _check_ids(self, prompt_ids: list[int], images: tuple, params: SamplingParams) -> None:
+        """Text ids in the vocabulary; image-block ids exactly at the images' blocks."""
+        V = self.model_cfg.vocab_size
+        if images and self.model_cfg.vision is None:
+            raise ValueError(f"{len(images)} image(s) given, but this model reads no images "
+                             f"(config.json has no vision tower)")
+        top = V + (N_TYPES if images else 0)
+        bad = [t for t in prompt_ids if not 0 <= int(t) < top]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {V})")
+        if images and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are not available for prompts with images")
+        if images:                                # blocks exactly where the images say
+            check_counts(prompt_ids, [sp for sp, _ in images],
+                         [im.plan.gh * im.plan.gw for _, im in images], V)
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """Stop a request now and give back everything it holds; None if it is not known."""
@@ -262,7 +280,13 @@ class LLMEngine:
         temp = seq.params.temperature if s.draft else 0.0
         return StepSeq(seq.seq_id, seq.slot, tuple(seq.block_table), s.start,
                        tuple(s.token_ids), s.sample, self._wants_prompt_logprobs(s), s.draft,
-                       nxt if nxt >= 0 else -1, temp)
+                       nxt if nxt >= 0 else -1, temp, self._chunk_images(seq, s.start, end))
+
+    @staticmethod
+    def _chunk_images(seq: Sequence, start: int, end: int) -> tuple:
+        """The (span, image) pairs whose blocks lie in positions start .. end-1 (the scheduler
+        never splits one): the runner runs the tower for those it has not seen."""
+        return tuple(p for p in seq.images if start <= p[0].start < end)
 
     def _resolve_pending(self) -> list[RequestOutput]:
         p, self._pending = self._pending, None

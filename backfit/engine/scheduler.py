@@ -17,7 +17,8 @@ Order: running sequences by arrival (decode tokens are reserved out of the budge
 chunk takes it), then waiting ones FIFO (no admission in a step that preempted). A chunk that
 cannot take the whole remaining prefill ends on a block boundary where the budget allows; with
 prefix caching the last full-block boundary of the prefill is always a chunk end, so its snapshot
-can be saved. When blocks run out the newest running sequence not yet in the step is preempted
+can be saved. A chunk never ends inside an image block (Sequence.image_cut: before the block,
+or after it when the block starts the chunk; the cache boundary skips blocks too). When blocks run out the newest running sequence not yet in the step is preempted
 by recompute (it may be the one asking): everything is given back and it re-enters the front of
 the waiting queue, to prefill prompt + output again (prefix cache hits included).
 """
@@ -109,6 +110,10 @@ class Scheduler:
             raise ValueError(f"request {seq.seq_id}: up to {longest} tokens need {need} cache "
                              f"blocks of {B} but the pool has {self.bm.num_blocks}; lower "
                              f"max_tokens or max_model_len, or give the KV cache more memory")
+        block = max((sp.length for sp, _ in seq.images), default=0)
+        if block > self.max_num_batched_tokens:     # an image block runs in one chunk
+            raise ValueError(f"request {seq.seq_id}: an image block of {block} positions "
+                             f"exceeds max_num_batched_tokens {self.max_num_batched_tokens}")
         if not self.enable_chunked_prefill and p > self.max_num_batched_tokens:
             raise ValueError(f"request {seq.seq_id}: {p} prompt tokens exceed "
                              f"max_num_batched_tokens {self.max_num_batched_tokens} with chunked "
@@ -285,9 +290,11 @@ class Scheduler:
         B, end = self.bm.block_size, min(seq.length, start + avail)
         if end < seq.length and end // B * B > start:
             end = end // B * B                      # a partial chunk ends on a block boundary
-        last = seq.prefill_len // B * B             # the prefill's last full-block boundary
+        last = seq.cache_boundary(B)                # the prefill's last full-block boundary
         if self.bm.enable_prefix_caching and start < last < end:
             end = last                              # ... always a chunk end (its snapshot)
+        if seq.images:                              # never inside an image block
+            end = seq.image_cut(start, end, start + avail)
         return end - start
 
     def _emit(self, step: ScheduledStep, seq: Sequence, n: int) -> None:
@@ -295,7 +302,7 @@ class Scheduler:
         end = start + n
         step.seqs.append(ScheduledSeq(seq, start, seq.token_range(start, end), end == seq.length))
         B = self.bm.block_size
-        if end % B == 0 and (end == seq.prefill_len // B * B or end > seq.prefill_len):
+        if end % B == 0 and (end == seq.cache_boundary(B) or end > seq.prefill_len):
             save = self.bm.plan_save(seq, end, decode=end > seq.prefill_len)
             if save is not None:
                 step.saves.append(save)

@@ -7,6 +7,13 @@ all_ids[num_computed:]: a prefill (several, chunked) or one decode token (the la
 A sampled token is appended when its step is launched, as a placeholder -1 - r (row r of that
 step's sampled tokens, still on the device), and filled in when the step is resolved; only the
 last one or two output ids can be placeholders (scheduler.py, "overlap").
+
+A Vision-Exp prompt carries `images`: (ImageSpan, PreparedImage) pairs (backfit.vision) whose
+blocks sit at fixed prompt positions (ids vocab_size + type there). A block is never split: no
+chunk boundary and no prefix-cache hit may fall strictly inside one (image_cut,
+inside_image, cache_boundary), and the prefix cache keys a block of positions on the contents
+of the images it overlaps as well as on the ids (block_key): two images of the same grid have
+the same ids.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """A request: token ids, its place in the caches, and why it ended."""
 
-    def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams | None = None):
+    def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams | None = None,
+                 images: tuple = ()):
         if not prompt_ids:
             raise ValueError(f"request {seq_id}: the prompt is empty (it needs one token at least)")
         self.seq_id = seq_id
@@ -45,6 +53,7 @@ class Sequence:
         self.finish_reason: str | None = None   # "stop" | "length" | "abort"
         self.in_flight = 0                  # scheduled steps not yet resolved (overlap: up to 2)
         self.finishing: str | None = None   # ended while in flight: freed when in_flight is 0
+        self.images = tuple(images)         # (ImageSpan, PreparedImage) in prompt order
 
     @property
     def all_ids(self) -> list[int]:
@@ -77,6 +86,39 @@ class Sequence:
         if end <= n:
             return self.prompt_ids[start:end]
         return self.prompt_ids[start:] + self.output_ids[:end - n]
+
+    # ---- image blocks (spans: .start, .length, .key; see the module notes) ----
+    def inside_image(self, b: int) -> bool:
+        """Position boundary b (positions < b on one side) cuts an image block."""
+        return any(sp.start < b < sp.start + sp.length for sp, _ in self.images)
+
+    def image_cut(self, start: int, end: int, limit: int) -> int:
+        """A chunk from `start` (never inside a block) ending at `end`, moved so it splits no
+        image block: back to the block's start, or, for a block at `start`, on to its end if
+        that is <= limit; else `start` (nothing runs now)."""
+        for sp, _ in self.images:
+            if sp.start < end < sp.start + sp.length:
+                if sp.start > start:
+                    return sp.start
+                return sp.start + sp.length if sp.start + sp.length <= limit else start
+        return end
+
+    def cache_boundary(self, block_size: int) -> int:
+        """The prefix-cache boundary of the prefill (its snapshot is saved there): the last
+        multiple of block_size <= prefill_len that cuts no image block (0: none)."""
+        b = self.prefill_len // block_size * block_size
+        while b > 0 and self.inside_image(b):
+            b -= block_size
+        return b
+
+    def block_key(self, start: int, end: int) -> tuple:
+        """What the prefix cache compares for positions start .. end-1: the ids, plus the
+        content key and offset of every image block overlapping them."""
+        ids = tuple(self.token_range(start, end))
+        if not self.images:
+            return ids
+        return ids + tuple((sp.key, sp.start - start) for sp, _ in self.images
+                           if sp.start < end and sp.start + sp.length > start)
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, {self.status.value}, prompt={self.num_prompt}, "

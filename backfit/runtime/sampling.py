@@ -110,8 +110,8 @@ class SamplingBatch:
             out_counts = torch.zeros(B, V, **f32).index_put_(
                 (r, c), torch.ones(c.shape, **f32), accumulate=True)
         if rep:                          # seen[b, id] for prompt + output ids of row b
-            r, c = _flat(rep + rep, [prompt_ids[i] for i in rep] + [output_ids[i] for i in rep],
-                         device)
+            text = [[t for t in prompt_ids[i] if t < V] for i in rep]   # (no image-block ids)
+            r, c = _flat(rep + rep, text + [output_ids[i] for i in rep], device)
             seen = torch.zeros(B, V, dtype=torch.bool, device=device).index_put_(
                 (r, c), torch.ones_like(c, dtype=torch.bool))
 

@@ -1,0 +1,216 @@
+"""Image requests through the engine on the tiny Vision-Exp model (CPU, float32, int8 conversion).
+
+Reference for every check: the same request run alone, greedy, uncached, or the plain runtime
+(DecodeState, one full forward then token by token). Blocks of 16 tokens and 128-160-token
+chunks, so an image block (98-101 positions for the 64x48 images, 122-125 for 320x400) takes
+most of a chunk and the scheduler must move cuts around it; the runner's count check refuses a forward that splits one, so a wrong cut fails
+loudly. The prefix cache keys on image content: a conversation that resends its images reuses
+them, a different image of the same grid does not.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+from support import one_thread
+
+from backfit.engine.block_manager import BlockManager
+from backfit.engine.engine import EngineConfig, LLMEngine
+from backfit.engine.sampling_params import SamplingParams
+from backfit.engine.scheduler import Scheduler
+from backfit.engine.sequence import Sequence
+from backfit.runtime.batch import ForwardBatch
+from backfit.runtime.images import EmbeddingCache, batch_images
+from backfit.verify.image_prompts import synthetic_png
+from backfit.vision import prepare, splice
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def conv(tiny_converted):
+    return tiny_converted(1, "int8", "vision")
+
+
+def make(conv, **kw) -> LLMEngine:
+    base = dict(model=str(conv), dtype="float32", block_size=16, max_num_seqs=8,
+                max_num_batched_tokens=160, max_model_len=1024, num_blocks=200,
+                async_scheduling=False)
+    base.update(kw)
+    return LLMEngine(EngineConfig(**base))
+
+
+@pytest.fixture(scope="module")
+def plain(conv):
+    e = make(conv, enable_prefix_caching=False)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def imgs(plain):
+    """Three images: a, b (same size and grid as a, other content), c (another grid)."""
+    vc = plain.model_cfg.vision
+    return [prepare(synthetic_png(w, h, seed=s), vc) for w, h, s in
+            ((64, 48, 0), (64, 48, 1), (320, 400, 2))]
+
+
+def vprompt(e, parts):
+    """parts: text lengths (ints: ids drawn from the length) and images -> VisionPrompt."""
+    segs = [[0]] + [[3 + (7 * k + n) % 500 for k in range(n)] if isinstance(n, int) else n
+                    for n in parts]
+    return splice(segs, e.model_cfg.vocab_size)
+
+
+def add(e, vp, params=GREEDY):
+    return e.add_request(list(vp.ids), params, images=tuple(zip(vp.spans, vp.images)))
+
+
+def run(e, vps, params=GREEDY, stagger=False, usage=None):
+    """Every prompt to the end (staggered: one new request every other step) -> tokens;
+    usage (a dict): filled with each request's final Usage by index."""
+    got, ids, pending, step = {}, {}, list(enumerate(vps)), 0
+    while pending or e.has_unfinished():
+        if pending and (not stagger or step % 2 == 0):
+            i, vp = pending.pop(0)
+            ids[add(e, vp, params)] = i
+            if not stagger:
+                continue
+        for o in e.step():
+            got.setdefault(ids[o.request_id], []).extend(o.token_ids)
+            if o.finished and usage is not None:
+                usage[ids[o.request_id]] = o.usage
+        step += 1
+    return [got[i] for i in range(len(vps))]
+
+
+@pytest.fixture(scope="module")
+def cases(plain, imgs):
+    """Prompts with one image at each lead-pad residue, two images, and a text-only one."""
+    a, b, c = imgs
+    vps = [vprompt(plain, [20, a, 30]), vprompt(plain, [21, a, 12]), vprompt(plain, [22, c, 5]),
+           vprompt(plain, [7, b, 40, c, 9]), vprompt(plain, [30])]
+    assert len({vp.spans[0].lead for vp in vps[:3]}) == 3
+    return vps, [run(plain, [vp])[0] for vp in vps]
+
+
+def test_alone_matches_the_plain_runtime(plain, cases):
+    """Engine greedy (chunked around the image) = argmax of the runtime's full forward with the
+    image, then decoding token by token."""
+    model = plain.ranks.runner.model
+    vp, want = cases[0][0], cases[1][0]
+    st, ids, out = model.new_state(), list(vp.ids), []
+    b = ForwardBatch.build([(0, ids, 0)], images=batch_images(
+        model, EmbeddingCache(model), [(ids, 0, list(zip(vp.spans, vp.images)))]))
+    logits = model(b, st, last_only=True)
+    for _ in range(len(want)):
+        out.append(int(logits[-1].argmax()))
+        logits = model(ForwardBatch.single([out[-1]], start=len(ids) + len(out) - 1), st,
+                       last_only=True)
+    assert out == want
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_batched_equals_alone(conv, cases, overlap):
+    """All five arriving at staggered steps, chunked (128 tokens) and batched = each alone; the
+    tower ran once per distinct image (a is in two prompts)."""
+    vps, want = cases
+    e = make(conv, max_num_batched_tokens=128, enable_prefix_caching=False,
+             async_scheduling=overlap)
+    try:
+        assert run(e, vps, stagger=True) == want
+        assert e.ranks.runner.image_cache.tower_images == 3
+        assert e.block_manager.num_free_blocks == e.num_blocks
+    finally:
+        e.close()
+
+
+def test_prefix_cache_keys_on_image_content(conv, plain, imgs):
+    """The same prompt again hits the cache up to its last block boundary (the tower does not
+    run again); a conversation that resends its image (prompt + answer + more text) reuses it;
+    image b (same grid, so the same ids as a) in the same place hits only the text before its
+    block, and answers as b does uncached."""
+    a, b, _ = imgs
+    vp_a, vp_b = vprompt(plain, [40, a, 50]), vprompt(plain, [40, b, 50])
+    assert vp_a.ids == vp_b.ids
+    want_a, want_b = run(plain, [vp_a])[0], run(plain, [vp_b])[0]   # uncached
+    e = make(conv)
+    try:
+        usage: dict = {}
+        assert run(e, [vp_a], usage=usage) == [want_a] and usage[0].cached_tokens == 0
+        assert run(e, [vp_a], usage=usage) == [want_a]
+        assert usage[0].cached_tokens == len(vp_a.ids) // 16 * 16     # past the image block
+        assert e.ranks.runner.image_cache.tower_images == 1
+        more = vprompt(plain, [40, a, 50])                             # + answer + new text
+        turn2 = splice([list(more.ids[:more.spans[0].start]), a,
+                        list(more.ids[more.spans[0].start + more.spans[0].length:]) + want_a
+                        + [9, 10, 11, 12, 13]], plain.model_cfg.vocab_size)
+        want2 = run(plain, [turn2])[0]
+        assert run(e, [turn2], usage=usage) == [want2]
+        assert usage[0].cached_tokens >= len(vp_a.ids) // 16 * 16
+        assert run(e, [vp_b], usage=usage) == [want_b]
+        assert usage[0].cached_tokens <= vp_b.spans[0].start              # the text only
+        assert e.ranks.runner.image_cache.tower_images == 2
+    finally:
+        e.close()
+
+
+def test_preemption_recomputes_images(conv, cases):
+    """A pool too small for all five at once: preempted requests recompute their prompts (and
+    images) and still answer as alone."""
+    vps, want = cases
+    e = make(conv, num_blocks=24, max_model_len=384, enable_prefix_caching=False)
+    try:
+        assert run(e, vps) == want
+        assert e.scheduler.num_preemptions > 0
+    finally:
+        e.close()
+
+
+def test_bad_image_requests(plain, imgs):
+    a = imgs[0]
+    vp = vprompt(plain, [10, a, 5])
+    with pytest.raises(ValueError, match="not an image block"):
+        plain.add_request(list(vp.ids[1:]), GREEDY, images=tuple(zip(vp.spans, vp.images)))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        plain.add_request(list(vp.ids), GREEDY)               # block ids without the images
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        add(plain, vp, SamplingParams(max_tokens=2, prompt_logprobs=1))
+    small = make(plain.cfg.model, max_num_batched_tokens=90)
+    try:
+        with pytest.raises(ValueError, match="exceeds max_num_batched_tokens 90"):
+            add(small, vp)
+    finally:
+        small.close()
+
+
+# ---- the scheduler alone (plain Python) ------------------------------------------------------
+def _seq(sid, n, blocks):
+    """A Sequence of n ids with image blocks (start, length) (fake spans and images)."""
+    images = tuple((SimpleNamespace(start=s, length=L, key=f"k{s}"), None) for s, L in blocks)
+    return Sequence(sid, [5] * n, SamplingParams(max_tokens=4), images)
+
+
+@pytest.mark.parametrize("budget", [48, 64, 100])
+def test_chunks_never_split_an_image_block(budget):
+    """Every chunk boundary lies outside every block, whatever the budget and block size; the
+    prefix-cache boundary (a chunk end, its snapshot saved) too."""
+    bm = BlockManager(64, 16, 4, 4, True)
+    sch = Scheduler(bm, 4, budget, 1024)
+    seq = _seq(0, 300, [(10, 37), (60, 33), (94, 40), (250, 45)])
+    sch.add(seq)
+    ends, done = [], False
+    while not done:                                   # the prefill, to its first sample
+        step = sch.schedule()
+        for item in step.seqs:
+            ends.append(item.start + len(item.token_ids))
+            done |= item.sample
+        sch.advance(step)
+        sch.resolve(step, {0: 1} if done else {})
+    assert ends[-1] == 300 and not any(seq.inside_image(e) for e in ends)
+    assert seq.cache_boundary(16) == 240 and 240 in ends      # 288, 272, 256: inside 250-294
