@@ -263,21 +263,31 @@ def generate(converted, prompt, prompts_file, tp, **kw) -> None:
               help="Requests admitted beyond --max-num-seqs; more get 429 (529 on Anthropic).")
 @click.option("--keepalive", type=float, default=10.0, show_default=True,
               help="Seconds of silence before an SSE keep-alive comment / ping.")
+@click.option("--limit-mm-per-prompt", "limit_mm", default=None, metavar="JSON",
+              help="Images one request may hold, as vLLM's '{\"image\": N}' (default 96; "
+                   "Vision-Exp checkpoints). More are a 400.")
+@click.option("--allowed-media-domains", "media_domains", multiple=True, metavar="HOST",
+              help="Hosts (and their subdomains) image URLs may be fetched from; repeat or "
+                   "comma-separate. Default: any host (data: URLs are always accepted).")
 @engine_options
-def serve(converted, host, port, served_model_name, aliases, api_key, max_queue, keepalive, tp,
-          **kw) -> None:
+def serve(converted, host, port, served_model_name, aliases, api_key, max_queue, keepalive,
+          limit_mm, media_domains, tp, **kw) -> None:
     """Serve CONVERTED over HTTP: OpenAI Chat Completions, Responses, legacy Completions and
     Anthropic Messages (docs/API.md). /health answers 503 until the model is loaded; SIGINT or
     SIGTERM shuts down cleanly (open streams end with an error event, rank processes exit)."""
     import logging
 
     from backfit.server.app import serve as run_serve
+    from backfit.server.images import MediaLimits, parse_limit
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ekw = engine_kwargs(kw)
     try:
+        hosts = tuple(h.strip().lower() for d in media_domains for h in d.split(",") if h.strip())
+        limit = parse_limit(limit_mm) if limit_mm else MediaLimits.max_images
+        media = MediaLimits(max_images=limit, allowed_domains=hosts or None)
         run_serve(converted, host, port, served_model_name=served_model_name, api_key=api_key,
                   max_queue=max_queue, keepalive_s=keepalive, aliases=tuple(aliases), tp=tp,
-                  **ekw)
+                  media=media, **ekw)
     except (ValueError, OSError, *_user_errors()) as e:
         _fail(e)
 

@@ -4,8 +4,10 @@ Request (api-protocols §3.1): `system` string or text blocks (blocks starting w
 `x-anthropic-billing-header` dropped: a per-request hash that defeats prefix caching); roles
 user / assistant / system, Claude Code's `ctx` / `msg` → user; content blocks: text; tool_use
 (assistant) and tool_result (user, → tool results); thinking (→ the turn's reasoning, signature
-accepted unchecked), redacted_thinking and server-tool history blocks dropped; image / document
-→ `[Unsupported <type>]` placeholders (a text document's data is kept). A final assistant
+accepted unchecked), redacted_thinking and server-tool history blocks dropped; image blocks
+(base64 or url, in user turns and tool results) are images on a Vision-Exp model
+(server/images.py), else `[Unsupported image]`; documents → `[Unsupported document]` (a text
+document's data is kept). A final assistant
 message is a prefill: continued, not closed. Tools `{name, description?, input_schema}` with
 `input_schema.type` defaulted to object and `required: null` → []; server tools (no
 input_schema) are dropped. thinking/effort as on the OpenAI paths (`thinking`,
@@ -30,8 +32,9 @@ from aiohttp import web
 
 from backfit.server import http
 from backfit.server.bridge import CTX, ContextTooLong, EngineUnavailable, KeepAlive, QueueFull
-from backfit.server.http import BadRequest
 from backfit.server.anthropic_render import AnthropicRenderer, signature
+from backfit.server.http import BadRequest
+from backfit.server.images import ImageRef, content_parts, image_part
 from backfit.server.openai_responses import reasoning_wishes, sampling_params
 from backfit.server.protocol import ChatRequest, Message, Tool, ToolCall
 
@@ -52,7 +55,9 @@ def anthropic_error(status: int, type: str, message: str, headers: dict | None =
 
 # ---- request → ChatRequest ------------------------------------------------------------------
 
-def _block_text(b: dict, p: str) -> str:
+def _block_text(b: dict, p: str, images: bool = False) -> str | ImageRef:
+    """A text, document or image block -> its text; with images (a vision model) an image
+    block -> its ImageRef (base64 source as a data: URL, or its url)."""
     kind = b.get("type")
     if kind == "text":
         if not isinstance(b.get("text"), str):
@@ -62,10 +67,19 @@ def _block_text(b: dict, p: str) -> str:
     if kind == "document" and isinstance(src, dict) and src.get("type") == "text" \
             and isinstance(src.get("data"), str):
         return src["data"]
+    if kind == "image" and images:
+        src = src if isinstance(src, dict) else {}
+        if src.get("type") == "base64" and isinstance(src.get("data"), str) \
+                and isinstance(src.get("media_type"), str):
+            return ImageRef(f"data:{src['media_type']};base64,{src['data']}", p)
+        if src.get("type") == "url" and isinstance(src.get("url"), str):
+            return ImageRef(src["url"], p)
+        raise BadRequest(f"{p}.source must be {{type: base64, media_type, data}} or "
+                         f"{{type: url, url}}", f"{p}.source")
     return f"[Unsupported {str(kind)[:40]}]"
 
 
-def _result_content(c: Any, p: str) -> str | list[dict]:
+def _result_content(c: Any, p: str, images: bool = False) -> str | list[dict]:
     if c is None or isinstance(c, str):
         return c or ""
     if not isinstance(c, list):
@@ -74,12 +88,18 @@ def _result_content(c: Any, p: str) -> str | list[dict]:
     for j, b in enumerate(c):
         if not isinstance(b, dict):
             raise BadRequest(f"{p}[{j}] must be an object", f"{p}[{j}]")
-        out.append({"type": "text", "text": _block_text(b, f"{p}[{j}]")}
-                   if b.get("type") in ("text", "document") else {"type": b.get("type")})
+        kind = b.get("type")
+        x = _block_text(b, f"{p}[{j}]", images) if kind in ("text", "document", "image") else None
+        if isinstance(x, ImageRef):
+            out.append(image_part(x))
+        elif kind in ("text", "document"):
+            out.append({"type": "text", "text": x})
+        else:
+            out.append({"type": kind})              # rendered `[Unsupported <type>]`
     return out
 
 
-def _message(m: Any, i: int, last: bool) -> list[Message]:
+def _message(m: Any, i: int, last: bool, images: bool = False) -> list[Message]:
     p = f"messages[{i}]"
     if not isinstance(m, dict):
         raise BadRequest(f"{p} must be an object", p)
@@ -101,13 +121,13 @@ def _message(m: Any, i: int, last: bool) -> list[Message]:
         kind = b.get("type")
         if kind == "tool_result" and role != "assistant":
             if text:
-                out.append(Message("user", "".join(text)))
+                out.append(Message("user", content_parts(text)))
                 text = []
             tid = b.get("tool_use_id", "")
             if not isinstance(tid, str):
                 raise BadRequest(f"{q}.tool_use_id must be a string", f"{q}.tool_use_id")
-            out.append(Message("tool", _result_content(b.get("content"), f"{q}.content"),
-                               tool_call_id=tid))
+            out.append(Message("tool", _result_content(b.get("content"), f"{q}.content",
+                                                       images), tool_call_id=tid))
         elif kind == "tool_use" and role == "assistant":
             name, tid = b.get("name"), b.get("id", "")
             if not isinstance(name, str) or not name or not isinstance(tid, str):
@@ -118,14 +138,14 @@ def _message(m: Any, i: int, last: bool) -> list[Message]:
             if isinstance(b.get("thinking"), str):
                 reasoning.append(b["thinking"])
         elif kind in ("text", "image", "document", "search_result"):
-            text.append(_block_text(b, q))
+            text.append(_block_text(b, q, images and role in _USER_ROLES))
         else:                  # redacted_thinking, server_tool_use, web_search_tool_result, ...
             log.debug("anthropic: dropped %s block in %s", kind, p)
     if role == "assistant":
         out.append(Message("assistant", "".join(text), "".join(reasoning) or None, tuple(calls),
                            prefix=last))
     elif text or not out:
-        out.append(Message("system" if role == "system" else "user", "".join(text)))
+        out.append(Message("system" if role == "system" else "user", content_parts(text)))
     return out
 
 
@@ -177,8 +197,9 @@ def _tool_choice(v: Any) -> tuple[str | dict, bool]:
     return {"any": "required"}.get(v["type"], v["type"]), parallel
 
 
-def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
-    """Messages JSON → ChatRequest; BadRequest names the field (max_tokens is required)."""
+def parse_request(body: dict, count_only: bool = False, images: bool = False) -> ChatRequest:
+    """Messages JSON → ChatRequest; BadRequest names the field (max_tokens is required).
+    images: the model reads images (image blocks of user turns and tool results)."""
     if http.get_int(body, "n", 1) != 1:
         raise BadRequest("n > 1 is not supported", "n")
     max_tokens = http.get_int(body, "max_tokens", lo=1)
@@ -187,7 +208,8 @@ def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
     msgs = http.get_list(body, "messages")
     if not msgs:
         raise BadRequest("messages must be a non-empty array", "messages")
-    messages = [x for i, m in enumerate(msgs) for x in _message(m, i, i == len(msgs) - 1)]
+    messages = [x for i, m in enumerate(msgs)
+                for x in _message(m, i, i == len(msgs) - 1, images)]
     system = _system(body.get("system"))
     if system:
         messages.insert(0, Message("system", system))
@@ -225,7 +247,9 @@ def _context_error(n: int, m: int | None, limit: int) -> str:
 async def _parse(request: web.Request, count_only: bool):
     ctx = request.app[CTX]
     body = await http.read_json(request)
-    req = parse_request(body, count_only)
+    req = parse_request(body, count_only, images=ctx.images is not None)
+    if ctx.images is not None:                 # fetch, decode and prepare (400 on failure)
+        req = await ctx.images.resolve(req)
     try:
         prompt = ctx.encoder.encode_request(req)
     except ValueError as e:

@@ -195,8 +195,10 @@ async def tokenize(request: web.Request) -> web.Response:
     if "messages" in body:
         tools, choice = openai_chat.parse_tools(body)
         thinking, effort = openai_chat.parse_reasoning(body)
-        req = ChatRequest(openai_chat.parse_messages(body["messages"]), tools, choice,
-                          thinking, effort, get_dict(body, "response_format", None))
+        req = ChatRequest(openai_chat.parse_messages(body["messages"], ctx.images is not None),
+                          tools, choice, thinking, effort, get_dict(body, "response_format", None))
+        if ctx.images is not None:
+            req = await ctx.images.resolve(req)
         try:
             ids = ctx.encoder.encode_request(req).ids
         except ValueError as e:
@@ -272,11 +274,18 @@ async def start_server(ctx: ServerContext, host: str, port: int) -> web.AppRunne
 
 def make_context(engine, model_dir: str, *, model_name: str = "deepseek-v4-flash",
                  api_key: str | None = None, max_queue: int = 256, keepalive_s: float = 10.0,
-                 aliases: tuple[str, ...] = (), encoder_profile: str = "flash") -> ServerContext:
+                 aliases: tuple[str, ...] = (), encoder_profile: str = "flash",
+                 media=None) -> ServerContext:
     """ServerContext over an engine (AsyncEngine, or a test double with the same surface:
-    cfg, ready, error, generate, stats). The tokenizer is read from model_dir."""
+    cfg, ready, error, generate, stats). The tokenizer is read from model_dir, and its
+    config.json (when there) says whether the model reads images. media: the image limits
+    (server.images.MediaLimits; default: its defaults)."""
+    from pathlib import Path
+
+    from backfit.config import ModelConfig
     from backfit.server.bridge import Bridge, load_tokenizer
     from backfit.server.chat_format import ChatEncoder
+    from backfit.server.images import ImageInput, MediaLimits
     from backfit.server.metrics import Metrics
 
     tok = load_tokenizer(model_dir)
@@ -284,9 +293,14 @@ def make_context(engine, model_dir: str, *, model_name: str = "deepseek-v4-flash
     bridge = Bridge(engine, max_model_len=engine.cfg.max_model_len,
                     max_num_seqs=engine.cfg.max_num_seqs, max_queue=max_queue,
                     keepalive_s=keepalive_s, metrics=m)
-    return ServerContext(bridge, ChatEncoder(tok, encoder_profile), model_name,
-                         engine.cfg.max_model_len, api_key, tok, tuple(aliases),
-                         int(time.time()), m)
+    path = Path(model_dir) / "config.json"
+    cfg = ModelConfig.from_file(path) if path.exists() else None
+    images = None
+    if cfg is not None and cfg.vision is not None:
+        images = ImageInput(cfg.vision, media or MediaLimits())
+    encoder = ChatEncoder(tok, encoder_profile, cfg.vocab_size if cfg is not None else None)
+    return ServerContext(bridge, encoder, model_name, engine.cfg.max_model_len, api_key, tok,
+                         tuple(aliases), int(time.time()), m, images=images)
 
 
 def ready_line(engine, host: str, port: int, t_start: float) -> str:
@@ -341,13 +355,17 @@ async def _serve(cfg, host: str, port: int, ctx_kw: dict) -> None:
         waiter.cancel()
         stopper.cancel()
         await runner.cleanup()
+        if ctx.images is not None:
+            await ctx.images.close()
         await asyncio.to_thread(engine.shutdown)         # joins the engine thread; ranks exit
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, *, served_model_name: str
           = "deepseek-v4-flash", api_key: str | None = None, max_queue: int = 256,
-          keepalive_s: float = 10.0, aliases: tuple[str, ...] = (), **engine_kw) -> None:
-    """`backfit serve`: engine + HTTP in this process (TP ranks are child processes)."""
+          keepalive_s: float = 10.0, aliases: tuple[str, ...] = (), media=None,
+          **engine_kw) -> None:
+    """`backfit serve`: engine + HTTP in this process (TP ranks are child processes).
+    media: server.images.MediaLimits (--limit-mm-per-prompt, --allowed-media-domains)."""
     from backfit.formats import load_manifest
     from backfit.server.bridge import EngineConfig
 
@@ -355,4 +373,4 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, *, served_model
     cfg = EngineConfig(str(model), **engine_kw)
     asyncio.run(_serve(cfg, host, port, {"model_name": served_model_name, "api_key": api_key,
                                          "max_queue": max_queue, "keepalive_s": keepalive_s,
-                                         "aliases": aliases}))
+                                         "aliases": aliases, "media": media}))

@@ -158,8 +158,10 @@ class Bridge:
             self.metrics.rejected(reason)
 
     async def generate(self, ids: list[int], params: SamplingParams,
-                       _state: dict | None = None) -> AsyncIterator[RequestOutput | KeepAlive]:
+                       _state: dict | None = None,
+                       images: tuple = ()) -> AsyncIterator[RequestOutput | KeepAlive]:
         """Engine outputs for raw token ids (legacy completions); see the module docstring.
+        images: a Vision-Exp prompt's (ImageSpan, PreparedImage) pairs (Prompt.images).
         _state["stopped"] = True before closing: the caller ended it (a stop string), not the
         client (metrics); _state["continued"]: a forced continuation follows (metrics wait);
         "t0", "t_first", "n_out" carry the request's timing from the first part to the second."""
@@ -172,7 +174,7 @@ class Bridge:
 
         async def pump():
             try:
-                async for o in self.engine.generate(ids, params):
+                async for o in self.engine.generate(ids, params, images):
                     q.put_nowait(o)
                 q.put_nowait(None)
             except asyncio.CancelledError:
@@ -226,8 +228,8 @@ class Bridge:
         stop: stop strings applied by the parser to content (not reasoning or arguments)."""
         parser = OutputParser(reasoning=prompt.reasoning_open, tools=tools, stop=tuple(stop))
         state: dict = {}
-        agen = self.generate(prompt.ids, params, state) if prompt.forced is None else \
-            self._forced(prompt, params, state)
+        agen = self.generate(prompt.ids, params, state, prompt.images) \
+            if prompt.forced is None else self._forced(prompt, params, state)
         n_out, usage, started = 0, None, False
         try:
             try:
@@ -283,7 +285,7 @@ class Bridge:
         out: list[int] = []                     # the reasoning as the continuation reads it
         forced, u1 = [RequestOutput(0, f.text, list(f.ids))], None
         if not prompt.reasoning_open and total - len(f.ids) < 1:
-            async for o in self.generate(prompt.ids, params, state):
+            async for o in self.generate(prompt.ids, params, state, prompt.images):
                 yield o                             # max_tokens below the opener: not forced
             return
         if prompt.reasoning_open:
@@ -291,7 +293,8 @@ class Bridge:
             p1 = replace(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap),
                          stop_token_ids=params.stop_token_ids + (f.think_end,),
                          include_stop_str_in_output=True)
-            async with contextlib.aclosing(self.generate(prompt.ids, p1, state)) as agen:
+            async with contextlib.aclosing(self.generate(prompt.ids, p1, state,
+                                                         prompt.images)) as agen:
                 async for o in agen:
                     if o is KEEPALIVE:
                         yield o
@@ -318,7 +321,7 @@ class Bridge:
         p2 = replace(params, max_tokens=None if params.max_tokens is None else total - n_before,
                      min_tokens=max(0, params.min_tokens - n_before))
         agen = self.generate([*prompt.ids, *out, *(t for x in forced for t in x.token_ids)],
-                             p2, state)
+                             p2, state, prompt.images)     # (the images: in the prompt part)
         async with contextlib.aclosing(agen):
             try:
                 first = await agen.__anext__()      # admission errors come before any event
@@ -370,6 +373,7 @@ class ServerContext:
     created: int = 0
     metrics: Any = None
     extra: dict | None = None
+    images: Any = None            # server.images.ImageInput on a Vision-Exp model, else None
 
 
 CTX = web.AppKey("ctx", ServerContext)

@@ -40,6 +40,10 @@ Unconfirmed in the spec, and what we chose:
   `prefix=True` to continue it instead (Anthropic prefill), which renders it without EOS.
 - Quick-instruction `task` tokens, tools on a `developer` message and the encoder's `context`
   argument are not supported (front ends map `developer` to `system`).
+- Images (Vision-Exp, server/images.py): an image part of a user or tool message renders where
+  the Vision-Exp encoder writes `<｜deepseek_image｜>` (a message with images has its parts
+  joined by a blank line, dsv4-vision.md §5); its block is spliced into the ids there
+  (backfit.vision.splice). The placeholder string in any text stays text.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ from backfit.server.chat_template import (
     TOOLS_TAIL,
     USER,
 )
+from backfit.server.chat_segments import (CONTROL, IMAGE, Segments, content_pieces,
+                                          content_text)
 from backfit.server.protocol import ChatRequest, Message, Tool
 
 __all__ = [
@@ -131,43 +137,16 @@ class Forced:
 class Prompt:
     """An encoded prompt. `text` is the reference string; `reasoning_open` says the prompt ends
     inside `<think>`, so the output starts with reasoning (hand it to the parser); `forced`:
-    the tool-call opener of a required / named tool_choice and the reasoning budget, or None."""
+    the tool-call opener of a required / named tool_choice and the reasoning budget, or None.
+    With images, ids hold each image's block (ids vocab_size + type, backfit.vision.splice)
+    where the reference writes `<｜deepseek_image｜>`, and `images` says where."""
     ids: list[int]
     text: str
     thinking_mode: str
     reasoning_effort: str | None
     reasoning_open: bool
     forced: Forced | None = None
-
-
-class _Segments:
-    """The prompt as [(text, is_control)], adjacent text runs merged."""
-
-    def __init__(self):
-        self.items: list[list[Any]] = []
-
-    def text(self, s: str):
-        if not s:
-            return
-        if self.items and not self.items[-1][1]:
-            self.items[-1][0] += s
-        else:
-            self.items.append([s, False])
-
-    def control(self, tok: str):
-        self.items.append([tok, True])
-
-    def template(self, s: str):
-        """A trusted constant that may contain control strings (the tools block)."""
-        while s:
-            hits = [(s.find(c), c) for c in CONTROL_TOKENS if c in s]
-            if not hits:
-                self.text(s)
-                return
-            pos, tok = min(hits)
-            self.text(s[:pos])
-            self.control(tok)
-            s = s[pos + len(tok):]
+    images: tuple = ()              # (ImageSpan, PreparedImage) of each image block in ids
 
 
 def _arguments(raw: str) -> dict[str, Any]:
@@ -181,21 +160,13 @@ def _arguments(raw: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"arguments": value}
 
 
-def _tool_content(content: str | list[dict[str, Any]]) -> str:
-    if isinstance(content, str):
-        return content
-    return "\n\n".join(p.get("text", "") if p.get("type") == "text"
-                       else f"[Unsupported {p.get('type')}]" for p in content)
-
-
 def _merge_tool_messages(messages: list[Message]) -> list[dict[str, Any]]:
     """Reference merge_tool_messages: tool results (and user text) join the user turn before."""
     out: list[dict[str, Any]] = []
     for m in messages:
         if m.role in ("tool", "user"):
-            block = ({"type": "tool_result", "id": m.tool_call_id or "",
-                      "text": _tool_content(m.content)} if m.role == "tool"
-                     else {"type": "text", "text": _tool_content(m.content)})
+            block = {"type": "tool_result" if m.role == "tool" else "text",
+                     "id": m.tool_call_id or "", "pieces": content_pieces(m.content)}
             if out and out[-1]["role"] == "user":
                 out[-1]["blocks"].append(block)
             else:
@@ -221,13 +192,15 @@ def _sort_tool_results(turns: list[dict[str, Any]]) -> None:
 class ChatEncoder:
     """DSV4 prompt encoder over a `tokenizers.Tokenizer` (real or the tiny 512-id one)."""
 
-    def __init__(self, tokenizer, profile: str = "flash"):
+    def __init__(self, tokenizer, profile: str = "flash", vocab_size: int | None = None):
         from tokenizers import Tokenizer
 
         if profile not in EFFORT_PROMPTS:
             raise ValueError(f"unknown reasoning-effort profile {profile!r}")
         self.profile = profile
         self.tokenizer = tokenizer
+        # the model's vocabulary (config.json): image-block ids are vocab_size + type
+        self.vocab_size = vocab_size or tokenizer.get_vocab_size(with_added_tokens=True)
         cfg = json.loads(tokenizer.to_str())
         cfg["added_tokens"] = []            # text is never split on added tokens
         self.plain = Tokenizer.from_str(json.dumps(cfg))
@@ -237,11 +210,13 @@ class ChatEncoder:
             raise ValueError(f"tokenizer lacks the DSV4 chat tokens {missing}")
 
     @classmethod
-    def from_file(cls, path: str | Path, profile: str = "flash") -> ChatEncoder:
+    def from_file(cls, path: str | Path, profile: str = "flash",
+                  vocab_size: int | None = None) -> ChatEncoder:
         from tokenizers import Tokenizer
 
         p = Path(path)
-        return cls(Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p)), profile)
+        return cls(Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p)), profile,
+                   vocab_size)
 
     # ---- public entry points ---------------------------------------------------------------
 
@@ -253,13 +228,13 @@ class ChatEncoder:
         call = bool(tools) and req.tool_choice != "auto"
         if not (call or budget is not None) or req.messages[-1].prefix:
             return prompt                   # nothing to force (or a prefill to continue)
-        segs = _Segments()
+        segs = Segments()
         if call:                            # the name as text: it is the client's
             segs.template(f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="')
             if len(tools) == 1 and isinstance(req.tool_choice, dict):
                 segs.text(f'{tools[0].name}">\n')
-        forced = Forced(tuple(self._ids(segs)), "".join(t for t, _ in segs.items),
-                        self.control_ids[THINK_END], budget)
+        forced = Forced(tuple(self._ids(segs)), segs.rendered, self.control_ids[THINK_END],
+                        budget)
         return replace(prompt, forced=forced)
 
     def encode_messages(self, messages, tools=(), thinking_mode: str = "thinking",
@@ -276,10 +251,11 @@ class ChatEncoder:
             response_format = None
         segs = self._render(list(messages), tuple(tools), thinking_mode, reasoning_effort,
                             response_format, drop_thinking)
-        thinks = [t for t, c in segs.items if c and t in (THINK_START, THINK_END)]
-        return Prompt(ids=self._ids(segs), text="".join(t for t, _ in segs.items),
-                      thinking_mode=thinking_mode, reasoning_effort=reasoning_effort,
-                      reasoning_open=bool(thinks) and thinks[-1] == THINK_START)
+        thinks = [t for t, c in segs.items if c == CONTROL and t in (THINK_START, THINK_END)]
+        ids, images = self._splice(segs)
+        return Prompt(ids=ids, text=segs.rendered, thinking_mode=thinking_mode,
+                      reasoning_effort=reasoning_effort,
+                      reasoning_open=bool(thinks) and thinks[-1] == THINK_START, images=images)
 
     def encode_text(self, text: str) -> list[int]:
         """Untrusted text → ids, never control ids (e.g. for /tokenize of a raw prompt)."""
@@ -287,24 +263,40 @@ class ChatEncoder:
 
     # ---- rendering -------------------------------------------------------------------------
 
-    def _ids(self, segs: _Segments) -> list[int]:
-        ids: list[int] = []
+    def _ids(self, segs: Segments) -> list[int]:
+        """The ids of a prompt without images."""
+        return self._runs(segs)[0]
+
+    def _runs(self, segs: Segments) -> list:
+        """The prompt as text-id runs and images between them (splice's segments)."""
+        runs: list = [[]]
         pending = ""
-        for s, is_control in segs.items:
-            tid = self.control_ids.get(s) if is_control else None
-            if tid is None:                 # text, or a control string this vocab lacks
+        for s, kind in segs.items:
+            tid = self.control_ids.get(s) if kind == CONTROL else None
+            if tid is None and kind != IMAGE:   # text, or a control string this vocab lacks
                 pending += s
                 continue
             if pending:
-                ids += self.encode_text(pending)
+                runs[-1] += self.encode_text(pending)
                 pending = ""
-            ids.append(tid)
+            if kind == IMAGE:
+                runs += [s, []]
+            else:
+                runs[-1].append(tid)
         if pending:
-            ids += self.encode_text(pending)
-        return ids
+            runs[-1] += self.encode_text(pending)
+        return runs
+
+    def _splice(self, segs: Segments) -> tuple[list[int], tuple]:
+        """(ids, (span, image) pairs): each image's block spliced between its text runs."""
+        if not segs.has_images:
+            return self._ids(segs), ()
+        from backfit.vision import splice
+        vp = splice(self._runs(segs), self.vocab_size)
+        return list(vp.ids), tuple(zip(vp.spans, vp.images))
 
     def _render(self, messages: list[Message], tools, mode, effort, response_format,
-                drop_thinking) -> _Segments:
+                drop_thinking) -> Segments:
         # request-level tools/format go on the first system message (inserted at 0 if none)
         if tools or response_format:
             if not any(m.role == "system" for m in messages):
@@ -321,7 +313,7 @@ class ChatEncoder:
             last = _last_user(turns)
             turns = [t for i, t in enumerate(turns) if t["role"] != "developer" or i >= last]
         last_user = _last_user(turns)
-        segs = _Segments()
+        segs = Segments()
         segs.control(BOS)
         for i, t in enumerate(turns):
             if i == 0 and mode == "thinking":
@@ -336,7 +328,7 @@ class ChatEncoder:
         if role in ("system", "developer"):
             if role == "developer":
                 segs.control(USER)
-            segs.text(_tool_content(t["msg"].content))
+            segs.text(content_text(t["msg"].content))
             if tools:
                 segs.text("\n\n")
                 segs.template(TOOLS_HEAD)
@@ -344,20 +336,23 @@ class ChatEncoder:
                 segs.text(TOOLS_TAIL)
             if response_format:
                 segs.text("\n\n" + RESPONSE_FORMAT + _to_json(response_format))
-        elif role == "user":
+        elif role == "user":                # blocks joined by a blank line
             segs.control(USER)
-            segs.text("\n\n".join(b["text"] if b["type"] == "text"
-                                  else f"<tool_result>{b['text']}</tool_result>"
-                                  for b in t["blocks"]))
+            for k, b in enumerate(t["blocks"]):
+                segs.text("\n\n" if k else "")
+                tool = b["type"] == "tool_result"
+                segs.text("<tool_result>" if tool else "")
+                segs.pieces(b["pieces"])
+                segs.text("</tool_result>" if tool else "")
         elif role == "latest_reminder":
             segs.control(LATEST_REMINDER)
-            segs.text(_tool_content(t["msg"].content))
+            segs.text(content_text(t["msg"].content))
         else:                               # assistant
             m = t["msg"]
             if mode == "thinking" and (not drop or i > last_user):
                 segs.text(m.reasoning or "")
                 segs.control(THINK_END)
-            segs.text(_tool_content(m.content))
+            segs.text(content_text(m.content))
             if m.tool_calls:
                 self._render_calls(segs, m.tool_calls)
             if not m.prefix:

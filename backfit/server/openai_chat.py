@@ -1,7 +1,8 @@
 """POST /v1/chat/completions (api-protocols §1): JSON → ChatRequest → prompt → events → JSON/SSE.
 
 Choices (api-protocols [U] points): `developer` and `function` roles map to system / tool;
-image, audio and file parts are a 400 naming `messages[i].content[j]` (V4-Flash is text-only);
+audio and file parts are a 400 naming `messages[i].content[j]`; `image_url` parts of user and
+tool messages are images on a Vision-Exp model (server/images.py), a 400 on a text-only one;
 `n` up to 16 choices (each its own engine request, choice i sampling with seed + i; usage counts
 the prompt once); `logprobs` / `top_logprobs` (≤ 20) give the answer's tokens
 (chat_logprobs: after the reasoning; reasoning and forced tokens have none);
@@ -144,7 +145,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
     streams: list[tuple[Any, Any]] = []        # (events, first-item task) a choice
     try:
         body = await read_json(request)
-        req, params = parse_request(body)
+        req, params = parse_request(body, images=ctx.images is not None)
+        if ctx.images is not None:             # fetch, decode and prepare (400 on failure)
+            req = await ctx.images.resolve(req)
         try:
             prompt = ctx.encoder.encode_request(req)
         except ValueError as e:

@@ -1,5 +1,6 @@
 """OpenAI request parsing shared by /v1/chat/completions, /v1/completions and /tokenize:
-messages (roles, content parts, history tool calls and reasoning), tools and tool_choice,
+messages (roles, content parts: text, and image_url parts of user / tool messages as ImageRefs
+that server/images.py loads), history tool calls and reasoning, tools and tool_choice,
 thinking/effort from every known field, sampling knobs, stop strings. Each bad field is a
 BadRequest naming it (`messages[2].content[0]`, `tool_choice`, ...)."""
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from backfit.server.bridge import MAX_LOGPROBS, SamplingParams
 from backfit.server.http import BadRequest, get_bool, get_dict, get_int, get_list, get_num, get_str
+from backfit.server.images import ImageRef, content_parts
 from backfit.server.protocol import ChatRequest, Message, Tool, ToolCall
 
 MAX_CHOICES = 16          # `n`: choices a chat request may ask for (each an engine request)
@@ -28,30 +30,45 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 _TEXT_PARTS = ("text", "input_text", "output_text", "refusal")
 
 
-def _text(content: Any, where: str, allow_none: bool = True) -> str:
-    if content is None and allow_none:
+def _text(content: Any, where: str, images: bool | None = None) -> str | list[dict]:
+    """A message's content: a string, or parts (text, and with images=True image_url /
+    input_image parts -> ImageRef, server/images.py) -> the text, or text and image parts.
+    images: True (a vision model, a user or tool message), False (a vision model, another
+    role), None (a text-only model)."""
+    if content is None:
         return ""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise BadRequest(f"{where} must be a string or an array of content parts", where)
-    out = []
+    out: list = []
     for j, p in enumerate(content):
         if isinstance(p, str):
             out.append(p)
             continue
+        w = f"{where}[{j}]"
         if not isinstance(p, dict):
-            raise BadRequest(f"{where}[{j}] must be a content part object", f"{where}[{j}]")
+            raise BadRequest(f"{w} must be a content part object", w)
         kind = p.get("type", "text")
         if kind in _TEXT_PARTS:
             t = p.get("text", p.get("refusal", ""))
             if not isinstance(t, str):
-                raise BadRequest(f"{where}[{j}].text must be a string", f"{where}[{j}].text")
+                raise BadRequest(f"{w}.text must be a string", f"{w}.text")
             out.append(t)
+        elif kind in ("image_url", "input_image") and images:
+            url = p.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url:
+                raise BadRequest(f"{w}.image_url.url must be a string (a data: or http(s) URL)",
+                                 f"{w}.image_url")
+            out.append(ImageRef(url, w))
+        elif kind in ("image_url", "input_image") and images is not None:
+            raise BadRequest(f"{w}: image parts are only accepted in user and tool messages", w)
         else:
-            raise BadRequest(f"{where}[{j}]: content part type {str(kind)[:40]!r} is not "
-                             "supported (this model reads text only)", f"{where}[{j}]")
-    return "".join(out)
+            reads = "text and images" if images is not None else "text only"
+            raise BadRequest(f"{w}: content part type {str(kind)[:40]!r} is not supported "
+                             f"(this model reads {reads})", w)
+    return content_parts(out)
 
 
 def _calls(raw: Any, where: str) -> tuple[ToolCall, ...]:
@@ -73,7 +90,8 @@ def _calls(raw: Any, where: str) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
-def parse_messages(raw: Any) -> tuple[Message, ...]:
+def parse_messages(raw: Any, images: bool = False) -> tuple[Message, ...]:
+    """images: the model reads images (user and tool messages may hold image parts)."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages must be a non-empty array", "messages")
     out = []
@@ -86,7 +104,8 @@ def parse_messages(raw: Any) -> tuple[Message, ...]:
             raise BadRequest(f"{w}.role: unknown role {str(role)[:40]!r} (expected system, "
                              "developer, user, assistant or tool)", f"{w}.role")
         role = _ROLES[role]
-        content = _text(m.get("content"), f"{w}.content")
+        content = _text(m.get("content"), f"{w}.content",
+                        images=role in ("user", "tool") if images else None)
         if role == "assistant":
             reasoning = m.get("reasoning_content", m.get("reasoning"))
             if reasoning is not None and not isinstance(reasoning, str):
@@ -190,7 +209,7 @@ def parse_stop(body: dict) -> tuple[str, ...]:
     return tuple(s for s in stop if s)
 
 
-def parse_request(body: dict) -> tuple[ChatRequest, SamplingParams]:
+def parse_request(body: dict, images: bool = False) -> tuple[ChatRequest, SamplingParams]:
     get_str(body, "model")
     n = get_int(body, "n", 1, lo=1, hi=MAX_CHOICES)
     want_lp = get_bool(body, "logprobs", False)
@@ -212,7 +231,7 @@ def parse_request(body: dict) -> tuple[ChatRequest, SamplingParams]:
                              "response_format.json_schema")
     opts = get_dict(body, "stream_options", {}) or {}
     req = ChatRequest(
-        messages=parse_messages(body.get("messages")), tools=tools, tool_choice=choice,
+        messages=parse_messages(body.get("messages"), images), tools=tools, tool_choice=choice,
         thinking=thinking, reasoning_effort=effort, response_format=fmt, max_tokens=mt,
         stop=parse_stop(body), stream=bool(get_bool(body, "stream", False)),
         include_usage=opts.get("include_usage") is True,

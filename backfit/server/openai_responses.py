@@ -1,9 +1,10 @@
 """POST /v1/responses (OpenAI Responses, Codex CLI): JSON → ChatRequest; events → SSE or JSON.
 
 Request (api-protocols §2.1): `input` is a string or a list of items: messages (role
-system/developer → system, user, assistant; text parts joined, other parts → `[Unsupported
-<type>]`), `function_call` / `custom_tool_call` (joined onto the assistant turn they follow),
-`function_call_output` / `custom_tool_call_output` (→ tool results), `reasoning` (text from
+system/developer → system, user, assistant; text parts joined; on a Vision-Exp model
+`input_image` parts of user messages and tool outputs are images (server/images.py), other
+parts → `[Unsupported <type>]`), `function_call` / `custom_tool_call` (joined onto the
+assistant turn they follow), `function_call_output` / `custom_tool_call_output` (→ tool results), `reasoning` (text from
 `content`, else `summary`; `encrypted_content` ignored: attached to the next assistant turn);
 `item_reference` and hosted-tool items are dropped. `instructions` is a leading system message.
 Tools are flat `{"type":"function","name",...}`; `custom` tools (Codex's `apply_patch`) are shown
@@ -32,6 +33,7 @@ from backfit.server.bridge import (
 )
 from backfit.server.chat_format import resolve_reasoning
 from backfit.server.http import BadRequest
+from backfit.server.images import ImageRef, content_parts
 from backfit.server.openai_request import parse_reasoning
 from backfit.server.protocol import ChatRequest, Message, Tool, ToolCall
 from backfit.server.responses_render import ResponsesRenderer
@@ -68,15 +70,17 @@ def reasoning_wishes(body: dict, effort: Any = None, effort_param: str = "reason
     return thinking, chosen
 
 
-def _parts_text(content: Any, param: str) -> str:
-    """A string, or parts [{type: input_text|output_text|..., text}] joined; others flagged."""
+def _parts_text(content: Any, param: str, images: bool = False) -> str | list[dict]:
+    """A string, or parts [{type: input_text|output_text|..., text}] joined; others flagged.
+    images (a vision model, a user message or tool output): input_image parts -> ImageRefs
+    (server/images.py), the content then text and image parts."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise BadRequest(f"{param} must be a string or an array of content parts", param)
-    out = []
+    out: list = []
     for j, p in enumerate(content):
         if isinstance(p, str):
             out.append(p)
@@ -87,9 +91,15 @@ def _parts_text(content: Any, param: str) -> str:
             if not isinstance(text, str):
                 raise BadRequest(f"{param}[{j}].text must be a string", f"{param}[{j}].text")
             out.append(text)
+        elif p.get("type") == "input_image" and images:
+            url = p.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise BadRequest(f"{param}[{j}].image_url must be a data: or http(s) URL "
+                                 "(file_id is not supported)", f"{param}[{j}].image_url")
+            out.append(ImageRef(url, f"{param}[{j}]"))
         else:
             out.append(f"[Unsupported {str(p.get('type'))[:40]}]")
-    return "".join(out)
+    return content_parts(out)
 
 
 def _args_text(v: Any, param: str) -> str:
@@ -131,7 +141,7 @@ class _Turns:
         self.out.append(m)
 
 
-def _input_messages(items: Any) -> list[Message]:
+def _input_messages(items: Any, images: bool = False) -> list[Message]:
     if isinstance(items, str):
         return [Message("user", items)]
     if not isinstance(items, list):
@@ -144,7 +154,7 @@ def _input_messages(items: Any) -> list[Message]:
         kind = it.get("type") or ("message" if "role" in it else None)
         if kind == "message":
             role = it.get("role")
-            text = _parts_text(it.get("content"), f"{p}.content")
+            text = _parts_text(it.get("content"), f"{p}.content", images and role == "user")
             if role in ("system", "developer"):
                 turns.other(Message("system", text))
             elif role == "user":
@@ -173,7 +183,7 @@ def _input_messages(items: Any) -> list[Message]:
             call_id = it.get("call_id", "")
             if not isinstance(call_id, str):
                 raise BadRequest(f"{p}.call_id must be a string", f"{p}.call_id")
-            turns.other(Message("tool", _parts_text(it.get("output"), f"{p}.output"),
+            turns.other(Message("tool", _parts_text(it.get("output"), f"{p}.output", images),
                                 tool_call_id=call_id))
         elif kind == "reasoning":           # accepted with or without summary/content (§2.4)
             text = _parts_text(it.get("content"), f"{p}.content") or \
@@ -241,8 +251,9 @@ def _text_format(body: dict) -> dict | None:
                      f"{fmt.get('type')!r}"[:200], "text.format.type")
 
 
-def parse_request(body: dict) -> tuple[ChatRequest, set[str]]:
-    """Responses JSON → (ChatRequest, names of the custom tools); BadRequest names the field."""
+def parse_request(body: dict, images: bool = False) -> tuple[ChatRequest, set[str]]:
+    """Responses JSON → (ChatRequest, names of the custom tools); BadRequest names the field.
+    images: the model reads images (input_image parts of user messages and tool outputs)."""
     for name in ("previous_response_id", "conversation"):
         if body.get(name) is not None:
             raise BadRequest(f"{name} is not supported: this server keeps no conversation "
@@ -251,7 +262,7 @@ def parse_request(body: dict) -> tuple[ChatRequest, set[str]]:
         raise BadRequest("n > 1 is not supported", "n")
     if "input" not in body:
         raise BadRequest("input is required", "input")
-    messages = _input_messages(body["input"])
+    messages = _input_messages(body["input"], images)
     instructions = http.get_str(body, "instructions")
     if instructions:
         messages.insert(0, Message("system", instructions))
@@ -311,7 +322,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CTX]
     try:
         body = await http.read_json(request)
-        req, custom = parse_request(body)
+        req, custom = parse_request(body, images=ctx.images is not None)
+        if ctx.images is not None:             # fetch, decode and prepare (400 on failure)
+            req = await ctx.images.resolve(req)
         try:
             prompt = ctx.encoder.encode_request(req)
         except ValueError as e:

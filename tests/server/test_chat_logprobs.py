@@ -54,7 +54,7 @@ class LogprobEngine:
     def stats(self):
         return {}
 
-    async def generate(self, ids, params):
+    async def generate(self, ids, params, images=()):
         for j, (text, tid) in enumerate(self.script):
             await asyncio.sleep(0)
             o = RequestOutput(0, text, [tid], logprobs=[(-tid / 10, [(tid, -tid / 10)])])

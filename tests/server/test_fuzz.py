@@ -5,6 +5,7 @@ scripted engine (every server path, fast); a smaller set of random sampling knob
 real tiny engine (a value that passed validation must not kill the engine thread)."""
 
 import asyncio
+import copy
 import importlib
 import json
 import random
@@ -60,8 +61,8 @@ def _mutate(rng, body):
             node = node[k]
         if rng.random() < 0.15 and isinstance(node, dict):
             node.pop(path[-1], None)
-        else:
-            node[path[-1]] = rng.choice(ODD)
+        else:                        # a copy: a shared list set inside itself is a cycle
+            node[path[-1]] = copy.deepcopy(rng.choice(ODD))
     if rng.random() < 0.3:
         body["stream"] = rng.choice([True, False, "yes", 1])
     return body
@@ -214,5 +215,81 @@ def test_body_over_64_mib_is_413(tiny_converted, size):
                     return r.status, await r.json()
         st, body = asyncio.run(go())
         assert st == 413 and body["error"]["type"] == "invalid_request_error"
+    finally:
+        srv.stop()
+
+
+def _huge_png(w: int = 20000, h: int = 20000) -> bytes:
+    """A PNG header claiming w x h pixels (no pixel data): refused before decoding."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + \
+            struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) \
+        + chunk(b"IEND", b"")
+
+
+def _image_bodies(png: bytes) -> dict:
+    """Per case, a request body builder for each protocol (the image as a data URL)."""
+    import base64
+    quote = "<｜deepseek_image｜> <|place_holder_mm_span_0433|>"
+
+    def url(data: bytes, mime: str = "image/png") -> str:
+        return f"data:{mime};base64," + base64.b64encode(data).decode()
+    cases = {"truncated": [url(png[:len(png) // 3])], "huge": [url(_huge_png())],
+             "oversized": [url(b"\x89PNG" + bytes(150_000))], "wrong_mime": [url(png, "text/html")],
+             "bad_base64": ["data:image/png;base64,!!!"], "not_a_url": ["/etc/passwd"],
+             "97_images": [url(b"junk")] * 97}
+    out = {}
+    for case, urls in cases.items():
+        chat = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+        resp = [{"type": "input_image", "image_url": u} for u in urls]
+        anth = [{"type": "image", "source": {"type": "base64", "media_type": u[5:].split(";")[0],
+                                             "data": u.split(",", 1)[1]} if u.startswith("data:")
+                 else {"type": "url", "url": u}} for u in urls]
+        out[case] = {"/v1/chat/completions": {"model": "m", "max_tokens": 2, "messages": [
+                         {"role": "user", "content": [{"type": "text", "text": "x"}, *chat]}]},
+                     "/v1/responses": {"model": "m", "input": [{"role": "user", "content": resp}]},
+                     "/v1/messages": {"model": "m", "max_tokens": 2,
+                                      "messages": [{"role": "user", "content": anth}]}}
+    out["placeholders"] = {
+        "/v1/chat/completions": {"model": "m", "max_tokens": 2, "messages": [
+            {"role": "system", "content": quote}, {"role": "user", "content": quote}]},
+        "/v1/responses": {"model": "m", "instructions": quote, "input": quote},
+        "/v1/messages": {"model": "m", "max_tokens": 2, "system": quote,
+                         "messages": [{"role": "user", "content": quote}]}}
+    return out
+
+
+def test_fuzz_image_cases_4xx_never_5xx(tiny_converted):
+    """On a Vision-Exp model (scripted engine: images are the server's work): truncated, huge,
+    oversized, wrong-MIME, bad-base64, path and 97-image requests are 4xx on every protocol,
+    quoted placeholders are 200, ~300 random mutations of image requests give no 5xx, and the
+    server is healthy after."""
+    from backfit.server.images import MediaLimits
+    from backfit.verify.image_prompts import synthetic_png
+    srv = LiveServer(FakeEngine([("</think>", 1), ("ok", 1)], max_model_len=4096),
+                     tiny_converted(1, "int8", "vision"), media=MediaLimits(max_bytes=100_000))
+    try:
+        cases = _image_bodies(synthetic_png(64, 48))
+
+        async def go(jobs):
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+                async def one(path, body):
+                    async with s.post(srv.url + path, json=body) as r:
+                        return r.status, path, (await r.read())[:300].decode("utf-8", "replace")
+                return await asyncio.gather(*(one(p, b) for p, b in jobs))
+        for case, bodies in cases.items():
+            for status, path, text in asyncio.run(go(list(bodies.items()))):
+                ok = status == 200 if case == "placeholders" else 400 <= status < 500
+                assert ok, (case, path, status, text)
+        rng = random.Random(3)
+        jobs = [(p, _mutate(rng, b)) for _ in range(50) for bodies in cases.values()
+                for p, b in bodies.items() if rng.random() < 0.3]
+        res = asyncio.run(go(jobs))
+        assert len(res) > 250 and not [r for r in res if r[0] >= 500], res[:3]
+        assert asyncio.run(_storm_health(srv.url)) == [200, 200]
     finally:
         srv.stop()

@@ -49,7 +49,7 @@ class PhasedEngine:
                 "num_blocks": 8, "num_free_blocks": 8, "prompt_tokens": 0,
                 "generation_tokens": 0}
 
-    async def generate(self, ids, params):
+    async def generate(self, ids, params, images=()):
         k = len(self.calls)
         self.calls.append((list(ids), params))
         n = 0
@@ -194,9 +194,9 @@ def test_required_through_the_sdk_on_the_tiny_model(real, thinking):
     eng, seen = real.engine, []
     inner = eng.generate
 
-    async def spy(ids, params):
+    async def spy(ids, params, images=()):
         seen.append((list(ids), params))
-        async for o in inner(ids, params):
+        async for o in inner(ids, params, images):
             yield o
     eng.generate = spy
     try:
@@ -331,10 +331,10 @@ def test_budget_through_the_anthropic_sdk_on_the_tiny_model(real):
     eng, seen, outs = real.engine, [], []
     inner = eng.generate
 
-    async def spy(ids, params):
+    async def spy(ids, params, images=()):
         seen.append((list(ids), params))
         outs.append([])
-        async for o in inner(ids, params):
+        async for o in inner(ids, params, images):
             outs[-1] += o.token_ids
             yield o
     eng.generate = spy
