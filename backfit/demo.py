@@ -2,6 +2,7 @@
 
 original checkpoint -> convert (INT8, tp 4; and a lossless BF16 copy) -> verify -> generate
 -> serve (one request per protocol through the official SDKs; `--serve` keeps it up)
+-> one image request against a tiny Vision-Exp checkpoint (a generated PNG)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ PROMPT = "The harbour town woke slowly that morning."
 
 
 def _step(n: int, text: str) -> float:
-    print(f"\n[{n}/6] {text}", flush=True)
+    print(f"\n[{n}/7] {text}", flush=True)
     return time.time()
 
 
@@ -63,10 +64,68 @@ def run_demo(workdir: str | None = None, max_positions: int = 512, max_tokens: i
     t = _step(6, f"backfit serve {lossless}   (OpenAI Chat/Responses/Completions, Anthropic)")
     _serve_step(lossless, keep=serve)
     print(f"      {time.time() - t:.1f} s")
+    t = _step(7, "an image request: a tiny DeepSeek-V4-Flash-Vision-Exp checkpoint, served")
+    _vision_step(root / "vision")
+    print(f"      {time.time() - t:.1f} s")
     verdict = {True: "PASS", False: "FAIL"}
     print(f"\nsemantics check {verdict[sem['ok']]}; conversion check {verdict[conv['ok']]} "
           "(thresholds: docs/VERIFICATION.md)")
     return {"semantics": sem, "conversion": conv}
+
+
+def _vision_step(root: Path) -> None:
+    """Write and convert a tiny Vision-Exp checkpoint (ViT + aligner + sentinels + bias_vl on
+    the 0731 text model, small vocabulary), serve it, send one Chat request with a generated
+    PNG as a data URL through the openai SDK, print what the image cost."""
+    import asyncio
+    import base64
+    import threading
+
+    import openai
+
+    from backfit.convert.run import convert
+    from backfit.server.app import make_context, start_server
+    from backfit.server.bridge import AsyncEngine, EngineConfig
+    from backfit.synthetic import write_checkpoint
+    from backfit.verify.image_prompts import synthetic_png
+
+    src, conv = root / "original", root / "converted-bf16-tp1"
+    for d in (src, conv):
+        if d.exists():
+            shutil.rmtree(d)
+    write_checkpoint(src, "vision", seed=0, small_vocab=True, n_routed_experts=8,
+                     moe_intermediate_size=256)
+    convert(src, conv, tp=1, linears="bf16", experts="bf16", force=True, progress=False)
+    print(f"      {src} -> {conv} (the tower, aligner and sentinels pass through in BF16)")
+    engine = AsyncEngine(EngineConfig(str(conv), dtype="float32", max_model_len=2048,
+                                      max_num_seqs=2, cpu_kv_cache_gib=0.25))
+    ctx = make_context(engine, str(conv))
+    loop = asyncio.new_event_loop()
+    port = _free_port()
+    runner = loop.run_until_complete(start_server(ctx, "127.0.0.1", port))
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    engine.start()
+    try:
+        while not engine.ready.is_set():
+            if engine.error is not None:
+                raise RuntimeError(f"engine failed to start: {engine.error}")
+            time.sleep(0.05)
+        png = synthetic_png(320, 400)
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "What is in the picture?"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+        r = c.chat.completions.create(model="deepseek-v4-flash", messages=msgs, max_tokens=4)
+        text = c.chat.completions.create(model="deepseek-v4-flash", max_tokens=4, messages=[
+            {"role": "user", "content": "What is in the picture?"}]).usage.prompt_tokens
+        print(f"      openai chat.completions with a 320x400 PNG ({len(png):,} bytes, data URL): "
+              f"finish={r.choices[0].finish_reason}, {r.usage.prompt_tokens} prompt tokens "
+              f"(~{r.usage.prompt_tokens - text} for the image: an 11 x 9 grid of aligner "
+              f"rows in its N-layout block)")
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        engine.shutdown()
 
 
 def _free_port() -> int:

@@ -127,6 +127,7 @@ def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int):
     r.timings, r.cfg, r.dtype, r.device = {}, cfg, torch.bfloat16, torch.device(dev)
     r.kernels, r.graphs = "torch", None
     r.prefill_graphs, r.prefill_graph_tokens = None, 0     # bench_engine --prefill-graphs
+    r.drafting, r.image_cache, r._sampled_rows = None, None, 0   # what __init__ sets besides
     r.block_size, r.kv, r.model = default_block_size(cfg), "auto", model
     r.num_slots, r.num_blocks, r.max_num_batched_tokens = slots, blocks, 2048
     r.cache = PagedCache(cfg, slots, blocks, r.block_size, torch.bfloat16, "auto", dev)

