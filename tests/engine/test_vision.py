@@ -160,6 +160,19 @@ def test_prefix_cache_keys_on_image_content(conv, plain, imgs):
         e.close()
 
 
+def test_dspark_speculation_with_images(conv, cases):
+    """Vision-Exp's DSpark stages draft after image prompts (their draft rows are text: the
+    stages' bias_vl unused, dsv4-vision.md 11.3): greedy speculation = the plain greedy tokens."""
+    vps, want = cases
+    e = make(conv, speculative_method="dspark", num_speculative_tokens=3,
+             enable_prefix_caching=False)
+    try:
+        assert run(e, vps) == want
+        assert e.spec.num_drafts > 0
+    finally:
+        e.close()
+
+
 def test_preemption_recomputes_images(conv, cases):
     """A pool too small for all five at once: preempted requests recompute their prompts (and
     images) and still answer as alone."""

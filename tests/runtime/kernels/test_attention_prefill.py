@@ -258,8 +258,8 @@ def test_prefill_attention_image_spans(pre, cd, mode, ratio):
     with one_thread():
         want = ref.sparse_attention_ref(**c, span=span)
         causal = ref.sparse_attention_ref(**c)
-        for cfg in (dict(BQ=4, BH=8, BN=16), dict(CD=1, BQ=1, BH=8, BN=16, num_warps=4,
-                                                   num_stages=2)):
+        for cfg in (dict(CD=0, BQ=4, BH=8, BN=16), dict(CD=1, BQ=1, BH=8, BN=16, num_warps=4,
+                                                         num_stages=2)):
             got = pre.sparse_attention_prefill(**c, config=cfg, span=span)
             assert rel(got, want) < TOL, (mode, cfg)
     inside = (span[0] != c["pos"].int()) | (span[1] != c["pos"].int())
