@@ -37,6 +37,8 @@ class LiveServer:
 
     def stop(self):
         self.call(self.runner.cleanup())
+        if self.ctx.images is not None:                  # its image-fetch session
+            self.call(self.ctx.images.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         if hasattr(self.engine, "shutdown"):

@@ -5,7 +5,7 @@ usage counting all ~9,600 image positions."""
 import pytest
 import support
 from live_server import real_server
-from test_vision import data_url, oai
+from test_server_vision import data_url, oai
 
 from backfit.verify.image_prompts import synthetic_png
 

@@ -2,7 +2,7 @@
 (CPU), with the official `openai` and `anthropic` SDKs: data URLs, http(s) URLs fetched from a
 loopback host, Anthropic base64 and url sources, images inside tool results; usage and
 count_tokens count the image positions; a quoted placeholder in any text stays text; every bad
-image is the protocol's own 400 naming the part (96 images in one request: test_vision_96.py)."""
+image is the protocol's own 400 naming the part (96 images in one request: test_server_vision_96.py)."""
 
 import base64
 import json
