@@ -183,6 +183,18 @@ def engine_options(f):
                      help="Share of the card for weights, activations and the cache pools."),
         click.option("--cpu-kv-cache-gib", type=float, default=4.0, show_default=True,
                      help="Cache pool budget on CPU."),
+        click.option("--speculative-config", default=None, metavar="JSON",
+                     help='Speculative decoding, as vLLM\'s: \'{"method": "mtp", '
+                          '"num_speculative_tokens": 3}\' (DeepSeek-V4-Flash\'s MTP block) or '
+                          '\'{"method": "dspark", "num_speculative_tokens": 5}\' (the 0731 '
+                          'DSpark drafter, up to 5). Lossless: the same tokens (greedy) or the '
+                          'same distribution (sampling) as without. Published deployments '
+                          'settle at k = 3-5 (docs/SPECULATIVE.md). Optional key '
+                          '"disable_by_batch_size".'),
+        click.option("--speculative-disable-by-batch-size", type=int, default=None,
+                     help="Decode without drafts while more requests than this are decoding "
+                          "(speculation costs more than it saves at large batches; default: "
+                          "the measured one in docs/SPECULATIVE.md)."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -197,9 +209,41 @@ def engine_kwargs(kw: dict) -> dict:
              "block_size", "enable_prefix_caching", "enable_chunked_prefill",
              "gpu_memory_utilization", "cpu_kv_cache_gib")
     out = {n: kw.pop(n) for n in names}
+    out.update(speculative_kwargs(kw.pop("speculative_config", None),
+                                  kw.pop("speculative_disable_by_batch_size", None)))
     if kw.get("max_num_seqs") is not None:
         out["max_num_seqs"] = kw.pop("max_num_seqs")
     kw.pop("max_num_seqs", None)
+    return out
+
+
+def speculative_kwargs(config: str | None, disable_by_batch_size: int | None) -> dict:
+    """--speculative-config JSON (+ --speculative-disable-by-batch-size) -> EngineConfig fields;
+    click.BadParameter names what is wrong."""
+    import json
+    if config is None:
+        if disable_by_batch_size is not None:
+            raise click.BadParameter("needs --speculative-config",
+                                     param_hint="--speculative-disable-by-batch-size")
+        return {}
+    try:
+        spec = json.loads(config)
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(f"not JSON ({e})", param_hint="--speculative-config") from None
+    known = {"method", "num_speculative_tokens", "disable_by_batch_size"}
+    if not isinstance(spec, dict) or "method" not in spec or set(spec) - known:
+        raise click.BadParameter(f"expected an object with \"method\" and optionally "
+                                 f"{sorted(known - {'method'})}, got {config}",
+                                 param_hint="--speculative-config")
+    k = spec.get("num_speculative_tokens", 3 if spec["method"] == "mtp" else 5)
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise click.BadParameter(f"num_speculative_tokens must be an integer, got {k!r}",
+                                 param_hint="--speculative-config")
+    out = {"speculative_method": spec["method"], "num_speculative_tokens": k}
+    limit = disable_by_batch_size if disable_by_batch_size is not None else \
+        spec.get("disable_by_batch_size")
+    if limit is not None:
+        out["speculative_disable_by_batch_size"] = limit
     return out
 
 

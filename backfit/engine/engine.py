@@ -39,7 +39,11 @@ from backfit.runtime.runner import RunnerConfig, StepInput, StepSeq, resolve_ker
 from backfit.runtime.sampling import PendingSample, SamplingBatch, prompt_logprobs, sample
 from backfit.runtime.workers import RankGroup
 
-__all__ = ["EngineConfig", "RequestOutput", "Usage", "LLMEngine"]
+__all__ = ["EngineConfig", "RequestOutput", "Usage", "LLMEngine", "SPEC_MAX_BATCH"]
+
+# speculation off while more requests than this decode (--speculative-disable-by-batch-size):
+# where a verify step stops paying for itself (docs/SPECULATIVE.md)
+SPEC_MAX_BATCH = 16
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ class EngineConfig:
     speculative_method: str | None = None         # "mtp" (Flash) | "dspark" (0731)
     num_speculative_tokens: int = 0               # k: drafts verified per decode step
     speculative_disable_by_batch_size: int | None = None   # no speculation with more decoding
-    #                                               requests than this (None: always on)
+    #                                               requests than this (None: SPEC_MAX_BATCH)
 
     def __post_init__(self):
         resolve_kernels(self.kernels, self.device)   # a bad choice fails before ranks start
@@ -144,7 +148,8 @@ class LLMEngine:
                                    self.max_num_batched_tokens, cfg.max_model_len,
                                    cfg.enable_chunked_prefill, self.model_cfg.eos_token_id,
                                    cfg.num_speculative_tokens,
-                                   cfg.speculative_disable_by_batch_size)
+                                   SPEC_MAX_BATCH if cfg.speculative_disable_by_batch_size is None
+                                   else cfg.speculative_disable_by_batch_size)
         self.spec = SpecStats(cfg.num_speculative_tokens)
         self.requests: dict[int, _Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = 0
