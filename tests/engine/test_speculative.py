@@ -171,3 +171,38 @@ def test_bad_speculative_configs_are_one_line_errors(tiny_converted):
                                (flash, "eagle", 2, "choose one of mtp, dspark")):
         with pytest.raises(ValueError, match=msg):
             make(conv, spec, k)
+
+
+# ---- bug classes of spec-decoding.md §3 -------------------------------------------------------
+
+def test_drafts_follow_each_request_not_its_row(tiny_converted, tiny_flash, tiny_0731, method):
+    """The drafts the engine verifies are the reference's drafts for that request's own history
+    (teacher-forced on the drafts actually used), through a batch whose rows shift: requests
+    finish at different steps and a new one joins (the bug: drafter state keyed by batch row)."""
+    from backfit.verify.reference import Reference
+    variant, k = METHODS[method]
+    conv = tiny_converted(1, "bf16", variant)            # lossless weights: FP32 agreement
+    ps = prompts(3, seed=5, lo=20, hi=40)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 9, 6)]
+    e = make(conv, method, k)
+    seen, real = [], e.ranks.runner.drafting.draft
+
+    def spy(seqs, seed):
+        d = real(seqs, seed)
+        seen.extend((s.seq_id, s.start, s.tokens[0], d.ids[i].tolist(), d.logits[i].clone())
+                    for i, s in enumerate(seqs))
+        return d
+    e.ranks.runner.drafting.draft = spy
+    ids = run(e, ps, params, arrive_every=2)
+    e.close()
+    ref = Reference(tiny_flash if variant == "flash" else tiny_0731)
+    full = {i: p + o for i, (p, o) in enumerate(zip(ps, ids))}
+    checked = set()
+    for sid, start, x, drafts, logits in seen:
+        pre = ref.prefix(torch.tensor(full[sid][:start]))
+        want = (ref.mtp_draft(pre, x, k, tokens=drafts) if method == "mtp"
+                else ref.dspark_draft(pre, x, tokens=drafts))
+        rel = (logits - want.logits[:k]).abs().max() / want.logits[:k].abs().max()
+        assert rel < 1e-4, (sid, start, float(rel))
+        checked.add(sid)
+    assert checked == {0, 1, 2} and len(seen) > 6
