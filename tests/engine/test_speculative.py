@@ -206,3 +206,30 @@ def test_drafts_follow_each_request_not_its_row(tiny_converted, tiny_flash, tiny
         assert rel < 1e-4, (sid, start, float(rel))
         checked.add(sid)
     assert checked == {0, 1, 2} and len(seen) > 6
+
+
+def test_verify_rows_equal_single_token_decode(conv, method):
+    """A verify step's rows [x, d_1, d_2, d_3] give the logits that decoding x, d_1, d_2, d_3
+    one token at a time gives (FP32 torch path: to float rounding; the bug: a verify path that
+    computes the accepted rows differently from the single-token path)."""
+    from backfit.runtime.distributed import set_tp_info, tp_is_set
+    from backfit.runtime.runner import ModelRunner, RunnerConfig, StepInput, StepSeq
+    if not tp_is_set():                                  # this process as rank 0 of 1
+        set_tp_info(0, 1)
+    rc = RunnerConfig(str(conv), dtype="float32", max_num_seqs=2, max_model_len=128,
+                      block_size=16, num_blocks=16)
+    spec = ModelRunner(RunnerConfig(**{**rc.__dict__, "speculative_method": method,
+                                       "num_speculative_tokens": 3}))
+    plain = ModelRunner(rc)
+    p = prompts(1, seed=6, lo=37, hi=38)[0]
+    table = tuple(range(8))
+    for r in (spec, plain):
+        r.forward(StepInput((StepSeq(0, 0, table, 0, tuple(p), True),)))
+    x = 17
+    out = spec.forward(StepInput((StepSeq(0, 0, table, len(p), (x,), True, draft=3),)))
+    toks = [x] + out.draft.ids[0].tolist()
+    want = torch.cat([plain.forward(StepInput((StepSeq(0, 0, table, len(p) + j, (t,), True),))
+                                    ).logits for j, t in enumerate(toks)])
+    assert out.logits.shape == want.shape == (4, want.shape[1])
+    rel = ((out.logits - want).abs().max() / want.abs().max()).item()
+    assert rel < 1e-5, rel
