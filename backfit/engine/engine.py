@@ -260,14 +260,13 @@ class LLMEngine:
         return _Launched(sched, rows, tokens, host, out.all_logits, verified)
 
     def _step_seq(self, s: ScheduledSeq) -> StepSeq:
-        """A scheduled chunk as the runner's StepSeq: the token after a chunk that does not end
-        the known tokens, and a verifying sequence's draft count and draw temperature."""
-        seq, end = s.seq, s.start + len(s.token_ids)
-        nxt = seq.token_range(end, end + 1)[0] if end < seq.length else -1
+        """A scheduled chunk as the runner's StepSeq, with a verifying sequence's draft count
+        and draw temperature."""
+        seq = s.seq
         temp = seq.params.temperature if s.draft else 0.0
         return StepSeq(seq.seq_id, seq.slot, tuple(seq.block_table), s.start,
                        tuple(s.token_ids), s.sample, self._wants_prompt_logprobs(s), s.draft,
-                       nxt if nxt >= 0 else -1, temp)
+                       temp)
 
     def _resolve_pending(self) -> list[RequestOutput]:
         p, self._pending = self._pending, None

@@ -79,7 +79,6 @@ class StepSeq:
     all_logits: bool = False                 # return every row (prompt logprobs, echo)
     draft: int = 0                           # > 0: draft this many tokens after `tokens` (one
     #                                          token, x_c) and verify them: every row sampled
-    next_token: int = -1                     # the token after the chunk, when known (drafter)
     temperature: float = 0.0                 # draft draws (0: greedy drafts)
 
 
@@ -258,6 +257,15 @@ class ModelRunner:
         self.prefill_graph_tokens = pg            # every rank's count is 0 or >= 64
         return slots, blocks
 
+    def _context(self, X: torch.Tensor, batch: ForwardBatch, seqs) -> None:
+        """The drafter's context after an eager forward (runtime/drafting.py)."""
+        from backfit.runtime.drafting import RowPlan
+        lens = [len(s.tokens) for s in seqs]
+        slots = to_device([s.slot for s, n in zip(seqs, lens) for _ in range(n)], torch.int64,
+                          X.device)
+        self.drafting.context(X, self.model.taps, batch.tokens, batch.positions, slots,
+                              RowPlan(lens, self.drafting.ring, X.device))
+
     @torch.no_grad()
     def forward(self, step: StepInput, prev: torch.Tensor | None = None) -> StepOutput:
         """One step. prev (the overlapped engine step): the last step's sampled ids [R] on the
@@ -310,8 +318,7 @@ class ModelRunner:
                 fill_placeholders_(batch.tokens, prev)
             X = self.model.hidden(batch, self.cache)              # [T, hc, d]
             if self.drafting is not None:
-                self.drafting.context(X, self.model.taps, batch, step.seqs,
-                                      self.cache.bind(batch))
+                self._context(X, batch, seqs)
         ends = list(itertools.accumulate(len(s.tokens) for s in seqs))
         out = StepOutput(None, draft=draft)
         rows = []                                 # the sampled rows (host ints): the last row,

@@ -338,6 +338,24 @@ class PagedCache:
         """Bound to device slots [B] int32 and tables [B, nblk] int32 (graph decode steps)."""
         return _BoundPaged(self, None, (slots, tables))
 
+    def store_ring(self, layer: int, slots: torch.Tensor, pos: torch.Tensor,
+                   kv: torch.Tensor) -> None:
+        """kv [T, D] into layer's window ring at (slots[t], pos[t] % rows), device tensors, one
+        launch on the kernel path (no host sync: CUDA-graph safe). The (slot, position) pairs
+        must be distinct modulo the ring (a drafter's context: at most its rows per slot)."""
+        ring = self.layers[layer].ring
+        if _kernels(kv):
+            from backfit.runtime.kernels.cache import store_decode
+            store_decode(kv, pos, ring.data, ring.scale, slots=slots.int())
+            return
+        ring.put((slots.long(), pos % ring.data.shape[1]), kv)
+
+    def ring_rows(self, layer: int, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """layer's ring rows at (slots[...], pos[...] % rows), any index shape -> [..., D] in the
+        act dtype (dequantized); positions must still be in the ring."""
+        ring = self.layers[layer].ring
+        return ring.get((slots.long(), pos % ring.data.shape[1]))
+
     @torch.no_grad()
     def copy_slot(self, src: int, dst: int) -> None:
         """Slot dst := slot src (a prefix-cache snapshot taken or restored)."""
