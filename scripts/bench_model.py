@@ -39,9 +39,11 @@ E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 COMM = {"all_reduce": 0, "all_reduce_bytes": 0, "all_gather": 0, "all_gather_bytes": 0}
 
 
-def raw_config(layers: int, tiny: bool) -> dict:
+def raw_config(layers: int, tiny: bool, variant: str = "flash") -> dict:
+    """variant flash (the MTP block) or 0731 (three DSpark stages, taps after the last three
+    layers)."""
     dims, ratios = (TINY, TINY_RATIOS) if tiny else (FLASH, FLASH_RATIOS)
-    return tiny_config_dict("flash", 129280 if not tiny else 512, **dims,
+    return tiny_config_dict(variant, 129280 if not tiny else 512, **dims,
                             main_ratios=ratios[:layers])
 
 
@@ -110,15 +112,16 @@ def fill_random(model, cfg: ModelConfig, dev) -> None:
                 buf.normal_(0, 1 if mname == "embed" else buf.shape[1] ** -0.5)
 
 
-def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int):
-    """A ModelRunner around a random model and random pools (no converted directory)."""
+def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int, mtp: bool = False):
+    """A ModelRunner around a random model and random pools (no converted directory); mtp: with
+    the checkpoint's drafter blocks and their pools (r.drafting is set by the caller)."""
     from backfit.runtime.cache.paged import PagedCache
     from backfit.runtime.model.transformer import Transformer
     from backfit.runtime.cache.layout import default_block_size
     from backfit.runtime.runner import ModelRunner, RunnerConfig
     cfg = ModelConfig.from_dict(raw)
     with torch.device(dev):
-        model = Transformer(cfg, torch.bfloat16, mtp=False)
+        model = Transformer(cfg, torch.bfloat16, mtp=mtp)
     fill_random(model, cfg, dev)
     r = ModelRunner.__new__(ModelRunner)
     eager = dict(enforce_eager=True) if "enforce_eager" in RunnerConfig.__dataclass_fields__ else {}
@@ -129,7 +132,9 @@ def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int):
     r.prefill_graphs, r.prefill_graph_tokens = None, 0     # bench_engine --prefill-graphs
     r.block_size, r.kv, r.model = default_block_size(cfg), "auto", model
     r.num_slots, r.num_blocks, r.max_num_batched_tokens = slots, blocks, 2048
-    r.cache = PagedCache(cfg, slots, blocks, r.block_size, torch.bfloat16, "auto", dev)
+    r.cache = PagedCache(cfg, slots, blocks, r.block_size, torch.bfloat16, "auto", dev,
+                         mtp_layers=len(model.mtp))
+    r.drafting = r.spec_graphs = None
     for lp in r.cache.layers:
         lp.ring.data.normal_()
         for p in lp.parts():
@@ -138,18 +143,21 @@ def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int):
 
 
 def rank_runner(raw: dict, dev: str, slots: int, ctx: int, prefill: int = 0,
-                tp_shard: int = 1):
+                tp_shard: int = 1, mtp: bool = False):
     """build_runner as TP rank 0 of tp_shard (its shard of every split weight; collectives
     counted no-ops, patch_collectives), pools for `slots` sequences of up to ctx tokens (+ 8)
     or one prefill of `prefill` tokens; max_model_len max(ctx, prefill) + 16. The set-up that
     bench_decode.py, bench_ab.py and profile_step.py share."""
     from backfit.runtime.cache.layout import default_block_size
-    from backfit.runtime.distributed import set_tp_info
-    set_tp_info(0, tp_shard)
-    patch_collectives()
+    from backfit.runtime.distributed import get_tp_info, set_tp_info, tp_is_set
+    if not tp_is_set():                                 # a second model in the same process
+        set_tp_info(0, tp_shard)
+        patch_collectives()
+    if get_tp_info().size != tp_shard:
+        raise RuntimeError(f"this process is already TP rank 0 of {get_tp_info().size}")
     bs = default_block_size(ModelConfig.from_dict(raw))
     blocks = max(slots * math.ceil((ctx + 8) / bs), math.ceil(prefill / bs)) + 1
-    return build_runner(raw, dev, slots, blocks, max(ctx, prefill) + 16)
+    return build_runner(raw, dev, slots, blocks, max(ctx, prefill) + 16, mtp)
 
 
 def use_backend(r, be: str) -> None:

@@ -90,7 +90,14 @@ class EngineConfig:
                             self.max_model_len, self.num_snapshot_slots, self.num_blocks,
                             self.gpu_memory_utilization, self.cpu_kv_cache_gib, self.kernels,
                             self.enforce_eager, self.prefill_graph_tokens,
-                            self.speculative_method, self.num_speculative_tokens)
+                            self.speculative_method, self.num_speculative_tokens,
+                            self.spec_max_batch)
+
+    @property
+    def spec_max_batch(self) -> int:
+        """Decoding requests above which no step speculates."""
+        limit = self.speculative_disable_by_batch_size
+        return SPEC_MAX_BATCH if limit is None else limit
 
 
 @dataclass
@@ -147,9 +154,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    self.max_num_batched_tokens, cfg.max_model_len,
                                    cfg.enable_chunked_prefill, self.model_cfg.eos_token_id,
-                                   cfg.num_speculative_tokens,
-                                   SPEC_MAX_BATCH if cfg.speculative_disable_by_batch_size is None
-                                   else cfg.speculative_disable_by_batch_size)
+                                   cfg.num_speculative_tokens, cfg.spec_max_batch)
         self.spec = SpecStats(cfg.num_speculative_tokens)
         self.requests: dict[int, _Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = 0

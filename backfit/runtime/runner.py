@@ -66,6 +66,7 @@ class RunnerConfig:
     #                                          10 % of the KV capacity); 0: eager
     speculative_method: str | None = None    # "mtp" (Flash) | "dspark" (0731): load the drafter
     num_speculative_tokens: int = 0          # k drafted tokens a speculative step verifies
+    speculative_max_batch: int = 16          # speculative steps' graphs up to this many seqs
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ class ModelRunner:
             self.drafting = Drafting(self.model, self.cache, self.num_slots,
                                      rc.num_speculative_tokens)
         self.timings["pools_s"] = time.perf_counter() - t
-        self.graphs = self.prefill_graphs = None
+        self.graphs = self.prefill_graphs = self.spec_graphs = None
         self._sampled_rows = 0                          # of the last step (its ids: `prev`)
         if self.use_graphs:
             self.capture_graphs()
@@ -166,7 +167,8 @@ class ModelRunner:
         log = log or (lambda m: print(m, file=sys.stderr, flush=True))
         from backfit.runtime.graphs import DecodeGraphs
         nblk = -(-self.rc.max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.cache, self.rc.max_num_seqs, nblk)
+        self.graphs = DecodeGraphs(self.model, self.cache, self.rc.max_num_seqs, nblk,
+                                   self.drafting)
         self.graphs.capture(log)
         self.timings["graphs_s"] = self.graphs.capture_s
         bad = self.graphs.check()                  # every rank reaches the same verdict
@@ -174,6 +176,13 @@ class ModelRunner:
             log(f"warning: {bad}; decode runs eagerly (please report this; --enforce-eager "
                 "skips the capture)")
             self.graphs = None
+        if self.drafting is not None and self.rc.speculative_max_batch > 0:
+            from backfit.runtime.graphs import SpecGraphs
+            self.spec_graphs = SpecGraphs(self.model, self.cache, self.drafting,
+                                          min(self.rc.speculative_max_batch, self.rc.max_num_seqs),
+                                          nblk)
+            self.spec_graphs.capture(log)
+            self.timings["spec_graphs_s"] = self.spec_graphs.capture_s
         if self.prefill_graph_tokens:
             from backfit.runtime.graphs import PrefillGraphs
             self.prefill_graphs = PrefillGraphs(self.model, self.prefill_graph_tokens,
@@ -257,14 +266,33 @@ class ModelRunner:
         self.prefill_graph_tokens = pg            # every rank's count is 0 or >= 64
         return slots, blocks
 
-    def _context(self, X: torch.Tensor, batch: ForwardBatch, seqs) -> None:
-        """The drafter's context after an eager forward (runtime/drafting.py)."""
+    def _context(self, X: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, seqs) -> None:
+        """The drafter's context after a forward of chunks (runtime/drafting.py)."""
         from backfit.runtime.drafting import RowPlan
         lens = [len(s.tokens) for s in seqs]
         slots = to_device([s.slot for s, n in zip(seqs, lens) for _ in range(n)], torch.int64,
                           X.device)
-        self.drafting.context(X, self.model.taps, batch.tokens, batch.positions, slots,
+        self.drafting.context(X, self.model.taps, tokens, pos, slots,
                               RowPlan(lens, self.drafting.ring, X.device))
+
+    def _spec_replay(self, step: StepInput) -> StepOutput | None:
+        """A speculative decode step on SpecGraphs: (logits of every row, the Draft), or None
+        when no graph holds it (then it runs eagerly)."""
+        from backfit.runtime.model.draft import Draft
+        seqs = step.seqs
+        temps = [s.temperature for s in seqs]
+        got = self.spec_graphs.run([(s.tokens[0], s.start, s.slot, s.block_table) for s in seqs],
+                                   temps, step.draft_seed)
+        if got is None:
+            return None
+        logits, ids, dlogits = got
+        probs = None
+        if any(t > 0 for t in temps):             # the q each sampled draft was drawn from
+            t = to_device(temps, torch.float32, dlogits.device).clamp(min=1e-5)
+            probs = torch.softmax(dlogits / t[:, None, None], -1)
+        for src, dst in step.saves:
+            self.cache.copy_slot(src, dst)
+        return StepOutput(logits, draft=Draft(ids, probs, dlogits, None))
 
     @torch.no_grad()
     def forward(self, step: StepInput, prev: torch.Tensor | None = None) -> StepOutput:
@@ -285,6 +313,12 @@ class ModelRunner:
         if holes and tp.size > 1:
             prev = broadcast_from_rank0(prev.contiguous())
         self._sampled_rows = sum(s.sample + s.draft for s in seqs)
+        if self.spec_graphs is not None and not holes and all(
+                s.draft == self.drafting.k and len(s.tokens) == 1 and not s.all_logits
+                for s in seqs):                   # draft + verify + context in one replay
+            out = self._spec_replay(step)
+            if out is not None:
+                return out
         draft = None
         if any(s.draft for s in seqs):            # d_1..d_k of each, filled in as placeholders
             if holes:
@@ -297,8 +331,7 @@ class ModelRunner:
                     -1 - r - j for j in range(s.draft))))
                 r += k if s.draft else 0
             seqs = expanded
-        graphs = self.drafting is None            # the drafter reads every forward's rows
-        if graphs and self.graphs is not None and all(
+        if self.graphs is not None and all(
                 len(s.tokens) == 1 and s.sample and not s.all_logits for s in seqs):
             logits = self.graphs.run([(s.tokens[0], s.start, s.slot, s.block_table) for s in seqs],
                                      prev if holes else None)
@@ -307,9 +340,13 @@ class ModelRunner:
                     self.cache.copy_slot(src, dst)
                 return StepOutput(logits)
         X = None
-        if graphs and self.prefill_graphs is not None and any(len(s.tokens) > 1 for s in seqs):
+        if self.prefill_graphs is not None and any(len(s.tokens) > 1 for s in seqs):
             X = self.prefill_graphs.hidden([(s.seq_id, s.tokens, s.start, s.slot, s.block_table)
                                             for s in seqs], self.cache, prev if holes else None)
+            if X is not None and self.drafting is not None:
+                T = X.shape[0]
+                stage = self.prefill_graphs.stage
+                self._context(X, stage[0, :T], stage[1, :T], seqs)
         if X is None:                                             # eager
             batch = ForwardBatch.build([(s.seq_id, list(s.tokens), s.start) for s in seqs],
                                        self.device, [s.slot for s in seqs],
@@ -318,7 +355,7 @@ class ModelRunner:
                 fill_placeholders_(batch.tokens, prev)
             X = self.model.hidden(batch, self.cache)              # [T, hc, d]
             if self.drafting is not None:
-                self._context(X, batch, seqs)
+                self._context(X, batch.tokens, batch.positions, seqs)
         ends = list(itertools.accumulate(len(s.tokens) for s in seqs))
         out = StepOutput(None, draft=draft)
         rows = []                                 # the sampled rows (host ints): the last row,

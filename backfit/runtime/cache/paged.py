@@ -122,6 +122,11 @@ class _PagedLayer:
         e = self._part(kind).entries
         return e.data, e.scale
 
+    @property
+    def multi_row(self) -> bool:
+        """Rows of this decode batch may share a slot (_BoundPaged.multi_row)."""
+        return self.bound.multi_row
+
     def slot_ids(self) -> torch.Tensor:
         """[B] int32 slots of the batch's sequences, on the pools' device."""
         return self.bound.device_tables()[0]
@@ -254,10 +259,14 @@ class _PagedLayer:
 
 class _BoundPaged:
     def __init__(self, cache: "PagedCache", batch: ForwardBatch | None,
-                 device_tables: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 device_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 multi_row: bool = False):
         """Bound to a batch's host slots and tables, or (batch None) to device tensors: slots [B]
-        int32 and tables [B, nblk] int32 (a CUDA-graph decode step: the kernel path only)."""
-        self.cache, self._device = cache, device_tables
+        int32 and tables [B, nblk] int32 (a CUDA-graph decode step: the kernel path only).
+        multi_row: a decode-shaped batch whose rows may share a slot at consecutive positions
+        (a verify step's rows, runtime/graphs/spec.py): the decode path then stores each row's
+        ring and compressor rows before any row reads them."""
+        self.cache, self._device, self.multi_row = cache, device_tables, multi_row
         if batch is None:
             self.slots = self.tables = self._host_tables = self.batch = None
             return
@@ -334,9 +343,11 @@ class PagedCache:
     def bind(self, batch: ForwardBatch) -> _BoundPaged:
         return _BoundPaged(self, batch)
 
-    def bind_device(self, slots: torch.Tensor, tables: torch.Tensor) -> _BoundPaged:
-        """Bound to device slots [B] int32 and tables [B, nblk] int32 (graph decode steps)."""
-        return _BoundPaged(self, None, (slots, tables))
+    def bind_device(self, slots: torch.Tensor, tables: torch.Tensor,
+                    multi_row: bool = False) -> _BoundPaged:
+        """Bound to device slots [B] int32 and tables [B, nblk] int32 (graph decode steps;
+        multi_row: rows may share a slot, _BoundPaged)."""
+        return _BoundPaged(self, None, (slots, tables), multi_row)
 
     def store_ring(self, layer: int, slots: torch.Tensor, pos: torch.Tensor,
                    kv: torch.Tensor) -> None:

@@ -201,6 +201,7 @@ class PrefillGraphs:
         model, X, carry = self.model, None, None
         L = len(model.layers)
         self.streams = [] if self.keep_streams else None
+        taps = []
         for i in range(L + 1):
             if self.use_graphs:
                 g, out, X = self.pieces[P][i]
@@ -210,6 +211,8 @@ class PrefillGraphs:
                 X, carry, pre = self._piece(i, P, X, carry)
             if i > 0 and self.streams is not None:        # layer i-1's output
                 self.streams.append(X[:T].clone())
+            if i > 0 and i - 1 in model.tap_layers:       # DSpark's taps, as hidden() keeps them
+                taps.append(X[:T].float().mean(1).to(X.dtype))   # (before the next piece)
             if i < L:
                 o = model.layers[i].attn.core(_rows(pre, T), batch, bound.layer(i))
                 if o.dtype != self.o.dtype:
@@ -217,6 +220,7 @@ class PrefillGraphs:
                                        f"{self.o.dtype}")
                 self.o[:T].copy_(o)
         bound.commit()
+        model.taps = torch.cat(taps, -1) if taps else None
         model._head_part = None                            # logits(X) gathers no partials
         self.steps += 1
         return X[:T]
