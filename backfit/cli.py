@@ -106,8 +106,13 @@ def convert(src: str, dst: str, tp: str, linears: str, experts: str, force: bool
 @click.option("--prefill-graphs", is_flag=True, default=False,
               help="Run every prefill chunk through the engine's piecewise CUDA graphs "
                    "(needs --kernels triton --device cuda; chunks padded as the engine pads them).")
+@click.option("--drafts", is_flag=True, default=False,
+              help="Also check the checkpoint's drafter (speculative decoding: Flash's MTP "
+                   "block, 0731's DSpark) against the reference's drafts after every 48 "
+                   "tokens of each prompt: a fourth gate.")
 def verify(original, converted, tp, prompts_file, max_positions, activations, device, json_out,
-           kv_cache_dtype, kernels, long_context, chunk, reference_device, prefill_graphs) -> None:
+           kv_cache_dtype, kernels, long_context, chunk, reference_device, prefill_graphs,
+           drafts) -> None:
     """Logit parity: runtime on CONVERTED vs the independent reference on ORIGINAL.
 
     Prints a weight table (every tensor dequantized vs the original), per-layer hidden-state
@@ -128,7 +133,8 @@ def verify(original, converted, tp, prompts_file, max_positions, activations, de
                             activations=activations, device=device, json_out=json_out,
                             kv_cache_dtype=kv_cache_dtype, kernels=kernels,
                             long_context=long_context, chunk=chunk,
-                            reference_device=reference_device, prefill_graphs=prefill_graphs)
+                            reference_device=reference_device, prefill_graphs=prefill_graphs,
+                            drafts=drafts)
     except (ValueError, *_user_errors()) as e:
         _fail(e)
     sys.exit(0 if report["ok"] else 1)

