@@ -58,10 +58,15 @@ def patch_collectives() -> None:
             COMM[kind + "_bytes"] += x.numel() * x.element_size()
             return x
         return f
+    def gathered(x, dim=-1):                                # the full shape, the bytes of
+        from backfit.runtime.distributed import get_tp_info   # one rank's part copied
+        COMM["all_gather"] += 1
+        COMM["all_gather_bytes"] += x.numel() * x.element_size()
+        return torch.cat([x] * get_tp_info().size, dim=dim)
     for mod in (layers, moe, compressor, attention):       # every module that imports it
         if hasattr(mod, "all_reduce"):
             mod.all_reduce = counted("all_reduce")
-    layers.all_gather = counted("all_gather")
+    layers.all_gather = gathered
 
 
 def scheme_of(name: str) -> str:
