@@ -255,7 +255,7 @@ def _lazy(module: str, attr: str, anthropic: bool):
 
 def build_app(ctx: ServerContext) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY,
-                          middlewares=[request_ids(OPEN_PATHS), cors, errors, auth])
+                          middlewares=[request_ids, cors, errors, auth])
     app[CTX] = ctx
     app.on_response_prepare.append(on_prepare)
     post = [("/chat/completions", openai_chat.handle),

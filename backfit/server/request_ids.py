@@ -1,11 +1,12 @@
 """x-request-id through a router: the caller's id (what a router forwards: 1-128 visible ASCII
 characters) is echoed on the response, else the handler's own id (chatcmpl-..., resp_...,
-Anthropic's request-id msg_...) or a fresh req-...; and one INFO log line per API request:
-method, path, status ("cancelled": the client went away first), seconds, request_id= and, where
-it differs, id= the completion's own id, so a request is found in the log by either.
+Anthropic's request-id msg_...) or a fresh req-...; and one log line per request (INFO for
+POST, the API; DEBUG for GET: probes, /metrics, /v1/models): method, path, status ("cancelled":
+the client went away first), seconds, request_id= and, where it differs, id= the completion's
+own id, so a request is found in the log by either.
 
-    app = web.Application(middlewares=[request_ids(skip), ...]); app.on_response_prepare.append(
-        on_prepare)                 (streams send their headers inside the handler)
+    app = web.Application(middlewares=[request_ids, ...])
+    app.on_response_prepare.append(on_prepare)     (streams send their headers in the handler)
 """
 
 from __future__ import annotations
@@ -39,24 +40,20 @@ async def on_prepare(request: web.Request, resp: web.StreamResponse) -> None:
     _stamp(request, resp)
 
 
-def request_ids(quiet_paths: tuple[str, ...]):
-    """The middleware; requests to `quiet_paths` (probes, metrics) and OPTIONS are not logged."""
-    @web.middleware
-    async def middleware(request: web.Request, handler):
-        given = request.headers.get("x-request-id", "")
-        if _RID.fullmatch(given):
-            request[RID_IN] = given
-        t0, status = time.monotonic(), "cancelled"
-        try:
-            resp = await handler(request)
-            if not resp.prepared:
-                _stamp(request, resp)
-            status = resp.status
-            return resp
-        finally:
-            if request.method != "OPTIONS" and request.path not in quiet_paths:
-                rid, own = request.get(RID_OUT, (request.get(RID_IN, "-"), None))
-                log.info("%s %s %s %.3f s request_id=%s%s", request.method, request.path,
-                         status, time.monotonic() - t0, rid,
-                         f" id={own}" if own and own != rid else "")
-    return middleware
+@web.middleware
+async def request_ids(request: web.Request, handler):
+    given = request.headers.get("x-request-id", "")
+    if _RID.fullmatch(given):
+        request[RID_IN] = given
+    t0, status = time.monotonic(), "cancelled"
+    try:
+        resp = await handler(request)
+        if not resp.prepared:
+            _stamp(request, resp)
+        status = resp.status
+        return resp
+    finally:
+        rid, own = request.get(RID_OUT, (request.get(RID_IN, "-"), None))
+        log.log(logging.INFO if request.method == "POST" else logging.DEBUG,
+                "%s %s %s %.3f s request_id=%s%s", request.method, request.path, status,
+                time.monotonic() - t0, rid, f" id={own}" if own and own != rid else "")
