@@ -84,7 +84,9 @@ def request_for(proto: str, rng: random.Random, max_tokens: int,
     return "/v1/messages", {
         "model": model or "claude-haiku-4-5", "stream": True, "max_tokens": max_tokens,
         "system": system,
-        "thinking": {"type": "enabled" if think else "disabled"},
+        # thinking is on by default; {"type": "enabled"} without budget_tokens is not valid
+        # Anthropic, and a router that checks the spec (smg) refuses it
+        **({} if think else {"thinking": {"type": "disabled"}}),
         "messages": [{"role": "user", "content": user}]}
 
 

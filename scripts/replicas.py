@@ -65,6 +65,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, serve_args
 
 
+def devices(i: int, k: int) -> str:
+    """CUDA_VISIBLE_DEVICES of replica i with k devices each: i*k .. i*k+k-1."""
+    return ",".join(str(d) for d in range(i * k, i * k + k))
+
+
 def router_cmd(args, urls: list[str]) -> list[str]:
     """`smg launch` over the replicas: health probes every 2 s (a dead or draining replica is
     out within ~2 probes), a short shutdown grace (the replicas drained before it stops)."""
@@ -154,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, url in enumerate(urls):
             env = dict(os.environ)
             if args.gpus_per_replica:
-                k = args.gpus_per_replica
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(i * k, i * k + k))
+                env["CUDA_VISIBLE_DEVICES"] = devices(i, args.gpus_per_replica)
             name = f"replica-{i}"
             logs[name] = log_dir / f"{name}.log"
             procs[name] = _spawn([sys.executable, "-m", "backfit.cli", "serve", args.converted,
