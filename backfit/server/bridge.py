@@ -151,7 +151,7 @@ class Bridge:
 
     def _admit(self, ids: list[int], params: SamplingParams,
                admitted: bool = False) -> SamplingParams:
-        if not self.ready:
+        if not self.ready and not (admitted and self.state == "draining"):  # a drain finishes
             why = "shutting down" if self.draining else \
                 "failed" if getattr(self.engine, "error", None) else "loading"
             self._reject("unavailable")

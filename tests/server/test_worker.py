@@ -16,8 +16,12 @@ import pytest
 from live_server import FakeEngine, LiveServer
 from test_app import _wait, get
 from test_openai_chat import MSG, post
+from test_tool_choice import REST, PhasedEngine, _req
 
 from backfit.server.app import shut_down
+from backfit.server.bridge import Bridge, SamplingParams
+from backfit.server.chat_format import THINK_END
+from backfit.server.parser import fold
 from backfit.synthetic import write_small_tokenizer
 
 REPLY = [("</think>", 1)] + [("x", 1)] * 30            # 31 steps
@@ -104,6 +108,27 @@ def test_drain_ends_what_is_left_at_the_timeout_or_a_second_signal(tok_dir, how)
         assert "shutting down" in out["error"] and srv.engine.aborted == 1
     finally:
         srv.stop()
+
+
+def test_a_drain_lets_an_admitted_two_part_request_finish(encoder):
+    """tool_choice required runs as two engine requests (bridge.Bridge._forced): a drain that
+    starts during the reasoning still admits the continuation — the call comes out whole."""
+    te = encoder.tokenizer.token_to_id(THINK_END)
+    eng = PhasedEngine([[("Need", [10]), (" the", [11]), (THINK_END, [te])], [(REST, [20, 21])]],
+                       [("stop", te), ("stop", None)])
+    prompt = encoder.encode_request(_req("required"))
+    bridge = Bridge(eng, max_model_len=4096, max_num_seqs=4)
+
+    async def go():
+        got = []
+        async for e in bridge.stream(prompt, SamplingParams(max_tokens=64), tools=True):
+            if not got:
+                bridge.stop_admitting()
+            got.append(e)
+        return got
+    events = asyncio.run(go())
+    assert len(eng.calls) == 2 and events[-1].reason == "tool_calls"
+    assert [c.name for c in fold(events).tool_calls] == ["get_weather"]
 
 
 def test_liveness_and_readiness(tok_dir):
