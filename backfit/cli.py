@@ -308,12 +308,17 @@ def generate(converted, prompt, prompts_file, tp, **kw) -> None:
               help="Requests admitted beyond --max-num-seqs; more get 429 (529 on Anthropic).")
 @click.option("--keepalive", type=float, default=10.0, show_default=True,
               help="Seconds of silence before an SSE keep-alive comment / ping.")
+@click.option("--shutdown-timeout", type=float, default=0.0, show_default=True,
+              help="On SIGINT/SIGTERM, let admitted requests finish for up to this many seconds "
+                   "(/health and new requests answer 503 at once; a second signal ends them). "
+                   "0: open streams end with an error event at once.")
 @engine_options
-def serve(converted, host, port, served_model_name, aliases, api_key, max_queue, keepalive, tp,
-          **kw) -> None:
+def serve(converted, host, port, served_model_name, aliases, api_key, max_queue, keepalive,
+          shutdown_timeout, tp, **kw) -> None:
     """Serve CONVERTED over HTTP: OpenAI Chat Completions, Responses, legacy Completions and
     Anthropic Messages (docs/API.md). /health answers 503 until the model is loaded; SIGINT or
-    SIGTERM shuts down cleanly (open streams end with an error event, rank processes exit)."""
+    SIGTERM shuts down cleanly (a drain with --shutdown-timeout; open streams end with an error
+    event, rank processes exit). Behind a router: docs/DEPLOY.md."""
     import logging
 
     from backfit.server.app import serve as run_serve
@@ -321,8 +326,8 @@ def serve(converted, host, port, served_model_name, aliases, api_key, max_queue,
     ekw = engine_kwargs(kw)
     try:
         run_serve(converted, host, port, served_model_name=served_model_name, api_key=api_key,
-                  max_queue=max_queue, keepalive_s=keepalive, aliases=tuple(aliases), tp=tp,
-                  **ekw)
+                  max_queue=max_queue, keepalive_s=keepalive, aliases=tuple(aliases),
+                  shutdown_timeout=shutdown_timeout, tp=tp, **ekw)
     except (ValueError, OSError, *_user_errors()) as e:
         _fail(e)
 

@@ -16,3 +16,19 @@ def test_bench_decode_profile_targets_exist():
 
     for owner, attr, label in bench_decode.profile_targets():
         assert callable(getattr(owner, attr, None)), f"{owner.__name__}.{attr} ({label})"
+
+
+def test_replicas_arguments_devices_and_router_flags():
+    """scripts/replicas.py (its processes: tests/deploy): flags after `--` go to every replica,
+    replica ports follow the router's, replica i of k GPUs each sees devices i*k .. i*k+k-1, and
+    the router gets the replicas, the policy and the extra flags last (they override)."""
+    import replicas
+
+    args, serve = replicas.parse(["/m", "--replicas", "3", "--port", "9000",
+                                  "--router-arg=--cache-threshold=0.5", "--", "--tp", "4"])
+    assert (args.replicas, args.replica_base_port, serve) == (3, 9001, ["--tp", "4"])
+    assert [replicas.devices(i, 4) for i in range(3)] == ["0,1,2,3", "4,5,6,7", "8,9,10,11"]
+    cmd = replicas.router_cmd(args, ["http://127.0.0.1:9001", "http://127.0.0.1:9002"])
+    assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--policy")] == \
+        ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+    assert cmd[cmd.index("--policy") + 1] == "cache_aware" and cmd[-1] == "--cache-threshold=0.5"

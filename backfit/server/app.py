@@ -6,9 +6,14 @@
     POST /v1/messages[/count_tokens] anthropic.handle_messages / handle_count_tokens
     GET  /v1/models[/{id}]           OpenAI list, or Anthropic's with an anthropic-version header
     POST /tokenize, /detokenize      vLLM-compatible (also under /v1/)
-    GET  /health, /ping, /version    503 until the model is loaded, 200 after
+    GET  /health, /ping, /health/ready   readiness: 200 while new requests are taken; 503
+                                     while loading, draining or failed (what a router probes)
+    GET  /health/live                liveness: 200 while loading, serving or draining; 503 once
+                                     the engine failed (restart the replica)
+    GET  /version                    {"version"}
     GET  /metrics                    Prometheus text (metrics.py)
 Every POST route is also served without the /v1 prefix (clients with bare base URLs).
+x-request-id in, out and in the log: request_ids.py.
 Errors come in the protocol's own shape: Anthropic's for /v1/messages*, OpenAI's elsewhere;
 an unexpected exception is logged and answered 500 with `x-should-retry: false` (the fuzz
 test holds this at zero). Auth (`--api-key`): `Authorization: Bearer` or `x-api-key`,
@@ -40,6 +45,7 @@ from backfit.server.http import (
 from backfit.server.metrics import CONTENT_TYPE
 from backfit.server.openai_chat import error_response
 from backfit.server.protocol import ChatRequest
+from backfit.server.request_ids import RID_IN, on_prepare, request_ids
 
 __all__ = [
     "OPEN_PATHS",
@@ -48,11 +54,12 @@ __all__ = [
     "make_context",
     "ready_line",
     "serve",
+    "shut_down",
     "start_server",
 ]
 
 log = logging.getLogger("backfit.server")
-OPEN_PATHS = ("/health", "/ping", "/version", "/metrics")
+OPEN_PATHS = ("/health", "/ping", "/health/ready", "/health/live", "/version", "/metrics")
 _CORS = {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
          "Access-Control-Expose-Headers": "x-request-id, request-id, retry-after",
          "Access-Control-Max-Age": "600"}
@@ -115,7 +122,8 @@ async def errors(request: web.Request, handler):
     except (ConnectionError, asyncio.CancelledError):
         raise
     except Exception as e:
-        log.exception("unhandled error on %s %s", request.method, path)
+        log.exception("unhandled error on %s %s (request_id=%s)", request.method, path,
+                      request.get(RID_IN, "-"))
         return _error(path, 500, f"internal error: {type(e).__name__}",
                       {"x-should-retry": "false"})
 
@@ -138,11 +146,17 @@ async def auth(request: web.Request, handler):
 # ---- small endpoints -----------------------------------------------------------------------
 
 async def health(request: web.Request) -> web.Response:
+    """Readiness: 200 only while new requests are admitted."""
     b = request.app[CTX].bridge
     if b.ready:
         return json_response({"status": "ok"})
-    return json_response({"status": "draining" if b.draining else "loading"}, 503,
-                         {"Retry-After": "5"})
+    return json_response({"status": b.state}, 503, {"Retry-After": "5"})
+
+
+async def live(request: web.Request) -> web.Response:
+    """Liveness: loading and draining are alive; a failed engine is not."""
+    state = request.app[CTX].bridge.state
+    return json_response({"status": state}, 503 if state == "failed" else 200)
 
 
 async def version(request: web.Request) -> web.Response:
@@ -240,8 +254,10 @@ def _lazy(module: str, attr: str, anthropic: bool):
 
 
 def build_app(ctx: ServerContext) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY, middlewares=[cors, errors, auth])
+    app = web.Application(client_max_size=MAX_BODY,
+                          middlewares=[request_ids, cors, errors, auth])
     app[CTX] = ctx
+    app.on_response_prepare.append(on_prepare)
     post = [("/chat/completions", openai_chat.handle),
             ("/completions", openai_completions.handle),
             ("/responses", _lazy("openai_responses", "handle", False)),
@@ -252,7 +268,8 @@ def build_app(ctx: ServerContext) -> web.Application:
         app.router.add_post("/v1" + path, fn)
         app.router.add_post(path, fn)
     for path, fn in (("/v1/models", models), ("/models", models), ("/v1/models/{id}", model),
-                     ("/health", health), ("/ping", health), ("/version", version),
+                     ("/health", health), ("/ping", health), ("/health/ready", health),
+                     ("/health/live", live), ("/version", version),
                      ("/metrics", metrics)):
         app.router.add_get(path, fn)
     return app
@@ -306,7 +323,27 @@ def ready_line(engine, host: str, port: int, t_start: float) -> str:
             f"{t.get('pools_s', 0):.1f} s, {graphs}")
 
 
-async def _serve(cfg, host: str, port: int, ctx_kw: dict) -> None:
+async def shut_down(ctx: ServerContext, timeout: float, again: asyncio.Event) -> None:
+    """After SIGINT/SIGTERM (vLLM's --shutdown-timeout): /health turns 503 and new requests get
+    503 at once (a router retries them on another replica); with timeout > 0 the admitted
+    requests run on until they finish, `timeout` seconds pass or `again` is set (a second
+    signal); then every stream still open ends with an error event."""
+    b = ctx.bridge
+    n = b.stop_admitting()
+    if timeout > 0 and n:
+        print(f"backfit serve: draining {n} requests for up to {timeout:g} s (/health answers "
+              "503; a second signal ends them now)", flush=True)
+        idle = asyncio.ensure_future(b.wait_idle(timeout))
+        second = asyncio.ensure_future(again.wait())
+        await asyncio.wait({idle, second}, return_when=asyncio.FIRST_COMPLETED)
+        idle.cancel()
+        second.cancel()
+    n = b.abort_all()
+    print(f"backfit serve: shutting down ({n} open streams end with an error event)", flush=True)
+    await b.wait_idle(2.0)                                 # let streams write their error event
+
+
+async def _serve(cfg, host: str, port: int, ctx_kw: dict, shutdown_timeout: float) -> None:
     import signal
 
     from backfit.server.bridge import AsyncEngine
@@ -330,13 +367,8 @@ async def _serve(cfg, host: str, port: int, ctx_kw: dict) -> None:
             waiter.result()                              # EngineDeadError: load failed
             print(ready_line(engine, host, port, t0), flush=True)
             await stopper
-        n = ctx.bridge.drain()
-        print(f"backfit serve: shutting down ({n} open streams end with an error event)",
-              flush=True)
-        for _ in range(40):                              # let streams write their error event
-            if ctx.bridge.active == 0:
-                break
-            await asyncio.sleep(0.05)
+        stop.clear()
+        await shut_down(ctx, shutdown_timeout, stop)
     finally:
         waiter.cancel()
         stopper.cancel()
@@ -346,7 +378,8 @@ async def _serve(cfg, host: str, port: int, ctx_kw: dict) -> None:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, *, served_model_name: str
           = "deepseek-v4-flash", api_key: str | None = None, max_queue: int = 256,
-          keepalive_s: float = 10.0, aliases: tuple[str, ...] = (), **engine_kw) -> None:
+          keepalive_s: float = 10.0, aliases: tuple[str, ...] = (),
+          shutdown_timeout: float = 0.0, **engine_kw) -> None:
     """`backfit serve`: engine + HTTP in this process (TP ranks are child processes)."""
     from backfit.formats import load_manifest
     from backfit.server.bridge import EngineConfig
@@ -355,4 +388,4 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, *, served_model
     cfg = EngineConfig(str(model), **engine_kw)
     asyncio.run(_serve(cfg, host, port, {"model_name": served_model_name, "api_key": api_key,
                                          "max_queue": max_queue, "keepalive_s": keepalive_s,
-                                         "aliases": aliases}))
+                                         "aliases": aliases}, shutdown_timeout))

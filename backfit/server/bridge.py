@@ -111,12 +111,35 @@ class Bridge:
         self.draining = False
         self._queues: set[asyncio.Queue] = set()
 
-    def drain(self) -> int:
+    def stop_admitting(self) -> int:
+        """A drain's first step: /health answers 503 and new requests get 503 with Retry-After
+        (a router retries them on another replica); admitted requests run on. -> how many."""
+        self.draining = True
+        return self.active
+
+    def abort_all(self) -> int:
         """Refuse new requests (503) and end every open stream with an error; -> how many."""
         self.draining = True
         for q in self._queues:
             q.put_nowait(ServerShutdown("the server is shutting down"))
         return len(self._queues)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for every admitted request to finish; -> whether they
+        did (polled every 50 ms: a drain's wait, not a hot path)."""
+        end = time.monotonic() + timeout
+        while self.active and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        return self.active == 0
+
+    @property
+    def state(self) -> str:
+        """loading | ok | draining | failed (the engine died): what /health reports."""
+        if getattr(self.engine, "error", None) is not None:
+            return "failed"
+        if self.draining:
+            return "draining"
+        return "ok" if self.engine.ready.is_set() else "loading"
 
     @property
     def ready(self) -> bool:
@@ -128,7 +151,7 @@ class Bridge:
 
     def _admit(self, ids: list[int], params: SamplingParams,
                admitted: bool = False) -> SamplingParams:
-        if not self.ready:
+        if not self.ready and not (admitted and self.state == "draining"):  # a drain finishes
             why = "shutting down" if self.draining else \
                 "failed" if getattr(self.engine, "error", None) else "loading"
             self._reject("unavailable")

@@ -206,7 +206,7 @@ def test_queue_full_is_429_keepalive_and_drain(tiny_converted):
         t.start()
         _wait(lambda: srv.ctx.bridge.active == 1)
         time.sleep(0.3)                             # headers sent, a few deltas streamed
-        srv.loop.call_soon_threadsafe(srv.ctx.bridge.drain)
+        srv.loop.call_soon_threadsafe(srv.ctx.bridge.abort_all)
         t.join(30)
         st, sse, _ = out["r"]
         assert st == 200 and '"error"' in sse and "shutting down" in sse
