@@ -104,7 +104,8 @@ def _greedy(conv: Path, kernels: str, mode: str = "eager", sched: str = "sync",
     p = subprocess.run([sys.executable, "-c", _GREEDY, str(conv), kernels, mode, sched, str(tp),
                         json.dumps(spec or {})],
                        env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[:6000]          # the Python traceback comes first
+    err = p.stderr
+    assert p.returncode == 0, err[err.find("Traceback"):][:6000] or err[-6000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 

@@ -2,7 +2,7 @@
 (`--shutdown-timeout`: /health and new requests 503 at once, admitted requests finish, the rest
 end with an error at the timeout or a second signal), readiness vs liveness, and x-request-id
 passed through headers and the log. FakeEngine scripts; the real processes behind a real router
-are tests/deploy/test_router.py."""
+are tests/deploy/test_replicas_router.py."""
 
 import asyncio
 import json

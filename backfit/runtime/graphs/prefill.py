@@ -80,6 +80,11 @@ class PrefillGraphs:
         self.o = torch.zeros((Pm, a.local_heads, model.cfg.head_dim), dtype=o_dtype,
                              device=self.device)
         self._pre_bufs: dict[tuple, torch.Tensor] = {}
+        # DSpark's taps (model.tap_layers): each piece after a tapped layer writes the mean over
+        # its streams into its columns, inside the graph -> [Pmax, n·d] (model.hidden's taps)
+        n_taps = len(model.tap_layers)
+        self.taps = torch.zeros((Pm, n_taps * model.cfg.hidden_size), dtype=model.dtype,
+                                device=self.device) if n_taps else None
         # size -> per piece (graph, its pre views (the last piece: its streams), its streams
         # where keep_streams else None)
         self.pieces: dict[int, list[tuple]] = {}
@@ -114,6 +119,10 @@ class PrefillGraphs:
         pre in the static buffers)."""
         tokens, pos = self.stage[0, :P], self.stage[1, :P]
         X, carry, pre = self.model.piece(i, X, self.o[:P], carry, tokens, pos)
+        taps = self.model.tap_layers
+        if i > 0 and i - 1 in taps:                   # layer i-1's output: as hidden() keeps it
+            d, j = X.shape[-1], sorted(taps).index(i - 1)
+            self.taps[:P, j * d:(j + 1) * d].copy_(X.float().mean(1))
         return X, carry, None if pre is None else self._static_pre(pre, P)
 
     def _eager_pieces(self, P: int):
@@ -201,7 +210,6 @@ class PrefillGraphs:
         model, X, carry = self.model, None, None
         L = len(model.layers)
         self.streams = [] if self.keep_streams else None
-        taps = []
         for i in range(L + 1):
             if self.use_graphs:
                 g, out, X = self.pieces[P][i]
@@ -211,8 +219,6 @@ class PrefillGraphs:
                 X, carry, pre = self._piece(i, P, X, carry)
             if i > 0 and self.streams is not None:        # layer i-1's output
                 self.streams.append(X[:T].clone())
-            if i > 0 and i - 1 in model.tap_layers:       # DSpark's taps, as hidden() keeps them
-                taps.append(X[:T].float().mean(1).to(X.dtype))   # (before the next piece)
             if i < L:
                 o = model.layers[i].attn.core(_rows(pre, T), batch, bound.layer(i))
                 if o.dtype != self.o.dtype:
@@ -220,7 +226,7 @@ class PrefillGraphs:
                                        f"{self.o.dtype}")
                 self.o[:T].copy_(o)
         bound.commit()
-        model.taps = torch.cat(taps, -1) if taps else None
+        model.taps = None if self.taps is None else self.taps[:T]   # until the next step
         model._head_part = None                            # logits(X) gathers no partials
         self.steps += 1
         return X[:T]
