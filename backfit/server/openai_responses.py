@@ -122,6 +122,8 @@ class _Turns:
         if self.cur is None:
             self.cur = {"reasoning": "", "content": "", "calls": []}
         self.cur["reasoning"] += reasoning
+        if content and self.cur["content"]:
+            self.cur["content"] += "\n\n"     # two message items of one turn: not glued
         self.cur["content"] += content
         if call is not None:
             self.cur["calls"].append(call)
