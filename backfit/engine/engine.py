@@ -102,6 +102,9 @@ class RequestOutput:
     stop_reason: str | int | None = None          # matched stop string / stop token id
     usage: Usage | None = None                    # on the last output
     prompt_logprobs: list | None = None           # first output only, when asked
+    num_cached_tokens: int = 0                    # prompt tokens served by the prefix cache, on
+    #                                               every output (a caller that stops reading
+    #                                               before the last one still knows: stop strings)
 
 
 @dataclass
@@ -171,7 +174,8 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         self._drain_if_idle()
         return RequestOutput(request_id, "", [], finished=True, finish_reason="abort",
-                             usage=self._usage(req.seq))
+                             usage=self._usage(req.seq),
+                             num_cached_tokens=req.seq.num_cached_tokens)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -251,7 +255,7 @@ class LLMEngine:
             tok = sampled[rid]
             self.generation_tokens_total += 1
             delta = req.stream.append(tok)
-            o = RequestOutput(rid, delta.text, [tok])
+            o = RequestOutput(rid, delta.text, [tok], num_cached_tokens=s.seq.num_cached_tokens)
             if s.seq.params.logprobs is not None:
                 o.logprobs = [(host.logprobs[b], host.top[b])]
             if req.prompt_logprobs is not None:

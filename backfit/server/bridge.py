@@ -228,7 +228,7 @@ class Bridge:
         state: dict = {}
         agen = self.generate(prompt.ids, params, state) if prompt.forced is None else \
             self._forced(prompt, params, state)
-        n_out, usage, started = 0, None, False
+        n_out, usage, started, cached = 0, None, False, 0
         try:
             try:
                 async for o in agen:
@@ -237,6 +237,7 @@ class Bridge:
                         continue
                     started = True
                     n_out += len(o.token_ids)
+                    cached = o.num_cached_tokens    # (a stop string ends before the usage)
                     answer = parser.state != "REASONING"       # (the </think> chunk is not)
                     events = parser.feed(o.text, len(o.token_ids))
                     if o.logprobs and params.logprobs is not None and answer:  # forced: none
@@ -252,7 +253,8 @@ class Bridge:
                     for e in events:
                         if isinstance(e, Finish):
                             u = Usage(len(prompt.ids), usage.completion_tokens if usage else n_out,
-                                      usage.cached_tokens if usage else 0, parser.reasoning_tokens)
+                                      usage.cached_tokens if usage else cached,
+                                      parser.reasoning_tokens)
                             state["stopped"] = True
                             yield u
                             yield FinishWithUsage(e.reason, e.stop_sequence, e.error, usage=u)
@@ -265,7 +267,7 @@ class Bridge:
                 for ev in events:
                     if not isinstance(ev, Finish):
                         yield ev
-                u = Usage(len(prompt.ids), n_out, 0, parser.reasoning_tokens)
+                u = Usage(len(prompt.ids), n_out, cached, parser.reasoning_tokens)
                 yield u
                 yield FinishWithUsage("error", None, f"engine failed: {e}", usage=u)
         finally:
@@ -328,15 +330,19 @@ class Bridge:
                 if u1 is None:
                     raise
                 raise EngineDeadError(f"the forced continuation could not start: {e}") from e
+            def hit(n: int) -> int:                 # the prompt's, not the continuation's
+                return u1.cached_tokens if u1 else min(n, len(prompt.ids))
             for x in forced:
-                yield x
+                yield replace(x, num_cached_tokens=hit(getattr(first, "num_cached_tokens", 0)))
             o = first
             while True:
+                if o is not KEEPALIVE:
+                    o = replace(o, num_cached_tokens=hit(o.num_cached_tokens))
                 if o is not KEEPALIVE and o.usage is not None:
                     u = o.usage
-                    o = replace(o, usage=EngineUsage(
-                        len(prompt.ids), n_before + u.completion_tokens,
-                        u1.cached_tokens if u1 else min(u.cached_tokens, len(prompt.ids))))
+                    o = replace(o, usage=EngineUsage(len(prompt.ids),
+                                                     n_before + u.completion_tokens,
+                                                     hit(u.cached_tokens)))
                 yield o
                 try:
                     o = await agen.__anext__()
