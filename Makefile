@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-lmeval clean
 
 install: $(STAMP)
 
@@ -24,6 +24,12 @@ demo: install
 # test file on one worker (its module fixtures built once): 13 min here where one took 29.5
 test: install
 	$(PY) -m pytest -q -x -n 2 --dist loadfile --durations=15
+
+# lm-evaluation-harness against a live tiny server (tests/server/test_lm_eval.py); the eval
+# extra is heavy, so it is installed only here (make test skips the module without it)
+test-lmeval: install
+	$(PY) -m pip install -q -e ".[eval]"
+	$(PY) -m pytest -q -m lmeval tests/server/test_lm_eval.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

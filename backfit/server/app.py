@@ -5,7 +5,8 @@
     POST /v1/responses               openai_responses.handle           (imported lazily)
     POST /v1/messages[/count_tokens] anthropic.handle_messages / handle_count_tokens
     GET  /v1/models[/{id}]           OpenAI list, or Anthropic's with an anthropic-version header
-    POST /tokenize, /detokenize      vLLM-compatible (also under /v1/)
+    POST /tokenize, /detokenize      vLLM-compatible (also under /v1/; tokenizer_api.py)
+    GET  /tokenizer_info             vLLM's: the tokenizer's config (lm-eval's remote tokenizer)
     GET  /health, /ping, /version    503 until the model is loaded, 200 after
     GET  /metrics                    Prometheus text (metrics.py)
 Every POST route is also served without the /v1 prefix (clients with bare base URLs).
@@ -26,20 +27,11 @@ import time
 from aiohttp import web
 
 from backfit import __version__
-from backfit.server import openai_chat, openai_completions
+from backfit.server import openai_chat, openai_completions, tokenizer_api
 from backfit.server.bridge import CTX, ContextTooLong, EngineUnavailable, QueueFull, ServerContext
-from backfit.server.http import (
-    MAX_BODY,
-    BadRequest,
-    get_bool,
-    get_dict,
-    get_list,
-    json_response,
-    read_json,
-)
+from backfit.server.http import MAX_BODY, BadRequest, json_response
 from backfit.server.metrics import CONTENT_TYPE
 from backfit.server.openai_chat import error_response
-from backfit.server.protocol import ChatRequest
 
 __all__ = [
     "OPEN_PATHS",
@@ -187,44 +179,6 @@ async def model(request: web.Request) -> web.Response:
     return json_response(_model_card(ctx, name))
 
 
-async def tokenize(request: web.Request) -> web.Response:
-    """{prompt} (BOS unless add_special_tokens is false; text never parsed into control
-    tokens) or {messages, tools?, ...}: the same encoder path as generation."""
-    ctx = request.app[CTX]
-    body = await read_json(request)
-    if "messages" in body:
-        tools, choice = openai_chat.parse_tools(body)
-        thinking, effort = openai_chat.parse_reasoning(body)
-        req = ChatRequest(openai_chat.parse_messages(body["messages"]), tools, choice,
-                          thinking, effort, get_dict(body, "response_format", None))
-        try:
-            ids = ctx.encoder.encode_request(req).ids
-        except ValueError as e:
-            raise BadRequest(str(e)[:500], "messages") from None
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise BadRequest("prompt must be a string (or give messages)", "prompt")
-        ids = ctx.encoder.encode_text(prompt)
-        if get_bool(body, "add_special_tokens", True):
-            ids = [ctx.encoder.control_ids["<｜begin▁of▁sentence｜>"]] + ids
-    out = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
-    if get_bool(body, "return_token_strs", False):
-        out["token_strs"] = [ctx.tokenizer.id_to_token(t) for t in ids]
-    return json_response(out)
-
-
-async def detokenize(request: web.Request) -> web.Response:
-    ctx = request.app[CTX]
-    body = await read_json(request)
-    ids = get_list(body, "tokens")
-    vocab = ctx.tokenizer.get_vocab_size(with_added_tokens=True)
-    if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                              for t in ids):
-        raise BadRequest(f"tokens must be an array of token ids in [0, {vocab})", "tokens")
-    return json_response({"prompt": ctx.tokenizer.decode(ids, skip_special_tokens=False)})
-
-
 # ---- protocol modules written elsewhere, imported lazily -----------------------------------
 
 def _lazy(module: str, attr: str, anthropic: bool):
@@ -247,11 +201,13 @@ def build_app(ctx: ServerContext) -> web.Application:
             ("/responses", _lazy("openai_responses", "handle", False)),
             ("/messages", _lazy("anthropic", "handle_messages", True)),
             ("/messages/count_tokens", _lazy("anthropic", "handle_count_tokens", True)),
-            ("/tokenize", tokenize), ("/detokenize", detokenize)]
+            ("/tokenize", tokenizer_api.tokenize), ("/detokenize", tokenizer_api.detokenize)]
     for path, fn in post:
         app.router.add_post("/v1" + path, fn)
         app.router.add_post(path, fn)
     for path, fn in (("/v1/models", models), ("/models", models), ("/v1/models/{id}", model),
+                     ("/tokenizer_info", tokenizer_api.tokenizer_info),
+                     ("/v1/tokenizer_info", tokenizer_api.tokenizer_info),
                      ("/health", health), ("/ping", health), ("/version", version),
                      ("/metrics", metrics)):
         app.router.add_get(path, fn)
@@ -279,6 +235,8 @@ def make_context(engine, model_dir: str, *, model_name: str = "deepseek-v4-flash
     from backfit.server.chat_format import ChatEncoder
     from backfit.server.metrics import Metrics
 
+    from backfit.server.tokenizer_api import load_tokenizer_config
+
     tok = load_tokenizer(model_dir)
     m = Metrics(model_name, engine.stats)
     bridge = Bridge(engine, max_model_len=engine.cfg.max_model_len,
@@ -286,7 +244,8 @@ def make_context(engine, model_dir: str, *, model_name: str = "deepseek-v4-flash
                     keepalive_s=keepalive_s, metrics=m)
     return ServerContext(bridge, ChatEncoder(tok, encoder_profile), model_name,
                          engine.cfg.max_model_len, api_key, tok, tuple(aliases),
-                         int(time.time()), m)
+                         int(time.time()), m,
+                         tokenizer_config=load_tokenizer_config(model_dir))
 
 
 def ready_line(engine, host: str, port: int, t_start: float) -> str:

@@ -376,6 +376,7 @@ class ServerContext:
     created: int = 0
     metrics: Any = None
     extra: dict | None = None
+    tokenizer_config: dict | None = None          # tokenizer_config.json (raw-text BOS, info)
 
 
 CTX = web.AppKey("ctx", ServerContext)
