@@ -121,6 +121,8 @@ def request_tools(req: ChatRequest) -> tuple[Tool, ...]:
     choice = req.tool_choice
     if choice == "none":
         return ()
+    if choice == "required" and not req.tools:
+        raise ValueError("tool_choice: a tool call is required, but no tools were given")
     if isinstance(choice, dict):
         name = choice.get("name") or (choice.get("function") or {}).get("name")
         named = tuple(t for t in req.tools if t.name == name)
@@ -253,7 +255,7 @@ class ChatEncoder:
                       reasoning_open=bool(thinks) and thinks[-1] == THINK_START)
 
     def encode_text(self, text: str) -> list[int]:
-        """Untrusted text → ids, never control ids (e.g. for /tokenize of a raw prompt)."""
+        """Untrusted text → ids, never control ids (every text segment of a chat prompt)."""
         return self.plain.encode(text, add_special_tokens=False).ids
 
     # ---- rendering -------------------------------------------------------------------------
