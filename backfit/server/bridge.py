@@ -100,10 +100,12 @@ class FinishWithUsage(Finish):
 
 
 class Bridge:
-    def __init__(self, engine, *, max_model_len: int, max_num_seqs: int, max_queue: int = 256,
-                 keepalive_s: float = 10.0, metrics=None):
+    def __init__(self, engine, *, max_model_len: int | None, max_num_seqs: int,
+                 max_queue: int = 256, keepalive_s: float = 10.0, metrics=None,
+                 default_max_tokens: int | None = None):
         self.engine = engine
-        self.max_model_len = max_model_len
+        self.max_model_len = max_model_len              # None until a loading engine picks it
+        self.default_max_tokens = default_max_tokens    # the cap of a request that sets none
         self.capacity = max_num_seqs + max_queue          # running + waiting, admitted at most
         self.keepalive_s = keepalive_s
         self.metrics = metrics
@@ -143,10 +145,16 @@ class Bridge:
         if params.max_tokens is None:
             if n >= self.max_model_len:
                 raise ContextTooLong(self._too_long(n, 1))
-            params = replace(params, max_tokens=self.max_model_len - n)
+            params = replace(params, max_tokens=self.cap(n))
         if n + params.max_tokens > self.max_model_len:
             raise ContextTooLong(self._too_long(n, params.max_tokens))
         return params
+
+    def cap(self, n: int) -> int:
+        """The output cap of a request with an n-token prompt that sets none: the rest of the
+        context, or --default-max-tokens where that is smaller."""
+        room = self.max_model_len - n
+        return room if self.default_max_tokens is None else min(room, self.default_max_tokens)
 
     def _too_long(self, n: int, m: int) -> str:
         return (f"This model's maximum context length is {self.max_model_len} tokens. However, "
@@ -280,8 +288,7 @@ class Bridge:
         reasoning's, the forced ones (`</think>` where the model did not write it, the opener),
         then the continuation's; the last one's usage covers all of them."""
         f = prompt.forced
-        total = (params.max_tokens if params.max_tokens is not None
-                 else self.max_model_len - len(prompt.ids))
+        total = params.max_tokens if params.max_tokens is not None else self.cap(len(prompt.ids))
         out: list[int] = []                     # the reasoning as the continuation reads it
         forced, u1 = [RequestOutput(0, f.text, list(f.ids))], None
         if not prompt.reasoning_open and total - len(f.ids) < 1:

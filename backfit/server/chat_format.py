@@ -194,12 +194,16 @@ class _Segments:
 class ChatEncoder:
     """DSV4 prompt encoder over a `tokenizers.Tokenizer` (real or the tiny 512-id one)."""
 
-    def __init__(self, tokenizer, profile: str = "flash"):
+    def __init__(self, tokenizer, profile: str = "flash", default_thinking: bool | None = None,
+                 default_effort: str | None = None):
         from tokenizers import Tokenizer
 
         if profile not in EFFORT_PROMPTS:
             raise ValueError(f"unknown reasoning-effort profile {profile!r}")
+        resolve_reasoning(default_thinking, default_effort, profile)     # raises on a bad level
         self.profile = profile
+        # the server's --default-chat-template-kwargs: for requests that do not say
+        self.default_thinking, self.default_effort = default_thinking, default_effort
         self.tokenizer = tokenizer
         cfg = json.loads(tokenizer.to_str())
         cfg["added_tokens"] = []            # text is never split on added tokens
@@ -219,7 +223,9 @@ class ChatEncoder:
     # ---- public entry points ---------------------------------------------------------------
 
     def encode_request(self, req: ChatRequest) -> Prompt:
-        mode, effort = resolve_reasoning(req.thinking, req.reasoning_effort, self.profile)
+        thinking = self.default_thinking if req.thinking is None else req.thinking
+        effort = self.default_effort if req.reasoning_effort is None else req.reasoning_effort
+        mode, effort = resolve_reasoning(thinking, effort, self.profile)
         tools = request_tools(req)
         prompt = self.encode_messages(req.messages, tools, mode, effort, req.response_format)
         budget = req.reasoning_budget if prompt.reasoning_open else None

@@ -29,9 +29,13 @@ __all__ = ["handle", "parse_request", "reasoning_wishes", "sampling_params", "Re
 log = logging.getLogger(__name__)
 
 
-def sampling_params(req: ChatRequest, prompt_len: int, max_model_len: int,
+def sampling_params(req: ChatRequest, prompt_len: int, max_model_len: int | None,
                     param: str = "max_output_tokens") -> SamplingParams:
-    """Output cap (reasoning included) checked against the context (400 context_length_...)."""
+    """Output cap (reasoning included) checked against the context (400 context_length_...);
+    no cap given: None, the bridge's default (the rest of the context or --default-max-tokens).
+    max_model_len None: the engine is still picking it (loading): 503."""
+    if max_model_len is None:
+        raise EngineUnavailable("the model is loading; try again later")
     room = max_model_len - prompt_len
     want = req.max_tokens if req.max_tokens is not None else room
     if want < 1 or prompt_len + want > max_model_len:
@@ -43,7 +47,7 @@ def sampling_params(req: ChatRequest, prompt_len: int, max_model_len: int,
     kw = {k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p),
                             ("top_k", req.top_k), ("seed", req.seed)) if v is not None}
     try:
-        return SamplingParams(max_tokens=want, **kw)
+        return SamplingParams(max_tokens=req.max_tokens, **kw)
     except ValueError as e:
         raise BadRequest(str(e), str(e).split(" ", 1)[0]) from None
 
