@@ -258,6 +258,17 @@ def test_namespace_tools_reach_the_model_and_calls_carry_the_namespace(encoder, 
         STREAM_EVENT.validate_python(d)
 
 
+def test_allowed_tools_narrow_the_tools_and_set_the_mode():
+    body = {"input": "go", "tools": [TOOL, NAMESPACE], "tool_choice": {
+        "type": "allowed_tools", "mode": "required",
+        "tools": [{"type": "function", "name": "wait_agent"}]}}
+    req, _ = R.parse_request(body)
+    assert [t.name for t in req.tools] == ["wait_agent"] and req.tool_choice == "required"
+    body["tool_choice"]["tools"] = []
+    req, _ = R.parse_request(body)                     # nothing left to call: a 400 at encoding
+    assert req.tools == () and req.tool_choice == "required"
+
+
 TWO_CALLS = [ToolCallStart(0, "call_1", "shell"), ToolCallArgsDelta(0, "{}"), ToolCallEnd(0, "{}"),
              ToolCallStart(1, "call_2", "shell"), ToolCallArgsDelta(1, "{}"), ToolCallEnd(1, "{}"),
              Usage(9, 6), Finish("tool_calls")]
