@@ -63,8 +63,13 @@ def build_app(upstream: str, out: Path) -> web.Application:
             await resp.write_eof()
             return resp
 
+    async def close(_app: web.Application) -> None:
+        if "s" in session:
+            await session.pop("s").close()
+
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_route("*", "/{tail:.*}", proxy)
+    app.on_cleanup.append(close)
     return app
 
 

@@ -91,3 +91,36 @@ def test_opencode_tool_turn_with_thinking_off(srv):
     prompt, reply = replay(srv, "opencode_tool_turn")
     assert prompt.endswith(A_CHAT) and "<tool_result>hi\n</tool_result>" in prompt
     assert f'<{D}invoke name="bash">' in prompt and reply.endswith("data: [DONE]\n\n")
+
+
+def test_the_recording_proxy_forwards_and_redacts(srv, tmp_path):
+    """scripts/record_requests.py (how the fixtures were recorded): the reply comes through
+    unchanged (a stream included), the request is written whole, the key headers redacted."""
+    import asyncio
+    import sys
+
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import record_requests
+
+    srv.engine.script, srv.engine.finish_reason = [("</think>", 1), ("Hi.", 2), ("", 1)], "stop"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+    async def go():
+        proxy = TestServer(record_requests.build_app(srv.url, tmp_path))
+        await proxy.start_server()
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"http://127.0.0.1:{proxy.port}/v1/chat/completions?x=1",
+                                  json=body, headers={"Authorization": "Bearer sk-secret"}) as r:
+                    return r.status, await r.text()
+        finally:
+            await proxy.close()
+    status, text = asyncio.run(go())
+    assert status == 200 and text.endswith("data: [DONE]\n\n") and '"content":"Hi."' in text
+    (rec,) = tmp_path.glob("001_POST_v1_chat_completions.json")
+    got = json.loads(rec.read_text())
+    assert got["body"] == body and got["query"] == "x=1"
+    assert got["headers"]["Authorization"] == "<redacted>" and "sk-secret" not in rec.read_text()
