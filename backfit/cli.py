@@ -168,8 +168,10 @@ def engine_options(f):
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "bf16", "int8"]),
                      default="auto", show_default=True, help="Cache storage: auto = the activation "
                      "dtype; int8 = one FP32 scale per 512-d entry, dequantized on read."),
-        click.option("--max-model-len", type=int, default=8192, show_default=True,
-                     help="Longest prompt + output, in tokens."),
+        click.option("--max-model-len", type=int, default=None,
+                     help="Longest prompt + output, in tokens. Default: the longest the KV pool "
+                          "holds (a multiple of the block size), up to the model's own limit "
+                          "(as vLLM picks it); serve prints it once ready."),
         click.option("--max-num-seqs", type=int, default=None,
                      help="Sequences running at once (default 64; generate: the prompt count)."),
         click.option("--max-num-batched-tokens", type=int, default=None,
@@ -308,26 +310,41 @@ def generate(converted, prompt, prompts_file, tp, **kw) -> None:
               help="Requests admitted beyond --max-num-seqs; more get 429 (529 on Anthropic).")
 @click.option("--keepalive", type=float, default=10.0, show_default=True,
               help="Seconds of silence before an SSE keep-alive comment / ping.")
+@click.option("--default-max-tokens", type=int, default=None,
+              help="Output cap (reasoning included) of a request that sets none (Codex sends "
+                   "none). Default: the rest of the context.")
+@click.option("--override-generation-config", default=None, metavar="JSON",
+              help="vLLM's flag; '{\"max_new_tokens\": N}' is --default-max-tokens N (no other "
+                   "key is served).")
+@click.option("--default-chat-template-kwargs", default=None, metavar="JSON",
+              help="vLLM's flag: '{\"thinking\": false}' (or enable_thinking, "
+                   "reasoning_effort) for requests that do not choose (default: thinking on).")
 @click.option("--shutdown-timeout", type=float, default=0.0, show_default=True,
               help="On SIGINT/SIGTERM, let admitted requests finish for up to this many seconds "
                    "(/health and new requests answer 503 at once; a second signal ends them). "
                    "0: open streams end with an error event at once.")
 @engine_options
 def serve(converted, host, port, served_model_name, aliases, api_key, max_queue, keepalive,
-          shutdown_timeout, tp, **kw) -> None:
+          shutdown_timeout, default_max_tokens, override_generation_config,
+          default_chat_template_kwargs, tp, **kw) -> None:
     """Serve CONVERTED over HTTP: OpenAI Chat Completions, Responses, legacy Completions and
     Anthropic Messages (docs/API.md). /health answers 503 until the model is loaded; SIGINT or
     SIGTERM shuts down cleanly (a drain with --shutdown-timeout; open streams end with an error
     event, rank processes exit). Behind a router: docs/DEPLOY.md."""
     import logging
 
+    from backfit.server.app import chat_template_defaults
+    from backfit.server.app import default_max_tokens as resolve_cap
     from backfit.server.app import serve as run_serve
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ekw = engine_kwargs(kw)
     try:
+        cap = resolve_cap(default_max_tokens, override_generation_config)
+        chat_defaults = chat_template_defaults(default_chat_template_kwargs)
         run_serve(converted, host, port, served_model_name=served_model_name, api_key=api_key,
                   max_queue=max_queue, keepalive_s=keepalive, aliases=tuple(aliases),
-                  shutdown_timeout=shutdown_timeout, tp=tp, **ekw)
+                  shutdown_timeout=shutdown_timeout, tp=tp, default_max_tokens=cap,
+                  chat_defaults=chat_defaults, **ekw)
     except (ValueError, OSError, *_user_errors()) as e:
         _fail(e)
 

@@ -57,7 +57,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None     # None: the runner's (2,048, or 8,192 on CUDA
     #                                               where the KV pool can afford it)
-    max_model_len: int = 8192
+    max_model_len: int | None = 8192              # None: the longest the KV pools hold, up to
+    #                                               the model's limit (the runner picks it)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_blocks: int | None = None
@@ -119,6 +120,9 @@ class RequestOutput:
     stop_reason: str | int | None = None          # matched stop string / stop token id
     usage: Usage | None = None                    # on the last output
     prompt_logprobs: list | None = None           # first output only, when asked
+    num_cached_tokens: int = 0                    # prompt tokens served by the prefix cache, on
+    #                                               every output (a caller that stops reading
+    #                                               before the last one still knows: stop strings)
 
 
 @dataclass
@@ -147,12 +151,13 @@ class LLMEngine:
         self.ranks = RankGroup(cfg.runner_config(), cfg.tp)
         r = self.ranks.runner
         self.block_size, self.num_blocks = r.block_size, r.num_blocks
+        self.max_model_len = r.rc.max_model_len      # resolved (cfg's, or the longest that fits)
         self.timings = dict(r.timings)
         self.block_manager = BlockManager(r.num_blocks, r.block_size, cfg.max_num_seqs,
                                           r.num_snapshot_slots, cfg.enable_prefix_caching)
         self.max_num_batched_tokens = cfg.max_num_batched_tokens or r.max_num_batched_tokens
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
-                                   self.max_num_batched_tokens, cfg.max_model_len,
+                                   self.max_num_batched_tokens, self.max_model_len,
                                    cfg.enable_chunked_prefill, self.model_cfg.eos_token_id,
                                    cfg.num_speculative_tokens, cfg.spec_max_batch)
         self.spec = SpecStats(cfg.num_speculative_tokens)
@@ -178,7 +183,7 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {V})")
         seq = Sequence(rid, [int(t) for t in prompt_ids], params)
         self.scheduler.add(seq)                      # raises for oversized requests
-        limit = self.cfg.max_model_len - len(prompt_ids)
+        limit = self.max_model_len - len(prompt_ids)
         stream = TextStream(self.tokenizer, params, self.model_cfg.eos_token_id, prompt_ids, limit)
         self.requests[rid] = _Request(seq, stream)
         self.prompt_tokens_total += len(prompt_ids)
@@ -192,7 +197,8 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         self._drain_if_idle()
         return RequestOutput(request_id, "", [], finished=True, finish_reason="abort",
-                             usage=self._usage(req.seq))
+                             usage=self._usage(req.seq),
+                             num_cached_tokens=req.seq.num_cached_tokens)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -316,7 +322,7 @@ class LLMEngine:
             if n < len(toks):                         # usage counts what was delivered
                 del s.seq.output_ids[s.start + len(s.token_ids) - s.seq.num_prompt + n:]
             self.generation_tokens_total += n
-            o = RequestOutput(rid, text, toks[:n])
+            o = RequestOutput(rid, text, toks[:n], num_cached_tokens=s.seq.num_cached_tokens)
             if s.seq.params.logprobs is not None and lps.get(rid) is not None:
                 o.logprobs = lps[rid][:n]
             if req.prompt_logprobs is not None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -53,7 +53,7 @@ class RunnerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None   # None: budget.pick_batched_tokens on CUDA
     #                                               (2,048 or 8,192), 2,048 elsewhere
-    max_model_len: int = 8192
+    max_model_len: int | None = 8192         # None: the longest the pools hold (size_pools)
     num_snapshot_slots: int | None = None    # prefix-cache snapshots; None: = max_num_seqs
     num_blocks: int | None = None            # None: from memory (size_pools)
     gpu_memory_utilization: float = 0.90
@@ -205,16 +205,41 @@ class ModelRunner:
         self.max_num_batched_tokens (the engine's chunk budget: rc's, else on CUDA
         pick_batched_tokens, else 2,048) and self.prefill_graph_tokens (rc's, else on CUDA with
         graphs budget.pick_prefill_graphs: up to 2,048 where the graphs cost at most 10 % of the
-        KV capacity; 0: none). At tp > 1 every rank takes the smallest of the ranks'
-        slots, blocks and budget: rank 0's block manager hands out block ids for all of them
-        (self.plan stays this rank's own plan)."""
+        KV capacity; 0: none). rc.max_model_len None: the longest the pools hold (a multiple
+        of the block size, up to the model's limit, as vLLM picks it), set in self.rc. At tp > 1
+        every rank takes the smallest of the ranks' length, slots, blocks and budget: rank 0's
+        block manager hands out block ids for all of them (self.plan stays this rank's own
+        plan)."""
+        from backfit.runtime.cache.budget import longest_fit, model_limit
+        from backfit.runtime.distributed import min_over_ranks
+        rc = self.rc
+        if rc.max_model_len is None:                  # the longest that fits, on every rank
+            def attempt(n: int):
+                return self._plan(replace(rc, max_model_len=n))
+            longest = longest_fit(attempt, self.block_size,
+                                  model_limit(Path(rc.model) / "config.json"))
+            if longest == 0:
+                attempt(self.block_size)              # raises: what to change
+            longest = int(min_over_ranks([longest], self.device)[0])
+            self.rc = rc = replace(rc, max_model_len=longest)
+        T, layout = self._plan(rc)
+        blocks = self.plan.num_blocks
+        if rc.num_blocks is None and self.device.type == "cpu":   # no more than can be used
+            blocks = min(blocks, layout.blocks_for(rc.max_model_len) * rc.max_num_seqs)
+        slots, blocks, self.max_num_batched_tokens, pg = min_over_ranks(
+            [self.plan.num_slots, blocks, T, self.plan.prefill_graph_tokens], self.device)
+        self.prefill_graph_tokens = pg            # every rank's count is 0 or >= 64
+        return slots, blocks
+
+    def _plan(self, rc: RunnerConfig):
+        """size_pools' plan for rc (max_model_len given): sets self.plan; -> (the token budget
+        T, the cache layout). Raises ValueError (what to change) when rc does not fit."""
         from backfit.runtime.cache.budget import (BATCHED_TOKENS, PREFILL_GRAPH_MAX, GiB, fit,
                                                   graph_reserve, pick_batched_tokens,
                                                   pick_prefill_graphs, prefill_graph_count,
                                                   prefill_graph_reserve, workspace)
         from backfit.runtime.cache.layout import cache_layout
-        from backfit.runtime.distributed import get_tp_info, min_over_ranks
-        rc = self.rc
+        from backfit.runtime.distributed import get_tp_info
         pg_req = rc.prefill_graph_tokens             # None: auto
         if pg_req is not None:
             prefill_graph_count(pg_req, pg_req)      # raises on a bad value, on any device
@@ -258,13 +283,7 @@ class ModelRunner:
             budget = int(rc.cpu_kv_cache_gib * GiB)
             self.plan = fit(layout, budget, budget, utilization=1.0, max_num_batched_tokens=T,
                             **kw)
-        blocks = self.plan.num_blocks
-        if rc.num_blocks is None and self.device.type == "cpu":   # no more than can be used
-            blocks = min(blocks, layout.blocks_for(rc.max_model_len) * rc.max_num_seqs)
-        slots, blocks, self.max_num_batched_tokens, pg = min_over_ranks(
-            [self.plan.num_slots, blocks, T, self.plan.prefill_graph_tokens], self.device)
-        self.prefill_graph_tokens = pg            # every rank's count is 0 or >= 64
-        return slots, blocks
+        return T, layout
 
     def _context(self, X: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, seqs) -> None:
         """The drafter's context after a forward of chunks (runtime/drafting.py)."""

@@ -7,7 +7,9 @@ in backfit/capacity.py's docstring and docs/PERFORMANCE.md (Capacity).
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from backfit.config import ModelConfig
 from backfit.runtime.cache.layout import CacheLayout
@@ -16,7 +18,7 @@ __all__ = ["GiB", "MiB", "SCORE_CHUNK", "GRAPH_BYTES", "CONTEXT_BYTES", "NCCL_BY
            "workspace", "capture_sizes", "graph_reserve", "runtime_reserve", "Plan", "fit",
            "BATCHED_TOKENS", "pick_batched_tokens", "PREFILL_GRAPH_MAX", "PREFILL_GRAPH_MIN",
            "PIECE_BYTES", "prefill_sizes", "prefill_graph_count", "prefill_graph_reserve",
-           "pick_prefill_graphs"]
+           "pick_prefill_graphs", "max_positions", "model_limit", "longest_fit"]
 
 GiB = 2 ** 30
 MiB = 2 ** 20
@@ -249,3 +251,35 @@ def pick_prefill_graphs(plan_pg, tokens: int) -> Plan:
         return base
     return with_graphs if with_graphs.kv_capacity_tokens >= 0.9 * base.kv_capacity_tokens \
         else base
+
+
+def max_positions(cfg: ModelConfig) -> int:
+    """The model's context limit from YaRN: original_max_position_embeddings x factor (Flash 1M)."""
+    rs = cfg.rope_scaling or {}
+    return int(rs.get("original_max_position_embeddings", 0) * rs.get("factor", 1)) or 2 ** 20
+
+
+def model_limit(config_json: str | Path) -> int:
+    """The longest context a checkpoint allows: its config.json's max_position_embeddings, else
+    max_positions (YaRN)."""
+    p = Path(config_json)
+    return int(json.loads(p.read_text()).get("max_position_embeddings")
+               or max_positions(ModelConfig.from_file(p)))
+
+
+def longest_fit(attempt, block_size: int, limit: int) -> int:
+    """Largest length (a multiple of block_size, or the model limit) for which attempt(length)
+    does not raise ValueError; 0 when none does (a binary search: attempt is pure arithmetic)."""
+    def ok(n):
+        try:
+            attempt(n)
+            return True
+        except ValueError:
+            return False
+    if ok(limit):
+        return limit
+    lo, hi = 0, limit // block_size           # ok(lo·B) (lo=0 trivially), not ok(hi·B)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid * block_size) else (lo, mid)
+    return lo * block_size
