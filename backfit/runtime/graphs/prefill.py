@@ -192,10 +192,13 @@ class PrefillGraphs:
             return None
         if self.copied is not None:
             self.copied.synchronize()                      # the last copy has left self.host
-        rows = self.host.numpy()                           # rows T..P-1 keep what they held:
+        rows = self.host.numpy()
         lens = np.fromiter((len(s[1]) for s in seqs), dtype=np.int64, count=len(seqs))
         rows[0, :T] = np.fromiter(itertools.chain.from_iterable(s[1] for s in seqs),
-                                  dtype=np.int64, count=T)  # padding, never read
+                                  dtype=np.int64, count=T)
+        rows[:, T:P] = 0           # padding: token 0 at position 0. Never what an earlier step
+        #                            left (a verify step's placeholders -1 - r are negative ids:
+        #                            the hash layers' tid2eid gather reads out of bounds)
         starts = np.fromiter((s[2] for s in seqs), dtype=np.int64, count=len(seqs))
         rows[1, :T] = np.arange(T) - np.repeat(np.cumsum(lens) - lens - starts, lens)
         self.stage[:, :P].copy_(self.host[:, :P], non_blocking=True)
