@@ -9,7 +9,12 @@ the forward `Drafting.context` fills the drafter's rings from all the forward's 
 chunks and verify rows alike): row t's next token is the chunk's next row, the step's `next_token`
 after a chunk that does not end the known tokens, else a stand-in the next draft rewrites. For
 MTP it also keeps the streams of each sequence's last ROLLBACK rows per slot (`streams`, by
-position): the next draft starts from X at the last accepted position, whichever it is.
+position): the next draft starts from X at the last accepted position, whichever it is. An MTP
+ring row depends on the row's next token, so the row before each chunk that does not draft (a
+prefill chunk, a plain decode token) is rewritten from `streams` with the chunk's first token:
+after a prefix-cache restore that row came from the request that saved the snapshot, after a
+plain decode step it held a stand-in. A prefix-cache snapshot (docs/ENGINE.md §3) carries the
+drafter rings (PagedCache's snapshot pool) and, for MTP, X at the boundary's last position.
 
 Drafter state is keyed by slot and position, never by batch row: a sequence that moves rows (the
 batch compacts) or leaves and comes back (preemption recomputes its prompt) drafts against its own
@@ -53,13 +58,25 @@ def check_speculative(method: str | None, k: int, cfg) -> None:
 class Drafting:
     """One rank's drafter over the model's drafter blocks and the runner's pools."""
 
-    def __init__(self, model, cache, num_slots: int, k: int):
+    def __init__(self, model, cache, num_slots: int, k: int, num_snapshots: int = 0):
         self.drafter, self.cache, self.k = drafter_for(model), cache, k
-        self.streams = None
+        self.streams = self.snap_streams = None
         if self.drafter.needs_streams:              # MTP: X of the last ROLLBACK rows per slot
             cfg = model.cfg
             self.streams = torch.zeros(num_slots + 1, ROLLBACK, cfg.hc_mult, cfg.hidden_size,
                                        dtype=model.dtype, device=cache.device)
+            self.snap_streams = torch.zeros(num_snapshots, cfg.hc_mult, cfg.hidden_size,
+                                            dtype=model.dtype, device=cache.device)
+
+    def snapshot(self, slot: int, snap: int, boundary: int, save: bool) -> None:
+        """Save (slot -> snapshot) or restore (snapshot -> slot) X at position boundary - 1 (MTP;
+        the drafter rings travel in the cache's snapshot pool)."""
+        if self.streams is not None:
+            row = (boundary - 1) % ROLLBACK
+            if save:
+                self.snap_streams[snap] = self.streams[slot, row]
+            else:
+                self.streams[slot, row] = self.snap_streams[snap]
 
     def draft(self, seqs, seed: int) -> Draft:
         """The drafting StepSeqs -> Draft of k tokens each (ids [S, k] on the device)."""
@@ -83,6 +100,8 @@ class Drafting:
     def context(self, X: torch.Tensor, taps, batch: ForwardBatch, seqs, bound) -> None:
         """After the forward: the drafter's rings from every row (see the module notes)."""
         lens = [len(s.tokens) + s.draft for s in seqs]
+        if self.streams is not None:                     # before `streams` takes this forward
+            self._rewrite_rows_before(seqs, lens, batch, bound)
         T, idx, lo = X.shape[0], [], 0
         for i, (s, n) in enumerate(zip(seqs, lens)):     # the next row, a known next token
             idx += range(lo + 1, lo + n)                 # (T + 1 + i) or the stand-in (T)
@@ -101,3 +120,19 @@ class Drafting:
                 lo += n
             at = to_device([rows, slots, pos], torch.int64, X.device)
             self.streams[at[1], at[2]] = X[at[0]]
+
+    def _rewrite_rows_before(self, seqs, lens, batch: ForwardBatch, bound) -> None:
+        """MTP: the ring row at start - 1 of each chunk that does not draft, from X there
+        (`streams`) and the chunk's first token (the batch's: placeholders are filled)."""
+        slots, rows, firsts, pos, lo = [], [], [], [], 0
+        for s, n in zip(seqs, lens):
+            if s.start > 0 and not s.draft:
+                slots.append(s.slot)
+                rows.append((s.start - 1) % ROLLBACK)
+                firsts.append(lo)
+                pos.append(s.start - 1)
+            lo += n
+        if slots:
+            at = to_device([slots, rows, firsts, pos], torch.int64, batch.tokens.device)
+            self.drafter.rewrite(self.streams[at[0], at[1]], batch.tokens[at[2]], at[3], at[0],
+                                 bound)

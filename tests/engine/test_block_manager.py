@@ -77,7 +77,7 @@ def test_shared_blocks_are_reference_counted():
     a = Sequence(0, prompt)
     assert prefill(bm, a) is None
     b, c = Sequence(1, prompt + [50, 51]), Sequence(2, prompt + [60])
-    assert prefill(bm, b) == (bm.snap_of[a.block_table[1]], b.slot)
+    assert prefill(bm, b) == (bm.snap_of[a.block_table[1]], b.slot, 8)
     prefill(bm, c)
     assert b.block_table[:2] == c.block_table[:2] == a.block_table[:2]
     assert [bm.ref[x] for x in a.block_table[:2]] == [3, 3]

@@ -12,7 +12,7 @@ MTPDrafter (the runner's):
            or a verify step's drafts): only the KV of each row goes to the ring (a row's KV
            depends on its own input alone). A row whose next token is not known yet (the last
            of a prompt, the bonus row of a verify step) is written with a stand-in and
-           rewritten by the next draft's first row.
+           rewritten by the next draft's first row, or by `rewrite` before the next chunk.
   draft    after position p with x_{p+1}: row 0 = (X_p, x_{p+1}) at position p (its KV replaces
            the stand-in); row j >= 1 = (Y_{j-1}, d_j) at position p + j, Y_{j-1} the block's own
            pre-hc_head output (vLLM's chaining). Its window sees the ring up to its own row.
@@ -78,6 +78,13 @@ class MTPDrafter:
         Y = self.block.inputs(self.model, X, next_tokens)
         kv = self.block.attn_kv(Y, batch.positions)                           # [T, D]
         bound.layer(self.layer).write_window_chunk(batch.positions, kv)
+
+    def rewrite(self, X: torch.Tensor, next_tokens: torch.Tensor, pos: torch.Tensor,
+                slots: torch.Tensor, bound) -> None:
+        """Ring rows at positions pos [n] of slots [n] from X [n, 4, d] and next_tokens [n]: a
+        row written before its next token was known (or restored from another request's)."""
+        kv = self.block.attn_kv(self.block.inputs(self.model, X, next_tokens), pos)
+        bound.layer(self.layer).write_window_rows(slots, pos, kv)
 
     @torch.no_grad()
     def draft(self, rows: DraftRows, cache, X_last: torch.Tensor) -> Draft:
