@@ -110,8 +110,9 @@ def fill_random(model, cfg: ModelConfig, dev) -> None:
                 buf.normal_(0, 1 if mname == "embed" else buf.shape[1] ** -0.5)
 
 
-def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int):
-    """A ModelRunner around a random model and random pools (no converted directory)."""
+def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int, snapshots: int = 0):
+    """A ModelRunner around a random model and random pools (no converted directory), with
+    `snapshots` prefix-cache snapshots (bench_engine.py --shared-prefix)."""
     from backfit.runtime.cache.paged import PagedCache
     from backfit.runtime.model.transformer import Transformer
     from backfit.runtime.cache.layout import default_block_size
@@ -122,14 +123,16 @@ def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int):
     fill_random(model, cfg, dev)
     r = ModelRunner.__new__(ModelRunner)
     eager = dict(enforce_eager=True) if "enforce_eager" in RunnerConfig.__dataclass_fields__ else {}
-    r.rc = RunnerConfig("(random)", device=dev, max_num_seqs=slots, num_snapshot_slots=0,
+    r.rc = RunnerConfig("(random)", device=dev, max_num_seqs=slots, num_snapshot_slots=snapshots,
                         max_model_len=max_len, **eager)
     r.timings, r.cfg, r.dtype, r.device = {}, cfg, torch.bfloat16, torch.device(dev)
     r.kernels, r.graphs = "torch", None
     r.prefill_graphs, r.prefill_graph_tokens = None, 0     # bench_engine --prefill-graphs
     r.block_size, r.kv, r.model = default_block_size(cfg), "auto", model
     r.num_slots, r.num_blocks, r.max_num_batched_tokens = slots, blocks, 2048
-    r.cache = PagedCache(cfg, slots, blocks, r.block_size, torch.bfloat16, "auto", dev)
+    r.num_snapshot_slots, r.drafting = snapshots, None
+    r.cache = PagedCache(cfg, slots, blocks, r.block_size, torch.bfloat16, "auto", dev,
+                         num_snapshots=snapshots)
     for lp in r.cache.layers:
         lp.ring.data.normal_()
         for p in lp.parts():
@@ -138,7 +141,7 @@ def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int):
 
 
 def rank_runner(raw: dict, dev: str, slots: int, ctx: int, prefill: int = 0,
-                tp_shard: int = 1):
+                tp_shard: int = 1, snapshots: int = 0):
     """build_runner as TP rank 0 of tp_shard (its shard of every split weight; collectives
     counted no-ops, patch_collectives), pools for `slots` sequences of up to ctx tokens (+ 8)
     or one prefill of `prefill` tokens; max_model_len max(ctx, prefill) + 16. The set-up that
@@ -149,7 +152,7 @@ def rank_runner(raw: dict, dev: str, slots: int, ctx: int, prefill: int = 0,
     patch_collectives()
     bs = default_block_size(ModelConfig.from_dict(raw))
     blocks = max(slots * math.ceil((ctx + 8) / bs), math.ceil(prefill / bs)) + 1
-    return build_runner(raw, dev, slots, blocks, max(ctx, prefill) + 16)
+    return build_runner(raw, dev, slots, blocks, max(ctx, prefill) + 16, snapshots)
 
 
 def use_backend(r, be: str) -> None:
