@@ -2,17 +2,16 @@
 (CPU): each cache path against the same prompt run cold (prefix caching off), for each KV storage.
 
 Blocks of 8 tokens, a periodic snapshot every 2 blocks (16 tokens), a token budget of 32. A
-system prompt of 44 tokens with its `cache_boundaries` hint at 44 gets a snapshot at 40. The
-window is 16 positions, so a snapshot at 8 carries rows of negative positions too.
+system prompt of 44 tokens with its `cache_boundaries` hint at 44 gets a snapshot at 40.
 
 What is compared: every sampled row's logits (the prompt's last position first: the one a hit
 changes) while the greedy tokens agree, and with FP32 storage every token. Rows are compared by
 rel = max |Δlogit| / max |logit| over the request. A hit runs other chunk shapes than the cold
 run, and a CPU's BLAS may round a row differently by the rows beside it (docs/TESTING.md, "No
 test depends on how a CPU's BLAS rounds"), so the bound is set over a measured floor: the same
-prompts cold at token budgets 64 vs 24 and 40, blocks of 16 (AMX Xeon, 2026-12-08): FP32 2.3e-7, int8 storage
-(FP32 activations) 4.5e-4, bf16 (bf16 activations) 3.4e-3; bounds 1e-5, 5e-3, 2e-2. Planted
-faults and the rel they gave are listed in docs/TESTING.md.
+prompts cold at token budgets 32 vs 12, 20 and 64 (AMD EPYC, 2026-12-06): FP32 2.1e-7, int8
+storage (FP32 activations) 6.7e-4, bf16 (bf16 activations) 1.7e-3; hits measured 2.3e-7, 1.4e-3,
+1.3e-3; bounds 1e-5, 5e-3, 2e-2. Planted faults and the rel they gave: docs/TESTING.md.
 """
 
 import random
