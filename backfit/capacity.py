@@ -5,7 +5,8 @@ by TP), so one rank's budget decides everything:
 
   pool = floor(gpu_mem · utilization) − used − workspace − graph_reserve
   used = weights + runtime reserve (computed), or total − free after loading (measured, `fit`)
-  pool = num_slots · slot_bytes + num_blocks · block_bytes          (runtime/cache/layout.py)
+  pool = num_slots · slot_bytes + num_snapshot_slots · snapshot_bytes + num_blocks · block_bytes
+         (runtime/cache/layout.py; num_slots = max_num_seqs, snapshots: docs/ENGINE.md §3)
 
 Weights come from the inventory and the conversion plan (the same `plan_conversion` that
 `backfit convert` runs), or from manifest.json for a converted directory. The reserves, per rank,
@@ -249,7 +250,8 @@ def format_plan(p: Plan) -> str:
                                + (f", prefill up to {p.prefill_graph_tokens} tokens)"
                                   if p.prefill_graph_tokens else ", no prefill graphs)")),
         ("KV pool", f"{_gib(p.kv_pool_bytes)} = {p.num_slots} slots x "
-                    f"{p.slot_bytes / MiB:.1f} MiB + {p.num_blocks} blocks x "
+                    f"{p.slot_bytes / MiB:.1f} MiB + {p.num_snapshot_slots} prefix snapshots x "
+                    f"{p.snapshot_bytes / MiB:.2f} MiB + {p.num_blocks} blocks x "
                     f"{p.block_bytes / MiB:.3f} MiB ({p.block_size} tokens)"),
         ("KV bytes per token", f"{p.kv_bytes_per_token:,.3f} ({p.kv_cache_dtype})"),
         ("KV bytes per sequence", f"{_gib(p.kv_bytes_per_sequence)} at {p.max_model_len:,} tokens"),

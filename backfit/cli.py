@@ -185,6 +185,11 @@ def engine_options(f):
                           "(default: the smallest such multiple >= 64)."),
         click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
                      show_default=True, help="Reuse cached blocks of shared prompt prefixes."),
+        click.option("--num-snapshot-slots", type=int, default=None,
+                     help="Prefix-cache snapshots (default: max-num-seqs; docs/ENGINE.md §3)."),
+        click.option("--prefix-snapshot-interval", type=int, default=None, metavar="BLOCKS",
+                     help="A prefix-cache snapshot every this many blocks of a prompt (0: only at "
+                          "hints and prompt ends; default: the token budget in blocks)."),
         click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=True,
                      show_default=True, help="Split long prompts across steps, next to decodes."),
         click.option("--gpu-memory-utilization", type=float, default=0.90, show_default=True,
@@ -212,10 +217,9 @@ def engine_options(f):
 def engine_kwargs(kw: dict) -> dict:
     """Pop the engine flags out of a command's keyword arguments -> EngineConfig fields."""
     names = ("device", "kernels", "enforce_eager", "prefill_graph_tokens", "async_scheduling",
-             "dtype", "kv_cache_dtype",
-             "max_model_len", "max_num_batched_tokens",
-             "block_size", "enable_prefix_caching", "enable_chunked_prefill",
-             "gpu_memory_utilization", "cpu_kv_cache_gib")
+             "dtype", "kv_cache_dtype", "max_model_len", "max_num_batched_tokens", "block_size",
+             "enable_prefix_caching", "num_snapshot_slots", "prefix_snapshot_interval",
+             "enable_chunked_prefill", "gpu_memory_utilization", "cpu_kv_cache_gib")
     out = {n: kw.pop(n) for n in names}
     out.update(speculative_kwargs(kw.pop("speculative_config", None),
                                   kw.pop("speculative_disable_by_batch_size", None)))

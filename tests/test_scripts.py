@@ -32,3 +32,20 @@ def test_replicas_arguments_devices_and_router_flags():
     assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--policy")] == \
         ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
     assert cmd[cmd.index("--policy") + 1] == "cache_aware" and cmd[-1] == "--cache-threshold=0.5"
+
+
+def test_bench_engine_shared_prefix_dry_run(tiny_converted):
+    """bench_engine.py --shared-prefix on the tiny model (the CPU dry run of the GPU step in
+    gpu_check.sh): the warm session reuses the 200-token prefix up to the hint's block boundary
+    (blocks of 64: 192), or without the hint up to the last periodic snapshot (a 128-token
+    budget: every 128 tokens)."""
+    import bench_engine
+    from support import one_thread
+    with one_thread():
+        rows = bench_engine.main(["--model", str(tiny_converted(1, "int8")), "--dtype", "float32",
+                                  "--shared-prefix", "200", "--prompt-len", "70",
+                                  "--output-len", "2", "--reps", "1",
+                                  "--max-num-batched-tokens", "128"])
+    assert [(r["mode"], r["warm_cached_tokens"]) for r in rows] == [("hint", 192),
+                                                                    ("periodic", 128)]
+    assert all(r["ttft_cold_ms"] > 0 and r["ttft_warm_ms"] > 0 for r in rows)

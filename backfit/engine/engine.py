@@ -62,7 +62,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_blocks: int | None = None
-    num_snapshot_slots: int | None = None
+    num_snapshot_slots: int | None = None         # prefix-cache snapshots (None: max_num_seqs)
+    prefix_snapshot_interval: int | None = None   # blocks between periodic snapshots (0: none;
+    #                                               None: the token budget in blocks; §3)
     gpu_memory_utilization: float = 0.90
     cpu_kv_cache_gib: float = 4.0
     seed: int = 0                                 # unseeded requests draw from this stream
@@ -159,7 +161,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len,
                                    cfg.enable_chunked_prefill, self.model_cfg.eos_token_id,
-                                   cfg.num_speculative_tokens, cfg.spec_max_batch)
+                                   cfg.num_speculative_tokens, cfg.spec_max_batch,
+                                   cfg.prefix_snapshot_interval)
         self.spec = SpecStats(cfg.num_speculative_tokens)
         self.requests: dict[int, _Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = 0

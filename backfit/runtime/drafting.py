@@ -12,6 +12,9 @@ engine turns speculation off above a batch size): DSpark's stage rings take main
 row; MTP's ring takes the block's KV of (X_{t-1}, x_t) for every row t, X_{t-1} the streams of
 the row before (this forward's, or the per-slot `streams` buffer for a chunk's first row). Rows
 past a verify step's accepted ones land at later positions: never read, rewritten later.
+A prefix-cache snapshot (docs/ENGINE.md §3) carries the drafter rings (PagedCache's snapshot
+pool) and, for MTP, X at the boundary's last position: the first row after a restore at boundary
+b writes the ring row b - 1 from it, as any chunk's first row does from `streams`.
 
 Drafter state is keyed by slot and position, never by batch row: a sequence that moves rows (the
 batch compacts) or leaves and comes back (preemption recomputes its prompt) drafts against its own
@@ -73,15 +76,27 @@ class RowPlan:
 class Drafting:
     """One rank's drafter over the model's drafter blocks and the runner's pools."""
 
-    def __init__(self, model, cache, num_slots: int, k: int):
+    def __init__(self, model, cache, num_slots: int, k: int, num_snapshots: int = 0):
         self.drafter, self.cache, self.k = drafter_for(model, cache), cache, k
         self.ring = model.cfg.sliding_window + ROLLBACK
         self.vocab = model.cfg.vocab_size
-        self.streams = None
+        self.streams = self.snap_streams = None
         if self.drafter.needs_streams:              # MTP: X of the last ROLLBACK rows per slot
             cfg = model.cfg
             self.streams = torch.zeros(num_slots + 1, ROLLBACK, cfg.hc_mult, cfg.hidden_size,
                                        dtype=model.dtype, device=cache.device)
+            self.snap_streams = torch.zeros(num_snapshots, cfg.hc_mult, cfg.hidden_size,
+                                            dtype=model.dtype, device=cache.device)
+
+    def snapshot(self, slot: int, snap: int, boundary: int, save: bool) -> None:
+        """Save (slot -> snapshot) or restore (snapshot -> slot) X at position boundary - 1 (MTP;
+        the drafter rings travel in the cache's snapshot pool)."""
+        if self.streams is not None:
+            row = (boundary - 1) % ROLLBACK
+            if save:
+                self.snap_streams[snap] = self.streams[slot, row]
+            else:
+                self.streams[slot, row] = self.snap_streams[snap]
 
     def rows(self, tokens, last, slots, tables, temps, seed: int, host=None) -> DraftRows:
         """DraftRows over device tensors (tokens, last, slots, tables: [S] / [S, nblk]); temps

@@ -1,15 +1,15 @@
 """ModelRunner: one rank's model and cache pools; runs one engine step (docs/ENGINE.md §4).
 
 A step is plain data (StepInput: picklable, broadcast to every TP rank): per sequence its slot,
-block table, start and new token ids, plus the snapshot copies to make before and after the
-forward. forward(step) runs every prefill chunk and decode token in ONE batch and returns FP32
+block table, start and new token ids, plus the prefix-cache snapshots to restore before the
+forward and to save after it (docs/ENGINE.md §3). forward(step) runs every prefill chunk and decode token in ONE batch and returns FP32
 logits [num_sampled, vocab] for the sequences that sample (their last token), plus every row of
 the sequences that asked for prompt logprobs. Sampling is the engine's (rank 0 only).
 
 Pool sizing (size_pools) is the planner's `fit` (runtime/cache/budget.py, also behind
 `backfit plan`): on CUDA, the memory free after loading, less (1 - gpu_memory_utilization) of the
-card and the activation workspace of a max_num_batched_tokens step, goes to slots first (running
-sequences + snapshots) and blocks after; on CPU, --cpu-kv-cache-gib is the budget. Byte counts
+card and the activation workspace of a max_num_batched_tokens step, goes to the slots (running
+sequences) and the prefix-cache snapshots first and to blocks after; on CPU, --cpu-kv-cache-gib is the budget. Byte counts
 come from runtime/cache/layout.py, which a test holds equal to what PagedCache allocates.
 
 Kernels (--kernels): "triton" (default on CUDA) or "torch" (default on CPU, the reference path);
@@ -54,7 +54,8 @@ class RunnerConfig:
     max_num_batched_tokens: int | None = None   # None: budget.pick_batched_tokens on CUDA
     #                                               (2,048 or 8,192), 2,048 elsewhere
     max_model_len: int | None = 8192         # None: the longest the pools hold (size_pools)
-    num_snapshot_slots: int | None = None    # prefix-cache snapshots; None: = max_num_seqs
+    num_snapshot_slots: int | None = None    # prefix-cache snapshots (a pool of their own);
+    #                                          None: = max_num_seqs
     num_blocks: int | None = None            # None: from memory (size_pools)
     gpu_memory_utilization: float = 0.90
     cpu_kv_cache_gib: float = 4.0
@@ -86,8 +87,8 @@ class StepSeq:
 @dataclass(frozen=True)
 class StepInput:
     seqs: tuple[StepSeq, ...]
-    restores: tuple[tuple[int, int], ...] = ()   # (snapshot slot, seq slot) before the forward
-    saves: tuple[tuple[int, int], ...] = ()      # (seq slot, snapshot slot) after it
+    restores: tuple[tuple[int, int, int], ...] = ()   # (snapshot, seq slot, boundary): before
+    saves: tuple[tuple[int, int, int], ...] = ()      # (seq slot, snapshot, boundary): after
     draft_seed: int = 0                          # seeds the draft draws (alike on every rank)
 
 
@@ -141,14 +142,15 @@ class ModelRunner:
             self.model.prepare_kernels()
         self.timings["weights_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        self.num_slots, self.num_blocks = self.size_pools()
+        self.num_slots, self.num_snapshot_slots, self.num_blocks = self.size_pools()
         self.cache = PagedCache(self.cfg, self.num_slots, self.num_blocks, self.block_size,
-                                self.dtype, self.kv, self.device, mtp_layers=len(self.model.mtp))
+                                self.dtype, self.kv, self.device, mtp_layers=len(self.model.mtp),
+                                num_snapshots=self.num_snapshot_slots)
         self.drafting = None
         if rc.speculative_method is not None:
             from backfit.runtime.drafting import Drafting
             self.drafting = Drafting(self.model, self.cache, self.num_slots,
-                                     rc.num_speculative_tokens)
+                                     rc.num_speculative_tokens, self.num_snapshot_slots)
         self.timings["pools_s"] = time.perf_counter() - t
         self.graphs = self.prefill_graphs = self.spec_graphs = None
         self._sampled_rows = 0                          # of the last step (its ids: `prev`)
@@ -195,19 +197,15 @@ class ModelRunner:
                     "--prefill-graph-tokens 0 skips the capture)")
                 self.prefill_graphs = None
 
-    @property
-    def num_snapshot_slots(self) -> int:
-        return self.num_slots - self.rc.max_num_seqs
-
-    def size_pools(self) -> tuple[int, int]:
-        """(slots, blocks) from the planner's `fit` (runtime/cache/budget.py), the same
+    def size_pools(self) -> tuple[int, int, int]:
+        """(slots, snapshots, blocks) from the planner's `fit` (runtime/cache/budget.py), the same
         arithmetic as `backfit plan`, on measured free memory; raises with what to change. Sets
         self.max_num_batched_tokens (the engine's chunk budget: rc's, else on CUDA
         pick_batched_tokens, else 2,048) and self.prefill_graph_tokens (rc's, else on CUDA with
         graphs budget.pick_prefill_graphs: up to 2,048 where the graphs cost at most 10 % of the
         KV capacity; 0: none). rc.max_model_len None: the longest the pools hold (a multiple
         of the block size, up to the model's limit, as vLLM picks it), set in self.rc. At tp > 1
-        every rank takes the smallest of the ranks' length, slots, blocks and budget: rank 0's
+        every rank takes the smallest of the ranks' length, slots, snapshots, blocks and budget: rank 0's
         block manager hands out block ids for all of them (self.plan stays this rank's own
         plan)."""
         from backfit.runtime.cache.budget import longest_fit, model_limit
@@ -226,10 +224,11 @@ class ModelRunner:
         blocks = self.plan.num_blocks
         if rc.num_blocks is None and self.device.type == "cpu":   # no more than can be used
             blocks = min(blocks, layout.blocks_for(rc.max_model_len) * rc.max_num_seqs)
-        slots, blocks, self.max_num_batched_tokens, pg = min_over_ranks(
-            [self.plan.num_slots, blocks, T, self.plan.prefill_graph_tokens], self.device)
+        slots, snaps, blocks, self.max_num_batched_tokens, pg = min_over_ranks(
+            [self.plan.num_slots, self.plan.num_snapshot_slots, blocks, T,
+             self.plan.prefill_graph_tokens], self.device)
         self.prefill_graph_tokens = pg            # every rank's count is 0 or >= 64
-        return slots, blocks
+        return slots, snaps, blocks
 
     def _plan(self, rc: RunnerConfig):
         """size_pools' plan for rc (max_model_len given): sets self.plan; -> (the token budget
@@ -253,9 +252,9 @@ class ModelRunner:
         T = rc.max_num_batched_tokens or (None if measured else BATCHED_TOKENS[0])   # below
         pg_fixed = prefill_graph_count(pg_req or PREFILL_GRAPH_MAX, T) if pg_on and T else 0
         if rc.num_blocks is not None:                         # fixed (tests, CPU runs)
-            per = layout.slot_bytes * (rc.max_num_seqs + (rc.max_num_seqs if rc.num_snapshot_slots
-                                                         is None else rc.num_snapshot_slots))
-            n = per + rc.num_blocks * layout.block_bytes
+            snaps = rc.max_num_seqs if rc.num_snapshot_slots is None else rc.num_snapshot_slots
+            n = layout.slot_bytes * rc.max_num_seqs + layout.snapshot_bytes * max(snaps, 0) \
+                + rc.num_blocks * layout.block_bytes
             self.plan = fit(layout, n, n, utilization=1.0, max_num_batched_tokens=T,
                             prefill_graph_tokens=pg_fixed, **kw)
         elif self.device.type == "cuda":                      # after loading: what is really free
@@ -309,8 +308,7 @@ class ModelRunner:
         if any(t > 0 for t in temps):             # the q each sampled draft was drawn from
             t = to_device(temps, torch.float32, dlogits.device).clamp(min=1e-5)
             probs = torch.softmax(dlogits / t[:, None, None], -1)
-        for src, dst in step.saves:
-            self.cache.copy_slot(src, dst)
+        self._snapshots(step.saves, save=True)
         return StepOutput(logits, draft=Draft(ids, probs, dlogits, None))
 
     @torch.no_grad()
@@ -320,8 +318,7 @@ class ModelRunner:
         tp > 1 rank 0 passes them and every rank takes them from rank 0 (one broadcast on the
         model's group, in step order on every rank; R = the last step's sampling rows)."""
         from backfit.runtime.distributed import broadcast_from_rank0, get_tp_info
-        for src, dst in step.restores:
-            self.cache.copy_slot(src, dst)
+        self._snapshots(step.restores, save=False)
         seqs = step.seqs
         holes = any(min(s.tokens) < 0 for s in seqs)
         tp = get_tp_info()
@@ -355,8 +352,7 @@ class ModelRunner:
             logits = self.graphs.run([(s.tokens[0], s.start, s.slot, s.block_table) for s in seqs],
                                      prev if holes else None)
             if logits is not None:
-                for src, dst in step.saves:
-                    self.cache.copy_slot(src, dst)
+                self._snapshots(step.saves, save=True)
                 return StepOutput(logits)
         X = None
         if self.prefill_graphs is not None and any(len(s.tokens) > 1 for s in seqs):
@@ -391,6 +387,17 @@ class ModelRunner:
             if s.all_logits:
                 out.all_logits[s.seq_id] = self.model.logits(X[lo:lo + len(s.tokens)])
             lo += len(s.tokens)
-        for src, dst in step.saves:
-            self.cache.copy_slot(src, dst)
+        self._snapshots(step.saves, save=True)
         return out
+
+    def _snapshots(self, copies, save: bool) -> None:
+        """Prefix-cache snapshots (docs/ENGINE.md §3): saves (seq slot, snapshot, boundary) after
+        the forward, restores (snapshot, seq slot, boundary) before it; the drafter's with them."""
+        for a, b, boundary in copies:
+            slot, snap = (a, b) if save else (b, a)
+            if save:
+                self.cache.snapshots.save(slot, snap, boundary)
+            else:
+                self.cache.snapshots.restore(snap, slot, boundary)
+            if self.drafting is not None:
+                self.drafting.snapshot(slot, snap, boundary, save)

@@ -256,6 +256,9 @@ class Bridge:
         """Neutral protocol events for an encoded chat prompt; see the module docstring.
         stop: stop strings applied by the parser to content (not reasoning or arguments)."""
         parser = OutputParser(reasoning=prompt.reasoning_open, tools=tools, stop=tuple(stop))
+        if prompt.cache_boundary:                   # a prefix-cache snapshot at the system end
+            params = replace(params, cache_boundaries=params.cache_boundaries
+                             + (prompt.cache_boundary,))
         state: dict = {}
         agen = self.generate(prompt.ids, params, state) if prompt.forced is None else \
             self._forced(prompt, params, state)

@@ -152,13 +152,15 @@ class Forced:
 class Prompt:
     """An encoded prompt. `text` is the reference string; `reasoning_open` says the prompt ends
     inside `<think>`, so the output starts with reasoning (hand it to the parser); `forced`:
-    the tool-call opener of a required / named tool_choice and the reasoning budget, or None."""
+    the tool-call opener of a required / named tool_choice and the reasoning budget, or None.
+    cache_boundary: ids before the first User token (system + tools; a prefix-cache snapshot)."""
     ids: list[int]
     text: str
     thinking_mode: str
     reasoning_effort: str | None
     reasoning_open: bool
     forced: Forced | None = None
+    cache_boundary: int | None = None
 
 
 class _Segments:
@@ -256,9 +258,11 @@ class ChatEncoder:
         segs = self._render(list(messages), tuple(tools), thinking_mode, reasoning_effort,
                             response_format, drop_thinking)
         thinks = [t for t, c in segs.items if c and t in (THINK_START, THINK_END)]
-        return Prompt(ids=self._ids(segs), text="".join(t for t, _ in segs.items),
+        ids, user = self._ids(segs), self.control_ids[USER]
+        return Prompt(ids=ids, text="".join(t for t, _ in segs.items),
                       thinking_mode=thinking_mode, reasoning_effort=reasoning_effort,
-                      reasoning_open=bool(thinks) and thinks[-1] == THINK_START)
+                      reasoning_open=bool(thinks) and thinks[-1] == THINK_START,
+                      cache_boundary=ids.index(user) if user in ids else None)
 
     def encode_text(self, text: str) -> list[int]:
         """Untrusted text → ids, never control ids (every text segment of a chat prompt)."""

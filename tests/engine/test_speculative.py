@@ -179,16 +179,8 @@ def test_bad_speculative_configs_are_one_line_errors(tiny_converted):
 
 # ---- bug classes of spec-decoding.md §3 -------------------------------------------------------
 
-def test_drafts_follow_each_request_not_its_row(tiny_converted, tiny_flash, tiny_0731, method):
-    """The drafts the engine verifies are the reference's drafts for that request's own history
-    (teacher-forced on the drafts actually used), through a batch whose rows shift: requests
-    finish at different steps and a new one joins (the bug: drafter state keyed by batch row)."""
-    from backfit.verify.reference import Reference
-    variant, k = METHODS[method]
-    conv = tiny_converted(1, "bf16", variant)            # lossless weights: FP32 agreement
-    ps = prompts(3, seed=5, lo=20, hi=40)
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 9, 6)]
-    e = make(conv, method, k)
+def spy_drafts(e) -> list:
+    """Every draft the engine's runner makes: (seq_id, start, x, draft ids, draft logits)."""
     seen, real = [], e.ranks.runner.drafting.draft
 
     def spy(seqs, seed):
@@ -197,11 +189,14 @@ def test_drafts_follow_each_request_not_its_row(tiny_converted, tiny_flash, tiny
                     for i, s in enumerate(seqs))
         return d
     e.ranks.runner.drafting.draft = spy
-    ids = run(e, ps, params, arrive_every=2)
-    e.close()
-    ref = Reference(tiny_flash if variant == "flash" else tiny_0731)
-    full = {i: p + o for i, (p, o) in enumerate(zip(ps, ids))}
-    checked = set()
+    return seen
+
+
+def check_drafts(ckpt, method, seen, full, k) -> set:
+    """Each draft's logits = the reference's drafts of that request's own history (prompt +
+    output, teacher-forced on the drafts used), FP32 < 1e-4; -> the requests checked."""
+    from backfit.verify.reference import Reference
+    ref, checked = Reference(ckpt), set()
     for sid, start, x, drafts, logits in seen:
         pre = ref.prefix(torch.tensor(full[sid][:start]))
         want = (ref.mtp_draft(pre, x, k, tokens=drafts) if method == "mtp"
@@ -209,7 +204,49 @@ def test_drafts_follow_each_request_not_its_row(tiny_converted, tiny_flash, tiny
         rel = (logits - want.logits[:k]).abs().max() / want.logits[:k].abs().max()
         assert rel < 1e-4, (sid, start, float(rel))
         checked.add(sid)
+    return checked
+
+
+def test_drafts_follow_each_request_not_its_row(tiny_converted, tiny_flash, tiny_0731, method):
+    """The drafts the engine verifies are the reference's drafts for that request's own history
+    (teacher-forced on the drafts actually used), through a batch whose rows shift: requests
+    finish at different steps and a new one joins (the bug: drafter state keyed by batch row)."""
+    variant, k = METHODS[method]
+    conv = tiny_converted(1, "bf16", variant)            # lossless weights: FP32 agreement
+    ps = prompts(3, seed=5, lo=20, hi=40)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 9, 6)]
+    e = make(conv, method, k)
+    seen = spy_drafts(e)
+    ids = run(e, ps, params, arrive_every=2)
+    e.close()
+    full = {i: p + o for i, (p, o) in enumerate(zip(ps, ids))}
+    checked = check_drafts(tiny_flash if variant == "flash" else tiny_0731, method, seen, full, k)
     assert checked == {0, 1, 2} and len(seen) > 6
+
+
+def test_drafts_after_a_prefix_hit_are_the_requests_own(tiny_converted, tiny_flash, tiny_0731,
+                                                        method):
+    """A second request that shares the first one's 32 tokens and differs from token 32 on
+    joins while the first decodes (another slot) and restores the snapshot at 32 (the hint):
+    its drafter rings come from the snapshot, and the MTP ring row 31, made with the first
+    request's token 32, is rewritten with its own (else its first drafts, whose window holds
+    row 31, are not the reference's)."""
+    variant, k = METHODS[method]
+    conv = tiny_converted(1, "bf16", variant)
+    head = prompts(1, seed=7, lo=32, hi=33)[0]
+    ps = [head + [5, 6, 7, 8, 9, 10], head + [11, 12, 13, 14, 15, 16, 17, 18]]
+    sp = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, cache_boundaries=(32,))
+          for n in (14, 6)]
+    e = make(conv, method, k)
+    seen = spy_drafts(e)
+    ids = run(e, ps, sp, arrive_every=3)
+    st = e.stats()
+    e.close()
+    assert st["prefix_cache_hits"] == 32
+    full = {i: p + o for i, (p, o) in enumerate(zip(ps, ids))}
+    second = [d for d in seen if d[0] == 1]
+    assert check_drafts(tiny_flash if variant == "flash" else tiny_0731, method, second, full,
+                        k) == {1}
 
 
 def test_verify_rows_equal_single_token_decode(conv, method):
