@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-deploy clean
 
 install: $(STAMP)
 
@@ -23,7 +23,12 @@ demo: install
 # two workers (the CI box has 2 cores; each runs torch on one thread, tests/conftest.py), each
 # test file on one worker (its module fixtures built once): 13 min here where one took 29.5
 test: install
-	$(PY) -m pytest -q -x -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest -q -x -n 2 --dist loadfile --durations=15 -m "not deploy"
+
+# replicas behind the router as real processes (docs/DEPLOY.md): installs the router wheel (smg)
+test-deploy: install
+	$(PY) -m pip install -q -e ".[test,deploy]"
+	$(PY) -m pytest -q -x -n 0 -m deploy tests/deploy
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

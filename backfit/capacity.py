@@ -5,7 +5,8 @@ by TP), so one rank's budget decides everything:
 
   pool = floor(gpu_mem · utilization) − used − workspace − graph_reserve
   used = weights + runtime reserve (computed), or total − free after loading (measured, `fit`)
-  pool = num_slots · slot_bytes + num_blocks · block_bytes          (runtime/cache/layout.py)
+  pool = num_slots · slot_bytes + num_snapshot_slots · snapshot_bytes + num_blocks · block_bytes
+         (runtime/cache/layout.py; num_slots = max_num_seqs, snapshots: docs/ENGINE.md §3)
 
 Weights come from the inventory and the conversion plan (the same `plan_conversion` that
 `backfit convert` runs), or from manifest.json for a converted directory. The reserves, per rank,
@@ -40,7 +41,6 @@ the graphs are captured.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -51,7 +51,8 @@ from backfit.formats import MANIFEST, load_manifest
 from backfit.inventory import DTYPE_BYTES, expected_tensors
 from backfit.runtime.cache.budget import (CONTEXT_BYTES, GRAPH_BYTES, NCCL_BYTES, SCORE_CHUNK,  # noqa: F401
                                           BATCHED_TOKENS, GiB, MiB, Plan, Workspace, _gib, fit,
-                                          graph_reserve, pick_batched_tokens,
+                                          graph_reserve, longest_fit, max_positions,
+                                          model_limit, pick_batched_tokens,
                                           pick_prefill_graphs, prefill_graph_count,
                                           prefill_graph_reserve, runtime_reserve, workspace)
 from backfit.runtime.cache.layout import cache_layout
@@ -148,15 +149,7 @@ def read_model(path: str | Path) -> tuple[ModelConfig, dict | None, int]:
         manifest = None
     else:
         raise ValueError(f"{path}: not a directory or a config.json")
-    cfg = ModelConfig.from_file(p)
-    return cfg, manifest, int(json.loads(p.read_text()).get("max_position_embeddings")
-                              or max_positions(cfg))
-
-
-def max_positions(cfg: ModelConfig) -> int:
-    """The model's context limit from YaRN: original_max_position_embeddings x factor (Flash 1M)."""
-    rs = cfg.rope_scaling or {}
-    return int(rs.get("original_max_position_embeddings", 0) * rs.get("factor", 1)) or 2 ** 20
+    return ModelConfig.from_file(p), manifest, model_limit(p)
 
 
 def plan(model: str | Path | ModelConfig, tp: int | None = None, gpu_mem: int = 80 * GiB,
@@ -227,7 +220,7 @@ def plan(model: str | Path | ModelConfig, tp: int | None = None, gpu_mem: int = 
                    num_snapshot_slots=num_snapshot_slots, model_limit=limit,
                    notes=tuple(notes), **info)
 
-    longest = _longest(attempt, layout.block_size, limit)
+    longest = longest_fit(attempt, layout.block_size, limit)
     if max_model_len is None:
         if longest == 0:
             attempt(layout.block_size)             # raises: not even one block fits
@@ -240,23 +233,6 @@ def plan(model: str | Path | ModelConfig, tp: int | None = None, gpu_mem: int = 
                          f"max_position_embeddings {limit}")
     p = attempt(max_model_len)
     return Plan(**{**p.to_dict(), "longest_context": longest, "notes": tuple(notes)})
-
-
-def _longest(attempt, B: int, limit: int) -> int:
-    """Largest length (a multiple of B, or the model limit) that fits; 0 when none does."""
-    def ok(n):
-        try:
-            attempt(n)
-            return True
-        except ValueError:
-            return False
-    if ok(limit):
-        return limit
-    lo, hi = 0, limit // B                    # ok(lo·B) (lo=0 trivially), not ok(hi·B)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid * B) else (lo, mid)
-    return lo * B
 
 
 def format_plan(p: Plan) -> str:
@@ -274,7 +250,8 @@ def format_plan(p: Plan) -> str:
                                + (f", prefill up to {p.prefill_graph_tokens} tokens)"
                                   if p.prefill_graph_tokens else ", no prefill graphs)")),
         ("KV pool", f"{_gib(p.kv_pool_bytes)} = {p.num_slots} slots x "
-                    f"{p.slot_bytes / MiB:.1f} MiB + {p.num_blocks} blocks x "
+                    f"{p.slot_bytes / MiB:.1f} MiB + {p.num_snapshot_slots} prefix snapshots x "
+                    f"{p.snapshot_bytes / MiB:.2f} MiB + {p.num_blocks} blocks x "
                     f"{p.block_bytes / MiB:.3f} MiB ({p.block_size} tokens)"),
         ("KV bytes per token", f"{p.kv_bytes_per_token:,.3f} ({p.kv_cache_dtype})"),
         ("KV bytes per sequence", f"{_gib(p.kv_bytes_per_sequence)} at {p.max_model_len:,} tokens"),

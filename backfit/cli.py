@@ -109,9 +109,13 @@ def convert(src: str, dst: str, tp: str, linears: str, experts: str, force: bool
 @click.option("--images", type=int, default=None, metavar="N",
               help="Image prompts checked besides the text (Vision-Exp checkpoints; default 2 "
                    "there, 0 elsewhere): synthetic images of the built-in sizes.")
+@click.option("--drafts", is_flag=True, default=False,
+              help="Also check the checkpoint's drafter (speculative decoding: Flash's MTP "
+                   "block, 0731's DSpark) against the reference's drafts after every 48 "
+                   "tokens of each prompt: a fourth gate.")
 def verify(original, converted, tp, prompts_file, max_positions, activations, device, json_out,
            kv_cache_dtype, kernels, long_context, chunk, reference_device, prefill_graphs,
-           images) -> None:
+           images, drafts) -> None:
     """Logit parity: runtime on CONVERTED vs the independent reference on ORIGINAL.
 
     Prints a weight table (every tensor dequantized vs the original), per-layer hidden-state
@@ -133,7 +137,7 @@ def verify(original, converted, tp, prompts_file, max_positions, activations, de
                             kv_cache_dtype=kv_cache_dtype, kernels=kernels,
                             long_context=long_context, chunk=chunk,
                             reference_device=reference_device, prefill_graphs=prefill_graphs,
-                            images=images)
+                            images=images, drafts=drafts)
     except (ValueError, *_user_errors()) as e:
         _fail(e)
     sys.exit(0 if report["ok"] else 1)
@@ -167,8 +171,10 @@ def engine_options(f):
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "bf16", "int8"]),
                      default="auto", show_default=True, help="Cache storage: auto = the activation "
                      "dtype; int8 = one FP32 scale per 512-d entry, dequantized on read."),
-        click.option("--max-model-len", type=int, default=8192, show_default=True,
-                     help="Longest prompt + output, in tokens."),
+        click.option("--max-model-len", type=int, default=None,
+                     help="Longest prompt + output, in tokens. Default: the longest the KV pool "
+                          "holds (a multiple of the block size), up to the model's own limit "
+                          "(as vLLM picks it); serve prints it once ready."),
         click.option("--max-num-seqs", type=int, default=None,
                      help="Sequences running at once (default 64; generate: the prompt count)."),
         click.option("--max-num-batched-tokens", type=int, default=None,
@@ -182,12 +188,29 @@ def engine_options(f):
                           "(default: the smallest such multiple >= 64)."),
         click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
                      show_default=True, help="Reuse cached blocks of shared prompt prefixes."),
+        click.option("--num-snapshot-slots", type=int, default=None,
+                     help="Prefix-cache snapshots (default: max-num-seqs; docs/ENGINE.md §3)."),
+        click.option("--prefix-snapshot-interval", type=int, default=None, metavar="BLOCKS",
+                     help="A prefix-cache snapshot every this many blocks of a prompt (0: only at "
+                          "hints and prompt ends; default: the token budget in blocks)."),
         click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=True,
                      show_default=True, help="Split long prompts across steps, next to decodes."),
         click.option("--gpu-memory-utilization", type=float, default=0.90, show_default=True,
                      help="Share of the card for weights, activations and the cache pools."),
         click.option("--cpu-kv-cache-gib", type=float, default=4.0, show_default=True,
                      help="Cache pool budget on CPU."),
+        click.option("--speculative-config", default=None, metavar="JSON",
+                     help='Speculative decoding, as vLLM\'s: \'{"method": "mtp", '
+                          '"num_speculative_tokens": 3}\' (DeepSeek-V4-Flash\'s MTP block) or '
+                          '\'{"method": "dspark", "num_speculative_tokens": 5}\' (the 0731 '
+                          'DSpark drafter, up to 5). Lossless: the same tokens (greedy) or the '
+                          'same distribution (sampling) as without. Published deployments '
+                          'settle at k = 3-5 (docs/SPECULATIVE.md). Optional key '
+                          '"disable_by_batch_size".'),
+        click.option("--speculative-disable-by-batch-size", type=int, default=None,
+                     help="Decode without drafts while more requests than this are decoding "
+                          "(speculation costs more than it saves at large batches; default: "
+                          "the measured one in docs/SPECULATIVE.md)."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -197,14 +220,45 @@ def engine_options(f):
 def engine_kwargs(kw: dict) -> dict:
     """Pop the engine flags out of a command's keyword arguments -> EngineConfig fields."""
     names = ("device", "kernels", "enforce_eager", "prefill_graph_tokens", "async_scheduling",
-             "dtype", "kv_cache_dtype",
-             "max_model_len", "max_num_batched_tokens",
-             "block_size", "enable_prefix_caching", "enable_chunked_prefill",
-             "gpu_memory_utilization", "cpu_kv_cache_gib")
+             "dtype", "kv_cache_dtype", "max_model_len", "max_num_batched_tokens", "block_size",
+             "enable_prefix_caching", "num_snapshot_slots", "prefix_snapshot_interval",
+             "enable_chunked_prefill", "gpu_memory_utilization", "cpu_kv_cache_gib")
     out = {n: kw.pop(n) for n in names}
+    out.update(speculative_kwargs(kw.pop("speculative_config", None),
+                                  kw.pop("speculative_disable_by_batch_size", None)))
     if kw.get("max_num_seqs") is not None:
         out["max_num_seqs"] = kw.pop("max_num_seqs")
     kw.pop("max_num_seqs", None)
+    return out
+
+
+def speculative_kwargs(config: str | None, disable_by_batch_size: int | None) -> dict:
+    """--speculative-config JSON (+ --speculative-disable-by-batch-size) -> EngineConfig fields;
+    click.BadParameter names what is wrong."""
+    import json
+    if config is None:
+        if disable_by_batch_size is not None:
+            raise click.BadParameter("needs --speculative-config",
+                                     param_hint="--speculative-disable-by-batch-size")
+        return {}
+    try:
+        spec = json.loads(config)
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(f"not JSON ({e})", param_hint="--speculative-config") from None
+    known = {"method", "num_speculative_tokens", "disable_by_batch_size"}
+    if not isinstance(spec, dict) or "method" not in spec or set(spec) - known:
+        raise click.BadParameter(f"expected an object with \"method\" and optionally "
+                                 f"{sorted(known - {'method'})}, got {config}",
+                                 param_hint="--speculative-config")
+    k = spec.get("num_speculative_tokens", 3 if spec["method"] == "mtp" else 5)
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise click.BadParameter(f"num_speculative_tokens must be an integer, got {k!r}",
+                                 param_hint="--speculative-config")
+    out = {"speculative_method": spec["method"], "num_speculative_tokens": k}
+    limit = disable_by_batch_size if disable_by_batch_size is not None else \
+        spec.get("disable_by_batch_size")
+    if limit is not None:
+        out["speculative_disable_by_batch_size"] = limit
     return out
 
 
@@ -269,14 +323,31 @@ def generate(converted, prompt, prompts_file, tp, **kw) -> None:
 @click.option("--allowed-media-domains", "media_domains", multiple=True, metavar="HOST",
               help="Hosts (and their subdomains) image URLs may be fetched from; repeat or "
                    "comma-separate. Default: any host (data: URLs are always accepted).")
+@click.option("--default-max-tokens", type=int, default=None,
+              help="Output cap (reasoning included) of a request that sets none (Codex sends "
+                   "none). Default: the rest of the context.")
+@click.option("--override-generation-config", default=None, metavar="JSON",
+              help="vLLM's flag; '{\"max_new_tokens\": N}' is --default-max-tokens N (no other "
+                   "key is served).")
+@click.option("--default-chat-template-kwargs", default=None, metavar="JSON",
+              help="vLLM's flag: '{\"thinking\": false}' (or enable_thinking, "
+                   "reasoning_effort) for requests that do not choose (default: thinking on).")
+@click.option("--shutdown-timeout", type=float, default=0.0, show_default=True,
+              help="On SIGINT/SIGTERM, let admitted requests finish for up to this many seconds "
+                   "(/health and new requests answer 503 at once; a second signal ends them). "
+                   "0: open streams end with an error event at once.")
 @engine_options
 def serve(converted, host, port, served_model_name, aliases, api_key, max_queue, keepalive,
-          limit_mm, media_domains, tp, **kw) -> None:
+          limit_mm, media_domains, shutdown_timeout, default_max_tokens,
+          override_generation_config, default_chat_template_kwargs, tp, **kw) -> None:
     """Serve CONVERTED over HTTP: OpenAI Chat Completions, Responses, legacy Completions and
     Anthropic Messages (docs/API.md). /health answers 503 until the model is loaded; SIGINT or
-    SIGTERM shuts down cleanly (open streams end with an error event, rank processes exit)."""
+    SIGTERM shuts down cleanly (a drain with --shutdown-timeout; open streams end with an error
+    event, rank processes exit). Behind a router: docs/DEPLOY.md."""
     import logging
 
+    from backfit.server.app import chat_template_defaults
+    from backfit.server.app import default_max_tokens as resolve_cap
     from backfit.server.app import serve as run_serve
     from backfit.server.images import MediaLimits, parse_limit
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -285,9 +356,12 @@ def serve(converted, host, port, served_model_name, aliases, api_key, max_queue,
         hosts = tuple(h.strip().lower() for d in media_domains for h in d.split(",") if h.strip())
         limit = parse_limit(limit_mm) if limit_mm else MediaLimits.max_images
         media = MediaLimits(max_images=limit, allowed_domains=hosts or None)
+        cap = resolve_cap(default_max_tokens, override_generation_config)
+        chat_defaults = chat_template_defaults(default_chat_template_kwargs)
         run_serve(converted, host, port, served_model_name=served_model_name, api_key=api_key,
-                  max_queue=max_queue, keepalive_s=keepalive, aliases=tuple(aliases), tp=tp,
-                  media=media, **ekw)
+                  max_queue=max_queue, keepalive_s=keepalive, aliases=tuple(aliases),
+                  shutdown_timeout=shutdown_timeout, tp=tp, default_max_tokens=cap,
+                  chat_defaults=chat_defaults, media=media, **ekw)
     except (ValueError, OSError, *_user_errors()) as e:
         _fail(e)
 

@@ -55,11 +55,12 @@ def run_demo(workdir: str | None = None, max_positions: int = 512, max_tokens: i
     conv = verify(src, int8, max_positions=max_positions)
     print(f"      {time.time() - t:.1f} s")
 
-    t = _step(5, f"backfit generate {int8} --prompt {PROMPT!r} --max-tokens {max_tokens}")
+    t = _step(5, f"backfit generate {int8} --prompt {PROMPT!r} --max-tokens {max_tokens} "
+                 "--max-model-len 2048")
     print(f"      (random weights: the text is gibberish, the point is that it runs)\n{PROMPT}", end="")
     sys.stdout.flush()         # its own process: tp 4 ranks need a process with no TP info yet
     subprocess.run([sys.executable, "-m", "backfit.cli", "generate", str(int8), "--prompt", PROMPT,
-                    "--max-tokens", str(max_tokens)], check=True)
+                    "--max-tokens", str(max_tokens), "--max-model-len", "2048"], check=True)
     print(f"      {time.time() - t:.1f} s")
     t = _step(6, f"backfit serve {lossless}   (OpenAI Chat/Responses/Completions, Anthropic)")
     _serve_step(lossless, keep=serve)

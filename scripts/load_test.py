@@ -12,6 +12,11 @@ Exit status 1 on any error or a block not returned.
     python scripts/load_test.py --url http://127.0.0.1:8000 --concurrency 32 --duration 300
     python scripts/load_test.py --serve /path/to/converted --concurrency 32 --duration 300 \\
         --serve-args "--dtype float32 --max-model-len 1024 --max-num-seqs 32"
+    python scripts/load_test.py --url http://127.0.0.1:8000 --model deepseek-v4-flash \\
+        --metrics-url http://127.0.0.1:8001 --metrics-url http://127.0.0.1:8002   # a router
+
+Behind a router (docs/DEPLOY.md) --metrics-url names each replica: the pool counters are summed
+over them, and the report gives each one's share of the prompt and generated tokens.
 
 Only loopback addresses are accepted; every loop is bounded by --duration and --timeout.
 """
@@ -59,24 +64,29 @@ def loopback_only(url: str) -> None:
         sys.exit(f"load_test: refusing {url!r}: only loopback addresses (127.0.0.0/8, ::1)")
 
 
-def request_for(proto: str, rng: random.Random, max_tokens: int) -> tuple[str, dict]:
+def request_for(proto: str, rng: random.Random, max_tokens: int,
+                model: str | None = None) -> tuple[str, dict]:
     system = rng.choice(SYSTEMS)
     user = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 24)))
     think = rng.random() < 0.5
     if proto == "chat":
         return "/v1/chat/completions", {
-            "model": "deepseek-v4-flash", "stream": True, "max_tokens": max_tokens,
+            "model": model or "deepseek-v4-flash", "stream": True, "max_tokens": max_tokens,
             "stream_options": {"include_usage": True}, "reasoning_effort": None if think
             else "none", "messages": [{"role": "system", "content": system},
                                       {"role": "user", "content": user}]}
     if proto == "responses":
         return "/v1/responses", {
-            "model": "deepseek-v4-flash", "stream": True, "max_output_tokens": max_tokens,
+            "model": model or "deepseek-v4-flash", "stream": True,
+            "max_output_tokens": max_tokens,
             "instructions": system, "input": user,
             "reasoning": {"effort": "high" if think else "none"}}
     return "/v1/messages", {
-        "model": "claude-haiku-4-5", "stream": True, "max_tokens": max_tokens, "system": system,
-        "thinking": {"type": "enabled" if think else "disabled"},
+        "model": model or "claude-haiku-4-5", "stream": True, "max_tokens": max_tokens,
+        "system": system,
+        # thinking is on by default; {"type": "enabled"} without budget_tokens is not valid
+        # Anthropic, and a router that checks the spec (smg) refuses it
+        **({} if think else {"thinking": {"type": "disabled"}}),
         "messages": [{"role": "user", "content": user}]}
 
 
@@ -108,7 +118,7 @@ def classify(proto: str, event: str | None,
 
 
 async def one_request(session, url, proto, rng, args, stats) -> None:
-    path, body = request_for(proto, rng, args.max_tokens)
+    path, body = request_for(proto, rng, args.max_tokens, args.model)
     cancel_after = rng.randint(1, 5) if rng.random() < args.cancel_frac else None
     t0 = time.monotonic()
     t_first = t_last = None
@@ -162,7 +172,7 @@ async def one_request(session, url, proto, rng, args, stats) -> None:
             stats["tpot"].append((t_last - t_first) / (n_out - 1))
 
 
-async def scrape(session, url) -> dict[str, float]:
+async def scrape_one(session, url) -> dict[str, float]:
     async with session.get(url + "/metrics") as r:
         text = await r.text()
     out = {}
@@ -173,13 +183,19 @@ async def scrape(session, url) -> dict[str, float]:
     return out
 
 
+async def scrape(session, urls: list[str]) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """The pool counters summed over the replicas, and each replica's."""
+    each = [await scrape_one(session, u) for u in urls]
+    return {k: sum(e.get(k, 0.0) for e in each) for k in POOL if any(k in e for e in each)}, each
+
+
 async def run(args) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     conn = aiohttp.TCPConnector(limit=args.concurrency + 4)
     stats = {"ok": Counter(), "errors": Counter(), "samples": [], "cancelled": 0, "tokens": 0,
              "ttft": [], "tpot": []}
     async with aiohttp.ClientSession(headers=headers, connector=conn) as s:
-        before = await scrape(s, args.url)
+        before, each0 = await scrape(s, args.metrics_url)
         t_end = time.monotonic() + args.duration
 
         async def worker(k: int):
@@ -191,13 +207,13 @@ async def run(args) -> int:
         t0 = time.monotonic()
         await asyncio.gather(*(worker(k) for k in range(args.concurrency)))
         wall = time.monotonic() - t0
-        after, idle_s = await scrape(s, args.url), 0.0
+        (after, each1), idle_s = await scrape(s, args.metrics_url), 0.0
         while idle_s < args.idle_timeout and not (
                 after.get("vllm:num_requests_running", 1) == 0
                 and after.get("backfit:num_free_blocks") == after.get("backfit:num_blocks")):
             await asyncio.sleep(0.5)
             idle_s += 0.5
-            after = await scrape(s, args.url)
+            after, each1 = await scrape(s, args.metrics_url)
     returned = (after.get("backfit:num_free_blocks") == after.get("backfit:num_blocks")
                 == before.get("backfit:num_blocks")
                 and after.get("backfit:num_free_slots") == before.get("backfit:num_free_slots"))
@@ -213,6 +229,10 @@ async def run(args) -> int:
         "output_tokens": stats["tokens"], "output_tok_per_s": stats["tokens"] / wall,
         "requests_per_s": (n_ok + stats["cancelled"]) / wall,
         "pool_before": before, "pool_after": after, "every_block_returned": returned}
+    if len(args.metrics_url) > 1:
+        report["replicas"] = {u: {k: b[k] - a.get(k, 0.0) for k in ("vllm:prompt_tokens_total",
+                                                                    "vllm:generation_tokens_total")}
+                              for u, a, b in zip(args.metrics_url, each0, each1)}
     print(json.dumps(report, indent=2, default=lambda x: round(x, 4)))
     if args.json:
         with open(args.json, "w") as f:
@@ -252,13 +272,20 @@ def main() -> None:
     ap.add_argument("--idle-timeout", type=float, default=30.0,
                     help="seconds to wait after the run for the pool to drain")
     ap.add_argument("--api-key", default=None)
+    ap.add_argument("--model", default=None, help="the model every request names (default: "
+                    "deepseek-v4-flash, claude-haiku-4-5 on /v1/messages); behind a router: the "
+                    "served name")
+    ap.add_argument("--metrics-url", action="append", default=None,
+                    help="a replica whose /metrics to read (repeatable; default: --url)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the report here")
     ap.add_argument("--serve", default=None, help="start `backfit serve CONVERTED` first")
     ap.add_argument("--serve-args", default="", help="extra flags for backfit serve")
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     args = ap.parse_args()
-    loopback_only(args.url)
+    args.metrics_url = args.metrics_url or [args.url]
+    for u in (args.url, *args.metrics_url):
+        loopback_only(u)
     if not (1 <= args.concurrency <= 1024 and 0 < args.duration <= 3600):
         sys.exit("load_test: --concurrency must be 1..1024 and --duration 0..3600 s")
     proc = spawn(args) if args.serve else None

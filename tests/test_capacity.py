@@ -56,6 +56,12 @@ def test_flash_kv_bytes_per_token_and_slot_by_hand():
             + hca * (m + K) * D * 4 * 2)
     assert bf16.slot_bytes == hand
     assert cache_layout(cfg, "bf16", draft_layers=1).slot_bytes == hand + (W + K) * D * 2
+    # a prefix-cache snapshot (ENGINE.md section 3): W - 1 window rows a layer + 4 rows of each
+    # CSA compressor, c and z: 6.15 MiB, 7.3 blocks of 128 tokens
+    snap = 43 * (W - 1) * D * 2 + csa * 4 * (2 * D + 256) * 4 * 2
+    assert bf16.snapshot_bytes == snap == 6452224
+    assert cache_layout(cfg, "bf16", draft_layers=1).snapshot_bytes == snap + (W - 1) * D * 2
+    assert int8.snapshot_bytes == snap - 43 * (W - 1) * (D - 4) == 3678036
 
 
 def _ring_keeps(rows: int, needed, K: int, upto: int = 300) -> bool:
@@ -103,8 +109,9 @@ def test_layout_equals_the_bytes_the_paged_pools_allocate(kv, act):
     for cfg in (_flash(), ModelConfig.from_dict(tiny_config_dict("flash", **TINY_DIMS))):
         lay = cache_layout(cfg, kv, act_dtype=act, draft_layers=1)
         pools = PagedCache(cfg, 3, 5, lay.block_size, dtype, "int8" if kv == "int8" else "auto",
-                           device="meta", mtp_layers=1).nbytes()
-        assert pools == {"slots": 3 * lay.slot_bytes, "blocks": 5 * lay.block_bytes}
+                           device="meta", mtp_layers=1, num_snapshots=2).nbytes()
+        assert pools == {"slots": 3 * lay.slot_bytes, "blocks": 5 * lay.block_bytes,
+                         "snapshots": 2 * lay.snapshot_bytes}
 
 
 def test_layout_rejects_a_block_size_that_splits_an_entry():
@@ -175,13 +182,15 @@ def test_flash_tp4_80gib_plan_by_hand():
              max_num_seqs=8, mtp=False, max_model_len=262144)
     assert abs(p.weight_bytes_per_rank / _hand_weights_tp4(mtp=False) - 1) < 0.01
     assert p.kv_bytes_per_token == 6880 and p.block_bytes == 128 * 6880
-    slots = 2 * 8 * cache_layout(cfg).slot_bytes                      # 8 running + 8 snapshots
+    lay = cache_layout(cfg)
+    slots = 8 * lay.slot_bytes + 8 * lay.snapshot_bytes                # 8 running + 8 snapshots
     free = int(80 * GiB * 0.95) - p.weight_bytes_per_rank - runtime_reserve(4) \
         - p.workspace_bytes - p.graph_reserve_bytes - slots
     assert p.num_blocks == free // (128 * 6880) and p.kv_capacity_tokens == 128 * p.num_blocks
     assert p.max_concurrency_at_max_model_len == p.num_blocks // (262144 // 128) >= 1
     assert p.kv_bytes_per_sequence == p.slot_bytes + 262144 * 6880
     assert 262144 < p.longest_context < 1048576
+    assert (p.num_slots, p.num_snapshot_slots, p.snapshot_bytes) == (8, 8, lay.snapshot_bytes)
     # the workspace grows with the context (indexer scores over L/4 entries)
     longer = plan(cfg, tp=4, utilization=0.95, max_num_seqs=8, mtp=False, max_model_len=524288)
     assert longer.workspace_bytes > p.workspace_bytes

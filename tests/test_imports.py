@@ -223,3 +223,12 @@ def test_scheduling_side_imports_no_torch():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n == "torch" or n.startswith(("torch.", "triton")) for n in names), \
                 f"{rel} imports {names}"
+
+
+def test_test_module_basenames_are_unique():
+    # pytest imports test files by basename (pythonpath = tests, no packages): two files of one
+    # name make collection fail with "import file mismatch" on a clean clone
+    seen: dict[str, Path] = {}
+    for p in sorted((PKG.parent / "tests").rglob("test_*.py")):
+        assert p.name not in seen, f"{p} and {seen[p.name]} share a basename: rename one"
+        seen[p.name] = p

@@ -34,3 +34,36 @@ def test_bench_vision_tiny_dry_run(tmp_path):
     assert out["tower"][0]["vit_grid"] == "28x28" and out["tower"][0]["tower_ms"] > 0
     assert [row["images"] for row in out["ttft"]] == [1, 2]
     assert out["ttft"][1]["image_positions"] > 2 * 98 and out["ttft"][1]["ttft_ms"] > 0
+
+
+def test_replicas_arguments_devices_and_router_flags():
+    """scripts/replicas.py (its processes: tests/deploy): flags after `--` go to every replica,
+    replica ports follow the router's, replica i of k GPUs each sees devices i*k .. i*k+k-1, and
+    the router gets the replicas, the policy and the extra flags last (they override)."""
+    import replicas
+
+    args, serve = replicas.parse(["/m", "--replicas", "3", "--port", "9000",
+                                  "--router-arg=--cache-threshold=0.5", "--", "--tp", "4"])
+    assert (args.replicas, args.replica_base_port, serve) == (3, 9001, ["--tp", "4"])
+    assert [replicas.devices(i, 4) for i in range(3)] == ["0,1,2,3", "4,5,6,7", "8,9,10,11"]
+    cmd = replicas.router_cmd(args, ["http://127.0.0.1:9001", "http://127.0.0.1:9002"])
+    assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--policy")] == \
+        ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+    assert cmd[cmd.index("--policy") + 1] == "cache_aware" and cmd[-1] == "--cache-threshold=0.5"
+
+
+def test_bench_engine_shared_prefix_dry_run(tiny_converted):
+    """bench_engine.py --shared-prefix on the tiny model (the CPU dry run of the GPU step in
+    gpu_check.sh): the warm session reuses the 200-token prefix up to the hint's block boundary
+    (blocks of 64: 192), or without the hint up to the last periodic snapshot (a 128-token
+    budget: every 128 tokens)."""
+    import bench_engine
+    from support import one_thread
+    with one_thread():
+        rows = bench_engine.main(["--model", str(tiny_converted(1, "int8")), "--dtype", "float32",
+                                  "--shared-prefix", "200", "--prompt-len", "70",
+                                  "--output-len", "2", "--reps", "1",
+                                  "--max-num-batched-tokens", "128"])
+    assert [(r["mode"], r["warm_cached_tokens"]) for r in rows] == [("hint", 192),
+                                                                    ("periodic", 128)]
+    assert all(r["ttft_cold_ms"] > 0 and r["ttft_warm_ms"] > 0 for r in rows)

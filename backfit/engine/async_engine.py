@@ -37,6 +37,12 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="backfit-engine", daemon=True)
         self._ids = itertools.count()
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The engine's context length: cfg's, resolved by the runner once loaded (cfg None:
+        the longest the KV pools hold); None until then if cfg asked for that."""
+        return self.engine.max_model_len if self.engine is not None else self.cfg.max_model_len
+
     def start(self) -> None:
         """Load the model on the engine thread (returns at once; `ready` is set when loaded)."""
         self._thread.start()

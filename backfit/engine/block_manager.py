@@ -3,8 +3,8 @@
 Ids only; the runner owns the memory. Three pools:
   blocks          0 .. num_blocks-1: B positions of CSA/HCA entries and indexer keys each
   sequence slots  0 .. num_slots-1: one per running sequence (window ring, compressor rows)
-  snapshot slots  num_slots .. num_slots+num_snapshot_slots-1: copies of a sequence slot taken
-                  at a block boundary (the runner's slot pool has `total_slots` slots)
+  snapshots       0 .. num_snapshot_slots-1: a sequence slot's state at a block boundary, the
+                  part a continuation reads (docs/ENGINE.md §3; the runner's snapshot pool)
 
 Prefix cache. A full block is registered under hash(parent hash, its B token ids) and keeps its
 key (parent block id, token tuple; with images, Sequence.block_key adds the content key of every
@@ -12,11 +12,13 @@ image block it overlaps); a hit compares that key, so a hash collision is a miss
 the parent is a block *id*, exact by induction: unregistering a block unregisters its registered
 descendants with it, so a reused id is never a stale parent. A block computed again while its twin
 is registered is swapped for the twin. Registered blocks with no reference stay cached
-(`evictable`, LRU) and count as free; taking one evicts it. A snapshot hangs on the registered block that ends at its boundary:
-a prefix is reusable up to the last matched block that has one (window ring and compressor rows
-cannot be rebuilt from cached entries); snapshots are saved only at boundaries that cut no image
-block (Sequence.cache_boundary), so a hit never ends inside one. Snapshots are LRU too;
-unregistering a block drops its own.
+(`evictable`, LRU) and count as free; taking one evicts it. A snapshot hangs on the registered
+block that ends at its boundary: a hit restores the last one on the longest matched run (window
+ring and compressor rows cannot be rebuilt from cached entries) and the sequence computes the
+matched blocks after it again, into blocks of its own that are swapped for their registered
+twins as they register. Snapshots are saved only at boundaries that cut no image block (the
+scheduler moves a chosen boundary down to before the image), so a hit never ends inside one.
+Snapshots are LRU too; unregistering a block drops its own.
 
 Invariant: a running sequence's registered blocks are the leading blocks of its table, and each
 one's parent is the block before it, so a referenced block's ancestors are referenced too and
@@ -49,7 +51,7 @@ def block_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
 
 class PrefixHit(NamedTuple):
     blocks: list[int]            # cached blocks to share, block i = positions i*B .. i*B+B-1
-    snapshot: int | None         # snapshot slot at the end of blocks[-1]
+    snapshot: int | None         # the snapshot at the end of blocks[-1]
     num_tokens: int              # len(blocks) * B, always < the sequence length
 
 
@@ -58,8 +60,8 @@ class _Held:
     """What the block manager tracks per admitted sequence."""
     registered: int = 0                      # leading blocks of the table that are registered
     broken: bool = False                     # a collision stopped registration for good
-    pending: list[tuple[int, int, bool]] = field(default_factory=list)  # (boundary, slot, decode)
-    decode_snap: tuple[int, int] | None = None   # (block, slot): its newest published decode one
+    pending: list[tuple[int, int, bool]] = field(default_factory=list)  # (boundary, snap, decode)
+    decode_snap: tuple[int, int] | None = None   # (block, snap): its newest published decode one
 
 
 class BlockManager:
@@ -81,8 +83,8 @@ class BlockManager:
         self.key_of: dict[int, tuple[int, tuple[int, ...]]] = {}        # block -> (parent, ids)
         self.children: dict[int, set[int]] = {}                         # block -> registered
         self.free_slots: deque[int] = deque(range(num_slots))
-        self.free_snaps: deque[int] = deque(range(num_slots, num_slots + num_snapshot_slots))
-        self.snap_of: dict[int, int] = {}                               # block -> snapshot slot
+        self.free_snaps: deque[int] = deque(range(num_snapshot_slots))
+        self.snap_of: dict[int, int] = {}                               # block -> snapshot
         self.snap_lru: OrderedDict[int, None] = OrderedDict()           # blocks with one; LRU
         self.held: dict[int, _Held] = {}                                # seq_id -> _Held
         self.cache_query_tokens = 0     # tokens looked up at admission
@@ -90,9 +92,9 @@ class BlockManager:
 
     # ---- counters (a test asserts they come back to their start values) ----
     @property
-    def total_slots(self) -> int:
-        """Slots the runner's slot pool must have: sequence slots, then snapshot slots."""
-        return self.num_slots + self.num_snapshot_slots
+    def saves_snapshots(self) -> bool:
+        """Prefix caching with a snapshot pool: chosen boundaries end prefill chunks."""
+        return self.enable_prefix_caching and self.num_snapshot_slots > 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -109,7 +111,7 @@ class BlockManager:
 
     @property
     def num_free_snapshot_slots(self) -> int:
-        """Snapshot slots a save can take: free, or holding an (evictable) published snapshot."""
+        """Snapshots a save can take: free, or holding an (evictable) published one."""
         return len(self.free_snaps) + len(self.snap_lru)
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -117,9 +119,10 @@ class BlockManager:
 
     # ---- admission ----
     def match(self, seq: Sequence) -> PrefixHit:
-        """The longest run of cached full blocks matching seq.all_ids whose end has a snapshot,
-        ending strictly before the last token (its logits give the next token). None for a
-        request that wants prompt logprobs (they need every prompt position's logits; vLLM)."""
+        """The longest run of cached full blocks matching seq.all_ids and ending strictly before
+        the last token (its logits give the next token), cut back to its last block with a
+        snapshot: the blocks after it are computed again. None for a request that wants prompt
+        logprobs (they need every prompt position's logits; vLLM)."""
         if not self.enable_prefix_caching or \
                 getattr(seq.params, "prompt_logprobs", None) is not None:
             return PrefixHit([], None, 0)
@@ -133,8 +136,8 @@ class BlockManager:
                 break
             chain.append(b)
             parent = b
-            if b in self.snap_of:                     # (never inside an image block: saved
-                best = i + 1                          # at Sequence.cache_boundary only)
+            if b in self.snap_of:                     # (never inside an image block: the
+                best = i + 1                          # scheduler saves none there)
         if not best:
             return PrefixHit([], None, 0)
         return PrefixHit(chain[:best], self.snap_of[chain[best - 1]], best * B)
@@ -146,9 +149,9 @@ class BlockManager:
         need = self.blocks_for(end) - len(hit.blocks) + taken
         return bool(self.free_slots) and need <= self.num_free_blocks
 
-    def admit(self, seq: Sequence, hit: PrefixHit) -> tuple[int, int] | None:
+    def admit(self, seq: Sequence, hit: PrefixHit) -> tuple[int, int, int] | None:
         """Give seq a slot and the hit's blocks; num_computed := hit length. Returns the snapshot
-        restore (snapshot slot -> seq slot) the runner copies before the forward, or None."""
+        restore (snapshot, seq slot, boundary) the runner copies before the forward, or None."""
         if seq.seq_id in self.held or seq.block_table or seq.slot is not None:
             raise RuntimeError(f"sequence {seq.seq_id} is already admitted")
         if not self.free_slots:
@@ -166,7 +169,7 @@ class BlockManager:
         if hit.snapshot is None:
             return None
         self.snap_lru.move_to_end(hit.blocks[-1])
-        return hit.snapshot, seq.slot
+        return hit.snapshot, seq.slot, hit.num_tokens
 
     def grow(self, seq: Sequence, n: int) -> bool:
         """Blocks for positions up to num_computed + n; False (nothing taken) if the pool is short:
@@ -179,11 +182,14 @@ class BlockManager:
         return True
 
     # ---- after a step ----
-    def plan_save(self, seq: Sequence, boundary: int, decode: bool) -> tuple[int, int] | None:
-        """Reserve a snapshot slot for seq's slot at `boundary` (its chunk end, a multiple of B):
-        (seq slot -> snapshot slot), copied after the forward; None if caching is off or every
-        snapshot slot is pending. The oldest published snapshot is evicted if none is free."""
+    def plan_save(self, seq: Sequence, boundary: int, decode: bool) -> tuple[int, int, int] | None:
+        """Reserve a snapshot of seq's slot at `boundary` (its chunk end, a multiple of B):
+        (seq slot, snapshot, boundary), copied after the forward; None if caching is off or every
+        snapshot is pending. The oldest published snapshot is evicted if none is free. None too
+        for a boundary inside an image block: the slot never holds a state there."""
         if not self.enable_prefix_caching or boundary <= 0 or boundary % self.block_size:
+            return None
+        if seq.images and seq.inside_image(boundary):
             return None
         held = self.held[seq.seq_id]
         if decode:          # an older pending decode snapshot would be dropped when this publishes
@@ -197,7 +203,7 @@ class BlockManager:
         else:
             return None
         held.pending.append((boundary, slot, decode))
-        return seq.slot, slot
+        return seq.slot, slot, boundary
 
     def commit(self, seq: Sequence, final: bool = False) -> None:
         """Register seq's newly full blocks up to its registration horizon and publish the pending
@@ -350,7 +356,7 @@ class BlockManager:
         assert set(self.by_hash.values()) == set(self.hash_of) == set(self.key_of)
         pending = [p[1] for h in self.held.values() for p in h.pending]
         snaps = list(self.free_snaps) + list(self.snap_of.values()) + pending
-        assert sorted(snaps) == list(range(self.num_slots, self.total_slots)), "snapshot slots"
+        assert sorted(snaps) == list(range(self.num_snapshot_slots)), "snapshots"
         assert set(self.snap_of) == set(self.snap_lru) <= set(self.hash_of)
         seq_slots = list(self.free_slots) + [s.slot for s in running]
         assert sorted(seq_slots) == list(range(self.num_slots)), "sequence slots"

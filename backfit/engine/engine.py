@@ -41,7 +41,11 @@ from backfit.runtime.workers import RankGroup
 from backfit.vision import check_counts
 from backfit.vision.block import N_TYPES
 
-__all__ = ["EngineConfig", "RequestOutput", "Usage", "LLMEngine"]
+__all__ = ["EngineConfig", "RequestOutput", "Usage", "LLMEngine", "SPEC_MAX_BATCH"]
+
+# speculation off while more requests than this decode (--speculative-disable-by-batch-size):
+# where a verify step stops paying for itself (docs/SPECULATIVE.md)
+SPEC_MAX_BATCH = 16
 
 
 @dataclass(frozen=True)
@@ -55,11 +59,14 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None     # None: the runner's (2,048, or 8,192 on CUDA
     #                                               where the KV pool can afford it)
-    max_model_len: int = 8192
+    max_model_len: int | None = 8192              # None: the longest the KV pools hold, up to
+    #                                               the model's limit (the runner picks it)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_blocks: int | None = None
-    num_snapshot_slots: int | None = None
+    num_snapshot_slots: int | None = None         # prefix-cache snapshots (None: max_num_seqs)
+    prefix_snapshot_interval: int | None = None   # blocks between periodic snapshots (0: none;
+    #                                               None: the token budget in blocks; §3)
     gpu_memory_utilization: float = 0.90
     cpu_kv_cache_gib: float = 4.0
     seed: int = 0                                 # unseeded requests draw from this stream
@@ -71,7 +78,7 @@ class EngineConfig:
     speculative_method: str | None = None         # "mtp" (Flash) | "dspark" (0731)
     num_speculative_tokens: int = 0               # k: drafts verified per decode step
     speculative_disable_by_batch_size: int | None = None   # no speculation with more decoding
-    #                                               requests than this (None: always on)
+    #                                               requests than this (None: SPEC_MAX_BATCH)
 
     def __post_init__(self):
         resolve_kernels(self.kernels, self.device)   # a bad choice fails before ranks start
@@ -88,7 +95,14 @@ class EngineConfig:
                             self.max_model_len, self.num_snapshot_slots, self.num_blocks,
                             self.gpu_memory_utilization, self.cpu_kv_cache_gib, self.kernels,
                             self.enforce_eager, self.prefill_graph_tokens,
-                            self.speculative_method, self.num_speculative_tokens)
+                            self.speculative_method, self.num_speculative_tokens,
+                            self.spec_max_batch)
+
+    @property
+    def spec_max_batch(self) -> int:
+        """Decoding requests above which no step speculates."""
+        limit = self.speculative_disable_by_batch_size
+        return SPEC_MAX_BATCH if limit is None else limit
 
 
 @dataclass
@@ -110,6 +124,9 @@ class RequestOutput:
     stop_reason: str | int | None = None          # matched stop string / stop token id
     usage: Usage | None = None                    # on the last output
     prompt_logprobs: list | None = None           # first output only, when asked
+    num_cached_tokens: int = 0                    # prompt tokens served by the prefix cache, on
+    #                                               every output (a caller that stops reading
+    #                                               before the last one still knows: stop strings)
 
 
 @dataclass
@@ -138,15 +155,16 @@ class LLMEngine:
         self.ranks = RankGroup(cfg.runner_config(), cfg.tp)
         r = self.ranks.runner
         self.block_size, self.num_blocks = r.block_size, r.num_blocks
+        self.max_model_len = r.rc.max_model_len      # resolved (cfg's, or the longest that fits)
         self.timings = dict(r.timings)
         self.block_manager = BlockManager(r.num_blocks, r.block_size, cfg.max_num_seqs,
                                           r.num_snapshot_slots, cfg.enable_prefix_caching)
         self.max_num_batched_tokens = cfg.max_num_batched_tokens or r.max_num_batched_tokens
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
-                                   self.max_num_batched_tokens, cfg.max_model_len,
+                                   self.max_num_batched_tokens, self.max_model_len,
                                    cfg.enable_chunked_prefill, self.model_cfg.eos_token_id,
-                                   cfg.num_speculative_tokens,
-                                   cfg.speculative_disable_by_batch_size)
+                                   cfg.num_speculative_tokens, cfg.spec_max_batch,
+                                   cfg.prefix_snapshot_interval)
         self.spec = SpecStats(cfg.num_speculative_tokens)
         self.requests: dict[int, _Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = 0
@@ -169,7 +187,7 @@ class LLMEngine:
         self._check_ids(prompt_ids, images, params)
         seq = Sequence(rid, [int(t) for t in prompt_ids], params, images)
         self.scheduler.add(seq)                      # raises for oversized requests
-        limit = self.cfg.max_model_len - len(prompt_ids)
+        limit = self.max_model_len - len(prompt_ids)
         text = [t for t in prompt_ids if t < self.model_cfg.vocab_size] if images else prompt_ids
         stream = TextStream(self.tokenizer, params, self.model_cfg.eos_token_id, text, limit)
         self.requests[rid] = _Request(seq, stream)
@@ -200,7 +218,8 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         self._drain_if_idle()
         return RequestOutput(request_id, "", [], finished=True, finish_reason="abort",
-                             usage=self._usage(req.seq))
+                             usage=self._usage(req.seq),
+                             num_cached_tokens=req.seq.num_cached_tokens)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -273,14 +292,13 @@ class LLMEngine:
         return _Launched(sched, rows, tokens, host, out.all_logits, verified)
 
     def _step_seq(self, s: ScheduledSeq) -> StepSeq:
-        """A scheduled chunk as the runner's StepSeq: the token after a chunk that does not end
-        the known tokens, and a verifying sequence's draft count and draw temperature."""
-        seq, end = s.seq, s.start + len(s.token_ids)
-        nxt = seq.token_range(end, end + 1)[0] if end < seq.length else -1
+        """A scheduled chunk as the runner's StepSeq, with a verifying sequence's draft count
+        and draw temperature and the images whose blocks the chunk holds."""
+        seq = s.seq
         temp = seq.params.temperature if s.draft else 0.0
         return StepSeq(seq.seq_id, seq.slot, tuple(seq.block_table), s.start,
                        tuple(s.token_ids), s.sample, self._wants_prompt_logprobs(s), s.draft,
-                       nxt if nxt >= 0 else -1, temp, self._chunk_images(seq, s.start, end))
+                       temp, self._chunk_images(seq, s.start, s.start + len(s.token_ids)))
 
     @staticmethod
     def _chunk_images(seq: Sequence, start: int, end: int) -> tuple:
@@ -331,7 +349,7 @@ class LLMEngine:
             if n < len(toks):                         # usage counts what was delivered
                 del s.seq.output_ids[s.start + len(s.token_ids) - s.seq.num_prompt + n:]
             self.generation_tokens_total += n
-            o = RequestOutput(rid, text, toks[:n])
+            o = RequestOutput(rid, text, toks[:n], num_cached_tokens=s.seq.num_cached_tokens)
             if s.seq.params.logprobs is not None and lps.get(rid) is not None:
                 o.logprobs = lps[rid][:n]
             if req.prompt_logprobs is not None:

@@ -46,6 +46,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_boundaries: tuple[int, ...] = ()   # prompt token counts where later requests will
+    #                                          diverge (the end of the system prompt and tools):
+    #                                          the prefix cache snapshots the block boundary at
+    #                                          or before each, and before any image block that
+    #                                          boundary would cut (docs/ENGINE.md §3)
 
     def __post_init__(self):
         set_ = lambda name, v: object.__setattr__(self, name, v)   # noqa: E731 (frozen)
@@ -83,6 +88,10 @@ class SamplingParams:
         if not all(_is_int(i) and i >= 0 for i in ids):
             raise ValueError(f"stop_token_ids must be integers >= 0, got {ids!r}")
         set_("stop_token_ids", ids)
+        cb = tuple(self.cache_boundaries or ())
+        if not all(_is_int(i) and i >= 1 for i in cb):
+            raise ValueError(f"cache_boundaries must be token counts >= 1, got {cb!r}")
+        set_("cache_boundaries", tuple(sorted(set(cb))))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

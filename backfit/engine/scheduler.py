@@ -16,11 +16,15 @@ then it is skipped, and a token-level stop found one step late drops the step af
 Order: running sequences by arrival (decode tokens are reserved out of the budget before a prefill
 chunk takes it), then waiting ones FIFO (no admission in a step that preempted). A chunk that
 cannot take the whole remaining prefill ends on a block boundary where the budget allows; with
-prefix caching the last full-block boundary of the prefill is always a chunk end, so its snapshot
-can be saved. A chunk never ends inside an image block (Sequence.image_cut: before the block,
-or after it when the block starts the chunk; the cache boundary skips blocks too). When blocks run out the newest running sequence not yet in the step is preempted
-by recompute (it may be the one asking): everything is given back and it re-enters the front of
-the waiting queue, to prefill prompt + output again (prefix cache hits included).
+prefix caching every boundary chosen for a snapshot (docs/ENGINE.md §3: every
+`snapshot_interval` blocks, the request's cache_boundaries, the prefill's last full-block
+boundary) is a chunk end, so the slot holds the state there and its snapshot can be saved. A
+chunk never ends inside an image block (Sequence.image_cut: before the block, or after it when
+the block starts the chunk), and a chosen boundary inside one moves down to the last block
+boundary before it (Sequence.cache_boundary). When blocks run out the newest running sequence
+not yet in the step is preempted by recompute (it may be the one asking): everything is given
+back and it re-enters the front of the waiting queue, to prefill prompt + output again (prefix
+cache hits included).
 """
 
 from __future__ import annotations
@@ -66,11 +70,19 @@ class Scheduler:
                  max_num_batched_tokens: int, max_model_len: int,
                  enable_chunked_prefill: bool = True,
                  eos_token_id: int | Iterable[int] | None = None,
-                 num_speculative_tokens: int = 0, speculative_max_batch: int | None = None):
+                 num_speculative_tokens: int = 0, speculative_max_batch: int | None = None,
+                 snapshot_interval: int | None = None):
         for name, v in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        B = block_manager.block_size
+        if snapshot_interval is None:               # every full chunk of a fresh prefill
+            snapshot_interval = max(1, max_num_batched_tokens // B)
+        if not isinstance(snapshot_interval, int) or snapshot_interval < 0:
+            raise ValueError(f"prefix snapshot interval must be an integer >= 0 (blocks; 0: "
+                             f"none), got {snapshot_interval!r}")
+        self.snapshot_every = snapshot_interval * B     # tokens between periodic snapshots
         self.bm = block_manager
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -290,19 +302,36 @@ class Scheduler:
         B, end = self.bm.block_size, min(seq.length, start + avail)
         if end < seq.length and end // B * B > start:
             end = end // B * B                      # a partial chunk ends on a block boundary
-        last = seq.cache_boundary(B)                # the prefill's last full-block boundary
-        if self.bm.enable_prefix_caching and start < last < end:
-            end = last                              # ... always a chunk end (its snapshot)
-        if seq.images:                              # never inside an image block
-            end = seq.image_cut(start, end, start + avail)
+        nxt = self._next_boundary(seq, start)
+        if nxt is not None and nxt < end:
+            end = nxt                               # ... a chunk end (its snapshot)
+        if seq.images:                              # never inside an image block (a chosen
+            end = seq.image_cut(start, end, start + avail)   # boundary is never inside one)
         return end - start
+
+    def _next_boundary(self, seq: Sequence, start: int) -> int | None:
+        """The first boundary after `start` chosen for a prefix-cache snapshot, up to the
+        prefill's last full-block boundary (docs/ENGINE.md §3); None without snapshots."""
+        if not self.bm.saves_snapshots:
+            return None
+        B, every = self.bm.block_size, self.snapshot_every
+        last = seq.cache_boundary(B)                # prefill_len // B * B, before any image
+        chosen = [last] + [h // B * B for h in seq.params.cache_boundaries]
+        if every:
+            p = (start // every + 1) * every
+            while seq.images and p < last and seq.cache_boundary(B, p) <= start:
+                p += every                          # moved down to `start` or before: the next
+            chosen.append(p)
+        if seq.images:                              # one inside an image block moves down to
+            chosen = [seq.cache_boundary(B, b) for b in chosen]   # before it (never computed)
+        return min((b for b in chosen if start < b <= last), default=None)
 
     def _emit(self, step: ScheduledStep, seq: Sequence, n: int) -> None:
         start = seq.num_computed
         end = start + n
         step.seqs.append(ScheduledSeq(seq, start, seq.token_range(start, end), end == seq.length))
         B = self.bm.block_size
-        if end % B == 0 and (end == seq.cache_boundary(B) or end > seq.prefill_len):
+        if end % B == 0 and (end > seq.prefill_len or end == self._next_boundary(seq, start)):
             save = self.bm.plan_save(seq, end, decode=end > seq.prefill_len)
             if save is not None:
                 step.saves.append(save)

@@ -103,10 +103,12 @@ class Sequence:
                 return sp.start + sp.length if sp.start + sp.length <= limit else start
         return end
 
-    def cache_boundary(self, block_size: int) -> int:
-        """The prefix-cache boundary of the prefill (its snapshot is saved there): the last
-        multiple of block_size <= prefill_len that cuts no image block (0: none)."""
-        b = self.prefill_len // block_size * block_size
+    def cache_boundary(self, block_size: int, upto: int | None = None) -> int:
+        """A prefix-cache boundary (a snapshot is saved there) at or before `upto` (default:
+        prefill_len): the last multiple of block_size <= upto that cuts no image block (0:
+        none). A boundary inside a block moves down to before it: the slot's state at a
+        position inside an image block is never computed (the block runs in one chunk)."""
+        b = (self.prefill_len if upto is None else upto) // block_size * block_size
         while b > 0 and self.inside_image(b):
             b -= block_size
         return b

@@ -4,13 +4,15 @@ Request (api-protocols §3.1): `system` string or text blocks (blocks starting w
 `x-anthropic-billing-header` dropped: a per-request hash that defeats prefix caching); roles
 user / assistant / system, Claude Code's `ctx` / `msg` → user; content blocks: text; tool_use
 (assistant) and tool_result (user, → tool results); thinking (→ the turn's reasoning, signature
-accepted unchecked), redacted_thinking and server-tool history blocks dropped; image blocks
-(base64 or url, in user turns and tool results) are images on a Vision-Exp model
-(server/images.py), else `[Unsupported image]`; documents → `[Unsupported document]` (a text
-document's data is kept). A final assistant
-message is a prefill: continued, not closed. Tools `{name, description?, input_schema}` with
-`input_schema.type` defaulted to object and `required: null` → []; server tools (no
-input_schema) are dropped. thinking/effort as on the OpenAI paths (`thinking`,
+accepted unchecked), redacted_thinking and server-tool history blocks (`DROPPED_BLOCKS`)
+dropped; image blocks (base64 or url, in user turns and tool results) are images on a
+Vision-Exp model (server/images.py), else `[Unsupported image]`; documents →
+`[Unsupported document]` (a text document's data is kept); any other block type, and
+tool_use / tool_result on the wrong side, are a 400 naming `messages[i].content[j].type`. A
+final assistant message is a prefill: continued, not closed. Tools `{name, description?,
+input_schema}` with `input_schema.type` defaulted to object and `required: null` → []; server
+tools (a `type` other than custom, no input_schema) are dropped; a custom tool without
+input_schema is a 400. thinking/effort as on the OpenAI paths (`thinking`,
 `output_config.effort`, `reasoning_effort`, `chat_template_kwargs`).
 
 Reply (§3.2-§3.6): message_start, ping, one content block open at a time (thinking with a
@@ -43,6 +45,13 @@ __all__ = ["handle_messages", "handle_count_tokens", "parse_request", "anthropic
 
 log = logging.getLogger(__name__)
 _USER_ROLES = ("user", "ctx", "msg")
+# blocks the API defines that carry nothing the model can read here (encrypted thinking, the
+# history of server tools that ran on Anthropic's side): dropped; any other unknown type is a 400
+DROPPED_BLOCKS = ("redacted_thinking", "server_tool_use", "web_search_tool_result",
+                  "web_fetch_tool_result", "code_execution_tool_result",
+                  "bash_code_execution_tool_result", "text_editor_code_execution_tool_result",
+                  "tool_search_tool_result", "mcp_tool_use", "mcp_tool_result",
+                  "container_upload")
 
 
 def anthropic_error(status: int, type: str, message: str, headers: dict | None = None
@@ -139,8 +148,14 @@ def _message(m: Any, i: int, last: bool, images: bool = False) -> list[Message]:
                 reasoning.append(b["thinking"])
         elif kind in ("text", "image", "document", "search_result"):
             text.append(_block_text(b, q, images and role in _USER_ROLES))
-        else:                  # redacted_thinking, server_tool_use, web_search_tool_result, ...
+        elif kind in DROPPED_BLOCKS:
             log.debug("anthropic: dropped %s block in %s", kind, p)
+        elif kind in ("tool_use", "tool_result"):
+            side = "an assistant" if kind == "tool_use" else "a user"
+            raise BadRequest(f"{q}: a {kind} block belongs in {side} message", f"{q}.type")
+        else:
+            raise BadRequest(f"{q}.type {str(kind)[:40]!r} is not a content block type this "
+                             "server can read", f"{q}.type")
     if role == "assistant":
         out.append(Message("assistant", "".join(text), "".join(reasoning) or None, tuple(calls),
                            prefix=last))
@@ -168,7 +183,7 @@ def _tools(v: Any) -> tuple[Tool, ...]:
     for i, t in enumerate(v or []):
         if not isinstance(t, dict):
             raise BadRequest(f"tools[{i}] must be an object", f"tools[{i}]")
-        if "input_schema" not in t:
+        if "input_schema" not in t and t.get("type") not in (None, "custom"):
             continue                     # server tools (web_search_*, bash_*): cannot run here
         name, schema = t.get("name"), t.get("input_schema")
         if not isinstance(name, str) or not name:

@@ -100,10 +100,12 @@ class FinishWithUsage(Finish):
 
 
 class Bridge:
-    def __init__(self, engine, *, max_model_len: int, max_num_seqs: int, max_queue: int = 256,
-                 keepalive_s: float = 10.0, metrics=None):
+    def __init__(self, engine, *, max_model_len: int | None, max_num_seqs: int,
+                 max_queue: int = 256, keepalive_s: float = 10.0, metrics=None,
+                 default_max_tokens: int | None = None):
         self.engine = engine
-        self.max_model_len = max_model_len
+        self.max_model_len = max_model_len              # None until a loading engine picks it
+        self.default_max_tokens = default_max_tokens    # the cap of a request that sets none
         self.capacity = max_num_seqs + max_queue          # running + waiting, admitted at most
         self.keepalive_s = keepalive_s
         self.metrics = metrics
@@ -111,12 +113,35 @@ class Bridge:
         self.draining = False
         self._queues: set[asyncio.Queue] = set()
 
-    def drain(self) -> int:
+    def stop_admitting(self) -> int:
+        """A drain's first step: /health answers 503 and new requests get 503 with Retry-After
+        (a router retries them on another replica); admitted requests run on. -> how many."""
+        self.draining = True
+        return self.active
+
+    def abort_all(self) -> int:
         """Refuse new requests (503) and end every open stream with an error; -> how many."""
         self.draining = True
         for q in self._queues:
             q.put_nowait(ServerShutdown("the server is shutting down"))
         return len(self._queues)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for every admitted request to finish; -> whether they
+        did (polled every 50 ms: a drain's wait, not a hot path)."""
+        end = time.monotonic() + timeout
+        while self.active and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        return self.active == 0
+
+    @property
+    def state(self) -> str:
+        """loading | ok | draining | failed (the engine died): what /health reports."""
+        if getattr(self.engine, "error", None) is not None:
+            return "failed"
+        if self.draining:
+            return "draining"
+        return "ok" if self.engine.ready.is_set() else "loading"
 
     @property
     def ready(self) -> bool:
@@ -128,7 +153,7 @@ class Bridge:
 
     def _admit(self, ids: list[int], params: SamplingParams,
                admitted: bool = False) -> SamplingParams:
-        if not self.ready:
+        if not self.ready and not (admitted and self.state == "draining"):  # a drain finishes
             why = "shutting down" if self.draining else \
                 "failed" if getattr(self.engine, "error", None) else "loading"
             self._reject("unavailable")
@@ -143,10 +168,16 @@ class Bridge:
         if params.max_tokens is None:
             if n >= self.max_model_len:
                 raise ContextTooLong(self._too_long(n, 1))
-            params = replace(params, max_tokens=self.max_model_len - n)
+            params = replace(params, max_tokens=self.cap(n))
         if n + params.max_tokens > self.max_model_len:
             raise ContextTooLong(self._too_long(n, params.max_tokens))
         return params
+
+    def cap(self, n: int) -> int:
+        """The output cap of a request with an n-token prompt that sets none: the rest of the
+        context, or --default-max-tokens where that is smaller."""
+        room = self.max_model_len - n
+        return room if self.default_max_tokens is None else min(room, self.default_max_tokens)
 
     def _too_long(self, n: int, m: int) -> str:
         return (f"This model's maximum context length is {self.max_model_len} tokens. However, "
@@ -227,10 +258,13 @@ class Bridge:
         """Neutral protocol events for an encoded chat prompt; see the module docstring.
         stop: stop strings applied by the parser to content (not reasoning or arguments)."""
         parser = OutputParser(reasoning=prompt.reasoning_open, tools=tools, stop=tuple(stop))
+        if prompt.cache_boundary:                   # a prefix-cache snapshot at the system end
+            params = replace(params, cache_boundaries=params.cache_boundaries
+                             + (prompt.cache_boundary,))
         state: dict = {}
         agen = self.generate(prompt.ids, params, state, prompt.images) \
             if prompt.forced is None else self._forced(prompt, params, state)
-        n_out, usage, started = 0, None, False
+        n_out, usage, started, cached = 0, None, False, 0
         try:
             try:
                 async for o in agen:
@@ -239,6 +273,7 @@ class Bridge:
                         continue
                     started = True
                     n_out += len(o.token_ids)
+                    cached = o.num_cached_tokens    # (a stop string ends before the usage)
                     answer = parser.state != "REASONING"       # (the </think> chunk is not)
                     events = parser.feed(o.text, len(o.token_ids))
                     if o.logprobs and params.logprobs is not None and answer:  # forced: none
@@ -254,7 +289,8 @@ class Bridge:
                     for e in events:
                         if isinstance(e, Finish):
                             u = Usage(len(prompt.ids), usage.completion_tokens if usage else n_out,
-                                      usage.cached_tokens if usage else 0, parser.reasoning_tokens)
+                                      usage.cached_tokens if usage else cached,
+                                      parser.reasoning_tokens)
                             state["stopped"] = True
                             yield u
                             yield FinishWithUsage(e.reason, e.stop_sequence, e.error, usage=u)
@@ -267,7 +303,7 @@ class Bridge:
                 for ev in events:
                     if not isinstance(ev, Finish):
                         yield ev
-                u = Usage(len(prompt.ids), n_out, 0, parser.reasoning_tokens)
+                u = Usage(len(prompt.ids), n_out, cached, parser.reasoning_tokens)
                 yield u
                 yield FinishWithUsage("error", None, f"engine failed: {e}", usage=u)
         finally:
@@ -280,8 +316,7 @@ class Bridge:
         reasoning's, the forced ones (`</think>` where the model did not write it, the opener),
         then the continuation's; the last one's usage covers all of them."""
         f = prompt.forced
-        total = (params.max_tokens if params.max_tokens is not None
-                 else self.max_model_len - len(prompt.ids))
+        total = params.max_tokens if params.max_tokens is not None else self.cap(len(prompt.ids))
         out: list[int] = []                     # the reasoning as the continuation reads it
         forced, u1 = [RequestOutput(0, f.text, list(f.ids))], None
         if not prompt.reasoning_open and total - len(f.ids) < 1:
@@ -331,15 +366,19 @@ class Bridge:
                 if u1 is None:
                     raise
                 raise EngineDeadError(f"the forced continuation could not start: {e}") from e
+            def hit(n: int) -> int:                 # the prompt's, not the continuation's
+                return u1.cached_tokens if u1 else min(n, len(prompt.ids))
             for x in forced:
-                yield x
+                yield replace(x, num_cached_tokens=hit(getattr(first, "num_cached_tokens", 0)))
             o = first
             while True:
+                if o is not KEEPALIVE:
+                    o = replace(o, num_cached_tokens=hit(o.num_cached_tokens))
                 if o is not KEEPALIVE and o.usage is not None:
                     u = o.usage
-                    o = replace(o, usage=EngineUsage(
-                        len(prompt.ids), n_before + u.completion_tokens,
-                        u1.cached_tokens if u1 else min(u.cached_tokens, len(prompt.ids))))
+                    o = replace(o, usage=EngineUsage(len(prompt.ids),
+                                                     n_before + u.completion_tokens,
+                                                     hit(u.cached_tokens)))
                 yield o
                 try:
                     o = await agen.__anext__()
@@ -374,6 +413,7 @@ class ServerContext:
     metrics: Any = None
     extra: dict | None = None
     images: Any = None            # server.images.ImageInput on a Vision-Exp model, else None
+    tokenizer_config: dict | None = None          # tokenizer_config.json (raw-text BOS, info)
 
 
 CTX = web.AppKey("ctx", ServerContext)

@@ -3,8 +3,8 @@
 Follows the official `encoding/encoding_dsv4.py` (`encode_messages`, dsv4-model.md §7.2,
 api-protocols.md §5.1-§5.3): BOS; system text bare (+ `## Tools` block, + `## Response Format`);
 `<｜User｜>`; tool results merged into the user turn as `<tool_result>…</tool_result>` blocks,
-sorted into the call order of the preceding assistant turn; after the last user turn
-`<｜Assistant｜>` + `<think>` (thinking) or `</think>` (chat); assistant history =
+sorted into the call order of the preceding assistant turn; before each assistant turn and after
+the last message `<｜Assistant｜>` + `<think>` (thinking) or `</think>` (chat); assistant history =
 `[reasoning</think>] content [\\n\\n<｜DSML｜tool_calls>…] <｜end▁of▁sentence｜>`; history
 reasoning dropped unless any message carries tools; effort text prepended at index 0.
 
@@ -29,15 +29,27 @@ Unconfirmed in the spec, and what we chose:
   `\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="` (+ the name and `">\n` when named).
   A reasoning budget (Anthropic's `budget_tokens`) closes the reasoning with a forced
   `</think>` once it is spent.
-- Request tools and response_format go on the first system message; one empty system message is
-  inserted at index 0 when there is none (vLLM's choice). `{"type": "text"}` means no format.
+- Request tools and response_format go on a leading system message; one empty system message
+  is inserted at index 0 when the conversation does not start with one (vLLM's choice; never on
+  a mid-conversation system message). `{"type": "text"}` means no format.
+- System messages anywhere (Claude Code's `[user, system]`, Codex's instructions + developer
+  items): a system message renders as the encoder renders one, its text bare where it stands,
+  but where that would glue it to the text before it (a user turn's, another system
+  message's, or an image) "\n\n" goes between (the encoder's own separator between blocks of
+  one turn).
+  The generation prefix `<｜Assistant｜>` + `<think>`/`</think>` goes before every assistant
+  turn that does not already follow one, and after the last message unless it is a prefill:
+  `[user, system]` ends `<｜User｜>u\n\ns<｜Assistant｜><think>` (the reference would end
+  on the system text, and put no prefix before an assistant turn after a system message).
+  A system message is not a user turn for dropping history reasoning.
 - History tool-call arguments: decoded once more if double-encoded; a non-object JSON value
   becomes `{"arguments": value}` and non-JSON text `{"arguments": raw}` (the reference's own
   fallback; we never reject a replayed history).
 - A control string that the tokenizer lacks (the tiny 512-id tokenizer has no `｜DSML｜`) is
   tokenized as text; BOS/EOS/User/Assistant/think tokens are required.
-- A final assistant message renders as a closed turn, as in the reference; front ends set
-  `prefix=True` to continue it instead (Anthropic prefill), which renders it without EOS.
+- A final assistant message renders as a closed turn followed by the generation prefix (a
+  new turn: the reference stops after its EOS); front ends set `prefix=True` to continue it
+  instead (Anthropic prefill), which renders it without EOS and without the prefix.
 - Quick-instruction `task` tokens, tools on a `developer` message and the encoder's `context`
   argument are not supported (front ends map `developer` to `system`).
 - Images (Vision-Exp, server/images.py): an image part of a user or tool message renders where
@@ -70,8 +82,14 @@ from backfit.server.chat_template import (
     TOOLS_TAIL,
     USER,
 )
-from backfit.server.chat_segments import (CONTROL, IMAGE, Segments, content_pieces,
-                                          content_text)
+from backfit.server.chat_segments import CONTROL, IMAGE, Segments, content_text
+from backfit.server.chat_turns import (
+    USER_SIDE,
+    arguments,
+    last_user,
+    merge_tool_messages,
+    sort_tool_results,
+)
 from backfit.server.protocol import ChatRequest, Message, Tool
 
 __all__ = [
@@ -108,6 +126,8 @@ def request_tools(req: ChatRequest) -> tuple[Tool, ...]:
     choice = req.tool_choice
     if choice == "none":
         return ()
+    if choice == "required" and not req.tools:
+        raise ValueError("tool_choice: a tool call is required, but no tools were given")
     if isinstance(choice, dict):
         name = choice.get("name") or (choice.get("function") or {}).get("name")
         named = tuple(t for t in req.tools if t.name == name)
@@ -139,7 +159,8 @@ class Prompt:
     inside `<think>`, so the output starts with reasoning (hand it to the parser); `forced`:
     the tool-call opener of a required / named tool_choice and the reasoning budget, or None.
     With images, ids hold each image's block (ids vocab_size + type, backfit.vision.splice)
-    where the reference writes `<｜deepseek_image｜>`, and `images` says where."""
+    where the reference writes `<｜deepseek_image｜>`, and `images` says where.
+    cache_boundary: ids before the first User token (system + tools; a prefix-cache snapshot)."""
     ids: list[int]
     text: str
     thinking_mode: str
@@ -147,57 +168,22 @@ class Prompt:
     reasoning_open: bool
     forced: Forced | None = None
     images: tuple = ()              # (ImageSpan, PreparedImage) of each image block in ids
-
-
-def _arguments(raw: str) -> dict[str, Any]:
-    """History call arguments → dict (see module docstring for the fallbacks)."""
-    try:
-        value = json.loads(raw)
-        if isinstance(value, str):                      # double-encoded JSON
-            value = json.loads(value)
-    except (TypeError, ValueError):
-        return {"arguments": raw}
-    return value if isinstance(value, dict) else {"arguments": value}
-
-
-def _merge_tool_messages(messages: list[Message]) -> list[dict[str, Any]]:
-    """Reference merge_tool_messages: tool results (and user text) join the user turn before."""
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        if m.role in ("tool", "user"):
-            block = {"type": "tool_result" if m.role == "tool" else "text",
-                     "id": m.tool_call_id or "", "pieces": content_pieces(m.content)}
-            if out and out[-1]["role"] == "user":
-                out[-1]["blocks"].append(block)
-            else:
-                out.append({"role": "user", "blocks": [block]})
-        else:
-            out.append({"role": m.role, "msg": m})
-    return out
-
-
-def _sort_tool_results(turns: list[dict[str, Any]]) -> None:
-    """Reference sort_tool_results_by_call_order: results in the previous turn's call order."""
-    order: dict[str, int] = {}
-    for t in turns:
-        if t["role"] == "assistant" and t["msg"].tool_calls:
-            order = {c.id: i for i, c in enumerate(t["msg"].tool_calls) if c.id}
-        elif t["role"] == "user":
-            results = [b for b in t["blocks"] if b["type"] == "tool_result"]
-            if len(results) > 1 and order:
-                it = iter(sorted(results, key=lambda b: order.get(b["id"], 0)))
-                t["blocks"] = [next(it) if b["type"] == "tool_result" else b for b in t["blocks"]]
+    cache_boundary: int | None = None
 
 
 class ChatEncoder:
     """DSV4 prompt encoder over a `tokenizers.Tokenizer` (real or the tiny 512-id one)."""
 
-    def __init__(self, tokenizer, profile: str = "flash", vocab_size: int | None = None):
+    def __init__(self, tokenizer, profile: str = "flash", default_thinking: bool | None = None,
+                 default_effort: str | None = None, vocab_size: int | None = None):
         from tokenizers import Tokenizer
 
         if profile not in EFFORT_PROMPTS:
             raise ValueError(f"unknown reasoning-effort profile {profile!r}")
+        resolve_reasoning(default_thinking, default_effort, profile)     # raises on a bad level
         self.profile = profile
+        # the server's --default-chat-template-kwargs: for requests that do not say
+        self.default_thinking, self.default_effort = default_thinking, default_effort
         self.tokenizer = tokenizer
         # the model's vocabulary (config.json): image-block ids are vocab_size + type
         self.vocab_size = vocab_size or tokenizer.get_vocab_size(with_added_tokens=True)
@@ -216,12 +202,14 @@ class ChatEncoder:
 
         p = Path(path)
         return cls(Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p)), profile,
-                   vocab_size)
+                   vocab_size=vocab_size)
 
     # ---- public entry points ---------------------------------------------------------------
 
     def encode_request(self, req: ChatRequest) -> Prompt:
-        mode, effort = resolve_reasoning(req.thinking, req.reasoning_effort, self.profile)
+        thinking = self.default_thinking if req.thinking is None else req.thinking
+        effort = self.default_effort if req.reasoning_effort is None else req.reasoning_effort
+        mode, effort = resolve_reasoning(thinking, effort, self.profile)
         tools = request_tools(req)
         prompt = self.encode_messages(req.messages, tools, mode, effort, req.response_format)
         budget = req.reasoning_budget if prompt.reasoning_open else None
@@ -253,12 +241,14 @@ class ChatEncoder:
                             response_format, drop_thinking)
         thinks = [t for t, c in segs.items if c == CONTROL and t in (THINK_START, THINK_END)]
         ids, images = self._splice(segs)
+        user = self.control_ids[USER]             # (image-block ids are >= vocab_size)
         return Prompt(ids=ids, text=segs.rendered, thinking_mode=thinking_mode,
                       reasoning_effort=reasoning_effort,
-                      reasoning_open=bool(thinks) and thinks[-1] == THINK_START, images=images)
+                      reasoning_open=bool(thinks) and thinks[-1] == THINK_START, images=images,
+                      cache_boundary=ids.index(user) if user in ids else None)
 
     def encode_text(self, text: str) -> list[int]:
-        """Untrusted text → ids, never control ids (e.g. for /tokenize of a raw prompt)."""
+        """Untrusted text → ids, never control ids (every text segment of a chat prompt)."""
         return self.plain.encode(text, add_special_tokens=False).ids
 
     # ---- rendering -------------------------------------------------------------------------
@@ -297,38 +287,53 @@ class ChatEncoder:
 
     def _render(self, messages: list[Message], tools, mode, effort, response_format,
                 drop_thinking) -> Segments:
-        # request-level tools/format go on the first system message (inserted at 0 if none)
-        if tools or response_format:
-            if not any(m.role == "system" for m in messages):
-                messages.insert(0, Message("system", ""))
-            first_sys = next(i for i, m in enumerate(messages) if m.role == "system")
-        else:
-            first_sys = -1
-        turns = _merge_tool_messages(messages)
+        # request-level tools/format go on a leading system message (one inserted at 0 if the
+        # conversation does not start with one: never on a mid-conversation system message)
+        if (tools or response_format) and messages[0].role != "system":
+            messages.insert(0, Message("system", ""))
+        turns = merge_tool_messages(messages)
         for t in turns:
-            t["extras"] = t.get("msg") is messages[first_sys] if first_sys >= 0 else False
-        _sort_tool_results(turns)
+            t["extras"] = t.get("msg") is messages[0] and bool(tools or response_format)
+        sort_tool_results(turns)
         drop = drop_thinking and not tools
         if mode == "thinking" and drop:     # reference _drop_thinking_messages
-            last = _last_user(turns)
+            last = last_user(turns)
             turns = [t for i, t in enumerate(turns) if t["role"] != "developer" or i >= last]
-        last_user = _last_user(turns)
+        last_u = last_user(turns)
+
+        def prefix(j: int) -> None:         # the generation prefix before turn j (or the end)
+            segs.control(ASSISTANT)
+            segs.control(THINK_START if mode == "thinking" and (not drop or j > last_u)
+                         else THINK_END)
+
         segs = Segments()
         segs.control(BOS)
+        at_prefix = False                   # the prompt ends with the generation prefix
         for i, t in enumerate(turns):
+            role = t["role"]
             if i == 0 and mode == "thinking":
                 segs.text(EFFORT_PROMPTS[self.profile][effort])
+            if (role == "assistant" and not at_prefix) or (
+                    role == "latest_reminder" and i and turns[i - 1]["role"] in USER_SIDE):
+                prefix(i)
+                at_prefix = True
             extras = (tools, response_format) if t["extras"] else ((), None)
-            self._render_turn(segs, i, turns, last_user, mode, drop, *extras)
+            self._render_turn(segs, t, i > last_u, mode, drop, i > 0, *extras)
+            at_prefix = at_prefix and role == "latest_reminder"
+        if not at_prefix and not (turns[-1]["role"] == "assistant" and turns[-1]["msg"].prefix):
+            prefix(len(turns))              # the generation prompt follows the last message
         return segs
 
-    def _render_turn(self, segs, i, turns, last_user, mode, drop, tools, response_format):
-        t = turns[i]
+    def _render_turn(self, segs, t, after_last_user, mode, drop, mid, tools, response_format):
         role = t["role"]
         if role in ("system", "developer"):
             if role == "developer":
                 segs.control(USER)
-            segs.text(content_text(t["msg"].content))
+            text = content_text(t["msg"].content)
+            if mid and role == "system" and text and segs.items and \
+                    segs.items[-1][1] != CONTROL:   # not glued to the text or image before it
+                segs.text("\n\n")                 # (module doc)
+            segs.text(text)
             if tools:
                 segs.text("\n\n")
                 segs.template(TOOLS_HEAD)
@@ -349,7 +354,7 @@ class ChatEncoder:
             segs.text(content_text(t["msg"].content))
         else:                               # assistant
             m = t["msg"]
-            if mode == "thinking" and (not drop or i > last_user):
+            if mode == "thinking" and (not drop or after_last_user):
                 segs.text(m.reasoning or "")
                 segs.control(THINK_END)
             segs.text(content_text(m.content))
@@ -357,14 +362,6 @@ class ChatEncoder:
                 self._render_calls(segs, m.tool_calls)
             if not m.prefix:
                 segs.control(EOS)
-        # the generation prefix, after a user/developer turn that ends the prompt or is
-        # followed by an assistant / latest_reminder turn
-        if i + 1 < len(turns) and turns[i + 1]["role"] not in ("assistant", "latest_reminder"):
-            return
-        if role in ("user", "developer"):
-            segs.control(ASSISTANT)
-            open_think = mode == "thinking" and (not drop or i >= last_user)
-            segs.control(THINK_START if open_think else THINK_END)
 
     @staticmethod
     def _render_calls(segs, calls):
@@ -378,7 +375,7 @@ class ChatEncoder:
             segs.text("<")
             segs.control(DSML)
             segs.text(f'invoke name="{call.name}">\n')
-            for j, (key, v) in enumerate(_arguments(call.arguments).items()):
+            for j, (key, v) in enumerate(arguments(call.arguments).items()):
                 is_str = isinstance(v, str)
                 segs.text(("\n" if j else "") + "<")
                 segs.control(DSML)
@@ -392,7 +389,3 @@ class ChatEncoder:
         segs.text("\n</")
         segs.control(DSML)
         segs.text("tool_calls>")
-
-
-def _last_user(turns: list[dict[str, Any]]) -> int:
-    return max((i for i, t in enumerate(turns) if t["role"] in ("user", "developer")), default=-1)

@@ -1,9 +1,10 @@
 """HTTP helpers shared by every protocol: safe JSON bodies, `BadRequest`, SSE writers.
 
 - `read_json(request)`: the body (64 MiB limit, set on the app as `client_max_size`) decoded as
-  UTF-8 with invalid bytes replaced, parsed with lone surrogates (`"\\ud83d"`, which json.loads
-  accepts but `.encode()` rejects) replaced by U+FFFD, NaN/Infinity refused, and nesting past
-  `MAX_DEPTH` refused, so no body can turn into a 500 later (api-protocols §0).
+  UTF-8 (invalid bytes are a 400, as the real APIs answer), parsed with lone surrogates
+  (`"\\ud83d"`: valid JSON text, which json.loads accepts but `.encode()` rejects) replaced
+  by U+FFFD, NaN/Infinity refused, and nesting past `MAX_DEPTH` refused, so no body can turn
+  into a 500 later (api-protocols §0).
 - `BadRequest(message, param)`: a client error; each protocol renders it in its own shape.
 - Typed getters (`get_int`, `get_num`, `get_str`, `get_bool`, ...) raise BadRequest naming the
   field, so handlers validate in one line each.
@@ -99,7 +100,11 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         raise BadRequest(f"request body larger than {MAX_BODY} bytes", status=413) from None
     if not raw.strip():
         raise BadRequest("request body is empty (expected a JSON object)")
-    text = raw.decode("utf-8", errors="replace").lstrip("\ufeff")       # a BOM is harmless
+    try:
+        text = raw.decode("utf-8").lstrip("\ufeff")                      # a BOM is harmless
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"the request body is not valid UTF-8 (byte {e.start}: "
+                         f"{raw[e.start:e.start + 4]!r})") from None
     if not _depth_ok(text):
         raise BadRequest(f"JSON body nested deeper than {MAX_DEPTH} levels")
     try:

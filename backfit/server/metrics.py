@@ -47,7 +47,13 @@ class _EngineCollector:
                  "Prompt tokens looked up in the prefix cache."),
                 ("vllm:prefix_cache_hits", "prefix_cache_hits",
                  "Prompt tokens served by the prefix cache."),
-                ("vllm:num_preemptions", "num_preemptions", "Preemptions (by recompute)."))
+                ("vllm:num_preemptions", "num_preemptions", "Preemptions (by recompute)."),
+                ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts",
+                 "Verify passes of a request (speculative decoding)."),
+                ("vllm:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens",
+                 "Drafted tokens verified."),
+                ("vllm:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+                 "Drafted tokens accepted."))
 
     def __init__(self, stats, model_name: str):
         self.stats, self.model_name = stats, model_name
@@ -62,6 +68,13 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], float(s.get(key, 0)))
             yield c
+        per_pos = s.get("spec_decode_num_accepted_tokens_per_pos") or []
+        c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                "Drafted tokens accepted, by draft position (0 = the first).",
+                                labels=["model_name", "position"])
+        for pos, n in enumerate(per_pos):
+            c.add_metric([self.model_name, str(pos)], float(n))
+        yield c
 
 
 class Metrics:

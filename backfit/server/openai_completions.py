@@ -2,13 +2,15 @@
 lm-evaluation-harness `local-completions` can score the model (`echo` + `logprobs`).
 
 prompt: a string, a list of strings, a token-id list, or a list of token-id lists (one choice
-each, run concurrently; streaming takes one prompt). Text prompts get BOS and are tokenized
-WITHOUT parsing special tokens (typed `<｜User｜>` stays text); send token ids to put control
-tokens in a raw prompt. `echo` prepends the prompt; with `logprobs` (0..20) the prompt tokens'
-logprobs come first (the first token has none), as OpenAI and vLLM do. `max_tokens` defaults to
+each, run concurrently; streaming takes one prompt). Text prompts are tokenized exactly as the
+shipped tokenizer does (`tokenizer_api.raw_ids`: BOS only where `add_bos_token` says so, none
+for DSV4), so lm-eval's text and token requests score the same tokens. `echo` prepends the
+prompt; with `logprobs` (0..20) the prompt tokens' logprobs come first (the first token has
+none), as OpenAI and vLLM do. `max_tokens` defaults to
 16 (OpenAI); `max_tokens: 0` with `echo` scores the prompt only (one token is run, not returned).
 `suffix` and `n` > 1 are a 400 naming the field. `return_tokens_as_token_ids` (vLLM) names
-logprob tokens `token_id:<id>` (exact even for byte tokens that are not valid UTF-8 alone). Stop strings apply to the whole text.
+logprob tokens `token_id:<id>` (exact even for byte tokens that are not valid UTF-8 alone).
+Stop strings apply to the whole text.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from backfit.server.openai_chat import (
     sampling_params,
 )
 from backfit.server.protocol import Usage
+from backfit.server.tokenizer_api import raw_ids
 
 __all__ = ["Logprobs", "handle", "prompt_ids"]
 
@@ -52,13 +55,12 @@ MAX_PROMPTS = 64
 
 
 def prompt_ids(ctx, prompt) -> list[list[int]]:
-    """The `prompt` field -> one id list per prompt (BOS + plain text tokens for strings)."""
-    bos = ctx.encoder.control_ids["<｜begin▁of▁sentence｜>"]
+    """The `prompt` field -> one id list per prompt (strings: tokenizer_api.raw_ids)."""
     vocab = ctx.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def ids_of(p, where):
         if isinstance(p, str):
-            return [bos] + ctx.encoder.encode_text(p)
+            return raw_ids(ctx, p)
         if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                        for t in p):
             bad = [t for t in p if not 0 <= t < vocab]

@@ -114,9 +114,13 @@ def parse_messages(raw: Any, images: bool = False) -> tuple[Message, ...]:
             prefix = m.get("prefix") is True and i == len(raw) - 1
             out.append(Message("assistant", content, reasoning or None,
                                _calls(m.get("tool_calls"), f"{w}.tool_calls"), prefix=prefix))
-        elif role == "tool":
-            tid = m.get("tool_call_id", m.get("name"))
-            out.append(Message("tool", content, tool_call_id=tid if isinstance(tid, str) else None))
+        elif role == "tool":                 # the legacy `function` role names its call
+            tid = m.get("tool_call_id") if m["role"] == "tool" else m.get("name")
+            if not isinstance(tid, str) or not tid:
+                key = "tool_call_id" if m["role"] == "tool" else "name"
+                raise BadRequest(f"{w}.{key} is required (the id of the call this answers)",
+                                 f"{w}.{key}")
+            out.append(Message("tool", content, tool_call_id=tid))
         else:
             out.append(Message(role, content))
     return tuple(out)
@@ -132,9 +136,11 @@ def parse_tools(body: dict) -> tuple[tuple[Tool, ...], Any]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise BadRequest(f"{w}.function.name must be a non-empty string", f"{w}.function.name")
         tools.append(Tool(fn["name"], dict(fn)))
-    choice = body.get("tool_choice", "auto") if tools else "none"
-    if choice is None:
-        choice = "auto"
+    choice = body.get("tool_choice")
+    if not tools and choice not in (None, "none", "auto"):
+        raise BadRequest("tool_choice names or requires a tool, but no tools were given",
+                         "tool_choice")
+    choice = "auto" if choice is None else choice if tools else "none"
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
             raise BadRequest("tool_choice must be none, auto, required or a function",

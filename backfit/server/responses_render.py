@@ -153,9 +153,10 @@ class ResponsesRenderer:
         elif isinstance(ev, ToolCallStart):
             if ev.name in self.custom:
                 frames += self._open("custom_tool_call", call_id=ev.id, name=ev.name, input="")
-            else:
+            else:                           # a namespace's function: named with it
+                ns = self.req.extra.get("namespaces", {}).get(ev.name)
                 frames += self._open("function_call", call_id=ev.id, name=ev.name,
-                                     arguments="")
+                                     **({"namespace": ns} if ns else {}), arguments="")
         elif isinstance(ev, ToolCallArgsDelta) and self.open is not None:
             self.text += ev.text
             if kind == "function_call" and ev.text:

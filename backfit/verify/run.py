@@ -208,7 +208,7 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
            out=sys.stdout, kv_cache_dtype: str | None = None, kernels: str | None = None,
            long_context: int | None = None, chunk: int = 256,
            reference_device: str = "cpu", prefill_graphs: bool = False,
-           images: int | None = None) -> dict:
+           images: int | None = None, drafts: bool = False, draft_every: int = 48) -> dict:
     """Run all checks, print the tables, return the report (report['ok'] says pass/fail).
 
     kv_cache_dtype / kernels / long_context run the runtime on the engine's paged pools (in
@@ -219,7 +219,9 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
     prefill_graphs (kernels triton on CUDA): every chunk through the engine's piecewise
     prefill graphs (runtime/prefill_graphs.py), padded to its size. images: image prompts
     (image_prompts.py) checked besides the text on a Vision-Exp checkpoint (default 2 there;
-    none with long_context)."""
+    none with long_context). drafts: the checkpoint's drafter (speculative decoding) against
+    the reference's after every `draft_every` tokens of each text prompt (verify/drafts.py), a
+    fourth gate."""
     if prefill_graphs and (kernels != "triton" or not str(device).startswith("cuda")):
         raise ValueError("--prefill-graphs needs --kernels triton --device cuda")
     from backfit.runtime.launch import run_on_ranks
@@ -292,16 +294,31 @@ def verify(original: str | Path, converted: str | Path, tp: int | None = None,
     print("\nlogits:", file=out)
     keys = ["kl_mean", "kl_max", "top1", "top5", "max_dlogit", "rel"]
     print(format_table([("runtime", lm)] + ([("ref-bf16 floor", floor)] if floor else []), keys), file=out)
-    # three gates, judged separately so a report says which one failed
+    # three gates (four with drafts), judged separately so a report says which one failed
     gates = {"weights": w_problems, "hidden": _judge_hidden(rows, limits),
              "logits": _judge(kind, lm, floor)}
+    dm = None
+    if drafts:
+        from backfit.verify.drafts import draft_pass, judge_drafts, reference_drafts
+        text = [s for s in seqs if isinstance(s, list)]   # the drafter passes take plain ids
+        points = timed(f"runtime drafts ({activations}, {device})", run_on_ranks, draft_pass, tp,
+                       (str(converted), text, activations, device, kernels, draft_every),
+                       device)
+        want = timed("reference drafts", reference_drafts, original, text, points,
+                     reference_device)
+        dm, gates["drafts"] = judge_drafts(points, want, kind)
+        print(f"\ndrafts ({len(points)} drafts of {len(points[0]['ids'])} tokens, "
+              f"{'MTP' if cfg.variant == 'flash' else 'DSpark'}):", file=out)
+        print(format_table([("drafter", dm)], [k for k in keys if k in dm] +
+                           (["confidence_rel"] if "confidence_rel" in dm else [])), file=out)
     problems = [p for g in gates.values() for p in g]
     report = {"check": kind, "activations": activations, "tp": tp, "positions": positions,
               "images": n_img,
               "paged": paged, "long_context": long_context, "reference_device": reference_device,
               "weights": {k: {"tensors": len(v), "rel_max": max(v)} for k, v in by_scheme.items()},
               "hidden": [{"layer": i, **m} for i, (_, m) in enumerate(rows)], "logits": lm,
-              "floor": floor, "thresholds": THRESHOLDS[kind], "gates": gates, "problems": problems,
+              "floor": floor, "thresholds": THRESHOLDS[kind], "drafts": dm, "gates": gates,
+              "problems": problems,
               "ok": not problems}
     print(f"\n{kind} check: " + ("PASS" if report["ok"] else "FAIL: " + "; ".join(problems)), file=out)
     if json_out:

@@ -77,7 +77,7 @@ def test_shared_blocks_are_reference_counted():
     a = Sequence(0, prompt)
     assert prefill(bm, a) is None
     b, c = Sequence(1, prompt + [50, 51]), Sequence(2, prompt + [60])
-    assert prefill(bm, b) == (bm.snap_of[a.block_table[1]], b.slot)
+    assert prefill(bm, b) == (bm.snap_of[a.block_table[1]], b.slot, 8)
     prefill(bm, c)
     assert b.block_table[:2] == c.block_table[:2] == a.block_table[:2]
     assert [bm.ref[x] for x in a.block_table[:2]] == [3, 3]
@@ -160,6 +160,31 @@ def test_hash_collision_is_a_miss(monkeypatch):
     assert bm.match(Sequence(3, [1, 1, 1, 1, 7])).num_tokens == 4   # a's entry survived
     bm.check([])
     assert start_values(bm) == start
+
+
+@pytest.mark.parametrize("j", range(B))
+def test_a_block_differing_in_any_one_token_is_an_entry_of_its_own(j):
+    """Two prompts equal but for token j of block 1: the second has no hit there (a hash and key
+    that skipped token j would hand it the first one's blocks and snapshot), registers blocks
+    of its own (a hash alone that skipped it would collide, and a collision keeps a chain
+    private), and a third prompt continuing the second hits those."""
+    bm = BlockManager(32, B, num_slots=2, num_snapshot_slots=4)
+    base = list(range(1, 14))                               # 13 tokens: snapshot at 12
+    a = Sequence(0, base)
+    prefill(bm, a)
+    a_blocks = list(a.block_table)
+    bm.free(a)
+    other = base[:B + j] + [99] + base[B + j + 1:]
+    assert bm.match(Sequence(1, other)).num_tokens == 0
+    b = Sequence(1, other)
+    prefill(bm, b)
+    b_blocks = list(b.block_table)
+    assert b.num_cached_tokens == 0 and b_blocks[1] != a_blocks[1]
+    bm.free(b)
+    hit = bm.match(Sequence(2, other + [50]))
+    assert hit.num_tokens == 12 and hit.blocks[1:] == b_blocks[1:3]
+    assert bm.match(Sequence(3, base + [50])).num_tokens == 12    # a's survive beside them
+    bm.check([])
 
 
 def test_lru_eviction_and_dependent_snapshots():

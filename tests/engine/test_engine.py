@@ -77,7 +77,6 @@ def _counters(e):
 
 def test_alone_matches_the_plain_runtime(plain, alone):
     """Engine greedy = argmax of the plain runtime (DecodeState, one sequence, token by token)."""
-    from backfit.runtime.model.transformer import Transformer  # noqa: F401 (type only)
     model = plain.ranks.runner.model
     p, want = alone[0][0], alone[1][0]
     st, ids, out = model.new_state(), list(p), []

@@ -203,10 +203,10 @@ def test_bad_image_requests(plain, imgs):
 
 
 # ---- the scheduler alone (plain Python) ------------------------------------------------------
-def _seq(sid, n, blocks):
+def _seq(sid, n, blocks, params=SamplingParams(max_tokens=4)):
     """A Sequence of n ids with image blocks (start, length) (fake spans and images)."""
     images = tuple((SimpleNamespace(start=s, length=L, key=f"k{s}"), None) for s, L in blocks)
-    return Sequence(sid, [5] * n, SamplingParams(max_tokens=4), images)
+    return Sequence(sid, [5] * n, params, images)
 
 
 @pytest.mark.parametrize("budget", [48, 64, 100])
@@ -227,3 +227,49 @@ def test_chunks_never_split_an_image_block(budget):
         sch.resolve(step, {0: 1} if done else {})
     assert ends[-1] == 300 and not any(seq.inside_image(e) for e in ends)
     assert seq.cache_boundary(16) == 240 and 240 in ends      # 288, 272, 256: inside 250-294
+
+
+def test_snapshot_boundaries_never_inside_an_image_block():
+    """Every boundary chosen for a prefix-cache snapshot (a cache_boundaries hint, the periodic
+    ones, the prefill's last) that falls inside an image block moves down to the last block
+    boundary before the block, where the slot's state exists (the block runs in one chunk);
+    the snapshots are saved there and nowhere inside a block. Blocks of 16, every 4 blocks."""
+    bm = BlockManager(64, 16, 4, 8, True)
+    sch = Scheduler(bm, 4, 512, 1024, snapshot_interval=4)
+    hints = SamplingParams(max_tokens=4, cache_boundaries=(70, 215))      # both inside one
+    seq = _seq(0, 300, [(40, 50), (200, 30)], hints)          # blocks 40-89 and 200-229
+    sch.add(seq)
+    saved, done = [], False
+    while not done:
+        step = sch.schedule()
+        saved += [b for _, _, b in step.saves]
+        done = any(item.sample for item in step.seqs)
+        sch.advance(step)
+        sch.resolve(step, {0: 1} if done else {})
+    # 64 (periodic) and 70 -> 32; 215 -> 192 (also periodic); 128, 256; 288 the last
+    assert saved == [32, 128, 192, 256, 288]
+    assert not any(seq.inside_image(b) for b in saved)
+    assert bm.plan_save(seq, 208, decode=False) is None       # inside 200-229: refused
+
+
+def test_cache_hint_inside_an_image_is_reused_before_it(conv, plain, imgs):
+    """The chat server's hint (the end of the system prompt and tools) inside an image block:
+    its snapshot sits at the block boundary before the image, so a request that shares the
+    prompt through the image and then diverges reuses exactly that much (the hint as given would
+    cut the block: no snapshot at all); both answer as uncached."""
+    a = imgs[0]
+    vp1, vp2 = vprompt(plain, [40, a, 50]), vprompt(plain, [40, a, [11] * 50])
+    span = vp1.spans[0]
+    before = span.start // 16 * 16
+    assert before > 0 and span.length > 16
+    hinted = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                            cache_boundaries=(span.start + span.length // 2,))
+    want1, want2 = run(plain, [vp1])[0], run(plain, [vp2])[0]
+    e = make(conv, prefix_snapshot_interval=0)                # the hint and the last only
+    try:
+        usage: dict = {}
+        assert run(e, [vp1], hinted, usage=usage) == [want1] and usage[0].cached_tokens == 0
+        assert run(e, [vp2], hinted, usage=usage) == [want2]
+        assert usage[0].cached_tokens == before
+    finally:
+        e.close()

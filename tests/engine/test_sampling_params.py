@@ -41,6 +41,8 @@ BAD = [  # (field, value, message fragment)
     ("skip_special_tokens", None, "skip_special_tokens must be true or false, got None"),
     ("logprobs", -1, "logprobs must be an integer >= 0 or None, got -1"),
     ("prompt_logprobs", 1.0, "prompt_logprobs must be an integer >= 0 or None, got 1.0"),
+    ("cache_boundaries", [8, 0], "cache_boundaries must be token counts >= 1, got (8, 0)"),
+    ("cache_boundaries", [True], "cache_boundaries must be token counts >= 1, got (True,)"),
 ]
 
 
@@ -90,6 +92,7 @@ def test_normalisation_and_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.temperature = 1.0
     assert SamplingParams(repetition_penalty=1.1).has_penalties
+    assert SamplingParams(cache_boundaries=[40, 8, 40]).cache_boundaries == (8, 40)
 
 
 def test_all_stop_token_ids():

@@ -19,13 +19,14 @@ def prefix_token(seq, prefix):
 
 
 class FakeRunner:
-    """The caches as token lists: a slot holds the prefix it has consumed, a block the tokens at
-    its positions. Every chunk must start from exactly its own prefix (restored, shared or
-    computed), and no chunk may write a shared or registered block."""
+    """The caches as token lists: a slot holds the prefix it has consumed, a snapshot the prefix
+    its slot held at its boundary, a block the tokens at its positions. Every chunk must start
+    from exactly its own prefix (restored, shared or computed), and no chunk may write a shared
+    or registered block."""
 
     def __init__(self, bm, next_token=prefix_token):
         self.bm, self.next_token = bm, next_token
-        self.slots, self.blocks = {}, {}
+        self.slots, self.blocks, self.snaps = {}, {}, {}
 
     def execute(self, step, prev=None):
         """prev: the tokens of the last step's sampled rows, by row (overlap: the placeholders
@@ -33,8 +34,9 @@ class FakeRunner:
         bm, out, B = self.bm, {}, self.bm.block_size
         real = (lambda ids: ids) if prev is None else \
             (lambda ids: [prev[-1 - t] if t < 0 else t for t in ids])
-        for src, dst in step.restores:                    # before the forward
-            self.slots[dst] = self.slots[src]
+        for snap, slot, boundary in step.restores:        # before the forward
+            assert len(self.snaps[snap]) == boundary, "restored at another boundary"
+            self.slots[slot] = self.snaps[snap]
         for item in step.seqs:
             seq, start = item.seq, item.start
             end = start + len(item.token_ids)
@@ -55,8 +57,9 @@ class FakeRunner:
             assert item.sample == (end == seq.length)
             if item.sample:
                 out[seq.seq_id] = self.next_token(seq, ids[:end])
-        for src, dst in step.saves:                       # after the forward
-            self.slots[dst] = self.slots[src]
+        for slot, snap, boundary in step.saves:           # after the forward
+            assert len(self.slots[slot]) == boundary, "saved off its chunk's end"
+            self.snaps[snap] = self.slots[slot]
         return out
 
 
@@ -360,7 +363,7 @@ def test_prefix_hit_restores_a_snapshot_and_reports_cached_tokens():
     sched.add(c := Sequence(2, prompt))                    # same prompt: 16 of 18 reused
     step = sched.schedule()
     assert [(s.seq.seq_id, s.start) for s in step.seqs] == [(1, 16), (2, 16)]
-    assert sorted(dst for _, dst in step.restores) == sorted([b.slot, c.slot])
+    assert sorted(dst for _, dst, _ in step.restores) == sorted([b.slot, c.slot])
     sched.postprocess(step, runner.execute(step))
     run(sched, runner)
     assert b.num_cached_tokens == c.num_cached_tokens == 16

@@ -6,11 +6,15 @@ each request's own history; bad configs are one-line errors.
 The tiny models' own drafters accept little (random weights), so the engine's accept / rollback
 paths are also driven by an oracle drafter: the plain run's greedy continuation with every 4th
 draft wrong (tests only; the real drafters are held to the reference in
-tests/runtime/test_drafters.py and here)."""
+tests/runtime/test_drafter_blocks.py and here)."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -171,3 +175,136 @@ def test_bad_speculative_configs_are_one_line_errors(tiny_converted):
                                (flash, "eagle", 2, "choose one of mtp, dspark")):
         with pytest.raises(ValueError, match=msg):
             make(conv, spec, k)
+
+
+# ---- bug classes of spec-decoding.md §3 -------------------------------------------------------
+
+def spy_drafts(e) -> list:
+    """Every draft the engine's runner makes: (seq_id, start, x, draft ids, draft logits)."""
+    seen, real = [], e.ranks.runner.drafting.draft
+
+    def spy(seqs, seed):
+        d = real(seqs, seed)
+        seen.extend((s.seq_id, s.start, s.tokens[0], d.ids[i].tolist(), d.logits[i].clone())
+                    for i, s in enumerate(seqs))
+        return d
+    e.ranks.runner.drafting.draft = spy
+    return seen
+
+
+def check_drafts(ckpt, method, seen, full, k) -> set:
+    """Each draft's logits = the reference's drafts of that request's own history (prompt +
+    output, teacher-forced on the drafts used), FP32 < 1e-4; -> the requests checked."""
+    from backfit.verify.reference import Reference
+    ref, checked = Reference(ckpt), set()
+    for sid, start, x, drafts, logits in seen:
+        pre = ref.prefix(torch.tensor(full[sid][:start]))
+        want = (ref.mtp_draft(pre, x, k, tokens=drafts) if method == "mtp"
+                else ref.dspark_draft(pre, x, tokens=drafts))
+        rel = (logits - want.logits[:k]).abs().max() / want.logits[:k].abs().max()
+        assert rel < 1e-4, (sid, start, float(rel))
+        checked.add(sid)
+    return checked
+
+
+def test_drafts_follow_each_request_not_its_row(tiny_converted, tiny_flash, tiny_0731, method):
+    """The drafts the engine verifies are the reference's drafts for that request's own history
+    (teacher-forced on the drafts actually used), through a batch whose rows shift: requests
+    finish at different steps and a new one joins (the bug: drafter state keyed by batch row)."""
+    variant, k = METHODS[method]
+    conv = tiny_converted(1, "bf16", variant)            # lossless weights: FP32 agreement
+    ps = prompts(3, seed=5, lo=20, hi=40)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 9, 6)]
+    e = make(conv, method, k)
+    seen = spy_drafts(e)
+    ids = run(e, ps, params, arrive_every=2)
+    e.close()
+    full = {i: p + o for i, (p, o) in enumerate(zip(ps, ids))}
+    checked = check_drafts(tiny_flash if variant == "flash" else tiny_0731, method, seen, full, k)
+    assert checked == {0, 1, 2} and len(seen) > 6
+
+
+def test_drafts_after_a_prefix_hit_are_the_requests_own(tiny_converted, tiny_flash, tiny_0731,
+                                                        method):
+    """A second request that shares the first one's 32 tokens and differs from token 32 on
+    joins while the first decodes (another slot) and restores the snapshot at 32 (the hint):
+    its drafter rings come from the snapshot, and the MTP ring row 31, made with the first
+    request's token 32, is rewritten with its own (else its first drafts, whose window holds
+    row 31, are not the reference's)."""
+    variant, k = METHODS[method]
+    conv = tiny_converted(1, "bf16", variant)
+    head = prompts(1, seed=7, lo=32, hi=33)[0]
+    ps = [head + [5, 6, 7, 8, 9, 10], head + [11, 12, 13, 14, 15, 16, 17, 18]]
+    sp = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, cache_boundaries=(32,))
+          for n in (14, 6)]
+    e = make(conv, method, k)
+    seen = spy_drafts(e)
+    ids = run(e, ps, sp, arrive_every=3)
+    st = e.stats()
+    e.close()
+    assert st["prefix_cache_hits"] == 32
+    full = {i: p + o for i, (p, o) in enumerate(zip(ps, ids))}
+    second = [d for d in seen if d[0] == 1]
+    assert check_drafts(tiny_flash if variant == "flash" else tiny_0731, method, second, full,
+                        k) == {1}
+
+
+def test_verify_rows_equal_single_token_decode(conv, method):
+    """A verify step's rows [x, d_1, d_2, d_3] give the logits that decoding x, d_1, d_2, d_3
+    one token at a time gives (FP32 torch path: to float rounding; the bug: a verify path that
+    computes the accepted rows differently from the single-token path)."""
+    from backfit.runtime.distributed import set_tp_info, tp_is_set
+    from backfit.runtime.runner import ModelRunner, RunnerConfig, StepInput, StepSeq
+    if not tp_is_set():                                  # this process as rank 0 of 1
+        set_tp_info(0, 1)
+    rc = RunnerConfig(str(conv), dtype="float32", max_num_seqs=2, max_model_len=128,
+                      block_size=16, num_blocks=16)
+    spec = ModelRunner(RunnerConfig(**{**rc.__dict__, "speculative_method": method,
+                                       "num_speculative_tokens": 3}))
+    plain = ModelRunner(rc)
+    p = prompts(1, seed=6, lo=37, hi=38)[0]
+    table = tuple(range(8))
+    for r in (spec, plain):
+        r.forward(StepInput((StepSeq(0, 0, table, 0, tuple(p), True),)))
+    x = 17
+    out = spec.forward(StepInput((StepSeq(0, 0, table, len(p), (x,), True, draft=3),)))
+    toks = [x] + out.draft.ids[0].tolist()
+    want = torch.cat([plain.forward(StepInput((StepSeq(0, 0, table, len(p) + j, (t,), True),))
+                                    ).logits for j, t in enumerate(toks)])
+    assert out.logits.shape == want.shape == (4, want.shape[1])
+    rel = ((out.logits - want).abs().max() / want.abs().max()).item()
+    assert rel < 1e-5, rel
+
+
+_TP2 = """
+import json, sys
+from backfit.engine.engine import EngineConfig, LLMEngine
+from backfit.engine.sampling_params import SamplingParams
+if __name__ == "__main__":
+    conv, method, ps, k = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+    spec = dict(speculative_method=method, num_speculative_tokens=k) if k else {}
+    e = LLMEngine(EngineConfig(conv, tp=2, dtype="float32", block_size=16, max_num_seqs=4,
+                               max_model_len=256, num_blocks=64, async_scheduling=False, **spec))
+    got = e.generate(ps, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    print(json.dumps({"tokens": [o["token_ids"] for o in got],
+                      "drafts": e.stats().get("spec_decode_num_drafts", 0)}))
+    e.close()
+"""
+
+
+def test_tp2_ranks_greedy_equals_plain(method, tiny_converted, tmp_path):
+    """Two rank processes (gloo; a process per engine, as a tp > 1 engine owns its TP info):
+    every rank drafts from the same all-gathered logits and accepts the same run, so the
+    speculative engine's greedy tokens are the plain TP-2 engine's."""
+    conv2 = tiny_converted(2, "int8", METHODS[method][0])
+    script = tmp_path / "tp2_spec.py"
+    script.write_text(_TP2)
+    ps = json.dumps(prompts(3, seed=7, lo=10, hi=30))
+    out = {}
+    for name, k in (("plain", 0), ("spec", METHODS[method][1])):
+        r = subprocess.run([sys.executable, str(script), str(conv2), method, ps, str(k)],
+                           capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["spec"]["tokens"] == out["plain"]["tokens"] and out["spec"]["drafts"] > 5

@@ -1,4 +1,4 @@
-"""CUDA-graph decode (runtime/graphs.py): the host side on CPU, capture and replay on a GPU.
+"""CUDA-graph decode (runtime/graphs/decode.py): the host side on CPU, capture and replay on a GPU.
 
 CPU: the capture sizes, and the padding of a decode batch (padded rows use token 0 at position 0
 in the scratch slot with every table entry the scratch block, so a replay never touches a real
@@ -49,7 +49,7 @@ def test_pad_decode_inputs_row_loop_equals_vectorized():
     """Batches on both sides of graphs._ROW_LOOP (row by row / numpy) fill the same rows: checked
     cell by cell against a plain Python fill, into stale staging rows."""
     import numpy as np
-    from backfit.runtime import graphs
+    from backfit.runtime.graphs import decode as graphs
     for n in (graphs._ROW_LOOP, graphs._ROW_LOOP + 1, 3 * graphs._ROW_LOOP):
         seqs = [(i + 1, 10 * i, i, tuple(range(100 + i, 100 + i + i % 4))) for i in range(n)]
         B = n + 2

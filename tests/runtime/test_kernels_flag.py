@@ -79,15 +79,19 @@ import json, sys
 from backfit.engine.engine import EngineConfig, LLMEngine
 from backfit.engine.sampling_params import SamplingParams
 from backfit.runtime.kernels import get_kernel_backend
+spec = json.loads(sys.argv[6])
 e = LLMEngine(EngineConfig(sys.argv[1], device="cuda", dtype="bfloat16", kernels=sys.argv[2],
                            enforce_eager=sys.argv[3] == "eager", max_num_seqs=4,
                            max_model_len=256, block_size=16, num_blocks=64,
-                           async_scheduling=sys.argv[4] == "async", tp=int(sys.argv[5])))
+                           async_scheduling=sys.argv[4] == "async", tp=int(sys.argv[5]),
+                           **spec))
 prompts = [[0] + [(37 * i + 11 * j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(4)]
 out = e.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
 m, g, pg = e.ranks.runner.model, e.ranks.runner.graphs, e.ranks.runner.prefill_graphs
+sg = e.ranks.runner.spec_graphs
 print(json.dumps({"backend": get_kernel_backend(), "replays": g.replays if g else 0,
                   "prefill_steps": pg.steps if pg else 0,
+                  "spec_replays": sg.replays if sg else 0, "stats": e.stats(),
                   "stacked": [bool(lay.ffn.stacked) for lay in m.layers],
                   "tokens": [o["token_ids"] for o in out]}))
 e.close()
@@ -95,11 +99,13 @@ e.close()
 
 
 def _greedy(conv: Path, kernels: str, mode: str = "eager", sched: str = "sync",
-            tp: int = 1) -> dict:
+            tp: int = 1, spec: dict | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-c", _GREEDY, str(conv), kernels, mode, sched, str(tp)],
+    p = subprocess.run([sys.executable, "-c", _GREEDY, str(conv), kernels, mode, sched, str(tp),
+                        json.dumps(spec or {})],
                        env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
+    err = p.stderr
+    assert p.returncode == 0, err[err.find("Traceback"):][:6000] or err[-6000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
@@ -141,3 +147,21 @@ def test_tp2_graphs_equal_tp2_eager(tiny_converted):
     assert graphs["prefill_steps"] >= 1                             # NCCL inside the pieces
     assert graphs["tokens"] == eager["tokens"]
     assert overlapped["tokens"] == eager["tokens"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("variant,method,k", [("flash", "mtp", 3), ("0731", "dspark", 5)])
+def test_speculative_graphs_give_the_plain_greedy_tokens(tiny_converted, variant, method, k):
+    """Speculative decoding on the triton kernels: draft + verify + the drafter's context
+    replayed as one CUDA graph a step (runtime/graphs/spec.py: a verify batch whose rows share
+    a slot), the same steps eager, and plain decoding all give the same greedy tokens; the
+    drafts were verified and the graphs replayed."""
+    conv = tiny_converted(1, "int8", variant)
+    spec = dict(speculative_method=method, num_speculative_tokens=k)
+    plain = _greedy(conv, "triton", "graphs")
+    graphs = _greedy(conv, "triton", "graphs", spec=spec)
+    eager = _greedy(conv, "triton", "eager", spec=spec)
+    assert graphs["spec_replays"] >= 10 and eager["spec_replays"] == 0
+    assert graphs["stats"]["spec_decode_num_drafts"] >= 10
+    assert graphs["tokens"] == eager["tokens"] == plain["tokens"]

@@ -34,7 +34,7 @@ class Alloc:
             if sid not in self.slots:
                 self.slots[sid], self.tables[sid] = self.free_slots.pop(), []
             t = self.tables[sid]
-            while len(t) * B < start + len(toks):
+            while len(t) * self.cache.block_size < start + len(toks):
                 t.append(self.free.pop())
             slots.append(self.slots[sid])
             tables.append(t)
@@ -46,8 +46,9 @@ def tokens():
     return torch.randint(0, 512, (S,), generator=torch.Generator().manual_seed(11))
 
 
-def _paged(model, kv_dtype="auto", slots=8, blocks=200):
-    return PagedCache(model.cfg, slots, blocks, B, model.dtype, kv_dtype)
+def _paged(model, kv_dtype="auto", slots=8, blocks=200, block_size=B, snapshots=0):
+    return PagedCache(model.cfg, slots, blocks, block_size, model.dtype, kv_dtype,
+                      num_snapshots=snapshots)
 
 
 def _run_chunks(model, cache, tokens, chunks, sid=0, alloc=None):
@@ -116,24 +117,39 @@ def test_rollback_then_redecode(model_f32, tokens, k):
     assert torch.equal(torch.cat(got), want)
 
 
-def test_snapshot_restore_continues_a_shared_prefix(model_f32, tokens):
-    """Seq 0 stops at a block boundary; its slot is copied; seq 1 shares its blocks and resumes."""
-    L = 4 * B                                                     # 64: a block boundary
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("L,block", [(64, 16), (16, 16), (8, 8)])
+def test_snapshot_restore_continues_a_shared_prefix(model_f32, tokens, kv_dtype, L, block):
+    """Seq 0 stops at block boundary L; its boundary state is saved to a snapshot; seq 0 goes on
+    (overwriting its slot); seq 1 shares its blocks, restores the snapshot into a fresh slot and
+    resumes: bit-identical to one sequence run through the same chunk shapes (same storage, so
+    int8 included: a restore copies the stored bytes and scales). L = 8 < W - 1 = 15: the rows
+    of negative positions travel too and are never read."""
     tail = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(5))
     seq = torch.cat((tokens[:L], tail))
-    want = _run_chunks(model_f32, model_f32.new_state(), seq, [L, 25] + [1] * 15)[L:]
-    cache = _paged(model_f32)
+    chunks = [L, 25] + [1] * 15
+    want = _run_chunks(model_f32, _paged(model_f32, kv_dtype, block_size=block), seq, chunks)[L:]
+    if kv_dtype == "auto":
+        assert torch.equal(want, _run_chunks(model_f32, model_f32.new_state(), seq, chunks)[L:])
+    cache = _paged(model_f32, kv_dtype, block_size=block, snapshots=3)
     alloc = Alloc(cache)
     model_f32(alloc.batch([(0, tokens[:L], 0)]), cache)
-    snap = alloc.free_slots.pop()
-    cache.copy_slot(alloc.slots[0], snap)
+    cache.snapshots.save(alloc.slots[0], 2, L)
     model_f32(alloc.batch([(0, tokens[L:L + 20], L)]), cache)    # seq 0 goes on, overwriting
     alloc.slots[1] = alloc.free_slots.pop()
-    alloc.tables[1] = list(alloc.tables[0][:L // B])             # shared full blocks
-    cache.copy_slot(snap, alloc.slots[1])
+    alloc.tables[1] = list(alloc.tables[0][:L // block])         # shared full blocks
+    cache.snapshots.restore(2, alloc.slots[1], L)
     got = [model_f32(alloc.batch([(1, tail[:25], L)]), cache)]
     got += [model_f32(alloc.batch([(1, tail[p:p + 1], L + p)]), cache) for p in range(25, 40)]
     assert torch.equal(torch.cat(got), want)
+
+
+def test_bad_snapshot_ids_are_errors(model_f32):
+    cache = _paged(model_f32, snapshots=2)
+    with pytest.raises(IndexError, match="snapshot 2 of a pool of 2"):
+        cache.snapshots.save(0, 2, 16)
+    with pytest.raises(ValueError, match="block boundary > 0"):
+        cache.snapshots.restore(0, 0, 0)
 
 
 def test_int8_kv_is_close_and_not_exact(model_f32, tokens, rel_err):
@@ -154,11 +170,13 @@ def test_missing_block_is_a_clear_error(model_f32, tokens):
 def test_pool_bytes(model_f32):
     """What the pools allocate, from the tiny config by hand (fp32 activations, 4 B/elem)."""
     cfg = model_f32.cfg
-    c = _paged(model_f32, slots=3, blocks=5)
+    c = _paged(model_f32, slots=3, blocks=5, snapshots=2)
     D, W, K = cfg.head_dim, cfg.sliding_window, ROLLBACK
     rs = [cfg.ratio(i) for i in range(cfg.num_hidden_layers)]
     slot = sum((W + K) * D * 4 for _ in rs)
     slot += sum((8 + K) * 2 * D * 4 * 2 + (8 + K) * 256 * 4 * 2 for r in rs if r == 4)
     slot += sum((r + K) * D * 4 * 2 for r in rs if r > 4)
     block = sum(B // 4 * (D + 128) * 4 for r in rs if r == 4) + sum(B // r * D * 4 for r in rs if r > 4)
-    assert c.nbytes() == {"slots": 3 * slot, "blocks": 5 * block}
+    # a snapshot: W - 1 window rows a layer, 4 rows of each CSA compressor (c and z)
+    snap = sum((W - 1) * D * 4 for _ in rs) + sum(4 * (2 * D + 256) * 4 * 2 for r in rs if r == 4)
+    assert c.nbytes() == {"slots": 3 * slot, "blocks": 5 * block, "snapshots": 2 * snap}

@@ -54,10 +54,12 @@ class _Cfg:
 class FakeEngine:
     """AsyncEngine's surface (cfg, ready, error, generate, stats) over a script: each request
     yields `script` = [(text, n_tokens), ...] one delta per step, then finishes with
-    `finish_reason`. `delay` seconds between deltas; `aborted` counts requests closed early."""
+    `finish_reason`. `delay` seconds between deltas; `aborted` counts requests closed early;
+    `cached`: the prompt tokens every request reports as prefix-cache hits."""
 
-    def __init__(self, script=(), finish_reason="stop", delay=0.0, **cfg):
+    def __init__(self, script=(), finish_reason="stop", delay=0.0, cached=0, **cfg):
         self.cfg = _Cfg(**cfg)
+        self.cached = cached
         self.ready = threading.Event()
         self.ready.set()
         self.error = None
@@ -81,10 +83,10 @@ class FakeEngine:
                     await asyncio.sleep(self.delay)
                 n += nt
                 last = k == len(self.script) - 1
-                o = RequestOutput(0, text, list(range(nt)))
+                o = RequestOutput(0, text, list(range(nt)), num_cached_tokens=self.cached)
                 if last:
                     o.finished, o.finish_reason = True, self.finish_reason
-                    o.usage = Usage(len(ids), n, 0)
+                    o.usage = Usage(len(ids), n, self.cached)
                     done = True
                 yield o
         finally:

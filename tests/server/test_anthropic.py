@@ -113,6 +113,11 @@ def test_thinking_and_effort_from_every_field(extra, thinking, effort):
     ({"output_config": {"effort": "ultra"}}, "output_config.effort"),
     ({"stop_sequences": "END"}, "stop_sequences"), ({"n": 3}, "n"),
     ({"tool_choice": {"type": "tool"}}, "tool_choice.name"),
+    ({"messages": [{"role": "user", "content": [{"type": "hologram"}]}]},
+     "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                                 "input": {}}]}]}, "messages[0].content[0].type"),
+    ({"tools": [{"name": "f", "description": "no schema"}]}, "tools[0].input_schema"),
 ])
 def test_bad_fields_are_named(bad, param):
     with pytest.raises(BadRequest) as e:

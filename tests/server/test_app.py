@@ -4,6 +4,7 @@ aborts the engine request and frees its cache (real engine)."""
 
 import http.client
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -73,7 +74,7 @@ def test_tokenize_detokenize_match_generation(real):
     assert r.usage.prompt_tokens == tok["count"]                  # the same encoder path
     st, body, _ = post(real, "/tokenize", {"prompt": "héllo"})
     ids = json.loads(body)["tokens"]
-    st, body, _ = post(real, "/detokenize", {"tokens": ids[1:]})
+    st, body, _ = post(real, "/detokenize", {"tokens": ids})
     assert st == 200, body
     assert json.loads(body)["prompt"] == "héllo"
     assert post(real, "/detokenize", {"tokens": [10**9]})[0] == 400
@@ -206,7 +207,7 @@ def test_queue_full_is_429_keepalive_and_drain(tiny_converted):
         t.start()
         _wait(lambda: srv.ctx.bridge.active == 1)
         time.sleep(0.3)                             # headers sent, a few deltas streamed
-        srv.loop.call_soon_threadsafe(srv.ctx.bridge.drain)
+        srv.loop.call_soon_threadsafe(srv.ctx.bridge.abort_all)
         t.join(30)
         st, sse, _ = out["r"]
         assert st == 200 and '"error"' in sse and "shutting down" in sse
@@ -231,16 +232,17 @@ def _alive(pid: int) -> bool:
 
 
 def test_backfit_serve_tp2_subprocess(tiny_converted):
-    """`backfit serve --tp 2`: 503 then the ready line, one streamed request through the SDK,
-    SIGTERM during a second stream -> that stream ends with an error event, every process
-    (rank 1 included) exits."""
+    """`backfit serve --tp 2`: 503 then the ready line (no --max-model-len: the longest the
+    KV pool holds, agreed by both ranks), one streamed request through the SDK, SIGTERM during a
+    second stream -> that stream ends with an error event, every process (rank 1 included)
+    exits."""
     model = tiny_converted(2, "int8")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
         [sys.executable, "-m", "backfit.cli", "serve", str(model), "--port", str(port),
-         "--tp", "2", "--device", "cpu", "--dtype", "float32", "--max-model-len", "1024",
+         "--tp", "2", "--device", "cpu", "--dtype", "float32",
          "--max-num-seqs", "4", "--block-size", "16", "--cpu-kv-cache-gib", "0.05"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -253,6 +255,9 @@ def test_backfit_serve_tp2_subprocess(tiny_converted):
         assert f"ready on http://127.0.0.1:{port}" in ready and "tp 2" in ready, lines
         assert "2048 tokens a step" in ready and "no CUDA graphs" in ready, ready
         assert "capacity:" in ready and "weights" in ready and "pools" in ready
+        cap = re.search(r"= (\d+) cached tokens, 4 sequences, max_model_len (\d+) \(the longest "
+                        r"the KV pool holds\)", ready)
+        assert cap and cap[1] == cap[2] and 1024 < int(cap[2]) < 2**20, ready
         ranks = _children(proc.pid)
         assert ranks, "no rank process"
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)

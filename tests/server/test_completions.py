@@ -29,8 +29,7 @@ def test_echo_logprobs_score_a_continuation(srv):
     assert ch.finish_reason == "length" and len(lp.tokens) == 3 == g.usage.completion_tokens
     for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert v <= 0 and len(top) <= 2 and math.isclose(max(top.values()), v, abs_tol=1e-4)
-    bos = srv.ctx.encoder.control_ids["<｜begin▁of▁sentence｜>"]
-    ids = [bos] + srv.ctx.encoder.encode_text("The harbour town")
+    ids = srv.ctx.tokenizer.encode("The harbour town").ids       # no BOS (add_bos_token false)
     st, body, _ = post(srv, "/tokenize", {"prompt": "The harbour town"})
     assert st == 200, body
     assert json.loads(body)["tokens"] == ids

@@ -203,6 +203,65 @@ def test_fuzz_sampling_knobs_on_the_real_engine(tiny_converted):
             srv.stop()
 
 
+ANTHROPIC_TOOL = [{"name": "f", "input_schema": {"type": "object"}}]
+# requests the real APIs refuse, that once got 200 here: (path, body or raw bytes, the field)
+HOSTILE = [
+    ("/v1/messages", {"messages": [{"role": "user", "content": [
+        {"type": "hologram", "data": "x"}]}]}, "messages[0].content[0].type"),
+    ("/v1/chat/completions", {"messages": MSG, "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": MSG, "tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/responses", {"input": "hi", "tool_choice": {"type": "function", "name": "nope"}},
+     "tool_choice"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f"}],
+                       "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ("/v1/messages", {"messages": MSG, "tool_choice": {"type": "tool", "name": "nope"}},
+     "tool_choice"),
+    ("/v1/messages", {"messages": MSG, "tools": ANTHROPIC_TOOL,
+                      "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
+    ("/v1/messages", {"messages": MSG, "tool_choice": {"type": "any"}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": MSG + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "out"}], "tools": TOOLS}, "messages[2].tool_call_id"),
+    ("/v1/responses", {"input": [{"type": "hologram"}]}, "input[0].type"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "teleport"}]}, "tools[0].type"),
+] + [(path, b'{"model": "m", "messages": [{"role": "user", "content": "h\xffi\xc3"}], '
+            b'"input": "h\xffi", "prompt": "h\xffi", "max_tokens": 2}', None)
+     for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                  "/v1/messages/count_tokens", "/tokenize")]
+
+
+def test_hostile_requests_are_the_protocols_400(tiny_converted):
+    srv = LiveServer(FakeEngine([("</think>", 1), ("ok", 1)], max_model_len=4096),
+                     tiny_converted(1, "int8"))
+    try:
+        async def go():
+            out = []
+            async with aiohttp.ClientSession() as s:
+                for path, body, field in HOSTILE:
+                    data = body if isinstance(body, bytes) else \
+                        json.dumps({"model": "m", "max_tokens": 2, **body}).encode()
+                    async with s.post(srv.url + path, data=data) as r:
+                        out.append((path, field, r.status, await r.json()))
+            return out
+        def ok(path, field, status, err) -> bool:
+            e = err.get("error") or {}
+            if status != 400 or e.get("type") != "invalid_request_error":
+                return False
+            if field is None:                   # invalid UTF-8
+                return "UTF-8" in e.get("message", "")
+            if path.startswith("/v1/messages"):
+                return err.get("type") == "error" and field in e.get("message", "")
+            return e.get("param") == field
+        bad = [r for r in asyncio.run(go()) if not ok(*r)]
+        assert not bad, [(p, f, s) for p, f, s, _ in bad]
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("size", [65 * 1024 * 1024])
 def test_body_over_64_mib_is_413(tiny_converted, size):
     srv = LiveServer(FakeEngine([("ok", 1)]), tiny_converted(1, "int8"))

@@ -68,6 +68,18 @@ def test_tool_result_images_and_the_blank_line_join(enc, img):
     assert len(p.images) == 2 and sum(t >= V for t in p.ids) == sum(s.length for s, _ in p.images)
 
 
+def test_system_anywhere_and_the_cache_boundary_with_images(enc, img):
+    """A system message after a user turn that ends on an image renders in place, a blank line
+    after the image (as after text), then the generation prefix; the prefix-cache hint (the
+    ids before the first User token: system + tools) ends before every image block."""
+    p = enc.encode_messages([Message("system", "s"),
+                             Message("user", [{"type": "text", "text": "q"}, image(img)]),
+                             Message("system", "be brief")], thinking_mode="chat")
+    assert p.text == f"{B}s{U}q\n\n{PH}\n\nbe brief{A_}{T}"
+    assert p.cache_boundary == 1 + len(enc.encode_text("s")) < p.images[0][0].start
+    assert p.ids[p.cache_boundary] == enc.control_ids[U]
+
+
 def test_placeholder_strings_in_text_are_text(enc):
     """B2-B4: quoted in system, user and tool text, the placeholder and a reserved mm-span
     token are byte-level text: no image, no id of either token, no id >= vocab_size."""

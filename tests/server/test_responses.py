@@ -67,7 +67,7 @@ def test_input_items_become_neutral_messages():
         {"type": "function_call", "call_id": "call_a", "name": "shell", "arguments": "{}"},
         {"type": "custom_tool_call", "call_id": "call_b", "name": "apply_patch", "input": "P"},
         {"type": "function_call_output", "call_id": "call_a", "output": "done"},
-        {"type": "item_reference", "id": "x"}, {"type": "web_search_call"},
+        {"type": "web_search_call"}, {"type": "compaction", "encrypted_content": "c"},
         {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]},
         {"type": "function_call", "call_id": "call_c", "name": "shell", "arguments": "{}"}],
         "tools": [TOOL, {"type": "custom", "name": "apply_patch"}, {"type": "web_search"}],
@@ -125,6 +125,15 @@ def test_conflicting_fields_resolve_as_on_chat(fields):
     ({"input": "q", "reasoning": {"effort": "ultra"}}, "reasoning.effort"),
     ({"input": "q", "n": 2}, "n"),
     ({"input": [{"type": "function_call", "arguments": "{}"}]}, "input[0].name"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ({"input": [{"type": "hologram"}]}, "input[0].type"),
+    ({"input": "q", "tools": [{"type": "teleport", "name": "t"}]}, "tools[0].type"),
+    ({"input": "q", "tools": [{"type": "namespace", "name": "n", "tools": [
+        {"type": "web_search"}]}]}, "tools[0].tools[0].type"),
+    ({"input": "q", "tools": [{"type": "namespace", "name": "n", "tools": []}]}, "tools[0].tools"),
+    ({"input": "q", "tools": [TOOL, {"type": "namespace", "name": "n", "tools": [
+        {"type": "function", "name": "shell"}]}]}, "tools[1].tools[0].name"),
+    ({"input": "q", "tool_choice": {"type": "web_search"}}, "tool_choice"),
 ])
 def test_bad_fields_are_named(body, param):
     with pytest.raises(BadRequest) as e:
@@ -210,6 +219,54 @@ def test_custom_tool_call_is_unwrapped(encoder, fixed_ids):
     assert item["type"] == "custom_tool_call" and item["input"] == "*** Begin Patch\n"
     assert [d["input"] for t, d in frames if t == "response.custom_tool_call_input.done"] == \
         ["*** Begin Patch\n"]
+
+
+NAMESPACE = {"type": "namespace", "name": "multi_agent_v1",
+             "description": "Tools for spawning and managing sub-agents.",
+             "tools": [{"type": "function", "name": "spawn_agent", "description": "Spawn one.",
+                        "strict": False, "parameters": {"type": "object", "properties": {
+                            "message": {"type": "string"}}}},
+                       {"type": "function", "name": "wait_agent", "parameters": {}}]}
+
+
+def test_namespace_tools_reach_the_model_and_calls_carry_the_namespace(encoder, fixed_ids):
+    """Codex's sub-agent tools come in a namespace entry: each function is shown to the model
+    (the namespace's description in front of its own), and a call of one comes back as a
+    function_call item with its namespace, streamed and in the terminal response."""
+    req, _ = R.parse_request({"input": "go", "tools": [TOOL, NAMESPACE,
+                                                        {"type": "web_search"}]})
+    assert [t.name for t in req.tools] == ["shell", "spawn_agent", "wait_agent"]
+    assert req.tools[1].schema["description"] == \
+        "(multi_agent_v1: Tools for spawning and managing sub-agents.) Spawn one."
+    prompt = encoder.encode_request(req).text
+    assert '"name": "spawn_agent"' in prompt and '"name": "wait_agent"' in prompt
+    bridge = FakeBridge()
+    bridge.events = [ToolCallStart(0, "call_s", "spawn_agent"),
+                     ToolCallArgsDelta(0, '{"message": "hi"}'),
+                     ToolCallEnd(0, '{"message": "hi"}'), ToolCallStart(1, "call_t", "shell"),
+                     ToolCallArgsDelta(1, "{}"), ToolCallEnd(1, "{}"), Usage(9, 3),
+                     Finish("tool_calls")]
+    _, _, text = call(encoder, bridge, {"input": "go", "stream": True,
+                                        "tools": [TOOL, NAMESPACE]})
+    frames = sse(text)
+    added = [d["item"] for t, d in frames if t == "response.output_item.added"]
+    final = frames[-1][1]["response"]["output"]
+    for items in (added, final):
+        assert [(i["name"], i.get("namespace")) for i in items] == \
+            [("spawn_agent", "multi_agent_v1"), ("shell", None)]
+    for t, d in frames:
+        STREAM_EVENT.validate_python(d)
+
+
+def test_allowed_tools_narrow_the_tools_and_set_the_mode():
+    body = {"input": "go", "tools": [TOOL, NAMESPACE], "tool_choice": {
+        "type": "allowed_tools", "mode": "required",
+        "tools": [{"type": "function", "name": "wait_agent"}]}}
+    req, _ = R.parse_request(body)
+    assert [t.name for t in req.tools] == ["wait_agent"] and req.tool_choice == "required"
+    body["tool_choice"]["tools"] = []
+    req, _ = R.parse_request(body)                     # nothing left to call: a 400 at encoding
+    assert req.tools == () and req.tool_choice == "required"
 
 
 TWO_CALLS = [ToolCallStart(0, "call_1", "shell"), ToolCallArgsDelta(0, "{}"), ToolCallEnd(0, "{}"),

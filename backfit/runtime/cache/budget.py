@@ -7,7 +7,9 @@ in backfit/capacity.py's docstring and docs/PERFORMANCE.md (Capacity).
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from backfit.config import ModelConfig
 from backfit.runtime.cache.layout import CacheLayout
@@ -16,7 +18,7 @@ __all__ = ["GiB", "MiB", "SCORE_CHUNK", "GRAPH_BYTES", "CONTEXT_BYTES", "NCCL_BY
            "workspace", "capture_sizes", "graph_reserve", "runtime_reserve", "Plan", "fit",
            "BATCHED_TOKENS", "pick_batched_tokens", "PREFILL_GRAPH_MAX", "PREFILL_GRAPH_MIN",
            "PIECE_BYTES", "prefill_sizes", "prefill_graph_count", "prefill_graph_reserve",
-           "pick_prefill_graphs"]
+           "pick_prefill_graphs", "max_positions", "model_limit", "longest_fit"]
 
 GiB = 2 ** 30
 MiB = 2 ** 20
@@ -138,10 +140,11 @@ class Plan:
     used_bytes: int                        # weights + runtime reserve (or measured)
     workspace_bytes: int
     graph_reserve_bytes: int
-    kv_pool_bytes: int                     # slots + blocks
+    kv_pool_bytes: int                     # slots + snapshots + blocks
     slot_bytes: int
-    num_slots: int
-    num_snapshot_slots: int
+    num_slots: int                         # sequence slots: max_num_seqs
+    num_snapshot_slots: int                # prefix-cache snapshots (docs/ENGINE.md §3)
+    snapshot_bytes: int
     block_size: int
     block_bytes: int
     num_blocks: int
@@ -179,11 +182,13 @@ def fit(layout: CacheLayout, free_bytes: int, total_bytes: int, *, max_model_len
     if max_model_len < 1 or max_num_seqs < 1:
         raise ValueError("--max-model-len and --max-num-seqs must be at least 1")
     snaps = max_num_seqs if num_snapshot_slots is None else num_snapshot_slots
+    if snaps < 0:
+        raise ValueError(f"--num-snapshot-slots {snaps}: must be >= 0")
     used = total_bytes - free_bytes
     budget = int(total_bytes * utilization)
     pool = budget - used - workspace_bytes - graph_bytes
-    slots = max_num_seqs + snaps
-    blocks_free = pool - slots * layout.slot_bytes
+    fixed = max_num_seqs * layout.slot_bytes + snaps * layout.snapshot_bytes
+    blocks_free = pool - fixed
     need = layout.blocks_for(max_model_len)
     num_blocks = max(blocks_free // layout.block_bytes, 0)
     if num_blocks < need:
@@ -193,7 +198,9 @@ def fit(layout: CacheLayout, free_bytes: int, total_bytes: int, *, max_model_len
                 f"no KV cache fits: {_gib(layout.block_bytes - blocks_free)} short of one block")
         where = (f"{_gib(budget)} budget = {_gib(total_bytes)} x {utilization}, less "
                  f"{_gib(used)} weights and runtime, {_gib(workspace_bytes)} workspace, "
-                 f"{_gib(graph_bytes)} graphs, {slots} slots x {layout.slot_bytes / MiB:.1f} MiB")
+                 f"{_gib(graph_bytes)} graphs, {max_num_seqs} slots x "
+                 f"{layout.slot_bytes / MiB:.1f} MiB + {snaps} snapshots x "
+                 f"{layout.snapshot_bytes / MiB:.1f} MiB")
         fixes = [f"lower --max-model-len to at most {fits}" if fits else "",
                  "raise --gpu-memory-utilization" if utilization < 0.99 else "",
                  "use --kv-cache-dtype int8" if layout.kv_dtype != "int8" else "",
@@ -205,8 +212,9 @@ def fit(layout: CacheLayout, free_bytes: int, total_bytes: int, *, max_model_len
     return Plan(gpu_mem_bytes=total_bytes, gpu_memory_utilization=utilization,
                 kv_cache_dtype=layout.kv_dtype, used_bytes=used, workspace_bytes=workspace_bytes,
                 graph_reserve_bytes=graph_bytes,
-                kv_pool_bytes=slots * layout.slot_bytes + num_blocks * layout.block_bytes,
-                slot_bytes=layout.slot_bytes, num_slots=slots, num_snapshot_slots=snaps,
+                kv_pool_bytes=fixed + num_blocks * layout.block_bytes,
+                slot_bytes=layout.slot_bytes, num_slots=max_num_seqs, num_snapshot_slots=snaps,
+                snapshot_bytes=layout.snapshot_bytes,
                 block_size=layout.block_size, block_bytes=layout.block_bytes, num_blocks=num_blocks,
                 kv_bytes_per_token=layout.kv_bytes_per_token,
                 kv_bytes_per_sequence=layout.sequence_bytes(max_model_len), kv_capacity_tokens=cap,
@@ -249,3 +257,35 @@ def pick_prefill_graphs(plan_pg, tokens: int) -> Plan:
         return base
     return with_graphs if with_graphs.kv_capacity_tokens >= 0.9 * base.kv_capacity_tokens \
         else base
+
+
+def max_positions(cfg: ModelConfig) -> int:
+    """The model's context limit from YaRN: original_max_position_embeddings x factor (Flash 1M)."""
+    rs = cfg.rope_scaling or {}
+    return int(rs.get("original_max_position_embeddings", 0) * rs.get("factor", 1)) or 2 ** 20
+
+
+def model_limit(config_json: str | Path) -> int:
+    """The longest context a checkpoint allows: its config.json's max_position_embeddings, else
+    max_positions (YaRN)."""
+    p = Path(config_json)
+    return int(json.loads(p.read_text()).get("max_position_embeddings")
+               or max_positions(ModelConfig.from_file(p)))
+
+
+def longest_fit(attempt, block_size: int, limit: int) -> int:
+    """Largest length (a multiple of block_size, or the model limit) for which attempt(length)
+    does not raise ValueError; 0 when none does (a binary search: attempt is pure arithmetic)."""
+    def ok(n):
+        try:
+            attempt(n)
+            return True
+        except ValueError:
+            return False
+    if ok(limit):
+        return limit
+    lo, hi = 0, limit // block_size           # ok(lo·B) (lo=0 trivially), not ok(hi·B)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid * block_size) else (lo, mid)
+    return lo * block_size

@@ -15,6 +15,11 @@ e = bytes of one stored D-wide vector (bf16: 2·D; int8: D + one FP32 scale; fp3
     CSA entries [B/4, D] + indexer keys [B/4, 128] (activation dtype)
     HCA entries [B/m, D]
 Window-only layers (ratio 0) and MTP/DSpark draft layers hold only a window ring.
+
+  snapshot (prefix caching: the state at a block boundary b that a continuation reads, §3)
+    window rows of positions b-W+1 .. b-1      W - 1                 (W - 1)·e
+    CSA compressor and indexer c, z            b-4 .. b-1            2·4·(2D + 256)·4
+    HCA compressor                             none (b is a multiple of m)
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from functools import reduce
 from backfit.config import ModelConfig
 
 __all__ = ["KV_DTYPES", "ACT_DTYPES", "ROLLBACK", "MIN_BLOCK", "LayerLayout", "CacheLayout",
-           "cache_layout", "default_block_size", "vector_bytes"]
+           "cache_layout", "default_block_size", "vector_bytes", "boundary_rows"]
 
 # --kv-cache-dtype -> (bytes per element, bytes of the per-vector scale)
 KV_DTYPES = {"bf16": (2, 0), "int8": (1, 4), "fp32": (4, 0)}
@@ -40,6 +45,13 @@ def vector_bytes(width: int, kv_dtype: str) -> int:
     """Bytes of one stored `width`-wide vector: elements plus its scale (int8: FP32 absmax/127)."""
     elem, scale = KV_DTYPES[kv_dtype]
     return width * elem + scale
+
+
+def boundary_rows(ratio: int) -> int:
+    """Compressor rows a continuation from a block boundary b reads (b is a multiple of every
+    ratio): CSA (coff 2) entry b/4 pools blocks b/4 - 1 and b/4, so rows b-4 .. b-1; HCA (coff 1)
+    entry b/m pools b .. b+m-1 only, so none; window-only layers have no compressor."""
+    return ratio if ratio == 4 else 0
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,12 @@ class LayerLayout:
     def block_bytes(self) -> int:
         return self.entries_per_block * (self.entry_bytes + self.key_bytes)
 
+    def snapshot_bytes(self, window: int) -> int:
+        """This layer's share of a prefix-cache snapshot: window - 1 window rows and the
+        boundary rows of its compressors (FP32 c and z)."""
+        rows = boundary_rows(self.ratio) * (self.comp_width + self.index_width)
+        return (window - 1) * self.entry_bytes + 2 * ROW_BYTES * rows
+
 
 @dataclass(frozen=True)
 class CacheLayout:
@@ -100,6 +118,12 @@ class CacheLayout:
     def block_bytes(self) -> int:
         """Bytes of one block of `block_size` tokens across all layers (entries + indexer keys)."""
         return sum(lay.block_bytes for lay in self.layers)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of one prefix-cache snapshot (docs/ENGINE.md §3): the state at a block boundary
+        that a continuation reads, every layer's (drafter layers included)."""
+        return sum(lay.snapshot_bytes(self.window) for lay in self.layers)
 
     @property
     def kv_bytes_per_token(self) -> float:

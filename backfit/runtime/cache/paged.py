@@ -6,13 +6,15 @@ Per layer (l < num_hidden_layers; then one window-only layer per MTP stage):
   entries   [NB, B/m, D]         compressed entry j of a sequence: block table[j // (B/m)],
                                  row j % (B/m)
   index     rows [S, 16, 256] x2 and keys [NB, B/4, 128]   (CSA layers: the indexer's)
-S = slots (running sequences + prefix-cache snapshots), NB = blocks of B tokens, plus one scratch
+S = slots (running sequences), NB = blocks of B tokens, plus one scratch
 slot and one scratch block that no sequence owns: the padded rows of a CUDA-graph decode batch
 and the branchless decode writes of entries that are not complete yet land there. Rings are sized
 so the last K = ROLLBACK tokens can be recomputed differently (speculative decoding) with
 nothing to undo: rolling back is re-running from an earlier start.
 kv_dtype "int8" stores the window and the compressed entries as INT8 with one FP32 scale per
 D-vector (symmetric, round to nearest), dequantized on read; indexer keys and rows never are.
+Prefix-cache snapshots (the boundary state of a slot, docs/ENGINE.md §3) live beside the slots in
+`snapshots` (runtime/cache/snapshot.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from backfit.config import ModelConfig
 from backfit.runtime.batch import ForwardBatch, to_device
+from backfit.runtime.cache.snapshot import SnapshotPool
 
 __all__ = ["ROLLBACK", "PagedCache", "ring_rows", "check_block_size"]
 
@@ -122,6 +125,11 @@ class _PagedLayer:
         e = self._part(kind).entries
         return e.data, e.scale
 
+    @property
+    def multi_row(self) -> bool:
+        """Rows of this decode batch may share a slot (_BoundPaged.multi_row)."""
+        return self.bound.multi_row
+
     def slot_ids(self) -> torch.Tensor:
         """[B] int32 slots of the batch's sequences, on the pools' device."""
         return self.bound.device_tables()[0]
@@ -178,6 +186,11 @@ class _PagedLayer:
             store_decode(kv, pos, ring.data, ring.scale, slots=self.slot_ids())
             return
         ring.put((self.slot_ids().long(), pos % ring.data.shape[1]), kv)
+
+    def write_window_rows(self, slots: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor) -> None:
+        """kv [n, D] of positions pos [n] into the rings of slots [n] (a drafter row rewrite)."""
+        ring = self.pool.ring
+        ring.put((slots, pos % ring.data.shape[1]), kv)
 
     def window(self, i: int, start: int):
         ring = self.pool.ring
@@ -254,10 +267,14 @@ class _PagedLayer:
 
 class _BoundPaged:
     def __init__(self, cache: "PagedCache", batch: ForwardBatch | None,
-                 device_tables: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 device_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 multi_row: bool = False):
         """Bound to a batch's host slots and tables, or (batch None) to device tensors: slots [B]
-        int32 and tables [B, nblk] int32 (a CUDA-graph decode step: the kernel path only)."""
-        self.cache, self._device = cache, device_tables
+        int32 and tables [B, nblk] int32 (a CUDA-graph decode step: the kernel path only).
+        multi_row: a decode-shaped batch whose rows may share a slot at consecutive positions
+        (a verify step's rows, runtime/graphs/spec.py): the decode path then stores each row's
+        ring and compressor rows before any row reads them."""
+        self.cache, self._device, self.multi_row = cache, device_tables, multi_row
         if batch is None:
             self.slots = self.tables = self._host_tables = self.batch = None
             return
@@ -320,7 +337,8 @@ class PagedCache:
     """All layers' pools: num_slots fixed-size states, num_blocks blocks of block_size tokens."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, kv_dtype: str = "auto", device="cpu", mtp_layers: int = 0):
+                 dtype: torch.dtype, kv_dtype: str = "auto", device="cpu", mtp_layers: int = 0,
+                 num_snapshots: int = 0):
         check_block_size(cfg, block_size)
         if kv_dtype not in ("auto", "int8"):
             raise ValueError(f"kv cache dtype {kv_dtype!r}: choose auto (= activations) or int8")
@@ -330,27 +348,38 @@ class PagedCache:
         ratios = [cfg.ratio(i) for i in range(cfg.num_hidden_layers)] + [0] * mtp_layers
         self.layers = [_LayerPool(cfg, r, num_slots + 1, num_blocks + 1, block_size, dtype,
                                   kv_dtype == "int8", self.device) for r in ratios]
+        self.snapshots = SnapshotPool(self, num_snapshots)
 
     def bind(self, batch: ForwardBatch) -> _BoundPaged:
         return _BoundPaged(self, batch)
 
-    def bind_device(self, slots: torch.Tensor, tables: torch.Tensor) -> _BoundPaged:
-        """Bound to device slots [B] int32 and tables [B, nblk] int32 (graph decode steps)."""
-        return _BoundPaged(self, None, (slots, tables))
+    def bind_device(self, slots: torch.Tensor, tables: torch.Tensor,
+                    multi_row: bool = False) -> _BoundPaged:
+        """Bound to device slots [B] int32 and tables [B, nblk] int32 (graph decode steps;
+        multi_row: rows may share a slot, _BoundPaged)."""
+        return _BoundPaged(self, None, (slots, tables), multi_row)
 
-    @torch.no_grad()
-    def copy_slot(self, src: int, dst: int) -> None:
-        """Slot dst := slot src (a prefix-cache snapshot taken or restored)."""
-        for lp in self.layers:
-            lp.ring.data[dst] = lp.ring.data[src]
-            if lp.ring.scale is not None:
-                lp.ring.scale[dst] = lp.ring.scale[src]
-            for p in lp.parts():
-                p.c[dst], p.z[dst] = p.c[src], p.z[src]
+    def store_ring(self, layer: int, slots: torch.Tensor, pos: torch.Tensor,
+                   kv: torch.Tensor) -> None:
+        """kv [T, D] into layer's window ring at (slots[t], pos[t] % rows), device tensors, one
+        launch on the kernel path (no host sync: CUDA-graph safe). The (slot, position) pairs
+        must be distinct modulo the ring (a drafter's context: at most its rows per slot)."""
+        ring = self.layers[layer].ring
+        if _kernels(kv):
+            from backfit.runtime.kernels.cache import store_decode
+            store_decode(kv, pos, ring.data, ring.scale, slots=slots.int())
+            return
+        ring.put((slots.long(), pos % ring.data.shape[1]), kv)
+
+    def ring_rows(self, layer: int, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """layer's ring rows at (slots[...], pos[...] % rows), any index shape -> [..., D] in the
+        act dtype (dequantized); positions must still be in the ring."""
+        ring = self.layers[layer].ring
+        return ring.get((slots.long(), pos % ring.data.shape[1]))
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes of the pools: {'slots': num_slots slots, 'blocks': num_blocks blocks}; the
-        scratch slot and block (one of each) come on top."""
+        """Bytes of the pools: {'slots': num_slots slots, 'blocks': num_blocks blocks,
+        'snapshots': the snapshot pool}; the scratch slot and block (one of each) come on top."""
         slots = blocks = 0
         for lp in self.layers:
             slots += lp.ring.nbytes()
@@ -358,4 +387,5 @@ class PagedCache:
                 slots += (p.c.numel() + p.z.numel()) * 4
                 blocks += p.entries.nbytes()
         return {"slots": slots * self.num_slots // (self.num_slots + 1),
-                "blocks": blocks * self.num_blocks // (self.num_blocks + 1)}
+                "blocks": blocks * self.num_blocks // (self.num_blocks + 1),
+                "snapshots": self.snapshots.nbytes()}

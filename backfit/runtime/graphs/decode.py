@@ -122,8 +122,10 @@ def pad_decode_inputs(seqs, B: int, nblk: int, scratch_slot: int, scratch_block:
 class DecodeGraphs:
     """Captured decode steps of `model` over `cache` (a PagedCache with its scratch slot/block)."""
 
-    def __init__(self, model, cache, max_num_seqs: int, max_blocks: int):
+    def __init__(self, model, cache, max_num_seqs: int, max_blocks: int, drafting=None):
         self.model, self.cache, self.nblk = model, cache, max_blocks
+        self.drafting = drafting                           # speculative decoding configured:
+        #                                                    the drafter's context in the graph
         self.sizes = capture_sizes(max_num_seqs)
         dev, Bm = cache.device, self.sizes[-1]
         self.host = torch.empty((Bm, 3 + max_blocks), dtype=torch.int32, pin_memory=True)
@@ -139,8 +141,13 @@ class DecodeGraphs:
         st = self.stage[:B]
         batch = ForwardBatch(st[:, 0].long(), st[:, 1].long(), tuple(range(B)), (1,) * B,
                              (0,) * B)
-        bound = self.cache.bind_device(st[:, 2].contiguous(), st[:, 3:].contiguous())
-        return self.model.logits(self.model.hidden(batch, bound))
+        slots = st[:, 2].contiguous()
+        bound = self.cache.bind_device(slots, st[:, 3:].contiguous())
+        X = self.model.hidden(batch, bound)
+        if self.drafting is not None:                     # one row per sequence: no previous
+            self.drafting.context(X, self.model.taps, batch.tokens, batch.positions, slots,
+                                  prev=torch.full((B,), -1, dtype=torch.int64, device=X.device))
+        return self.model.logits(X)
 
     @torch.no_grad()
     def capture(self, log=None) -> None:

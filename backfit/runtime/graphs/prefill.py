@@ -80,6 +80,11 @@ class PrefillGraphs:
         self.o = torch.zeros((Pm, a.local_heads, model.cfg.head_dim), dtype=o_dtype,
                              device=self.device)
         self._pre_bufs: dict[tuple, torch.Tensor] = {}
+        # DSpark's taps (model.tap_layers): each piece after a tapped layer writes the mean over
+        # its streams into its columns, inside the graph -> [Pmax, n·d] (model.hidden's taps)
+        n_taps = len(model.tap_layers)
+        self.taps = torch.zeros((Pm, n_taps * model.cfg.hidden_size), dtype=model.dtype,
+                                device=self.device) if n_taps else None
         # size -> per piece (graph, its pre views (the last piece: its streams), its streams
         # where keep_streams else None)
         self.pieces: dict[int, list[tuple]] = {}
@@ -114,6 +119,10 @@ class PrefillGraphs:
         pre in the static buffers)."""
         tokens, pos = self.stage[0, :P], self.stage[1, :P]
         X, carry, pre = self.model.piece(i, X, self.o[:P], carry, tokens, pos)
+        taps = self.model.tap_layers
+        if i > 0 and i - 1 in taps:                   # layer i-1's output: as hidden() keeps it
+            d, j = X.shape[-1], sorted(taps).index(i - 1)
+            self.taps[:P, j * d:(j + 1) * d].copy_(X.float().mean(1))
         return X, carry, None if pre is None else self._static_pre(pre, P)
 
     def _eager_pieces(self, P: int):
@@ -183,10 +192,13 @@ class PrefillGraphs:
             return None
         if self.copied is not None:
             self.copied.synchronize()                      # the last copy has left self.host
-        rows = self.host.numpy()                           # rows T..P-1 keep what they held:
+        rows = self.host.numpy()
         lens = np.fromiter((len(s[1]) for s in seqs), dtype=np.int64, count=len(seqs))
         rows[0, :T] = np.fromiter(itertools.chain.from_iterable(s[1] for s in seqs),
-                                  dtype=np.int64, count=T)  # padding, never read
+                                  dtype=np.int64, count=T)
+        rows[:, T:P] = 0           # padding: token 0 at position 0. Never what an earlier step
+        #                            left (a verify step's placeholders -1 - r are negative ids:
+        #                            the hash layers' tid2eid gather reads out of bounds)
         starts = np.fromiter((s[2] for s in seqs), dtype=np.int64, count=len(seqs))
         rows[1, :T] = np.arange(T) - np.repeat(np.cumsum(lens) - lens - starts, lens)
         self.stage[:, :P].copy_(self.host[:, :P], non_blocking=True)
@@ -217,6 +229,7 @@ class PrefillGraphs:
                                        f"{self.o.dtype}")
                 self.o[:T].copy_(o)
         bound.commit()
+        model.taps = None if self.taps is None else self.taps[:T]   # until the next step
         model._head_part = None                            # logits(X) gathers no partials
         self.steps += 1
         return X[:T]

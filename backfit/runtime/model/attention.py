@@ -371,9 +371,12 @@ class Attention(nn.Module):
                 ent, ent_scale, tables, self.ratio, sel)
         if decode:          # bf16: de-rotated and rounded in the merge launch (post skips it)
             r = self.rope
+            early = kv_ready is None and getattr(cache, "multi_row", False)
+            if early:                     # rows sharing a slot read each other from the ring
+                cache.write_window_tokens(pos, kv)
             o = decode_attention(*args, out_rope=None if q.dtype == torch.float32 else
                                  (r.inv_freq, r.rope_dim, q.dtype))
-            if kv_ready is None:                                      # else stored beside
+            if kv_ready is None and not early:                        # else stored beside
                 cache.write_window_tokens(pos, kv)                    # after the kernel read it
         else:
             from backfit.runtime.kernels.attention import sparse_attention_prefill

@@ -169,6 +169,10 @@ class Compressor(nn.Module):
         the entry store as separate launches (bit for bit the fused kernel's entries).
         """
         m, D = self.ratio, self.head_dim
+        if getattr(cache, "multi_row", False) and kernel_path(c):   # rows sharing a slot: all
+            cache.write_rows_tokens(kind, pos, c, z if ape_added else z + self.ape[pos % m])
+        #                            stored first, so no pooling program reads a row before its
+        #                            store (each program's own store then rewrites equal bits)
         if kernel_path(c) and FUSED_DECODE and dtype in (torch.bfloat16, torch.float32):
             from backfit.runtime.kernels.cache import compress_decode_fused
             data, scale = cache.entry_pool(kind)

@@ -64,7 +64,7 @@ class Transformer(nn.Module):
     def prepare_kernels(self) -> None:
         """Post-load step of the triton path (after load_model): every layer's fused projections
         and stacked experts (Attention / MoE.prepare_kernels); the weights become views."""
-        for layer in self.layers:
+        for layer in (*self.layers, *self.mtp):         # the drafter's blocks too
             layer.attn.prepare_kernels()
             layer.ffn.prepare_kernels()
 

@@ -265,16 +265,16 @@ def test_model_decode_on_kernels_matches_torch_path(attn, model_f32, kv_dtype, m
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 512, (n,), generator=gen) for n in (9, 30)]
     want = _decode_run(model_f32, kv_dtype, prompts, 8)               # torch: backend unset
-    import backfit.runtime.kernels.attention.prefill as attn_prefill
-    calls = {"decode": 0, "chunks": 0, "prefill": 0}
-    dec, chunks = attn.decode_attention, attn.sparse_attention
-    pre = attn_prefill.sparse_attention_prefill
+    import backfit.runtime.kernels.attention as room             # the model calls the room's
+    calls = {"decode": 0, "chunks": 0, "prefill": 0}            # launchers; decode_attention
+    dec, chunks = attn.decode_attention, attn.sparse_attention   # calls sparse_attention
+    pre = room.sparse_attention_prefill
 
     def count(name, fn):
         return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
-    monkeypatch.setattr(attn, "decode_attention", count("decode", dec))
+    monkeypatch.setattr(room, "decode_attention", count("decode", dec))
     monkeypatch.setattr(attn, "sparse_attention", count("chunks", chunks))
-    monkeypatch.setattr(attn_prefill, "sparse_attention_prefill", count("prefill", pre))
+    monkeypatch.setattr(room, "sparse_attention_prefill", count("prefill", pre))
     monkeypatch.setattr(attention_model, "get_kernel_backend", lambda: "triton")
     got = _decode_run(model_f32, kv_dtype, prompts, 8)
     L = model_f32.cfg.num_hidden_layers

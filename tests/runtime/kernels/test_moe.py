@@ -253,7 +253,8 @@ def test_down_projection_takes_its_own_decode_config(kmoe, monkeypatch):
 def _moe_module(E: int, D: int, I: int, tp1_process):
     cfg = SimpleNamespace(hidden_size=D, moe_intermediate_size=I, swiglu_limit=LIMIT,
                           n_shared_experts=1, n_routed_experts=E, num_experts_per_tok=3,
-                          routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", vocab_size=50)
+                          routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", vocab_size=50,
+                          vision=None)                    # a text model (ModelConfig.vision)
     m = moe_model.MoE(cfg, hashed=False)
     st, gen = experts(E, D, I, seed=5)
     for e, ex in enumerate(m.experts):

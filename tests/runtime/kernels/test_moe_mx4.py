@@ -241,7 +241,8 @@ def test_moe_module_takes_the_kernel_path_with_mx4_experts(kmx4, tp1_process, mo
     E, D, I = 8, 128, 128
     cfg = SimpleNamespace(hidden_size=D, moe_intermediate_size=I, swiglu_limit=LIMIT,
                           n_shared_experts=1, n_routed_experts=E, num_experts_per_tok=3,
-                          routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", vocab_size=50)
+                          routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", vocab_size=50,
+                          vision=None)                    # a text model (ModelConfig.vision)
     m = moe_model.MoE(cfg, hashed=False)
     st, gen = experts(E, D, I, seed=5)
     for e, ex in enumerate(m.experts):

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from backfit.formats import MX_GROUP
-from backfit.runtime.kernels.common import dot_bf16, interpreted
+from backfit.runtime.kernels.common import dot_bf16
 from backfit.runtime.kernels.moe import common
 from backfit.runtime.kernels.moe.common import DECODE_PAIRS, _swiglu, run_moe
 from backfit.runtime.kernels.moe.int8_decode import _dequant_bf16, _dequant_mx, \

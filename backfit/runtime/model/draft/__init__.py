@@ -10,6 +10,7 @@ Both keep their state in the PagedCache's drafter layers (layer num_hidden_layer
 ring of W + K rows per slot, keyed by position): the runner calls `context` over every row of
 every forward (filling the rings from what the target computed) and `draft` at the start of a
 speculative step (the k tokens to verify). Drafter state lives in slots, never in batch rows.
+Both take device tensors only, so a CUDA graph captures them (runtime/graphs/spec.py).
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ def build_drafter(cfg: ModelConfig) -> nn.ModuleList:
     return nn.ModuleList(DSparkStage(cfg, first=i == 0, last=i == n - 1) for i in range(n))
 
 
-def drafter_for(model):
-    """The drafter over `model`'s drafter blocks: MTPDrafter (Flash) or DSparkDrafter (0731)."""
+def drafter_for(model, cache):
+    """The drafter over `model`'s drafter blocks and `cache` (a PagedCache with its drafter
+    layers): MTPDrafter (Flash) or DSparkDrafter (0731)."""
     if not len(model.mtp):
         raise ValueError("this model was built without its drafter blocks (mtp=False)")
     if model.cfg.variant == "flash":
         from backfit.runtime.model.draft.mtp import MTPDrafter
-        return MTPDrafter(model)
+        return MTPDrafter(model, cache)
     from backfit.runtime.model.draft.dspark import DSparkDrafter
-    return DSparkDrafter(model)
+    return DSparkDrafter(model, cache)

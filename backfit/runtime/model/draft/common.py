@@ -10,16 +10,33 @@ __all__ = ["Draft", "DraftRows", "pick"]
 
 
 class DraftRows(NamedTuple):
-    """The sequences that draft this step: S of them, each after its last computed position."""
+    """The S sequences that draft a step, each after its last computed position p, as device
+    tensors (a CUDA graph captures the draft over them); `host` (seq ids, slots, tables, p as
+    host tuples) lets the eager torch path bind the pools as it binds any batch."""
 
-    seq_ids: tuple[int, ...]
-    slots: tuple[int, ...]
-    tables: tuple[tuple[int, ...], ...]
-    last: tuple[int, ...]            # p: the last position in the cache (num_computed - 1)
-    tokens: torch.Tensor             # [S] int64 on the device: x_{p+1}, the token after p
+    tokens: torch.Tensor             # [S] int64: x_{p+1}, the token after p
+    last: torch.Tensor               # [S] int64: p
+    slots: torch.Tensor              # [S] int32
+    tables: torch.Tensor             # [S, nblk] int32 block tables (padded)
     k: int                           # drafts per sequence
     temperature: torch.Tensor | None  # [S] fp32 (0: greedy); None: every row greedy
-    generator: torch.Generator | None  # the draws (seeded alike on every TP rank)
+    noise: torch.Tensor | None       # [k, S, V] Exp(1) draws of the sampled drafts (drawn on
+    #                                  rank 0's seed alike on every rank), None when all greedy
+    host: tuple | None = None        # (seq_ids, slots, tables, last) tuples, eager only
+
+    def batch(self, offset: int, rows: int = 1):
+        """(ForwardBatch, bind(cache)) of `rows` tokens per sequence at positions p + offset ..
+        (tokens zero: the drafters feed their inputs as streams)."""
+        from backfit.runtime.batch import ForwardBatch
+        S, dev = self.tokens.shape[0], self.tokens.device
+        if self.host is not None:
+            ids, slots, tables, last = self.host
+            b = ForwardBatch.build([(s, [0] * rows, p + offset) for s, p in zip(ids, last)], dev,
+                                   slots, tables)
+            return b, lambda cache: cache.bind(b)
+        pos = (self.last[:, None] + offset + torch.arange(rows, device=dev)[None]).flatten()
+        b = ForwardBatch(torch.zeros_like(pos), pos, tuple(range(S)), (rows,) * S, (0,) * S)
+        return b, lambda cache: cache.bind_device(self.slots, self.tables)
 
 
 class Draft(NamedTuple):
@@ -31,14 +48,13 @@ class Draft(NamedTuple):
     confidence: torch.Tensor | None  # [S, k] fp32 raw logits (DSpark), None (MTP)
 
 
-def pick(logits: torch.Tensor, rows: DraftRows) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [S, V] FP32 -> (draft ids [S], q [S, V] fp32 or None): the argmax on greedy rows,
-    a draw from q = softmax(logits / T) on sampled ones (the exponential race)."""
+def pick(logits: torch.Tensor, rows: DraftRows, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft j's logits [S, V] FP32 -> (ids [S], q [S, V] fp32 or None): the argmax on greedy
+    rows, on sampled ones a draw from q = softmax(logits / T) (the exponential race over
+    rows.noise[j])."""
     ids = logits.argmax(-1)
     if rows.temperature is None:
         return ids, None
-    t = rows.temperature[:, None]
-    q = torch.softmax(logits / t.clamp(min=1e-5), -1)
-    ex = torch.empty_like(q).exponential_(generator=rows.generator).clamp_(min=1e-30)
-    drawn = (q / ex).argmax(-1)
+    q = torch.softmax(logits / rows.temperature[:, None].clamp(min=1e-5), -1)
+    drawn = (q / rows.noise[j]).argmax(-1)
     return torch.where(rows.temperature > 0, drawn, ids), q

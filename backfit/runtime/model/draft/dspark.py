@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from backfit.config import ModelConfig
-from backfit.runtime.batch import ForwardBatch, to_device
 from backfit.runtime.layers import Linear, RMSNorm
 from backfit.runtime.model.block import Block
 from backfit.runtime.model.draft.common import Draft, DraftRows, pick
@@ -53,63 +52,64 @@ class DSparkStage(Block):
             self.confidence_head.proj = Linear(d + r, 1)
 
 
-def _block_attention(attn, q: torch.Tensor, kv: torch.Tensor, rings: list) -> torch.Tensor:
-    """q [S·B, Hl, D], kv [S·B, D] of the block rows; rings[i]: sequence i's ring rows [L_i, D]
-    -> o [S·B, Hl, D] FP32, rotated: every row of block i over its ring and all its B rows."""
-    B = q.shape[0] // len(rings)
-    o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    for i, ring in enumerate(rings):
-        r = slice(i * B, (i + 1) * B)
-        keys = torch.cat((ring.to(kv.dtype), kv[r])).float()                  # [L + B, D]
-        s = torch.einsum("bhd,kd->bhk", q[r].float(), keys) * attn.scale
-        sink = attn.attn_sink.view(1, -1, 1).expand(B, -1, 1)                  # denominator only
-        p = torch.softmax(torch.cat((s, sink), -1), -1)[..., :-1]
-        o[r] = torch.einsum("bhk,kd->bhd", p, keys)
-    return o
+def _block_attention(attn, q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor,
+                     valid: torch.Tensor) -> torch.Tensor:
+    """q [S, B, Hl, D], kv [S, B, D] of the block rows, ring [S, W, D] with valid [S, W] ->
+    o [S, B, Hl, D] FP32, rotated: every block row over its sequence's valid ring rows and all
+    B block rows (non-causal), the sink in the denominator. No host data (CUDA-graph safe)."""
+    S, B = q.shape[:2]
+    keys = torch.cat((ring.to(kv.dtype), kv), 1).float()                     # [S, W + B, D]
+    ok = torch.cat((valid, torch.ones(S, B, dtype=torch.bool, device=q.device)), 1)
+    s = torch.einsum("sbhd,skd->sbhk", q.float(), keys) * attn.scale
+    s = s.masked_fill(~ok[:, None, None, :], float("-inf"))
+    sink = attn.attn_sink.view(1, 1, -1, 1).expand(S, B, -1, 1)
+    p = torch.softmax(torch.cat((s, sink), -1), -1)[..., :-1]
+    return torch.einsum("sbhk,skd->sbhd", p, keys)
 
 
 class DSparkDrafter:
     """DSpark over the runner's PagedCache (see the module notes)."""
 
-    def __init__(self, model):
+    def __init__(self, model, cache):
         cfg = model.cfg
-        self.model, self.stages = model, list(model.mtp)
+        self.model, self.cache, self.stages = model, cache, list(model.mtp)
         self.layers = [cfg.num_hidden_layers + s for s in range(len(self.stages))]
         self.block = cfg.dspark_block_size
         self.noise = cfg.dspark_noise_token_id
         self.window = cfg.sliding_window
         self.needs_streams = False
 
-    def context(self, X, taps: torch.Tensor, next_tokens, batch: ForwardBatch, bound) -> None:
-        """Every stage's ring rows of a forward's rows: taps [T, n·d] at batch.positions (X,
-        next_tokens: unused, MTP's)."""
+    def context(self, X_prev, taps: torch.Tensor, tokens, pos: torch.Tensor,
+                slots: torch.Tensor) -> None:
+        """Every stage's ring rows of a forward's rows: taps [n, n_t·d] at pos in slots (device
+        tensors; X_prev, tokens: MTP's, unused)."""
         first = self.stages[0]
-        main_x = first.main_norm(first.main_proj(taps))                        # [T, d]
+        main_x = first.main_norm(first.main_proj(taps))                        # [n, d]
         for stage, layer in zip(self.stages, self.layers):
-            bound.layer(layer).write_window_chunk(batch.positions, stage.attn.kv(main_x,
-                                                                                 batch.positions))
+            self.cache.store_ring(layer, slots, pos, stage.attn.kv(main_x, pos))
 
     @torch.no_grad()
-    def draft(self, rows: DraftRows, cache, X_last=None) -> Draft:
-        """The block after each sequence's p -> its k drafts (X_last: unused, MTP's input)."""
-        model, B, S, dev = self.model, self.block, len(rows.seq_ids), rows.tokens.device
+    def draft(self, rows: DraftRows, X_last=None) -> Draft:
+        """The block after each sequence's p -> its k drafts (X_last: MTP's, unused)."""
+        model, B, W = self.model, self.block, self.window
+        S, dev = rows.tokens.shape[0], rows.tokens.device
         if not 1 <= rows.k <= B:
             raise ValueError(f"DSpark drafts 1..{B} tokens a step, asked for {rows.k}")
         noise = torch.full((S, B - 1), self.noise, dtype=torch.int64, device=dev)
         tokens = torch.cat((rows.tokens[:, None].long(), noise), 1).flatten()   # [S·B]
-        pos_host = [p + 1 + b for p in rows.last for b in range(B)]
-        pos = to_device(pos_host, torch.int64, dev)
-        batch = ForwardBatch.build([(s, [0] * B, p + 1) for s, p in zip(rows.seq_ids, rows.last)],
-                                   dev, rows.slots, rows.tables)
-        bound = cache.bind(batch)
+        ar = torch.arange(B, device=dev)
+        pos = (rows.last[:, None] + 1 + ar[None]).flatten()                     # p+1 .. p+B
+        ring_pos = rows.last[:, None] - W + 1 + torch.arange(W, device=dev)[None]   # [S, W]
+        valid = ring_pos >= 0
         X = model.embed.streams(tokens, model.dtype, model.cfg.hc_mult)       # [S·B, 4, d]
         for stage, layer in zip(self.stages, self.layers):
-            ring = bound.layer(layer)
-            rings = [ring.ring_positions(i, max(0, p - self.window + 1), p + 1)[0]
-                     for i, p in enumerate(rows.last)]
+            ring = self.cache.ring_rows(layer, rows.slots[:, None].expand(S, W),
+                                        ring_pos.clamp(min=0))                 # [S, W, D]
             post, M, pre = stage.attn_in(X, pos)
-            o = _block_attention(stage.attn, pre[0], pre[1], rings)
-            X = stage.attn_out(X, o, post, M, pos, tokens)
+            q, kv = pre[0], pre[1]
+            o = _block_attention(stage.attn, q.view(S, B, *q.shape[1:]), kv.view(S, B, -1),
+                                 ring, valid)
+            X = stage.attn_out(X, o.flatten(0, 1), post, M, pos, tokens)
         last, c = self.stages[-1], model.cfg
         hd = hc_head(X, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, c.hc_eps,
                      c.rms_norm_eps)                                            # [S·B, d]
@@ -122,7 +122,7 @@ class DSparkDrafter:
             m = w1.weight.index_select(0, out).float()                         # [S, r]
             logits = base[:, i] + w2.forward_f32(m)                            # [S, V]
             conf.append(torch.cat((hd[:, i], m), -1) @ proj)
-            out, q = pick(logits, rows)
+            out, q = pick(logits, rows, i)
             ids.append(out), qs.append(q), ls.append(logits)
         probs = None if qs[0] is None else torch.stack(qs, 1)
         return Draft(torch.stack(ids, 1), probs, torch.stack(ls, 1), torch.stack(conf, 1))

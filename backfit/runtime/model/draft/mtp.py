@@ -8,14 +8,13 @@ X_t: the main tower's streams before hc_head at position t. The block's ring is 
 num_hidden_layers (ratio 0, W + K rows): row t's KV at position t.
 
 MTPDrafter (the runner's):
-  context  over the rows of a forward at positions t with their next tokens x_{t+1} (a prompt's,
-           or a verify step's drafts): only the KV of each row goes to the ring (a row's KV
-           depends on its own input alone). A row whose next token is not known yet (the last
-           of a prompt, the bonus row of a verify step) is written with a stand-in and
-           rewritten by the next draft's first row.
-  draft    after position p with x_{p+1}: row 0 = (X_p, x_{p+1}) at position p (its KV replaces
-           the stand-in); row j >= 1 = (Y_{j-1}, d_j) at position p + j, Y_{j-1} the block's own
-           pre-hc_head output (vLLM's chaining). Its window sees the ring up to its own row.
+  context  for every row of a forward, token x_t at position t: the block's KV of the row
+           (X_{t-1}, x_t) into the ring at t - 1 (a row's KV depends on its own input alone, so
+           only the KV is computed). One position behind the target: the last row's own MTP
+           row needs the token sampled after it, and is the next step's (or the next draft's).
+  draft    after position p with x_{p+1}: row 0 = (X_p, x_{p+1}) at position p; row j >= 1 =
+           (Y_{j-1}, d_j) at position p + j, Y_{j-1} the block's own pre-hc_head output (vLLM's
+           chaining). Its window sees the ring up to its own row.
 """
 
 from __future__ import annotations
@@ -66,30 +65,31 @@ class MTPBlock(Block):
 class MTPDrafter:
     """Flash MTP over the runner's PagedCache (see the module notes)."""
 
-    def __init__(self, model):
-        self.model, self.block = model, model.mtp[0]
+    def __init__(self, model, cache):
+        self.model, self.block, self.cache = model, model.mtp[0], cache
         self.layer = model.cfg.num_hidden_layers                 # the block's cache layer
         self.needs_streams = True                                # the runner keeps X_p per slot
 
-    def context(self, X: torch.Tensor, taps, next_tokens: torch.Tensor, batch: ForwardBatch,
-                bound) -> None:
-        """The ring rows of a forward's rows: X [T, 4, d], next_tokens [T] (stand-ins where not
-        known yet), at batch.positions, for every sequence of the bound batch (taps: unused)."""
-        Y = self.block.inputs(self.model, X, next_tokens)
-        kv = self.block.attn_kv(Y, batch.positions)                           # [T, D]
-        bound.layer(self.layer).write_window_chunk(batch.positions, kv)
+    def context(self, X_prev: torch.Tensor, taps, tokens: torch.Tensor, pos: torch.Tensor,
+                slots: torch.Tensor) -> None:
+        """Rows of a forward, each token x_t at position t > 0 in its slot, X_prev [n, 4, d] the
+        streams at t - 1: the block's KV of (X_{t-1}, x_t) into its ring at t - 1 (rows at
+        t = 0 write the scratch slot). Device tensors only (taps: DSpark's, unused)."""
+        Y = self.block.inputs(self.model, X_prev, tokens)
+        kv = self.block.attn_kv(Y, (pos - 1).clamp(min=0))                    # [n, D]
+        at = torch.where(pos > 0, slots.int(), self.cache.scratch_slot)
+        self.cache.store_ring(self.layer, at, (pos - 1).clamp(min=0), kv)
 
     @torch.no_grad()
-    def draft(self, rows: DraftRows, cache, X_last: torch.Tensor) -> Draft:
+    def draft(self, rows: DraftRows, X_last: torch.Tensor) -> Draft:
         """X_last [S, 4, d]: each sequence's streams at p -> its k drafts."""
         ids, qs, ls, tokens, X = [], [], [], rows.tokens, X_last
         for j in range(rows.k):
-            batch = ForwardBatch.build([(s, [0], p + j) for s, p in zip(rows.seq_ids, rows.last)],
-                                       X.device, rows.slots, rows.tables)
+            batch, bind = rows.batch(j)
             Y = self.block.inputs(self.model, X, tokens)
-            Y = self.block(Y, batch, cache.bind(batch).layer(self.layer))
+            Y = self.block(Y, batch, bind(self.cache).layer(self.layer))
             logits = self.block.head_logits(self.model, Y)
-            d, q = pick(logits, rows)
+            d, q = pick(logits, rows, j)
             ids.append(d), qs.append(q), ls.append(logits)
             tokens, X = d, Y
         probs = None if qs[0] is None else torch.stack(qs, 1)

@@ -18,7 +18,6 @@ from backfit.config import ModelConfig
 from backfit.runtime.batch import ForwardBatch
 from backfit.runtime.cache.paged import PagedCache
 from backfit.runtime.loader import load_model
-from backfit.runtime.model.draft import DraftRows, drafter_for
 from backfit.runtime.model.transformer import Transformer
 from backfit.verify.reference import Reference
 
@@ -44,20 +43,24 @@ def _runtime(root):
 
 def _prefill(model, cache, tokens, chunks=(N,)):
     """The prompt tokens[:N] in chunks through the pools (slot 1, blocks 0..3), every chunk's
-    drafter context written as the runner does -> the streams of the last row [1, 4, d]."""
-    drafter, start = drafter_for(model), 0
+    drafter context written as the runner does -> the drafting."""
+    from backfit.runtime.drafting import Drafting, RowPlan
+    drafting, start = Drafting(model, cache, 2, K), 0
     for n in chunks:
         batch = ForwardBatch.build([(0, tokens[start:start + n].tolist(), start)], "cpu", [1],
                                    [(0, 1, 2, 3)])
-        bound = cache.bind(batch)
-        X = model.hidden(batch, bound)
-        drafter.context(X, model.taps, tokens[start + 1:start + n + 1], batch, bound)
+        X = model.hidden(batch, cache.bind(batch))
+        drafting.context(X, model.taps, batch.tokens, batch.positions, torch.ones(n).long(),
+                         RowPlan([n], drafting.ring, "cpu"))
         start += n
-    return drafter, X[-1:]
+    return drafting
 
 
-def _rows(tokens, k, temperature=None):
-    return DraftRows((0,), (1,), ((0, 1, 2, 3),), (N - 1,), tokens[N:N + 1], k, temperature, None)
+def _draft(drafting, tokens, k):
+    from backfit.runtime.runner import StepSeq
+    drafting.k = k
+    seq = StepSeq(0, 1, (0, 1, 2, 3), N, (int(tokens[N]),), True, draft=k)
+    return drafting.draft([seq], 0)
 
 
 @pytest.mark.parametrize("chunks", [(N,), (17, 23)])
@@ -65,8 +68,7 @@ def test_mtp_chain_equals_the_reference(tiny_flash, tiny_converted, tp1_process,
     tokens = torch.randint(0, 500, (N + 1,), generator=torch.Generator().manual_seed(3))
     with one_thread():
         model, cache = _runtime(tiny_converted(1, "bf16"))
-        drafter, X_last = _prefill(model, cache, tokens, chunks)
-        got = drafter.draft(_rows(tokens, K), cache, X_last)
+        got = _draft(_prefill(model, cache, tokens, chunks), tokens, K)
         ref = Reference(tiny_flash)
         want = ref.mtp_draft(ref.prefix(tokens[:N]), int(tokens[N]), K)
         assert got.ids[0].tolist() == want.tokens.tolist()
@@ -74,14 +76,14 @@ def test_mtp_chain_equals_the_reference(tiny_flash, tiny_converted, tp1_process,
         forced = [7, 11]                               # teacher-forced: the runtime's drafts fed
         want = ref.mtp_draft(ref.prefix(tokens[:N]), int(tokens[N]), K, tokens=forced)
         model2, cache2 = _runtime(tiny_converted(1, "bf16"))
-        d2, X2 = _prefill(model2, cache2, tokens, chunks)
+        d2 = _prefill(model2, cache2, tokens, chunks)
         import backfit.runtime.model.draft.mtp as mtp_mod
         seq = iter(forced)
         real = mtp_mod.pick
-        mtp_mod.pick = lambda logits, rows: (torch.tensor([next(seq, None) or
-                                                           int(logits.argmax())]), None)
+        mtp_mod.pick = lambda logits, rows, j: (torch.tensor([next(seq, None) or
+                                                              int(logits.argmax())]), None)
         try:
-            got = d2.draft(_rows(tokens, K), cache2, X2)
+            got = _draft(d2, tokens, K)
         finally:
             mtp_mod.pick = real
         assert rel(got.logits[0], want.logits) < TOL
@@ -91,8 +93,7 @@ def test_dspark_equals_the_reference(tiny_0731, conv_0731, tp1_process):
     tokens = torch.randint(0, 500, (N + 1,), generator=torch.Generator().manual_seed(4))
     with one_thread():
         model, cache = _runtime(conv_0731)
-        drafter, _ = _prefill(model, cache, tokens, (25, 15))
-        got = drafter.draft(_rows(tokens, 5), cache)
+        got = _draft(_prefill(model, cache, tokens, (25, 15)), tokens, 5)
         ref = Reference(tiny_0731)
         want = ref.dspark_draft(ref.prefix(tokens[:N]), int(tokens[N]))
         assert got.ids[0].tolist() == want.tokens.tolist()
