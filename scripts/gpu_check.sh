@@ -201,7 +201,7 @@ for s in "${steps[@]}"; do
         done ;;
     prefix)
         run_step prefix_engine "${ENGINE_S:-360}" $PY scripts/bench_engine.py --real-dims 43 \
-            --tp-shard 4 --device cuda --shared-prefix "${SP_PREFIX:-17000}" --prompt-len 512 \
+            --tp-shard 4 --experts mx4 --device cuda --shared-prefix "${SP_PREFIX:-17000}" --prompt-len 512 \
             --output-len 16 --reps 3 --max-num-batched-tokens 8192 --prefill-graphs on \
             --json "$OUT/prefix_engine.json" ;;
     profile)
