@@ -228,9 +228,9 @@ def test_drafts_after_a_prefix_hit_are_the_requests_own(tiny_converted, tiny_fla
                                                         method):
     """A second request that shares the first one's 32 tokens and differs from token 32 on
     joins while the first decodes (another slot) and restores the snapshot at 32 (the hint):
-    its drafter rings come from the snapshot, and the MTP ring row 31, made with the first
-    request's token 32, is rewritten with its own (else its first drafts, whose window holds
-    row 31, are not the reference's)."""
+    its drafter rings come from the snapshot, and its MTP ring row 31 is made by its own first
+    row (X_31 restored with the snapshot, its own token 32), not the first request's (else its
+    first drafts, whose window holds row 31, are not the reference's)."""
     variant, k = METHODS[method]
     conv = tiny_converted(1, "bf16", variant)
     head = prompts(1, seed=7, lo=32, hi=33)[0]

@@ -96,10 +96,11 @@ class FakeEngine:
 
 
 def real_server(model_dir, *, started: bool = True, async_scheduling: bool | None = None,
-                **ctx_kw):
+                engine_kw: dict | None = None, **ctx_kw):
     """A LiveServer on the real tiny engine (float32, CPU, small pools). started=False: the
     engine is not started yet (health must answer 503 until .engine.start() and load).
-    async_scheduling: the engine's overlapped step (forced on: its default on CUDA)."""
+    async_scheduling: the engine's overlapped step (forced on: its default on CUDA); engine_kw:
+    more EngineConfig fields (e.g. a speculative method)."""
     import time
 
     from backfit.engine.async_engine import AsyncEngine
@@ -107,7 +108,7 @@ def real_server(model_dir, *, started: bool = True, async_scheduling: bool | Non
 
     eng = AsyncEngine(EngineConfig(str(model_dir), dtype="float32", block_size=16, max_num_seqs=8,
                                    max_model_len=2048, num_blocks=384, max_num_batched_tokens=2048,
-                                   async_scheduling=async_scheduling))
+                                   async_scheduling=async_scheduling, **(engine_kw or {})))
     srv = LiveServer(eng, model_dir, **ctx_kw)
     if started:
         eng.start()
