@@ -35,5 +35,6 @@ def test_demo_runs_on_cpu(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "converted to backfit-dsv4" in r.stdout and "bit-exact: yes" in r.stdout
     assert "semantics check: PASS" in r.stdout and "[5/6] backfit generate" in r.stdout
+    assert "speculative: mean accepted length" in r.stderr        # generate's summary line
     assert "[6/6] backfit serve" in r.stdout and "openai chat.completions: finish=" in r.stdout
     assert (tmp_path / "demo" / "converted-int8-tp4" / "manifest.json").exists()

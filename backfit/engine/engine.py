@@ -42,8 +42,11 @@ from backfit.runtime.workers import RankGroup
 __all__ = ["EngineConfig", "RequestOutput", "Usage", "LLMEngine", "SPEC_MAX_BATCH"]
 
 # speculation off while more requests than this decode (--speculative-disable-by-batch-size):
-# where a verify step stops paying for itself (docs/SPECULATIVE.md)
-SPEC_MAX_BATCH = 16
+# where a verify step stops paying for itself. Measured (H100, docs/SPECULATIVE.md §5): on the
+# TP-4 slice at batch 1 a DSpark k 5 step costs 2.27 plain steps (wins from an accepted length
+# of 2.3); at batch 8 (4 layers) the step cost 4.6 plain ones and lost at every accepted length
+# up to 4.5. Batches 2-4 are not measured: 4 is below the measured loss.
+SPEC_MAX_BATCH = 4
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,9 @@ def make(conv, spec=None, k=None, **kw) -> LLMEngine:
     base = dict(model=str(conv), dtype="float32", block_size=16, max_num_seqs=8,
                 max_num_batched_tokens=64, max_model_len=512, num_blocks=200,
                 async_scheduling=False)
-    if spec is not None:
-        base.update(speculative_method=spec, num_speculative_tokens=k)
+    if spec is not None:                        # up to 8 decoding: every test batch drafts
+        base.update(speculative_method=spec, num_speculative_tokens=k,
+                    speculative_disable_by_batch_size=8)
     base.update(kw)
     return LLMEngine(EngineConfig(**base))
 
