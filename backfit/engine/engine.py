@@ -319,20 +319,24 @@ class LLMEngine:
             req = self.requests[rid]
             got = sampled[rid]
             toks = got if isinstance(got, list) else [got]
-            text, delta, n = "", None, 0
-            for tok in toks:                          # a verified run: token by token
-                delta = req.stream.append(tok)
-                text, n = text + delta.text, n + 1
+            lp = lps.get(rid) if s.seq.params.logprobs is not None else None
+            outs = []                                 # one output a token, as without drafts:
+            for i, tok in enumerate(toks):            # reasoning counts and logprob splits
+                delta = req.stream.append(tok)        # downstream stay per token
+                o = RequestOutput(rid, delta.text, [tok],
+                                  num_cached_tokens=s.seq.num_cached_tokens)
+                if lp is not None:
+                    o.logprobs = lp[i:i + 1]
+                outs.append(o)
                 if delta.finished:                    # a stop inside the run: the rest is
                     break                             # not delivered
+            n = len(outs)
             if n < len(toks):                         # usage counts what was delivered
                 del s.seq.output_ids[s.start + len(s.token_ids) - s.seq.num_prompt + n:]
             self.generation_tokens_total += n
-            o = RequestOutput(rid, text, toks[:n], num_cached_tokens=s.seq.num_cached_tokens)
-            if s.seq.params.logprobs is not None and lps.get(rid) is not None:
-                o.logprobs = lps[rid][:n]
             if req.prompt_logprobs is not None:
-                o.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
+                outs[0].prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
+            o = outs[-1]
             if delta.finished or rid in finished:
                 if rid not in finished:              # a stop string: the scheduler frees it
                     self.scheduler.finish(rid, delta.finish_reason)
@@ -340,7 +344,7 @@ class LLMEngine:
                 o.finished, o.finish_reason, o.stop_reason = True, reason, delta.stop_reason
                 o.usage = self._usage(s.seq)
                 del self.requests[rid]
-            outputs.append(o)
+            outputs += outs
         return outputs
 
     def _wants_prompt_logprobs(self, s) -> bool:
