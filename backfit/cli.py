@@ -209,8 +209,8 @@ def engine_options(f):
                           '"disable_by_batch_size".'),
         click.option("--speculative-disable-by-batch-size", type=int, default=None,
                      help="Decode without drafts while more requests than this are decoding "
-                          "(speculation costs more than it saves at large batches; default: "
-                          "the measured one in docs/SPECULATIVE.md)."),
+                          "(speculation costs more than it saves at large batches; default 4, "
+                          "measured: docs/SPECULATIVE.md)."),
     ]
     for o in reversed(opts):
         f = o(f)

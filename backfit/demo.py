@@ -55,12 +55,16 @@ def run_demo(workdir: str | None = None, max_positions: int = 512, max_tokens: i
     conv = verify(src, int8, max_positions=max_positions)
     print(f"      {time.time() - t:.1f} s")
 
+    spec = '{"method": "mtp", "num_speculative_tokens": 3}'
     t = _step(5, f"backfit generate {int8} --prompt {PROMPT!r} --max-tokens {max_tokens} "
-                 "--max-model-len 2048")
-    print(f"      (random weights: the text is gibberish, the point is that it runs)\n{PROMPT}", end="")
+                 f"--max-model-len 2048 --speculative-config '{spec}'")
+    print("      (random weights: the text is gibberish, the point is that it runs; the MTP block\n"
+          "      drafts 3 tokens a step and the model verifies them: the same text as without)\n"
+          f"{PROMPT}", end="")
     sys.stdout.flush()         # its own process: tp 4 ranks need a process with no TP info yet
     subprocess.run([sys.executable, "-m", "backfit.cli", "generate", str(int8), "--prompt", PROMPT,
-                    "--max-tokens", str(max_tokens), "--max-model-len", "2048"], check=True)
+                    "--max-tokens", str(max_tokens), "--max-model-len", "2048",
+                    "--speculative-config", spec], check=True)
     print(f"      {time.time() - t:.1f} s")
     t = _step(6, f"backfit serve {lossless}   (OpenAI Chat/Responses/Completions, Anthropic)")
     _serve_step(lossless, keep=serve)

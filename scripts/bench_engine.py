@@ -158,7 +158,8 @@ def session(engine: LLMEngine, prompt: list[int], sp: SamplingParams) -> tuple[f
 def run_shared_prefix(engine: LLMEngine, n: int, plen: int, olen: int, vocab: int, reps: int,
                       hint: bool, seed: int) -> dict:
     """TTFT of an agent's first session (cold) and of a second one after the same n-token
-    prefix (warm), median of reps fresh prefixes after one warm-up pair (see the notes)."""
+    prefix (warm), median of reps fresh prefixes after one warm-up pair (see the notes). Each
+    mode needs its own seed: prefixes another mode cached would make its cold runs warm."""
     r = random.Random(seed)
     sp = SamplingParams(max_tokens=olen, temperature=0, ignore_eos=True,
                         cache_boundaries=(n,) if hint else ())
@@ -176,7 +177,7 @@ def run_shared_prefix(engine: LLMEngine, n: int, plen: int, olen: int, vocab: in
 
 
 def real_dims_runner(layers: int, slots: int, max_len: int, root: Path, tp_shard: int = 1,
-                     graphs: bool = True, snapshots: int = 0):
+                     graphs: bool = True, snapshots: int = 0, experts: str = "int8"):
     """The random real-dimension runner (triton, CUDA graphs; at tp_shard > 1 the slice of TP
     rank 0 of tp_shard, its collectives no-ops) and a model directory holding its config.json
     and the real tokenizer, for EngineConfig."""
@@ -189,6 +190,8 @@ def real_dims_runner(layers: int, slots: int, max_len: int, root: Path, tp_shard
     raw = bm.raw_config(layers, False)
     r = bm.rank_runner(raw, "cuda", slots, max_len, tp_shard=tp_shard, snapshots=snapshots)
     bm.use_backend(r, "triton")
+    if experts == "mx4":                        # the 43-layer INT8 slice needs an H200
+        bm.to_mx4(r, check=(1,))
     if tp_shard > 1:                            # one rank alone: the ids' broadcast a no-op,
         from backfit.runtime import distributed, layers     # the head's all-gather tp_shard
         distributed.broadcast_from_rank0 = lambda x: x      # copies of this rank's logits
@@ -242,6 +245,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     ap.add_argument("--max-num-batched-tokens", default="2048", metavar="N[,N..]",
                     help="the engine's chunk budget; a list runs each (on one runner)")
+    ap.add_argument("--experts", choices=("int8", "mx4"), default="int8",
+                    help="--real-dims: the routed experts' scheme (mx4: the 43-layer slice on an "
+                         "80 GB card)")
     ap.add_argument("--real-dims", type=int, default=0, metavar="LAYERS",
                     help="CUDA: a random model at the real dimensions, this many layers")
     ap.add_argument("--tp-shard", type=int, default=1,
@@ -280,16 +286,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 raise SystemExit("--real-dims needs --device cuda, --tp 1 and no --model")
             runner = real_dims_runner(a.real_dims, 2 if a.shared_prefix else max(levels),
                                       max_len, Path(tmp), a.tp_shard, graphs=a.graphs != "off",
-                                      snapshots=16 if a.shared_prefix else 0)
+                                      snapshots=16 if a.shared_prefix else 0,
+                                      experts=a.experts)
             ranks, model = _OneRank(runner), Path(tmp)
             sys.path.insert(0, str(Path(__file__).resolve().parent))
             import bench_decode as bd
-            ceil = bd.ceilings("cuda")
             ctx = a.prompt_len + a.output_len // 2              # mid-run context
-            floor = {} if a.shared_prefix else {
-                C: (replay_ms(runner, C, ctx), decode_floor_ms(runner, C, ctx, ceil["copy_TBps"]))
-                for C in levels}
-            print(f"copy bandwidth {ceil['copy_TBps']:.2f} TB/s (this run)")
+            floor = {}
+            if not a.shared_prefix:                             # TTFT only: no roofline
+                ceil = bd.ceilings("cuda")
+                floor = {C: (replay_ms(runner, C, ctx),
+                             decode_floor_ms(runner, C, ctx, ceil["copy_TBps"])) for C in levels}
+                print(f"copy bandwidth {ceil['copy_TBps']:.2f} TB/s (this run)")
         else:
             model = Path(a.model) if a.model else tiny_model(Path(tmp))
         captured = ranks.runner.graphs if ranks is not None else None
@@ -322,7 +330,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if a.shared_prefix:
                     rows += [{**run_shared_prefix(engine, a.shared_prefix, a.prompt_len,
                                                   a.output_len, engine.model_cfg.vocab_size,
-                                                  a.reps, hint, seed=7), **tags,
+                                                  a.reps, hint, seed=7 if hint else 8), **tags,
                               "async": engine.overlap} for hint in (True, False)]
                     continue
                 for C in levels:                    # warm-up: compiles (Triton specializes

@@ -150,7 +150,7 @@ for s in "${steps[@]}"; do
                 grep -E '^  (reference|runtime)' $OUT/verify_\$n.log | head -n 8   # pass, chunk times
                 tail -n 12 $OUT/verify_\$n.log; echo \"exit \$s\"
             done
-            # 4-bit experts (issue 10): the same checkpoint converted --experts mx4, through the
+            # 4-bit experts: the same checkpoint converted --experts mx4, through the
             # mx4 kernels (decode GEMV, sorted DEQ 2 PTX): prefill chunks and decode
             if [ '${VERIFY_MX4:-1}' != 0 ]; then
                 $PY -m backfit.cli convert $d/orig $d/mx4 --tp 1 --experts mx4 --quiet || exit 1
@@ -207,7 +207,7 @@ for s in "${steps[@]}"; do
         done ;;
     prefix)
         run_step prefix_engine "${ENGINE_S:-360}" $PY scripts/bench_engine.py --real-dims 43 \
-            --tp-shard 4 --device cuda --shared-prefix "${SP_PREFIX:-17000}" --prompt-len 512 \
+            --tp-shard 4 --experts mx4 --device cuda --shared-prefix "${SP_PREFIX:-17000}" --prompt-len 512 \
             --output-len 16 --reps 3 --max-num-batched-tokens 8192 --prefill-graphs on \
             --json "$OUT/prefix_engine.json" ;;
     profile)

@@ -152,7 +152,7 @@ def test_mx4_halves_the_expert_weights_and_keeps_the_exponents():
 
 
 def test_flash_tp4_80gib_mx4_experts_hold_1m_tokens_at_090():
-    """Issue 10: TP4 on 80 GiB cards, 4-bit experts, utilisation 0.90, defaults otherwise: the
+    """TP4 on 80 GiB cards, 4-bit experts, utilisation 0.90, defaults otherwise: the
     KV pool holds >= 1,048,576 tokens and one 1M-token sequence fits (bf16 KV, the default)."""
     p = plan(_flash(), tp=4, gpu_mem=80 * GiB, utilization=0.90, experts="mx4")
     assert not p.planned and p.experts == "mx4"

@@ -35,6 +35,7 @@ def test_demo_runs_on_cpu(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "converted to backfit-dsv4" in r.stdout and "bit-exact: yes" in r.stdout
     assert "semantics check: PASS" in r.stdout and "[5/7] backfit generate" in r.stdout
+    assert "speculative: mean accepted length" in r.stderr        # generate's summary line
     assert "[6/7] backfit serve" in r.stdout and "openai chat.completions: finish=" in r.stdout
     assert "[7/7] an image request" in r.stdout and "with a 320x400 PNG" in r.stdout
     assert (tmp_path / "demo" / "converted-int8-tp4" / "manifest.json").exists()

@@ -44,8 +44,11 @@ from backfit.vision.block import N_TYPES
 __all__ = ["EngineConfig", "RequestOutput", "Usage", "LLMEngine", "SPEC_MAX_BATCH"]
 
 # speculation off while more requests than this decode (--speculative-disable-by-batch-size):
-# where a verify step stops paying for itself (docs/SPECULATIVE.md)
-SPEC_MAX_BATCH = 16
+# where a verify step stops paying for itself. Measured (H100, docs/SPECULATIVE.md §5): on the
+# TP-4 slice at batch 1 a DSpark k 5 step costs 2.27 plain steps (wins from an accepted length
+# of 2.3); at batch 8 (4 layers) the step cost 4.6 plain ones and lost at every accepted length
+# up to 4.5. Batches 2-4 are not measured: 4 is below the measured loss.
+SPEC_MAX_BATCH = 4
 
 
 @dataclass(frozen=True)
@@ -340,20 +343,24 @@ class LLMEngine:
             req = self.requests[rid]
             got = sampled[rid]
             toks = got if isinstance(got, list) else [got]
-            text, delta, n = "", None, 0
-            for tok in toks:                          # a verified run: token by token
-                delta = req.stream.append(tok)
-                text, n = text + delta.text, n + 1
+            lp = lps.get(rid) if s.seq.params.logprobs is not None else None
+            outs = []                                 # one output a token, as without drafts:
+            for i, tok in enumerate(toks):            # reasoning counts and logprob splits
+                delta = req.stream.append(tok)        # downstream stay per token
+                o = RequestOutput(rid, delta.text, [tok],
+                                  num_cached_tokens=s.seq.num_cached_tokens)
+                if lp is not None:
+                    o.logprobs = lp[i:i + 1]
+                outs.append(o)
                 if delta.finished:                    # a stop inside the run: the rest is
                     break                             # not delivered
+            n = len(outs)
             if n < len(toks):                         # usage counts what was delivered
                 del s.seq.output_ids[s.start + len(s.token_ids) - s.seq.num_prompt + n:]
             self.generation_tokens_total += n
-            o = RequestOutput(rid, text, toks[:n], num_cached_tokens=s.seq.num_cached_tokens)
-            if s.seq.params.logprobs is not None and lps.get(rid) is not None:
-                o.logprobs = lps[rid][:n]
             if req.prompt_logprobs is not None:
-                o.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
+                outs[0].prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
+            o = outs[-1]
             if delta.finished or rid in finished:
                 if rid not in finished:              # a stop string: the scheduler frees it
                     self.scheduler.finish(rid, delta.finish_reason)
@@ -361,7 +368,7 @@ class LLMEngine:
                 o.finished, o.finish_reason, o.stop_reason = True, reason, delta.stop_reason
                 o.usage = self._usage(s.seq)
                 del self.requests[rid]
-            outputs.append(o)
+            outputs += outs
         return outputs
 
     def _wants_prompt_logprobs(self, s) -> bool:

@@ -38,8 +38,9 @@ def make(conv, spec=None, k=None, **kw) -> LLMEngine:
     base = dict(model=str(conv), dtype="float32", block_size=16, max_num_seqs=8,
                 max_num_batched_tokens=64, max_model_len=512, num_blocks=200,
                 async_scheduling=False)
-    if spec is not None:
-        base.update(speculative_method=spec, num_speculative_tokens=k)
+    if spec is not None:                        # up to 8 decoding: every test batch drafts
+        base.update(speculative_method=spec, num_speculative_tokens=k,
+                    speculative_disable_by_batch_size=8)
     base.update(kw)
     return LLMEngine(EngineConfig(**base))
 
@@ -110,17 +111,27 @@ def test_greedy_equals_plain_with_arrivals_chunks_and_prefix_hits(method, conv):
 
 def test_oracle_drafts_accept_roll_back_and_stay_lossless(method, conv):
     """Long accepted runs, rejections every 3rd position (the rings' rejected rows rewritten,
-    across CSA / HCA entry ends), stops and limits inside a run; every emitted token's raw
+    across CSA / HCA entry ends), a stop token, a stop string and limits inside a run (usage
+    counts only what was delivered); every emitted token's raw
     logprob within 1e-4 of the plain run's (a wrong row in a compressor ring moves them by far
     more, while the argmax often survives)."""
     ps = prompts(5, seed=2)
     lp = dict(temperature=0, ignore_eos=True, logprobs=2)
     plain = make(conv)
     base = [o["token_ids"] for o in plain.generate(ps, SamplingParams(max_tokens=26, **lp))]
+    # stop strings: the text of 3 output tokens seen there first, in a row (some end inside an
+    # accepted run, which is cut after the token that completes the stop), on the output with
+    # the most distinct tokens (the tiny model often repeats one)
+    r = max(range(len(base)), key=lambda i: len(set(base[i])))
+    once = [i for i in range(4, 26) if base[r][i] not in base[r][:i]][:3]
+    assert len(once) == 3
+    stops = [plain.tokenizer.decode([base[r][i]]) for i in once]
+    ps, base = ps + [ps[r]] * 3, base + [base[r]] * 3
     params = [SamplingParams(max_tokens=26, stop_token_ids=[base[0][6]], **lp),  # stop in a run
               SamplingParams(max_tokens=5, **lp), SamplingParams(max_tokens=9, **lp),
               SamplingParams(max_tokens=26, **lp),
-              SamplingParams(max_tokens=11, min_tokens=3, **lp)]
+              SamplingParams(max_tokens=11, min_tokens=3, **lp),
+              *(SamplingParams(max_tokens=26, stop=[t], **lp) for t in stops)]
     want = plain.generate(ps, params)
     plain.close()
     e = make(conv, method, METHODS[method][1])
@@ -138,6 +149,39 @@ def test_oracle_drafts_accept_roll_back_and_stay_lossless(method, conv):
             assert [t for t, _ in a[1]] == [t for t, _ in b[1]]
     assert st["spec_decode_num_accepted_tokens"] > 0.3 * st["spec_decode_num_draft_tokens"]
     assert st["spec_decode_num_accepted_tokens_per_pos"][1] > 0     # runs past one draft
+
+
+def _outputs(e, ps, params) -> dict[int, list]:
+    """Every RequestOutput of each request as the engine streamed it: (text, ids, logprobs)."""
+    ids = [e.add_request(p, params) for p in ps]
+    got = {i: [] for i in ids}
+    while e.has_unfinished():
+        for o in e.step():
+            got[o.request_id].append((o.text, o.token_ids, o.logprobs, o.finished))
+    return got
+
+
+def test_accepted_runs_stream_token_by_token_as_plain(method, conv):
+    """A verified run reaches the caller as the plain engine's outputs: one a token, each with
+    its text and logprob (the server's parser counts reasoning tokens and splits logprobs at
+    `</think>` by output; a run in one output counted answer tokens as reasoning and dropped
+    their logprobs)."""
+    ps = prompts(3, seed=6)
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    plain = make(conv)
+    base = [o["token_ids"] for o in plain.generate(ps, sp)]
+    want = _outputs(plain, ps, sp)
+    plain.close()
+    e = make(conv, method, METHODS[method][1])
+    oracle(e, {i: p + w for i, (p, w) in enumerate(zip(ps, base))}, wrong_every=4)
+    got = _outputs(e, ps, sp)
+    accepted = e.stats()["spec_decode_num_accepted_tokens"]
+    e.close()
+    assert accepted > 5
+    for (_, a), (_, b) in zip(sorted(got.items()), sorted(want.items())):
+        assert [(t, i, f) for t, i, _, f in a] == [(t, i, f) for t, i, _, f in b]
+        for x, y in zip(a, b):
+            assert abs(x[2][0][0] - y[2][0][0]) < 1e-4
 
 
 def test_preemption_and_int8_kv_stay_lossless(method, conv):
@@ -228,9 +272,9 @@ def test_drafts_after_a_prefix_hit_are_the_requests_own(tiny_converted, tiny_fla
                                                         method):
     """A second request that shares the first one's 32 tokens and differs from token 32 on
     joins while the first decodes (another slot) and restores the snapshot at 32 (the hint):
-    its drafter rings come from the snapshot, and the MTP ring row 31, made with the first
-    request's token 32, is rewritten with its own (else its first drafts, whose window holds
-    row 31, are not the reference's)."""
+    its drafter rings come from the snapshot, and its MTP ring row 31 is made by its own first
+    row (X_31 restored with the snapshot, its own token 32), not the first request's (else its
+    first drafts, whose window holds row 31, are not the reference's)."""
     variant, k = METHODS[method]
     conv = tiny_converted(1, "bf16", variant)
     head = prompts(1, seed=7, lo=32, hi=33)[0]

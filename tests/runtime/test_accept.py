@@ -75,8 +75,10 @@ def test_nan_and_dead_rows_stay_in_bounds():
     V = 8
     logits = torch.randn(3, V)
     logits[1] = float("nan")
+    # the second draft is what an unguarded argmax of the NaN row returns: it must not be
+    # accepted (an all-NaN row read as a match)
     out = accept(logits, _batch([P()] * 3, [[]] * 3, V), [3],
-                 torch.tensor([[int(logits[0].argmax()), 3]]))
+                 torch.tensor([[int(logits[0].argmax()), int(logits[1].argmax())]]))
     assert out.accepted.item() == 1                                    # stops at the NaN row
     assert 0 <= out.tokens[0, 1].item() < V
     s = accept(logits, _batch([P(temperature=1.0)] * 3, [[]] * 3, V), [3],

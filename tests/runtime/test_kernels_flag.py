@@ -162,6 +162,8 @@ def test_speculative_graphs_give_the_plain_greedy_tokens(tiny_converted, variant
     plain = _greedy(conv, "triton", "graphs")
     graphs = _greedy(conv, "triton", "graphs", spec=spec)
     eager = _greedy(conv, "triton", "eager", spec=spec)
-    assert graphs["spec_replays"] >= 10 and eager["spec_replays"] == 0
-    assert graphs["stats"]["spec_decode_num_drafts"] >= 10
+    # 3 sequences x 24 tokens; a step that accepts emits up to k + 1 of them (DSpark k 5: 9
+    # steps were seen), so a handful of replays already shows the graph path ran
+    assert graphs["spec_replays"] >= 5 and eager["spec_replays"] == 0
+    assert graphs["stats"]["spec_decode_num_drafts"] >= 5
     assert graphs["tokens"] == eager["tokens"] == plain["tokens"]

@@ -119,7 +119,8 @@ def _pools_worker(rank: int, size: int, port: int, root: str, out: str) -> None:
         r = ModelRunner(RunnerConfig(root, dtype="float32", max_num_seqs=2, max_model_len=16384,
                                      cpu_kv_cache_gib=0.02 * (rank + 1)))
         torch.save({"own": r.plan.num_blocks, "blocks": r.num_blocks, "slots": r.num_slots,
-                    "pool": r.cache.num_blocks, "tokens": r.max_num_batched_tokens},
+                    "snaps": r.num_snapshot_slots, "pool": r.cache.num_blocks,
+                    "tokens": r.max_num_batched_tokens},
                    f"{out}/pools{rank}.pt")
     finally:
         destroy_distributed()
@@ -136,4 +137,5 @@ def test_ranks_agree_on_the_smallest_pools(tiny_converted, tmp_path):
     assert r0["own"] < r1["own"]                       # they planned apart ...
     for r in (r0, r1):                                 # ... and run alike, on rank 0's pools
         assert r["blocks"] == r["pool"] == r0["own"] and r["tokens"] == 2048
-    assert r0["slots"] == r1["slots"] == 4
+    assert r0["slots"] == r1["slots"] == 2                # the running sequences; the prefix
+    assert r0["snaps"] == r1["snaps"] == 2                # snapshots are a pool of their own

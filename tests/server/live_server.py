@@ -102,7 +102,7 @@ def real_server(model_dir, *, started: bool = True, async_scheduling: bool | Non
     """A LiveServer on the real tiny engine (float32, CPU, small pools). started=False: the
     engine is not started yet (health must answer 503 until .engine.start() and load).
     async_scheduling: the engine's overlapped step (forced on: its default on CUDA).
-    engine_kw: EngineConfig fields to change (max_model_len, num_blocks, ...)."""
+    engine_kw: EngineConfig fields to change (max_model_len, num_blocks, a speculative method...)."""
     import time
 
     from backfit.engine.async_engine import AsyncEngine

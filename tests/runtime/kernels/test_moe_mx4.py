@@ -206,7 +206,7 @@ def test_decode_variants_exact_and_match(kmx4, variant):
                                             ("mma", (32, 512, 2, 2), 512),
                                             ("mma", (32, 1024, 4, 2), 1024)])
 def test_packed_decode_variants_fused_t1_to_3(kmx4, variant, tile, D):
-    """The packed-word variants (issue 10) through the fused MoE at T = 1..3 against the torch
+    """The packed-word variants through the fused MoE at T = 1..3 against the torch
     math: gate/up K = D (mma: 16 groups = its 16 rows at BK 512, 32 rows at BK 1024), down K = I
     = 128 (BK fitted to 128: 4 of the 16 rows carry a group)."""
     E, I, k = 6, 128, 3

@@ -56,7 +56,7 @@ def compile_all() -> list[dict]:
                                 opts, ("N", "K")))
     # decode variants (config "variant"): prefetch at the shipped tile, both variants at the
     # --moe-decode-sweep grid's most inputs per thread (BN 32 x BK 1024, 4 warps)
-    # packed-word variants (issue 10): word at the grid's most weights per thread, mma at the
+    # packed-word variants: word at the grid's most weights per thread, mma at the
     # H200's best tile, at 32 rows x 2 x 2 warps (the grid's largest shared, 98 KB), and down
     for gated, k, var, tile in ((True, 4096, "prefetch", None), (False, 512, "prefetch", None),
                                 (True, 4096, "base", (32, 1024, 4, 2)),

@@ -2,7 +2,7 @@
 
 The a16 path of kernels.linear.gemm pads M to a BM = 16 MMA tile and splits K over programs with an
 FP32
-workspace and an atomic counter; at batch 1 its launches sit on a ~6-7 µs floor (issue 9). Here
+workspace and an atomic counter; at batch 1 its launches sit on a ~6-7 µs floor. Here
 one program = BN weight rows x the whole K x all M rows: no split-K, no workspace, no atomics,
 each weight byte read once from DRAM (x, M·K·2 B, is re-read from L2 by every program):
   y[m, n] = Σ_g s[n, g] · Σ_{k in g} q[n, k] · x[m, k]    (int8_g128; FP32, as the a16 kernel)
@@ -20,7 +20,7 @@ Products of a BF16 x with an int8 q or a BF16 w are exact in FP32, so only the F
 order differs from kernels.ref; it is fixed per config (deterministic run to run). The grid is
 cdiv(N, BN) programs from shapes only: no host sync, CUDA-graph safe.
 Measured (H200, GEMV_TABLE): faster than a16 at M = 1 on 8 of the 9 decode shapes (1.1-2.3x;
-18-63 % of copy bandwidth, so issue 9's ~1.5 µs + bytes / (0.8 · BW) is not met), at M = 2 on 6;
+18-63 % of copy bandwidth, so the ~1.5 µs + bytes / (0.8 · BW) target is not met), at M = 2 on 6;
 at M >= 4 slower on the int8 linears (x re-read from L2 per program and per row).
 """
 

@@ -138,7 +138,7 @@ def _mx4_gemv_prefetch_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED
                 LIMIT)
 
 
-# Packed-word decode (issue 10; variants "word", "mma"; bench_kernels.py --moe-decode-sweep
+# Packed-word decode (variants "word", "mma"; bench_kernels.py --moe-decode-sweep
 # ranks them): the codes are read as int32 words, 8 nibbles each (nibble i, bits 4i..4i+3 =
 # element 8j + i of word j, little endian), so no byte is extracted, and each value is put in
 # place by shifts, masks and multiplies of the whole word (sm_90 SASS, hot loop: base 5.9
