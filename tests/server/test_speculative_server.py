@@ -28,9 +28,9 @@ def record(srv) -> list[list[int]]:
     seen, eng = [], srv.engine
     inner = eng.generate
 
-    async def spy(ids, params):
+    async def spy(ids, params, *images):
         out = list(ids)
-        async for o in inner(ids, params):
+        async for o in inner(ids, params, *images):
             out += o.token_ids
             yield o
         seen.append(out)
