@@ -52,8 +52,8 @@ sys.path.insert(0, str(ROOT))
 from backfit.config import ModelConfig  # noqa: E402
 from backfit.runtime.layers import Linear  # noqa: E402
 from backfit.runtime.model.moe import Gate  # noqa: E402
-from bench_model import (COMM, capture_graphs, rank_runner, raw_config, step_input,  # noqa: E402
-                         sync, to_mx4, use_backend)
+from bench_model import (COMM, capture_graphs, median_ms, rank_runner,  # noqa: E402
+                         raw_config, step_input, sync, to_mx4, use_backend)
 
 
 def time_forward(r, make, warm: int, reps: int) -> float:
@@ -229,17 +229,7 @@ def profile_step(r, step, steps: int = 3) -> dict:
 def ceilings(dev: str) -> dict:
     """Copy bandwidth (TB/s, read + write), BF16 and INT8 matmul peaks (TFLOP/s), median of 10."""
     def ms(fn):
-        fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(10):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
-        return statistics.median(ts)
+        return median_ms(fn, 10, cuda=True)
     src = torch.empty(1 << 31, dtype=torch.bfloat16, device=dev).normal_()
     dst = torch.empty_like(src)
     bw = 4 * src.numel() / ms(lambda: dst.copy_(src)) / 1e9

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -226,6 +227,27 @@ def to_mx4(r, check: tuple[int, ...] = (1, 64, 512)) -> dict:
 def sync(dev) -> None:
     if torch.device(dev).type == "cuda":
         torch.cuda.synchronize()
+
+
+def median_ms(fn, reps: int, cuda: bool) -> float:
+    """Median ms of reps calls of fn after one warm-up: CUDA events on the GPU, wall clock
+    on the CPU."""
+    fn()
+    sync("cuda" if cuda else "cpu")
+    ts = []
+    for _ in range(reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ts)
 
 
 def step_input(r, B: int, start: int, n: int = 1, seed: int = 0):

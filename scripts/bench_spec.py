@@ -30,39 +30,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench_model import rank_runner, raw_config, step_input, sync, to_mx4, use_backend  # noqa: E402
+from bench_model import (median_ms, rank_runner, raw_config, step_input,  # noqa: E402
+                         to_mx4, use_backend)
 
 from backfit.runtime.drafting import Drafting  # noqa: E402
 
 ALS = (1.5, 2.5, 3.5, 4.5)
-
-
-def median_ms(fn, reps: int, cuda: bool) -> float:
-    fn()
-    sync("cuda" if cuda else "cpu")
-    ts = []
-    for _ in range(reps):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ts)
 
 
 def seqs_for(r, b: int, ctx: int):

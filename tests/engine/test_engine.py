@@ -10,19 +10,12 @@ import random
 
 import pytest
 import torch
-from support import one_thread
 
 from backfit.engine.engine import EngineConfig, LLMEngine
 from backfit.engine.sampling_params import SamplingParams
 from backfit.runtime.batch import ForwardBatch
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    with one_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ them, a different image of the same grid does not.
 from types import SimpleNamespace
 
 import pytest
-from support import one_thread
 
 from backfit.engine.block_manager import BlockManager
 from backfit.engine.engine import EngineConfig, LLMEngine
@@ -24,12 +23,6 @@ from backfit.verify.image_prompts import synthetic_png
 from backfit.vision import prepare, splice
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    with one_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import random
 
 import pytest
 import torch
-from support import one_thread
 
 from backfit.engine.engine import EngineConfig, LLMEngine
 from backfit.engine.sampling_params import SamplingParams
@@ -28,12 +27,6 @@ B, EVERY, SYS = 8, 2, 44
 STORAGE = {"fp32": (dict(dtype="float32"), 1e-5),
            "bf16": (dict(dtype="bfloat16"), 2e-2),
            "int8": (dict(dtype="float32", kv_cache_dtype="int8"), 5e-3)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    with one_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

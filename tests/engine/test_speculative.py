@@ -18,7 +18,6 @@ import sys
 
 import pytest
 import torch
-from support import one_thread
 
 from backfit.engine.engine import EngineConfig, LLMEngine
 from backfit.engine.sampling_params import SamplingParams
@@ -26,12 +25,6 @@ from backfit.runtime.model.draft import Draft
 
 GREEDY = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
 METHODS = {"mtp": ("flash", 3), "dspark": ("0731", 5)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    with one_thread():
-        yield
 
 
 def make(conv, spec=None, k=None, **kw) -> LLMEngine:
