@@ -169,9 +169,11 @@ def test_request_id_passes_through_headers_and_the_log(tok_dir, caplog):
         with c.chat.completions.with_streaming_response.create(
                 model="m", messages=MSG, stream=True, extra_headers=rid) as s:
             assert s.headers["x-request-id"] == "router-7f3a"
+            s.read()                 # to its end: the log line is written when the stream ends
         with c.responses.with_streaming_response.create(
                 model="m", input="hi", stream=True, extra_headers=rid) as s:
             assert s.headers["x-request-id"] == "router-7f3a"
+            s.read()
         a = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0)
         m = a.messages.with_raw_response.create(model="m", max_tokens=8, messages=MSG,
                                                 extra_headers=rid)
