@@ -17,12 +17,16 @@ ttft   one request: BOS, a few text ids, N distinct images of --image-size, a fe
        schedule, TP rank 0 of a --tp-shard slice: collectives are counted no-ops) plus the
        vision tower, triton kernels, no CUDA graphs for image steps (the runner runs them
        eagerly), prefix caching off, an empty embedding cache (the tower runs for every image).
-       Warm-up: one 1-image request first (Triton compiles). --experts mx4 re-lays the routed
+       Each count runs once untimed-for-the-figure (its first run, printed: Triton compiles
+       the chunk shapes it meets first), then --ttft-reps times (the median is the figure); a
+       text-only request of the same length beside it, also after a first run (the language
+       model's share: the rest
+       is the tower, the splice and the eager image steps). --experts mx4 re-lays the routed
        experts out as 4 bits (bench_model.to_mx4): the 43-layer TP-4 slice's INT8 experts need
        ~70 GB, too much beside a 33k-token prefill on an 80 GB card.
 --tiny runs both parts at tiny dims on the CPU (the torch kernels): a dry run of the script
 end to end, its numbers mean nothing. The figures the issue asks for are the lead's to take on
-a GPU (docs/VISION.md says how, and where they go).
+a GPU (docs/VISION.md says how; the figures are in docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -147,8 +151,9 @@ def ttft_part(a, dev) -> list[dict]:
     w, h = size(a.image_size)
     with tempfile.TemporaryDirectory() as tmp:
         vc = VisionConfig.from_dict(TINY_VISION if a.tiny else REAL_VISION, "bench")
+        pngs = [synthetic_png(w, h, seed=i) for i in range(max(counts))]
         t = time.perf_counter()
-        ims = [prepare(synthetic_png(w, h, seed=i), vc) for i in range(max(counts) + 1)]
+        ims = [prepare(png, vc) for png in pngs]                    # decode, resize, patches
         prep_ms = (time.perf_counter() - t) * 1e3 / len(ims)
         max_len = max(counts) * (len(ims[0].block) + 4) + 64
         r, cfg = ttft_runner(a, dev, Path(tmp), max_len)
@@ -165,30 +170,40 @@ def ttft_part(a, dev) -> list[dict]:
         e = LLMEngine(EngineConfig(tmp, device=dev, max_num_seqs=1, max_model_len=max_len,
                                    max_num_batched_tokens=a.max_num_batched_tokens,
                                    enable_prefix_caching=False, async_scheduling=False))
+        def ttft(ids, spans=()):
+            """ms from add_request to the first token of one request (then run to its end)."""
+            r.image_cache = type(r.image_cache)(r.model)              # the tower runs for all
+            sync(dev)
+            t = time.perf_counter()
+            e.add_request(list(ids), SamplingParams(max_tokens=1, temperature=0), images=spans)
+            while not e.step():
+                pass
+            sync(dev)
+            ms = (time.perf_counter() - t) * 1e3
+            while e.has_unfinished():
+                e.step()
+            return ms
+
         rows = []
         try:
-            for n, images in [(1, ims[-1:])] + [(n, ims[:n]) for n in counts]:  # warm-up first
+            for n in counts:
                 segs = [[cfg.bos_token_id, 5, 6, 7]]
-                for im in images:
+                for im in ims[:n]:
                     segs += [im, [8]]
                 vp = splice(segs, cfg.vocab_size, max_n_token=vc.max_n_token)
-                r.image_cache = type(r.image_cache)(r.model)          # the tower runs for all
-                sync(dev)
-                t = time.perf_counter()
-                e.add_request(list(vp.ids), SamplingParams(max_tokens=1, temperature=0),
-                              images=tuple(zip(vp.spans, vp.images)))
-                while not e.step():
-                    pass
-                sync(dev)
-                ms = (time.perf_counter() - t) * 1e3
-                while e.has_unfinished():
-                    e.step()
+                spans = tuple(zip(vp.spans, vp.images))
+                cold = ttft(vp.ids, spans)             # first: Triton compiles new chunk shapes
+                warm = [ttft(vp.ids, spans) for _ in range(a.ttft_reps)]
+                ids = [cfg.bos_token_id] + [9 + i % 400 for i in range(len(vp.ids) - 1)]
+                text = [ttft(ids) for _ in range(a.ttft_reps + 1)][1:]   # same length, text
                 rows.append(dict(images=n, positions=len(vp.ids),
                                  image_positions=sum(s.length for s in vp.spans),
-                                 ttft_ms=ms, prepare_ms_per_image=prep_ms))
+                                 ttft_cold_ms=cold, ttft_ms=statistics.median(warm),
+                                 text_ttft_ms=statistics.median(text),
+                                 prepare_ms_per_image=prep_ms))
         finally:
             e.close()
-    return rows[1:]
+    return rows
 
 
 def main() -> None:
@@ -202,7 +217,9 @@ def main() -> None:
     ap.add_argument("--tp-shard", type=int, default=4, help="the slice TP rank 0 of this many")
     ap.add_argument("--experts", choices=("int8", "mx4"), default="mx4")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="tower: timed calls per size")
+    ap.add_argument("--ttft-reps", type=int, default=2,
+                    help="TTFT: timed requests per count after the first (median)")
     ap.add_argument("--parts", default="tower,ttft")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -211,7 +228,7 @@ def main() -> None:
     if a.tiny:
         torch.set_num_threads(1)
         a.images = ",".join(sorted({str(min(int(n), 4)) for n in a.images.split(",")}))
-        a.tp_shard, a.experts, a.reps = 1, "int8", 1
+        a.tp_shard, a.experts, a.reps, a.ttft_reps = 1, "int8", 1, 1
     dtype = torch.float32 if dev == "cpu" else torch.bfloat16
     out = {"device": torch.cuda.get_device_name(0) if dev.startswith("cuda") else "cpu",
            "tiny": a.tiny, "args": vars(a)}
@@ -228,7 +245,9 @@ def main() -> None:
         for row in out["ttft"]:
             print(f"  {row['images']:>3} images: {row['positions']:>6} positions "
                   f"({row['image_positions']} in image blocks), TTFT {row['ttft_ms']:.0f} ms "
-                  f"(+ {row['prepare_ms_per_image']:.1f} ms/image preprocessing, server side)")
+                  f"(first run {row['ttft_cold_ms']:.0f}); text-only of that length "
+                  f"{row['text_ttft_ms']:.0f} ms; + {row['prepare_ms_per_image']:.1f} ms/image "
+                  f"preprocessing, server side")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1, default=str))
 

@@ -4,7 +4,7 @@
                                     [--prefill-graphs]
                                     [--launches K,..]]
                                     [--python DIR] [--experts int8|mx4|both] [--layers 4]
-                                    [--tp-shard 1] [--out file.txt]
+                                    [--tp-shard 1] [--spec dspark:5] [--out file.txt]
 
   --trace    the ordered kernel list of one batch-1 CUDA-graph replay: start, gap to the previous
              kernel and duration in µs (torch.profiler), with the kernel count and GPU busy time
@@ -21,6 +21,11 @@
              and by cumulative time (cProfile), and DIR/<case>.prof (pstats) to read elsewhere
   --experts  the routed-expert scheme(s) traced (mx4: bench_model.to_mx4, the same values as
              mx4_e2m1; both: the int8 run, then mx4 in the same process); default int8
+  --spec     METHOD:K (mtp or dspark): instead of the above, the batch-1 speculative step
+             (runtime/graphs/spec.py: draft + verify of 1 + K rows, one replay) against the plain
+             decode graph of the same model, each traced as --trace does, then both side by side
+             by kernel and by room of
+             backfit.runtime.kernels (cuBLAS, copies, elementwise: torch): launches and µs
   --layers / --tp-shard  layers 0..N-1 of the real schedule as TP rank 0 of K, collectives
              counted no-ops (bench_decode.py's; e.g. --tp-shard 4: the shapes one TP4 rank runs)
 Built like scripts/bench_decode.py (random converted weights, random paged pools).
@@ -75,6 +80,84 @@ def trace(r, log, ctx: int = 512) -> None:
     log("by kernel (launches, us):")
     for k, (n, us) in sorted(tot.items(), key=lambda kv: -kv[1][1]):
         log(f"  {us:8.1f} {n:4d}x  {k}")
+
+
+def kernel_rooms() -> dict[str, str]:
+    """Triton kernel name -> its room of backfit.runtime.kernels (moe, attention, linear, mhc,
+    cache, router, pointwise, rope_norm), from the modules' JIT functions; a name two rooms
+    share maps to both ("a|b")."""
+    import importlib
+    import pkgutil
+
+    import triton
+    import backfit.runtime.kernels as kp
+    rooms: dict[str, str] = {}
+    for m in pkgutil.walk_packages(kp.__path__, kp.__name__ + "."):
+        mod = importlib.import_module(m.name)
+        room = m.name.split(".")[3]
+        for k, v in vars(mod).items():
+            if isinstance(v, triton.runtime.jit.JITFunction) and v.__module__ == mod.__name__:
+                old = rooms.get(k)
+                rooms[k] = room if old in (None, room) else f"{old}|{room}"
+    return rooms
+
+
+def part_of(name: str, rooms: dict[str, str]) -> str:
+    """A kernel's part of the step: its room, else "torch" (cuBLAS, copies, elementwise)."""
+    return rooms.get(name.split("(")[0].strip(), "torch")
+
+
+def spec_trace(a, log) -> None:
+    """--spec: the batch-1 speculative step's kernels against the plain step's (module doc)."""
+    from backfit.runtime.drafting import Drafting
+    from backfit.runtime.graphs import DecodeGraphs, SpecGraphs
+    method, k = a.spec.split(":")
+    k = int(k)
+    raw = bd.raw_config(a.layers, False, "flash" if method == "mtp" else "0731")
+    r = bd.rank_runner(raw, "cuda", 1, a.ctx + 16, tp_shard=a.tp_shard, mtp=True)
+    bd.use_backend(r, "triton")
+    if a.experts == "mx4":
+        log(f"experts -> mx4_e2m1: {bd.to_mx4(r, check=(1,))}")
+    nblk = -(-r.rc.max_model_len // r.block_size)
+    st = bd.step_input(r, 1, a.ctx)
+    seqs = [(s.tokens[0], s.start, s.slot, s.block_table) for s in st.seqs]
+    g = DecodeGraphs(r.model, r.cache, 1, nblk)
+    g.sizes = [1]
+    g.capture()
+    g.run(seqs)
+    r.drafting = Drafting(r.model, r.cache, r.num_slots, k)
+    sg = SpecGraphs(r.model, r.cache, r.drafting, 1, nblk, sizes=[1])
+    sg.capture()
+    sg.run(seqs, [0.0], 0)
+    tables = {}
+    for name, fn in (("plain", g.graphs[1][0].replay), (f"{method} k {k}", sg.graphs[1][0].replay)):
+        ev = cuda_events(fn, 1)
+        span = (ev[-1].time_range.end - ev[0].time_range.start) / 1e3
+        log(f"== {name}: {len(ev)} kernels, busy {sum(e.device_time for e in ev) / 1e3:.3f} ms, "
+            f"span {span:.3f} ms, median replay {bd.median_ms(fn, 50, True):.3f} ms")
+        t0 = prev = ev[0].time_range.start
+        tot: dict[str, list] = {}
+        for e in ev:
+            s = e.time_range.start
+            log(f"{s - t0:9.1f} gap {s - prev:6.1f} dur {e.time_range.end - s:7.1f}  {e.name[:100]}")
+            prev = e.time_range.end
+            t = tot.setdefault(e.name[:60], [0, 0.0])
+            t[0], t[1] = t[0] + 1, t[1] + e.device_time
+        tables[name] = tot
+    (pn, pt), (sn, stot) = tables.items()
+    log(f"by kernel: launches and µs, {pn} | {sn} (sorted by the difference)")
+    keys = sorted(set(pt) | set(stot), key=lambda n: -(stot.get(n, [0, 0])[1] - pt.get(n, [0, 0])[1]))
+    for n in keys:
+        (c0, u0), (c1, u1) = pt.get(n, [0, 0.0]), stot.get(n, [0, 0.0])
+        log(f"  {c0:5d} {u0:9.1f} | {c1:5d} {u1:9.1f}  {u1 - u0:+9.1f}  {n}")
+    rooms = kernel_rooms()
+    log(f"by room of backfit.runtime.kernels: launches and µs, {pn} | {sn}")
+    for part in sorted({part_of(n, rooms) for n in keys}):
+        c0 = sum(v[0] for n, v in pt.items() if part_of(n, rooms) == part)
+        u0 = sum(v[1] for n, v in pt.items() if part_of(n, rooms) == part)
+        c1 = sum(v[0] for n, v in stot.items() if part_of(n, rooms) == part)
+        u1 = sum(v[1] for n, v in stot.items() if part_of(n, rooms) == part)
+        log(f"  {part:10s} {c0:5d} {u0:9.1f} | {c1:5d} {u1:9.1f}  x{u1 / max(u0, 1e-9):5.2f}")
 
 
 def host(r, log) -> None:
@@ -248,6 +331,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512, help="--trace: the step's context length")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tp-shard", type=int, default=1)
+    ap.add_argument("--spec", default="", metavar="METHOD:K",
+                    help="the batch-1 speculative step (mtp or dspark, K drafts) against plain")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     lines = []
@@ -255,6 +340,11 @@ def main() -> None:
     def log(m):
         print(m, flush=True)
         lines.append(m)
+    if a.spec:
+        spec_trace(a, log)
+        if a.out:
+            Path(a.out).write_text("\n".join(lines) + "\n")
+        return
     raw = bd.raw_config(a.layers, False)
     chunks = [int(n) for n in a.prefill.split(",") if n]
     r = bd.rank_runner(raw, "cuda", 8, max(8184, a.ctx), max(chunks, default=0), a.tp_shard)

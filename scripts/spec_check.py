@@ -7,7 +7,8 @@ For each drafter (Flash's MTP block, k = 3; 0731's DSpark, k = 5): a tiny checkp
 variant (small vocabulary) is written and converted, one server runs without speculation and one
 with it (both on the device's default: triton kernels, CUDA graphs), and the same greedy requests
 go to /v1/chat/completions, /v1/responses and /v1/messages of each (plain HTTP: the device image
-has no SDKs). Every text must be equal, and the speculative server's /metrics must count drafts.
+has no SDKs). Every text (each protocol's message text: ids differ by design) must be non-empty
+and equal, and the speculative server's /metrics must count drafts.
 Exit status 1 on any difference.
 """
 
@@ -45,10 +46,12 @@ def texts(port: int) -> list[str]:
         out.append(c["choices"][0]["message"].get("content") or "")
         r = post(port, "/v1/responses", {"model": "m", "input": p, "max_output_tokens": 40,
                                          "temperature": 0, "thinking": False})
-        out.append(json.dumps(r.get("output")))
+        out.append("".join(c.get("text", "") for item in r.get("output") or []
+                           if item.get("type") == "message" for c in item.get("content") or []))
         a = post(port, "/v1/messages", {"model": "m", "messages": msg, "max_tokens": 40,
                                         "temperature": 0, "thinking": {"type": "disabled"}})
-        out.append(json.dumps(a.get("content")))
+        out.append("".join(b.get("text", "") for b in a.get("content") or []
+                           if b.get("type") == "text"))
     return out
 
 
@@ -100,7 +103,7 @@ def main() -> int:
             finally:
                 p.terminate()
                 p.wait(60)
-        same = got["plain"] == got["spec"]
+        same = got["plain"] == got["spec"] and all(got["plain"])
         ok &= same
         print(f"{variant} {spec['method']} k={spec['num_speculative_tokens']}: "
               f"{'same greedy text' if same else 'DIFFERENT'} over {len(got['plain'])} requests")
