@@ -7,6 +7,7 @@ torch.distributed. Backend: gloo on CPU, nccl on GPU.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 __all__ = ["TPInfo", "set_tp_info", "get_tp_info", "tp_is_set", "init_distributed",
            "destroy_distributed", "all_reduce", "all_gather", "free_port", "min_over_ranks",
-           "broadcast_from_rank0"]
+           "broadcast_from_rank0", "all_gather_rows"]
 
 
 @dataclass(frozen=True)
@@ -130,3 +131,26 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp.size)]
     dist.all_gather(parts, x)
     return torch.cat(parts, dim=dim)
+
+
+def all_gather_rows(x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Every rank's rows, in rank order: x [sizes[rank], ...] on each rank (the same trailing
+    shape, dtype and device everywhere) -> [x_0 [sizes[0], ...], x_1, ...]; [x] at size 1.
+    sizes: every rank's row count, known on every rank (zeros allowed).
+
+    One all_gather of [max(sizes), ...] buffers (x zero-padded), none when every size is 0. The
+    rows travel as raw bytes (uint8): bit-exact for any dtype, whatever gloo's bf16 support."""
+    tp = get_tp_info()
+    if len(sizes) != tp.size or x.shape[0] != sizes[tp.rank]:
+        raise ValueError(f"rank {tp.rank}: {x.shape[0]} rows, sizes {sizes} (tp={tp.size})")
+    if tp.size == 1:
+        return [x]
+    tail, m = x.shape[1:], max(sizes)
+    width = math.prod(tail) * x.element_size()               # bytes per row
+    buf = torch.zeros(m, width, dtype=torch.uint8, device=x.device)           # [m, width]
+    if sizes[tp.rank]:
+        buf[:sizes[tp.rank]] = x.contiguous().view(x.shape[0], -1).view(torch.uint8)
+    parts = [torch.empty_like(buf) for _ in range(tp.size)]
+    if m:
+        dist.all_gather(parts, buf)
+    return [p[:n].view(x.dtype).view(n, *tail) for p, n in zip(parts, sizes)]

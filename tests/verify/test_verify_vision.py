@@ -10,8 +10,9 @@ from test_verify_cli import _cli, _swap_tensors
 
 
 def test_verify_vision_semantics_full_forward(tiny_vision, tiny_converted, tmp_path):
-    """Lossless at tp 2 (the tower replicated on both ranks): logits rel <= 1e-4 and every
-    layer within 1e-5 over text and two image prompts (the 64x48 and 320x400 images)."""
+    """Lossless at tp 2 (the tower's weights on both ranks, its images shared between them):
+    logits rel <= 1e-4 and every layer within 1e-5 over text and two image prompts (the 64x48
+    and 320x400 images)."""
     r = _cli("verify", tiny_vision, tiny_converted(2, "bf16", "vision"), "--tp", 2,
              "--max-positions", 32, "--images", 2, "--json", tmp_path / "r.json")
     assert r.returncode == 0, r.stdout + r.stderr
