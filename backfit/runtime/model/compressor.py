@@ -23,7 +23,7 @@ from backfit.runtime.kernels import kernel_path
 from backfit.runtime.layers import ColumnParallelLinear, Linear, RMSNorm, Rotary
 
 __all__ = ["Compressor", "Indexer", "ProjectedRows", "HeadWeights", "FUSED_DECODE",
-           "FUSED_PREFILL"]
+           "FUSED_PREFILL", "ROWS_KERNEL"]
 
 # The decode kernel path of Compressor.decode_update: True = one launch per compressor
 # (kernels.cache.decode.compress_decode_fused: ape add, rows, pooling, cast, norm, RoPE, entry
@@ -36,6 +36,11 @@ FUSED_DECODE = True
 # the torch update's to FP32 rounding. H200, 43-layer TP-4 slice, a 512-token step through the
 # prefill pieces: 136.0 -> 81.7 ms (profile_step.py, 2026-12-03).
 FUSED_PREFILL = True
+# A multi-row decode batch (a speculative verify: rows sharing a slot) stores its compressor rows
+# before pooling: True = one kernels.cache.store_rows launch a compressor (ape added inside);
+# False = PagedCache.write_rows_tokens' torch ops (~6 launches: modulo, gather, add, cast, two
+# index-puts). The same bits either way.
+ROWS_KERNEL = True
 
 
 class ProjectedRows:
@@ -170,9 +175,9 @@ class Compressor(nn.Module):
         """
         m, D = self.ratio, self.head_dim
         if getattr(cache, "multi_row", False) and kernel_path(c):   # rows sharing a slot: all
-            cache.write_rows_tokens(kind, pos, c, z if ape_added else z + self.ape[pos % m])
-        #                            stored first, so no pooling program reads a row before its
-        #                            store (each program's own store then rewrites equal bits)
+            self._store_rows(cache, kind, pos, c, z, ape_added)        # stored first, so no
+        #                            pooling program reads a row before its store (each
+        #                            program's own store then rewrites equal bits)
         if kernel_path(c) and FUSED_DECODE and dtype in (torch.bfloat16, torch.float32):
             from backfit.runtime.kernels.cache import compress_decode_fused
             data, scale = cache.entry_pool(kind)
@@ -206,6 +211,18 @@ class Compressor(nn.Module):
         E = self.rope(self.norm(E.to(dtype)), j * m)
         cache.write_entries_tokens(kind, pos, E)
 
+
+    def _store_rows(self, cache, kind: str, pos: torch.Tensor, c: torch.Tensor, z: torch.Tensor,
+                    ape_added: bool) -> None:
+        """A multi-row decode batch's rows c, z [B, width] FP32 (z + ape[pos mod m] unless
+        ape_added) into the slots' compressor rings: one kernels.cache.store_rows launch
+        (ROWS_KERNEL) or the torch ops of PagedCache.write_rows_tokens (the same bits)."""
+        if ROWS_KERNEL:
+            from backfit.runtime.kernels.cache import store_rows
+            store_rows(c, z, None, pos, cache.slot_ids(), *cache.rows_pool(kind),
+                       ape=None if ape_added else self.ape)
+            return
+        cache.write_rows_tokens(kind, pos, c, z if ape_added else z + self.ape[pos % self.ratio])
 
 class Indexer(nn.Module):
     """Lightning indexer: score_j = Σ_h w_h · ReLU(qI_h · K_j), top-k compressed entries per query.

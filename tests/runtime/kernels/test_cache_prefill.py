@@ -109,6 +109,33 @@ def test_prefill_equals_decode_token_by_token(m, overlap, D, int8, dtype):
                       rc1, rz1)
 
 
+
+@pytest.mark.parametrize("width, m, ape", [(1024, 4, True), (512, 128, True), (256, 4, False)])
+def test_store_rows_of_a_verify_equals_the_torch_stores(width, m, ape):
+    """store_rows(rows=None, ape=): a multi-row decode batch's rows (several a slot, at
+    consecutive positions; int64 positions) -> the rings exactly as PagedCache.write_rows_tokens
+    with the torch ape add (Compressor._store_rows' two forms), other ring rows untouched."""
+    kp, _ = kmods()
+    g = torch.Generator().manual_seed(width + m)
+    S, R, B = 5, 2 * m + 8, 6
+    slots = torch.tensor([3, 3, 3, 1, 1, 0], dtype=torch.int32)
+    pos = torch.tensor([9, 10, 11, 2 * m + 7, 2 * m + 8, 0])          # wraps the ring at m = 4
+    both = torch.randn(B, 3, width, generator=g)
+    c, z = both[:, 0], both[:, 2]                                      # strided rows
+    ap = torch.randn(m, width, generator=g)
+    ring = torch.randn(2, S, R, width, generator=g)
+    want = ring.clone()
+    r = pos % R
+    want[0][slots.long(), r] = c
+    want[1][slots.long(), r] = z + ap[pos % m] if ape else z
+    got = ring.clone().to(DEV)
+    kp.store_rows(c.to(DEV), z.to(DEV), None, pos.to(DEV), slots.to(DEV), got[0], got[1],
+                  ape=ap.to(DEV) if ape else None)
+    assert torch.equal(got.cpu(), want)
+    with pytest.raises(ValueError, match="store_rows: ape"):
+        kp.store_rows(c.to(DEV), z.to(DEV), None, pos.to(DEV), slots.to(DEV), got[0], got[1],
+                      ape=ap[:, :8].to(DEV))
+
 def _batch(steps, tables):
     """ForwardBatch of (seq, n new tokens, start) with slots 2, 0, 1 and the given tables."""
     g = torch.Generator().manual_seed(sum(n for _, n, _ in steps))

@@ -190,3 +190,38 @@ def test_attention_decode_step_hands_on_raw_rows_and_head_weights(tp1_process, m
         assert got[0] is w4[0] and got[1] == w4[1] and got[2] is w4[2] and got[3] is w4[3]
     assert [s[4] for s in seen] == [not fused] * 2
     assert seen[0][5] is None and seen[1][5] is (wI if fused else None)
+
+
+@pytest.mark.parametrize("ape_added", [False, True])
+def test_multi_row_rows_store_kernel_equals_the_torch_stores(tp1_process, monkeypatch,
+                                                             ape_added):
+    """A verify batch (rows sharing a slot: PagedCache.bind_device(multi_row=True)) stores its
+    compressor rows before pooling: Compressor._store_rows' one kernel (ROWS_KERNEL) leaves the
+    rings bit for bit as PagedCache.write_rows_tokens' torch ops, ape added or not."""
+    from support import kernel_module
+    from backfit.runtime.cache.paged import PagedCache
+    kernel_module("cache.prefill", "_rows_kernel", True)
+    monkeypatch.setattr(kpkg, "_backend", "triton")
+    monkeypatch.setattr(kpkg, "_ANY_DEVICE", True)
+    cfg = ModelConfig.from_dict(tiny_config_dict())
+    li = cfg.compress_ratios.index(4)                          # a CSA layer: both compressors
+    attn = Attention(cfg, 4)
+    g = torch.Generator().manual_seed(5)
+    slots = torch.tensor([2, 2, 2, 0], dtype=torch.int32)      # three rows of one sequence
+    pos = torch.tensor([6, 7, 8, 3])
+    tables = torch.zeros(4, 4, dtype=torch.int32)
+    rings = {}
+    for flag in (False, True):
+        monkeypatch.setattr(cm, "ROWS_KERNEL", flag)
+        pool = PagedCache(cfg, 3, 8, 16, torch.float32)
+        layer = pool.bind_device(slots, tables, multi_row=True).layer(li)
+        assert layer.multi_row
+        for kind, comp in (("comp", attn.compressor), ("index", attn.indexer.compressor)):
+            comp.ape.normal_(generator=torch.Generator().manual_seed(7))
+            w = comp.wkv.out_features
+            c, z = (torch.randn(4, w, generator=torch.Generator().manual_seed(w + i))
+                    for i in range(2))
+            comp._store_rows(layer, kind, pos, c, z, ape_added)
+        rings[flag] = [t.clone() for kind in ("comp", "index") for t in layer.rows_pool(kind)]
+    assert all(torch.equal(a, b) for a, b in zip(rings[False], rings[True]))
+    assert all(t.abs().sum() > 0 for t in rings[True])         # rows were written

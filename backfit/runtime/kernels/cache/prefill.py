@@ -82,15 +82,21 @@ def _compress_prefill_kernel(C, Z, sc_b, sz_b, ROWS, POS, SEQ, START, SLOTS, RC,
 
 
 @triton.jit
-def _rows_kernel(C, Z, sc_b, sz_b, ROWS, RPOS, RSLOT, RC, RZ, R, WIDTH, BW: tl.constexpr):
-    """Program (k, column block): chunk row ROWS[k] -> ring row RPOS[k] % R of slot RSLOT[k]."""
+def _rows_kernel(C, Z, sc_b, sz_b, ROWS, RPOS, RSLOT, RC, RZ, R, WIDTH, APE, M,
+                 BW: tl.constexpr, IDENT: tl.constexpr, HAS_APE: tl.constexpr):
+    """Program (k, column block): row t -> ring row RPOS[k] % R of slot RSLOT[k], t = ROWS[k]
+    (IDENT: t = k); HAS_APE: z + APE[RPOS[k] % M] (FP32, the torch add's one rounding)."""
     k, cb = tl.program_id(0), tl.program_id(1)
-    t = tl.load(ROWS + k).to(tl.int64)
-    at = (tl.load(RSLOT + k).to(tl.int64) * R + tl.load(RPOS + k) % R) * WIDTH
+    t = k.to(tl.int64) if IDENT else tl.load(ROWS + k).to(tl.int64)
+    p = tl.load(RPOS + k).to(tl.int64)
+    at = (tl.load(RSLOT + k).to(tl.int64) * R + p % R) * WIDTH
     cc = cb * BW + tl.arange(0, BW)
     ok = cc < WIDTH
+    z = tl.load(Z + t * sz_b + cc, mask=ok)
+    if HAS_APE:
+        z = z + tl.load(APE + (p % M) * WIDTH + cc, mask=ok)
     tl.store(RC + at + cc, tl.load(C + t * sc_b + cc, mask=ok), mask=ok)
-    tl.store(RZ + at + cc, tl.load(Z + t * sz_b + cc, mask=ok), mask=ok)
+    tl.store(RZ + at + cc, z, mask=ok)
 
 
 def _check_rows(c, z, pos, seq, start, slots, ring_c, ring_z, width: int):
@@ -142,12 +148,15 @@ def compress_prefill(c: torch.Tensor, z: torch.Tensor, rows: torch.Tensor, pos: 
         BF16=dtype == torch.bfloat16, RN=not interpreted(), num_warps=4)
 
 
-def store_rows(c: torch.Tensor, z: torch.Tensor, rows: torch.Tensor, rpos: torch.Tensor,
-               rslots: torch.Tensor, ring_c: torch.Tensor, ring_z: torch.Tensor) -> None:
+def store_rows(c: torch.Tensor, z: torch.Tensor, rows: torch.Tensor | None, rpos: torch.Tensor,
+               rslots: torch.Tensor, ring_c: torch.Tensor, ring_z: torch.Tensor,
+               ape: torch.Tensor | None = None) -> None:
     """Rows c[rows[k]], z[rows[k]] [width] FP32 -> ring row rpos[k] % R of slot rslots[k]
     (rows, rpos, rslots [K] int32; PagedCache's chunk_rows: each sequence's last <= R rows, so
-    one writer a ring row)."""
-    K = rows.shape[0]
+    one writer a ring row). rows None: row k itself (K = c's rows; rpos may be int64: a decode
+    batch's positions); ape [m, width] FP32: z + ape[rpos % m] is stored (Compressor's ape
+    row, as with_ape adds it)."""
+    K = c.shape[0] if rows is None else rows.shape[0]
     if z.shape != c.shape or c.dtype != torch.float32 or z.dtype != torch.float32 \
             or c.stride(1) != 1 or z.stride(1) != 1 or ring_c.shape != ring_z.shape \
             or ring_c.dim() != 3 or ring_c.shape[2] != c.shape[1] \
@@ -155,12 +164,20 @@ def store_rows(c: torch.Tensor, z: torch.Tensor, rows: torch.Tensor, rpos: torch
         raise ValueError(f"store_rows: c, z [T, width] FP32 with unit stride in a row, rings "
                          f"[S, R, width] contiguous; got {c.dtype}{list(c.shape)}, "
                          f"{list(ring_c.shape)}")
-    if any(t.shape != (K,) or t.dtype != torch.int32 for t in (rows, rpos, rslots)):
-        raise ValueError(f"store_rows: rows, rpos, rslots [K] int32; got "
-                         f"{[(t.dtype, list(t.shape)) for t in (rows, rpos, rslots)]}")
+    ids = (rpos, rslots) if rows is None else (rows, rpos, rslots)
+    if any(t.shape != (K,) or t.dtype not in (torch.int32, torch.int64) for t in ids) \
+            or (rows is not None and any(t.dtype != torch.int32 for t in ids)):
+        raise ValueError(f"store_rows: rows, rpos, rslots [K] int32 (rpos int64 without rows); "
+                         f"got {[(t.dtype, list(t.shape)) for t in ids]}")
+    if ape is not None and (ape.dtype != torch.float32 or ape.dim() != 2
+                            or ape.shape[1] != c.shape[1] or not ape.is_contiguous()):
+        raise ValueError(f"store_rows: ape [m, {c.shape[1]}] FP32 contiguous, got "
+                         f"{ape.dtype}{list(ape.shape)}")
     if K:
         width = c.shape[1]
         BW = min(1024, triton.next_power_of_2(width))
         _rows_kernel[(K, triton.cdiv(width, BW))](
-            c, z, c.stride(0), z.stride(0), rows, rpos, rslots, ring_c, ring_z,
-            ring_c.shape[1], width, BW=BW, num_warps=4)
+            c, z, c.stride(0), z.stride(0), rpos if rows is None else rows, rpos.contiguous(),
+            rslots.contiguous(), ring_c, ring_z, ring_c.shape[1], width,
+            z if ape is None else ape, 1 if ape is None else ape.shape[0],
+            BW=BW, IDENT=rows is None, HAS_APE=ape is not None, num_warps=4)
