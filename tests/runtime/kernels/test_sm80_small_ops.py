@@ -1,7 +1,8 @@
 """The small decode kernels (kernels.rope_norm: RMSNorm, RoPE; kernels.cache.decode: compressor
 pooling, cache stores, the fused compressor decode update; kernels.cache.prefill: its prefill
 form and the ring-rows store; kernels.pointwise: SwiGLU, router top-k,
-MoE combine, embedding, the placeholder fill; kernels.router: the router GEMV + top-k in one launch)
+MoE combine, embedding, the placeholder fill; kernels.router: the router GEMV + top-k in one launch;
+kernels.pick: the drafters' pick over the vocabulary)
 compile for sm_80 on this CPU machine (test_sm80.py's helper): shared memory within 99 KB, no MMA
 (CUDA-core math), no FP8/FP4, and FMA contraction really off in RoPE (no fma.rn.f32 in its PTX: the
 torch path rounds every product; the fused update's RoPE uses the 4 explicit mul.rn).
@@ -33,7 +34,7 @@ _PREFILL_TYPES = dict(
 def compile_all() -> list[dict]:
     import triton
 
-    from backfit.runtime.kernels import pointwise, rope_norm, router
+    from backfit.runtime.kernels import pick, pointwise, rope_norm, router
     from backfit.runtime.kernels.cache import decode as cache_ops, prefill as cache_prefill
 
     out = []
@@ -73,16 +74,28 @@ def compile_all() -> list[dict]:
             M=m, OVERLAP=overlap, N=n, NP=triton.next_power_of_2(n), BD=bd, NBLK=d // bd, DP=d,
             RR=64, BH=triton.next_power_of_2(d - 64), PB=32, INT8=int8, BF16=True, RN=True),
             dict(num_warps=4, num_stages=1), ("D",)))
-    for width in (1024, 512):                        # store_rows: CSA, HCA rows
-        out.append(_compile(cache_prefill._rows_kernel, dict(
-            C="*fp32", Z="*fp32", sc_b="i32", sz_b="i32", ROWS="*i32", RPOS="*i32",
-            RSLOT="*i32", RC="*fp32", RZ="*fp32", R="i32", WIDTH="i32"), dict(BW=width),
-            dict(num_warps=4, num_stages=1), ("WIDTH",)))
+    for width, ident in ((1024, False), (512, False), (1024, True), (512, True)):
+        out.append(_compile(cache_prefill._rows_kernel, dict(     # store_rows: CSA, HCA rows;
+            C="*fp32", Z="*fp32", sc_b="i32", sz_b="i32",          # ident: a verify's rows
+            ROWS="*i64" if ident else "*i32", RPOS="*i64" if ident else "*i32", RSLOT="*i32",
+            RC="*fp32", RZ="*fp32", R="i32", WIDTH="i32", APE="*fp32", M="i32"),
+            dict(BW=width, IDENT=ident, HAS_APE=ident), dict(num_warps=4, num_stages=1),
+            ("WIDTH",)))
     for mode, int8 in ((0, False), (0, True), (1, True), (1, False)):
         out.append(_compile(cache_ops._store_kernel, dict(
             X="*bf16", sx_b="i32", POS="*i64", SLOTS="*i32", TABLES="*i32", stride_tb="i32",
             DATA="*i8" if int8 else "*bf16", SCALE="*fp32", R="i32", scratch="i32", D="i32"),
             dict(MODE=mode, M=4, PB=32, INT8=int8, BD=512), dict(num_warps=4, num_stages=1)))
+    out.append(_compile(pick._pick_stats_kernel, dict(          # the drafters' pick
+        L="*fp32", T="*fp32", STATS="*fp32", IDX="*i32", V="i32", NB="i32", CH="i32"),
+        dict(BV=1024), dict(num_warps=4, num_stages=1), ("V",)))
+    out.append(_compile(pick._pick_probs_kernel, dict(
+        L="*fp32", T="*fp32", E="*fp32", sE="i32", STATS="*fp32", Q="*fp32", RACE="*fp32",
+        RIDX="*i32", V="i32", NB="i32", CH="i32"), dict(NBP=32, BV=1024),
+        dict(num_warps=4, num_stages=1), ("V",)))
+    out.append(_compile(pick._pick_ids_kernel, dict(
+        T="*fp32", STATS="*fp32", IDX="*i32", RACE="*fp32", RIDX="*i32", OUT="*i64", NB="i32"),
+        dict(NBP=32), dict(num_warps=1, num_stages=1)))
     out.append(_compile(pointwise._swiglu_kernel, dict(GU="*bf16", H="*bf16", I="i32",
                         stride_gu="i32"), dict(LIMIT=10.0, BI=1024), dict(num_warps=4, num_stages=1),
                         ("I", "stride_gu")))
@@ -140,7 +153,7 @@ def _mul_rn_count(r: dict, fn, types: dict) -> int:
 
 def test_small_kernels_compile_for_sm80():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 39
+    assert len(results) == 44
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name

@@ -6,7 +6,14 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Draft", "DraftRows", "pick"]
+from backfit.runtime.kernels import kernel_path
+
+__all__ = ["Draft", "DraftRows", "PICK_KERNEL", "pick"]
+
+# A pick with temperatures (every step of a CUDA graph: one graph serves greedy and sampled rows)
+# on the kernel path: True = kernels.pick (three launches split over the vocabulary); False =
+# torch's softmax and two argmax (one thread block a row: ~110 µs a pick at V = 129,280, H100).
+PICK_KERNEL = True
 
 
 class DraftRows(NamedTuple):
@@ -51,10 +58,14 @@ class Draft(NamedTuple):
 def pick(logits: torch.Tensor, rows: DraftRows, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft j's logits [S, V] FP32 -> (ids [S], q [S, V] fp32 or None): the argmax on greedy
     rows, on sampled ones a draw from q = softmax(logits / T) (the exponential race over
-    rows.noise[j])."""
-    ids = logits.argmax(-1)
+    rows.noise[j]). On the kernel path (PICK_KERNEL) kernels.pick's three split launches: the
+    same greedy ids, q to FP32 rounding of this softmax, the draw exactly from that q."""
     if rows.temperature is None:
-        return ids, None
+        return logits.argmax(-1), None
+    if PICK_KERNEL and kernel_path(logits) and rows.noise is not None:
+        from backfit.runtime.kernels.pick import pick_tokens
+        return pick_tokens(logits.contiguous(), rows.temperature.float(), rows.noise[j])
+    ids = logits.argmax(-1)
     q = torch.softmax(logits / rows.temperature[:, None].clamp(min=1e-5), -1)
     drawn = (q / rows.noise[j]).argmax(-1)
     return torch.where(rows.temperature > 0, drawn, ids), q
