@@ -1,18 +1,20 @@
-"""Same-process A/B of GEMV table entries on the decode and speculative steps, on the lent GPU:
-the runtime's GEMV_TABLE as shipped (A) against it plus the winners of benchmarks/kernels/
-bench_gemv.py runs (B), on one random model at the real dimensions.
+"""Same-process A/B on the decode and speculative steps, on the lent GPU: the runtime as shipped
+(A) against it with switches set and / or GEMV table entries added (B), on one random model at
+the real dimensions with its drafter.
 
-    python3 benchmarks/bench_gemv_ab.py TABLE.json [TABLE.json ..] [--layers 43] [--tp-shard 4]
-        [--experts mx4] [--method dspark] [--k 5] [--batches 1,8] [--ctx 512] [--rounds 4]
+    python3 benchmarks/bench_spec_ab.py [--switch module:NAME=value ..] [--gemv-table T.json ..]
+        [--layers 43] [--tp-shard 4] [--experts mx4] [--method dspark] [--k 5] [--batches 1,8]
+        [--ctx 512] [--rounds 4] [--reps 20] [--out ab.json]
 
-TABLE.json: bench_gemv.py --out files; their "table" entries are appended to GEMV_TABLE for B
-with their M ranges cut to M >= --min-m (default 3), so the shipped M = 1-2 entries keep
-deciding there (first match wins). A row gains the GEMV where its shape and M have an entry:
-the verify step's b·(1 + k) rows, batch 8's plain step. Each (step, batch) is captured once
-with A and once with B (kernel choices are made while capturing) and the rounds alternate
-A, B, A, B: replay ms by CUDA events, the median of --reps replays a round, then the median of
-the rounds. Steps: plain (the decode graph, no drafter) and spec (runtime/graphs/spec.py: draft
-+ verify). Processes move step figures by 5-10 % on the lent machine; a same-process A/B does not.
+--switch: a module-level flag read while a step is captured (bench_ab.py's form), e.g.
+backfit.runtime.model.compressor:ROWS_KERNEL=False. --gemv-table: bench_gemv.py --out files;
+their "table" entries are appended to GEMV_TABLE with M ranges cut to M >= --min-m (default 3),
+so the shipped M = 1-2 entries keep deciding there (first match wins). Each (step, batch) is
+captured once with A and once with B (kernel choices are made while capturing) and the rounds
+alternate A, B, A, B: replay ms by CUDA events, the median of --reps replays a round, then the
+median of the rounds. Steps: plain (the decode graph, no drafter) and spec (runtime/graphs/
+spec.py: draft + verify). Processes move step figures by 5-10 % on the lent machine; a
+same-process A/B does not.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_model import median_ms, rank_runner, raw_config, to_mx4, use_backend  # noqa: E402
 from bench_spec import seqs_for  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_ab import parse_switch  # noqa: E402
+
 from backfit.runtime.kernels.linear import gemv  # noqa: E402
 
 
@@ -47,7 +52,9 @@ def extra_entries(files: list[str], min_m: int) -> list[tuple]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("tables", nargs="+", help="bench_gemv.py --out JSON files")
+    ap.add_argument("--switch", action="append", default=[], metavar="MODULE:NAME=VALUE")
+    ap.add_argument("--gemv-table", action="append", default=[], metavar="JSON",
+                    help="bench_gemv.py --out file whose entries B adds")
     ap.add_argument("--min-m", type=int, default=3)
     ap.add_argument("--layers", type=int, default=43)
     ap.add_argument("--tp-shard", type=int, default=4)
@@ -62,9 +69,13 @@ def main() -> None:
     a = ap.parse_args()
     from backfit.runtime.drafting import Drafting
     from backfit.runtime.graphs import DecodeGraphs, SpecGraphs
-    extra = extra_entries(a.tables, a.min_m)
-    print(f"B: GEMV_TABLE + {len(extra)} entries:", *extra, sep="\n  ", flush=True)
+    extra = extra_entries(a.gemv_table, a.min_m)
+    switches = [parse_switch(x) for x in a.switch]
+    if not extra and not switches:
+        raise SystemExit("bench_spec_ab: nothing to compare (--switch or --gemv-table)")
+    print(f"B: {a.switch}, GEMV_TABLE + {len(extra)} entries:", *extra, sep="\n  ", flush=True)
     shipped = list(gemv.GEMV_TABLE)
+    as_shipped = [getattr(m, n) for m, n, _ in switches]
     batches = [int(x) for x in a.batches.split(",")]
     raw = raw_config(a.layers, False, "flash" if a.method == "mtp" else "0731")
     r = rank_runner(raw, "cuda", max(batches), a.ctx + 16, tp_shard=a.tp_shard, mtp=True)
@@ -76,6 +87,8 @@ def main() -> None:
     steps = {}
     for side, table in (("A", shipped), ("B", shipped + extra)):
         gemv.GEMV_TABLE[:] = table
+        for (m, n, v), v0 in zip(switches, as_shipped):
+            setattr(m, n, v if side == "B" else v0)
         g = DecodeGraphs(r.model, r.cache, max(batches), nblk)
         g.sizes = batches
         g.capture()
@@ -88,6 +101,8 @@ def main() -> None:
             steps[("plain", b, side)] = g.graphs[b][0].replay
             steps[("spec", b, side)] = sg.graphs[b][0].replay
     gemv.GEMV_TABLE[:] = shipped
+    for (m, n, _), v0 in zip(switches, as_shipped):
+        setattr(m, n, v0)
     times: dict = {key: [] for key in steps}
     for _ in range(a.rounds):
         for key, fn in steps.items():

@@ -1,4 +1,4 @@
-"""The capacity tables of docs/PERFORMANCE.md ("Capacity"), printed as Markdown rows.
+"""The capacity tables of docs/DEPLOY.md (§4, "Capacity"), printed as Markdown rows.
 
   python scripts/capacity_table.py [CONFIG]
                                     (default: shared/tools/configs/deepseek-v4-flash.json)

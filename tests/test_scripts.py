@@ -67,3 +67,31 @@ def test_bench_engine_shared_prefix_dry_run(tiny_converted):
     assert [(r["mode"], r["warm_cached_tokens"]) for r in rows] == [("hint", 192),
                                                                     ("periodic", 128)]
     assert all(r["ttft_cold_ms"] > 0 and r["ttft_warm_ms"] > 0 for r in rows)
+
+
+def test_profile_step_names_each_kernel_by_its_room():
+    """profile_step.py --spec attributes a trace's kernels to the room of runtime/kernels they
+    come from (and the rest to torch): a kernel moved or renamed must still be found."""
+    import profile_step
+
+    rooms = profile_step.kernel_rooms()
+    want = {"_mx4_gemv_mma_kernel": "moe", "_a16_kernel": "linear", "_post_mix_kernel": "mhc",
+            "_rows_kernel": "cache", "_pick_probs_kernel": "pick", "_router_kernel": "router",
+            "_decode_kernel": "attention"}
+    assert {k: profile_step.part_of(k, rooms) for k in want} == want
+    assert profile_step.part_of("void at::native::index_elementwise_kernel<128, 4>", rooms) \
+        == "torch"
+
+
+def test_bench_spec_ab_cuts_gemv_entries_to_the_rows_it_compares(tmp_path):
+    """bench_spec_ab.py --gemv-table: bench_gemv.py's winners join GEMV_TABLE from --min-m up
+    (the shipped M = 1-2 entries keep deciding there); a range wholly below is dropped."""
+    import json
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_spec_ab
+
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"table": [["int8", [8, 8], [4, 4], [1, 4], {"BN": 1}],
+                                       ["bf16", [2, 2], [4, 4], [1, 2], {"BN": 2}]]}))
+    assert bench_spec_ab.extra_entries([str(f)], 3) == [
+        ("int8", (8, 8), (4, 4), (3, 4), {"BN": 1})]

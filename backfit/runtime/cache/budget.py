@@ -2,7 +2,7 @@
 
 Shared by the engine's runner (measured free memory after loading) and `backfit plan`
 (backfit/capacity.py: computed from the inventory). Pure Python; the derivation of every term is
-in backfit/capacity.py's docstring and docs/PERFORMANCE.md (Capacity).
+in backfit/capacity.py's docstring and docs/DEPLOY.md (§4, Capacity).
 """
 
 from __future__ import annotations
