@@ -67,11 +67,12 @@ def test_draft_pick_takes_the_kernel_on_the_kernel_path(monkeypatch):
     _pk(monkeypatch, 1024)
     g = torch.Generator().manual_seed(4)
     S, V, k = 3, 3000, 2
-    logits = torch.randn(S, V, generator=g) * 2
-    rows = common.DraftRows(torch.zeros(S, dtype=torch.long), torch.zeros(S, dtype=torch.long),
-                            torch.zeros(S, dtype=torch.int32), torch.zeros(S, 1, dtype=torch.int32),
-                            k, torch.tensor([0.0, 0.9, 0.0]),
-                            torch.empty(k, S, V).exponential_(generator=g))
+    logits = (torch.randn(S, V, generator=g) * 2).to(DEV)
+    z = torch.zeros(S, dtype=torch.long, device=DEV)
+    rows = common.DraftRows(z, z, z.int(), z.int()[:, None], k,
+                            torch.tensor([0.0, 0.9, 0.0], device=DEV),
+                            torch.empty(k, S, V).exponential_(generator=g).to(DEV))
+    monkeypatch.setattr(kpkg, "_backend", "torch")
     want_ids, want_q = common.pick(logits, rows, 1)               # torch backend: torch form
     monkeypatch.setattr(kpkg, "_backend", "triton")
     monkeypatch.setattr(kpkg, "_ANY_DEVICE", True)
