@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_model import median_ms, rank_runner, raw_config, to_mx4, use_backend  # noqa: E402
-from bench_spec import seqs_for  # noqa: E402
+from bench_spec import captured, seqs_for  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_ab import parse_switch  # noqa: E402
@@ -68,7 +68,6 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from backfit.runtime.drafting import Drafting
-    from backfit.runtime.graphs import DecodeGraphs, SpecGraphs
     extra = extra_entries(a.gemv_table, a.min_m)
     switches = [parse_switch(x) for x in a.switch]
     if not extra and not switches:
@@ -89,11 +88,7 @@ def main() -> None:
         gemv.GEMV_TABLE[:] = table
         for (m, n, v), v0 in zip(switches, as_shipped):
             setattr(m, n, v if side == "B" else v0)
-        g = DecodeGraphs(r.model, r.cache, max(batches), nblk)
-        g.sizes = batches
-        g.capture()
-        sg = SpecGraphs(r.model, r.cache, r.drafting, max(batches), nblk, sizes=batches)
-        sg.capture()
+        g, sg = captured(r, batches, nblk)
         for b in batches:
             seqs = seqs_for(r, b, a.ctx)
             g.run(seqs)

@@ -61,8 +61,20 @@ def graph_of(fn, cuda: bool):
     return g.replay
 
 
-def bench_method(args, method: str) -> list[dict]:
+def captured(r, batches: list[int], nblk: int, drafting=None):
+    """r's decode graphs (with the drafter's context when `drafting` is given) and speculative
+    graphs (r.drafting's) for `batches` sequences, captured -> (DecodeGraphs, SpecGraphs)."""
     from backfit.runtime.graphs import DecodeGraphs, SpecGraphs
+    g = DecodeGraphs(r.model, r.cache, max(batches), nblk, drafting)
+    g.sizes = batches
+    g.capture()
+    sg = SpecGraphs(r.model, r.cache, r.drafting, max(batches), nblk, sizes=batches)
+    sg.capture()
+    return g, sg
+
+
+def bench_method(args, method: str) -> list[dict]:
+    from backfit.runtime.graphs import DecodeGraphs
     cuda = not args.tiny
     dev = "cuda" if cuda else "cpu"
     raw = raw_config(args.layers, args.tiny, "flash" if method == "mtp" else "0731")
@@ -89,11 +101,7 @@ def bench_method(args, method: str) -> list[dict]:
             continue
         r.drafting = Drafting(r.model, r.cache, r.num_slots, k)
         if cuda:
-            gc = DecodeGraphs(r.model, r.cache, max(batches), nblk, r.drafting)
-            gc.sizes = batches
-            gc.capture()
-            sg = SpecGraphs(r.model, r.cache, r.drafting, max(batches), nblk, sizes=batches)
-            sg.capture()
+            gc, sg = captured(r, batches, nblk, r.drafting)
         for b in batches:
             seqs = seqs_for(r, b, args.ctx)
             if cuda:

@@ -59,17 +59,10 @@ def cuda_events(fn, n: int):
                   key=lambda e: e.time_range.start)
 
 
-def trace(r, log, ctx: int = 512) -> None:
-    st = bd.step_input(r, 1, ctx)
-    ev = cuda_events(lambda: r.forward(st), 1)
+def listed(ev, log) -> dict[str, list]:
+    """Log each kernel of ev in order (start, gap to the previous one's end, duration, µs) ->
+    {name (60 chars): [launches, µs of GPU time]}."""
     t0 = prev = ev[0].time_range.start
-    # the span from the first kernel after the input copy: the copy is followed by a host gap
-    # (0.6 ms in 2026-12-02) before replay() is reached, which is not the graph's time
-    k1 = next((e.time_range.start for e in ev[1:] if "Memcpy" not in e.name), t0)
-    log(f"batch-1 graph step at context {ctx}: {len(ev)} kernels, "
-        f"busy {sum(e.device_time for e in ev) / 1e3:.3f} ms, "
-        f"span {(ev[-1].time_range.end - t0) / 1e3:.3f} ms "
-        f"({(ev[-1].time_range.end - k1) / 1e3:.3f} ms from the first kernel)")
     tot: dict[str, list] = {}
     for e in ev:
         s = e.time_range.start
@@ -77,6 +70,21 @@ def trace(r, log, ctx: int = 512) -> None:
         prev = e.time_range.end
         t = tot.setdefault(e.name[:60], [0, 0.0])
         t[0], t[1] = t[0] + 1, t[1] + e.device_time
+    return tot
+
+
+def trace(r, log, ctx: int = 512) -> None:
+    st = bd.step_input(r, 1, ctx)
+    ev = cuda_events(lambda: r.forward(st), 1)
+    t0 = ev[0].time_range.start
+    # the span from the first kernel after the input copy: the copy is followed by a host gap
+    # (0.6 ms in 2026-12-02) before replay() is reached, which is not the graph's time
+    k1 = next((e.time_range.start for e in ev[1:] if "Memcpy" not in e.name), t0)
+    log(f"batch-1 graph step at context {ctx}: {len(ev)} kernels, "
+        f"busy {sum(e.device_time for e in ev) / 1e3:.3f} ms, "
+        f"span {(ev[-1].time_range.end - t0) / 1e3:.3f} ms "
+        f"({(ev[-1].time_range.end - k1) / 1e3:.3f} ms from the first kernel)")
+    tot = listed(ev, log)
     log("by kernel (launches, us):")
     for k, (n, us) in sorted(tot.items(), key=lambda kv: -kv[1][1]):
         log(f"  {us:8.1f} {n:4d}x  {k}")
@@ -109,8 +117,9 @@ def part_of(name: str, rooms: dict[str, str]) -> str:
 
 def spec_trace(a, log) -> None:
     """--spec: the batch-1 speculative step's kernels against the plain step's (module doc)."""
+    from bench_spec import captured
+
     from backfit.runtime.drafting import Drafting
-    from backfit.runtime.graphs import DecodeGraphs, SpecGraphs
     method, k = a.spec.split(":")
     k = int(k)
     raw = bd.raw_config(a.layers, False, "flash" if method == "mtp" else "0731")
@@ -121,13 +130,9 @@ def spec_trace(a, log) -> None:
     nblk = -(-r.rc.max_model_len // r.block_size)
     st = bd.step_input(r, 1, a.ctx)
     seqs = [(s.tokens[0], s.start, s.slot, s.block_table) for s in st.seqs]
-    g = DecodeGraphs(r.model, r.cache, 1, nblk)
-    g.sizes = [1]
-    g.capture()
-    g.run(seqs)
     r.drafting = Drafting(r.model, r.cache, r.num_slots, k)
-    sg = SpecGraphs(r.model, r.cache, r.drafting, 1, nblk, sizes=[1])
-    sg.capture()
+    g, sg = captured(r, [1], nblk)
+    g.run(seqs)
     sg.run(seqs, [0.0], 0)
     tables = {}
     for name, fn in (("plain", g.graphs[1][0].replay), (f"{method} k {k}", sg.graphs[1][0].replay)):
@@ -135,15 +140,7 @@ def spec_trace(a, log) -> None:
         span = (ev[-1].time_range.end - ev[0].time_range.start) / 1e3
         log(f"== {name}: {len(ev)} kernels, busy {sum(e.device_time for e in ev) / 1e3:.3f} ms, "
             f"span {span:.3f} ms, median replay {bd.median_ms(fn, 50, True):.3f} ms")
-        t0 = prev = ev[0].time_range.start
-        tot: dict[str, list] = {}
-        for e in ev:
-            s = e.time_range.start
-            log(f"{s - t0:9.1f} gap {s - prev:6.1f} dur {e.time_range.end - s:7.1f}  {e.name[:100]}")
-            prev = e.time_range.end
-            t = tot.setdefault(e.name[:60], [0, 0.0])
-            t[0], t[1] = t[0] + 1, t[1] + e.device_time
-        tables[name] = tot
+        tables[name] = listed(ev, log)
     (pn, pt), (sn, stot) = tables.items()
     log(f"by kernel: launches and µs, {pn} | {sn} (sorted by the difference)")
     keys = sorted(set(pt) | set(stot), key=lambda n: -(stot.get(n, [0, 0])[1] - pt.get(n, [0, 0])[1]))
