@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_model import median_ms, rank_runner, raw_config, to_mx4, use_backend  # noqa: E402
+from bench_model import median_ms, rank_runner, raw_config, use_backend  # noqa: E402
 from bench_spec import captured, seqs_for  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -77,10 +77,9 @@ def main() -> None:
     as_shipped = [getattr(m, n) for m, n, _ in switches]
     batches = [int(x) for x in a.batches.split(",")]
     raw = raw_config(a.layers, False, "flash" if a.method == "mtp" else "0731")
-    r = rank_runner(raw, "cuda", max(batches), a.ctx + 16, tp_shard=a.tp_shard, mtp=True)
+    r = rank_runner(raw, "cuda", max(batches), a.ctx + 16, tp_shard=a.tp_shard, mtp=True,
+                    experts=a.experts)
     use_backend(r, "triton")
-    if a.experts == "mx4":
-        to_mx4(r, check=(1,))
     nblk = math.ceil(r.rc.max_model_len / r.block_size)
     r.drafting = Drafting(r.model, r.cache, r.num_slots, a.k)
     steps = {}

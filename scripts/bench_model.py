@@ -3,7 +3,8 @@ dimensions (or --tiny ones), in a ModelRunner over paged pools of random content
 benchmarks (bench_decode.py, profile_step.py) measure. Layers 0..N-1 of the real schedule, TP
 rank 0 of a --tp-shard K slice (collectives counted, not run); weights in the converted layout
 (int8_g128 FP8 linears with FP32 scales, bf16 wo_a, copied BF16 linears, int8_mx32 experts,
-tid2eid rows of distinct experts), re-laid-out as mx4_e2m1 by to_mx4 with the same values.
+tid2eid rows of distinct experts), re-laid-out as mx4_e2m1 by to_mx4 with the same values, or
+built as mx4_e2m1 from the start (experts="mx4": a slice that cannot hold its INT8 experts).
 """
 
 from __future__ import annotations
@@ -78,9 +79,17 @@ def scheme_of(name: str) -> str:
     return "int8_g128" if name.endswith(FP8) else "copy"
 
 
-def fill_linear(m: Linear, name: str, dev) -> None:
-    """Random weights in m's scheme, scaled so a layer keeps the activation size (W ~ 1/√K)."""
+def fill_linear(m: Linear, name: str, dev, experts: str = "int8") -> None:
+    """Random weights in m's scheme, scaled so a layer keeps the activation size (W ~ 1/√K);
+    experts "mx4": routed experts as mx4_e2m1 straight away (codes of to_mx4's value set, the
+    same exponents), so a slice never holds its INT8 experts (they fill an 80 GB card)."""
     N, K, s = m.out_features, m.in_features, scheme_of(name)
+    if s == "int8_mx32" and experts == "mx4":
+        c = torch.randint(0, 16, (N, K), device=dev, dtype=torch.uint8)     # e2m1 codes
+        e = 128 - round(math.log2(5 * K ** 0.5))
+        m.load("mx4_e2m1", (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous(),
+               torch.randint(e - 1, e + 2, (N, K // 32), device=dev, dtype=torch.uint8), name)
+        return
     if s == "int8_g128":
         q = torch.randint(-127, 128, (N, K), device=dev, dtype=torch.int8)
         sc = torch.rand(N, K // 128, device=dev) * 0.2 + 0.9
@@ -94,11 +103,12 @@ def fill_linear(m: Linear, name: str, dev) -> None:
         m.load(s, torch.randn(N, K, device=dev, dtype=torch.bfloat16) / K ** 0.5, None, name)
 
 
-def fill_random(model, cfg: ModelConfig, dev) -> None:
-    """Every Linear and buffer of the model; tid2eid rows are distinct experts per token."""
+def fill_random(model, cfg: ModelConfig, dev, experts: str = "int8") -> None:
+    """Every Linear and buffer of the model (routed experts in `experts`: fill_linear); tid2eid
+    rows are distinct experts per token."""
     for mname, mod in model.named_modules():
         if isinstance(mod, Linear):
-            fill_linear(mod, mname, dev)
+            fill_linear(mod, mname, dev, experts)
         for bname, buf in list(mod.named_buffers(recurse=False)):
             if buf is None or isinstance(mod, RMSNorm) or bname == "inv_freq" or \
                     (isinstance(mod, Linear) and bname in ("weight", "scale")):
@@ -119,10 +129,11 @@ def fill_random(model, cfg: ModelConfig, dev) -> None:
 
 
 def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int, mtp: bool = False,
-                 snapshots: int = 0):
+                 snapshots: int = 0, experts: str = "int8"):
     """A ModelRunner around a random model and random pools (no converted directory); mtp: with
     the checkpoint's drafter blocks and their pools (r.drafting is set by the caller);
-    `snapshots` prefix-cache snapshots (bench_engine.py --shared-prefix)."""
+    `snapshots` prefix-cache snapshots (bench_engine.py --shared-prefix); experts "mx4": the
+    routed experts built in 4 bits (fill_linear)."""
     from backfit.runtime.cache.paged import PagedCache
     from backfit.runtime.model.transformer import Transformer
     from backfit.runtime.cache.layout import default_block_size
@@ -130,7 +141,7 @@ def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int, mtp
     cfg = ModelConfig.from_dict(raw)
     with torch.device(dev):
         model = Transformer(cfg, torch.bfloat16, mtp=mtp)
-    fill_random(model, cfg, dev)
+    fill_random(model, cfg, dev, experts)
     r = ModelRunner.__new__(ModelRunner)
     eager = dict(enforce_eager=True) if "enforce_eager" in RunnerConfig.__dataclass_fields__ else {}
     r.rc = RunnerConfig("(random)", device=dev, max_num_seqs=slots, num_snapshot_slots=snapshots,
@@ -153,7 +164,7 @@ def build_runner(raw: dict, dev: str, slots: int, blocks: int, max_len: int, mtp
 
 
 def rank_runner(raw: dict, dev: str, slots: int, ctx: int, prefill: int = 0,
-                tp_shard: int = 1, mtp: bool = False, snapshots: int = 0):
+                tp_shard: int = 1, mtp: bool = False, snapshots: int = 0, experts: str = "int8"):
     """build_runner as TP rank 0 of tp_shard (its shard of every split weight; collectives
     counted no-ops, patch_collectives), pools for `slots` sequences of up to ctx tokens (+ 8)
     or one prefill of `prefill` tokens; max_model_len max(ctx, prefill) + 16. The set-up that
@@ -167,7 +178,7 @@ def rank_runner(raw: dict, dev: str, slots: int, ctx: int, prefill: int = 0,
         raise RuntimeError(f"this process is already TP rank 0 of {get_tp_info().size}")
     bs = default_block_size(ModelConfig.from_dict(raw))
     blocks = max(slots * math.ceil((ctx + 8) / bs), math.ceil(prefill / bs)) + 1
-    return build_runner(raw, dev, slots, blocks, max(ctx, prefill) + 16, mtp, snapshots)
+    return build_runner(raw, dev, slots, blocks, max(ctx, prefill) + 16, mtp, snapshots, experts)
 
 
 def use_backend(r, be: str) -> None:

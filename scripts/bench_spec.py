@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench_model import (median_ms, rank_runner, raw_config, step_input,  # noqa: E402
-                         to_mx4, use_backend)
+                         use_backend)
 
 from backfit.runtime.drafting import Drafting  # noqa: E402
 
@@ -79,10 +79,9 @@ def bench_method(args, method: str) -> list[dict]:
     dev = "cuda" if cuda else "cpu"
     raw = raw_config(args.layers, args.tiny, "flash" if method == "mtp" else "0731")
     batches = [int(x) for x in args.batches.split(",")]
-    r = rank_runner(raw, dev, max(batches), args.ctx + 16, tp_shard=args.tp_shard, mtp=True)
+    r = rank_runner(raw, dev, max(batches), args.ctx + 16, tp_shard=args.tp_shard, mtp=True,
+                    experts=args.experts)    # mx4 built as such: INT8 slice + drafter ~76 GB
     use_backend(r, "triton" if cuda else "torch")
-    if args.experts == "mx4":
-        to_mx4(r, check=(1,))             # INT8 slice + drafter: ~76 GB on an H100
     nblk = math.ceil(r.rc.max_model_len / r.block_size)
     rows = []
     plain = {}

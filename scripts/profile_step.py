@@ -123,10 +123,9 @@ def spec_trace(a, log) -> None:
     method, k = a.spec.split(":")
     k = int(k)
     raw = bd.raw_config(a.layers, False, "flash" if method == "mtp" else "0731")
-    r = bd.rank_runner(raw, "cuda", 1, a.ctx + 16, tp_shard=a.tp_shard, mtp=True)
+    r = bd.rank_runner(raw, "cuda", 1, a.ctx + 16, tp_shard=a.tp_shard, mtp=True,
+                       experts="mx4" if a.experts == "mx4" else "int8")
     bd.use_backend(r, "triton")
-    if a.experts == "mx4":
-        log(f"experts -> mx4_e2m1: {bd.to_mx4(r, check=(1,))}")
     nblk = -(-r.rc.max_model_len // r.block_size)
     st = bd.step_input(r, 1, a.ctx)
     seqs = [(s.tokens[0], s.start, s.slot, s.block_table) for s in st.seqs]

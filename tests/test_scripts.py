@@ -95,3 +95,26 @@ def test_bench_spec_ab_cuts_gemv_entries_to_the_rows_it_compares(tmp_path):
                                        ["bf16", [2, 2], [4, 4], [1, 2], {"BN": 2}]]}))
     assert bench_spec_ab.extra_entries([str(f)], 3) == [
         ("int8", (8, 8), (4, 4), (3, 4), {"BN": 1})]
+
+
+def test_bench_model_builds_4bit_experts_without_int8():
+    """bench_model.build_runner(experts="mx4"): the routed experts are mx4_e2m1 from the start
+    (a slice with a drafter cannot hold its INT8 experts on an 80 GB card), the MTP block's too,
+    the shared expert stays INT8, and the MoE runs."""
+    import torch
+
+    import bench_model
+    from backfit.runtime.distributed import get_tp_info, set_tp_info, tp_is_set
+    if not tp_is_set():
+        set_tp_info(0, 1)
+    assert get_tp_info().size == 1
+    raw = bench_model.raw_config(2, True, "flash")
+    r = bench_model.build_runner(raw, "cpu", 1, 8, 64, mtp=True, experts="mx4")
+    ffn = r.model.layers[0].ffn
+    assert ffn.experts[0].w1.scheme == "mx4_e2m1" and ffn.shared_experts.w1.scheme == "int8_g128"
+    assert r.model.mtp[0].ffn.experts[3].w2.scheme == "mx4_e2m1"
+    w1 = ffn.experts[0].w1
+    assert w1.weight.dtype == torch.uint8 and w1.weight.shape[1] * 2 == w1.in_features
+    x = torch.randn(3, raw["hidden_size"]).bfloat16()
+    y = ffn(x, torch.tensor([5, 6, 7])).float()
+    assert torch.isfinite(y).all() and 0.05 < y.std() / x.float().std() < 20
