@@ -50,8 +50,10 @@ def raw_config(layers: int, tiny: bool, variant: str = "flash") -> dict:
 
 
 def patch_collectives() -> None:
-    """TP rank 0 alone: collectives return their input and are counted (calls, bytes)."""
-    from backfit.runtime import layers
+    """TP rank 0 alone: collectives return their input and are counted (calls, bytes); the
+    vision tower's row exchange returns zeros for the other ranks' images (rank 0 runs its
+    share of the tower, as at TP K)."""
+    from backfit.runtime import images, layers
     from backfit.runtime.model import attention, compressor, moe
 
     def counted(kind):
@@ -65,10 +67,17 @@ def patch_collectives() -> None:
         COMM["all_gather"] += 1
         COMM["all_gather_bytes"] += x.numel() * x.element_size()
         return torch.cat([x] * get_tp_info().size, dim=dim)
+    def gathered_rows(x, sizes):                          # runtime/images.py's exchange:
+        from backfit.runtime.distributed import get_tp_info   # this rank's rows, the others'
+        COMM["all_gather"] += 1                               # as zeros of their sizes
+        COMM["all_gather_bytes"] += x.numel() * x.element_size()
+        me = get_tp_info().rank
+        return [x if r == me else x.new_zeros(n, *x.shape[1:]) for r, n in enumerate(sizes)]
     for mod in (layers, moe, compressor, attention):       # every module that imports it
         if hasattr(mod, "all_reduce"):
             mod.all_reduce = counted("all_reduce")
     layers.all_gather = gathered
+    images.all_gather_rows = gathered_rows
 
 
 def scheme_of(name: str) -> str:

@@ -14,7 +14,8 @@ tower  runtime.model.vision's ViT + aligner at the real Vision-Exp dims (32 bloc
 ttft   one request: BOS, a few text ids, N distinct images of --image-size, a few text ids;
        time from LLMEngine.add_request to its first token, on a runner built as
        scripts/bench_model.py builds one (random weights, the first --layers layers of the real
-       schedule, TP rank 0 of a --tp-shard slice: collectives are counted no-ops) plus the
+       schedule, TP rank 0 of a --tp-shard slice: collectives are counted no-ops; of a step's
+       new images the tower runs rank 0's share, runtime/images.py) plus the
        vision tower, triton kernels, no CUDA graphs for image steps (the runner runs them
        eagerly), prefix caching off, an empty embedding cache (the tower runs for every image).
        Each count runs once untimed-for-the-figure (its first run, printed: Triton compiles
@@ -214,7 +215,8 @@ def main() -> None:
     ap.add_argument("--images", default="1,8,48,96", help="image counts of the TTFT requests")
     ap.add_argument("--image-size", default="1024x768", help="each TTFT image's size")
     ap.add_argument("--layers", type=int, default=None, help="default 43 (4 with --tiny)")
-    ap.add_argument("--tp-shard", type=int, default=4, help="the slice TP rank 0 of this many")
+    ap.add_argument("--tp-shard", type=int, default=None,
+                    help="the slice TP rank 0 of this many (default 4; 1 with --tiny)")
     ap.add_argument("--experts", choices=("int8", "mx4"), default="mx4")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=5, help="tower: timed calls per size")
@@ -228,7 +230,8 @@ def main() -> None:
     if a.tiny:
         torch.set_num_threads(1)
         a.images = ",".join(sorted({str(min(int(n), 4)) for n in a.images.split(",")}))
-        a.tp_shard, a.experts, a.reps, a.ttft_reps = 1, "int8", 1, 1
+        a.experts, a.reps, a.ttft_reps = "int8", 1, 1
+    a.tp_shard = a.tp_shard or (1 if a.tiny else 4)
     dtype = torch.float32 if dev == "cpu" else torch.bfloat16
     out = {"device": torch.cuda.get_device_name(0) if dev.startswith("cuda") else "cpu",
            "tiny": a.tiny, "args": vars(a)}

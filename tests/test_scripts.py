@@ -20,14 +20,16 @@ def test_bench_decode_profile_targets_exist():
 
 def test_bench_vision_tiny_dry_run(tmp_path):
     """scripts/bench_vision.py --tiny (the CPU dry run of the GPU benchmark): both parts run
-    through the runtime and the engine as the real-dims run does, and write their rows."""
+    through the runtime and the engine as the real-dims run does, and write their rows; as TP
+    rank 0 of 2, the tower's shared images through bench_model's no-op row exchange."""
     import json
     import os
     import subprocess
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, str(root / "scripts" / "bench_vision.py"), "--tiny",
                         "--sizes", "384x384", "--images", "1,2", "--image-size", "64x48",
-                        "--json", str(tmp_path / "v.json")], capture_output=True, text=True,
+                        "--tp-shard", "2", "--json", str(tmp_path / "v.json")],
+                       capture_output=True, text=True,
                        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root)))
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads((tmp_path / "v.json").read_text())
