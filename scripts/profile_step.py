@@ -104,7 +104,8 @@ def kernel_rooms() -> dict[str, str]:
         mod = importlib.import_module(m.name)
         room = m.name.split(".")[3]
         for k, v in vars(mod).items():
-            if isinstance(v, triton.runtime.jit.JITFunction) and v.__module__ == mod.__name__:
+            if isinstance(v, triton.runtime.jit.KernelInterface) \
+                    and getattr(v, "fn", v).__module__ == mod.__name__:   # JIT or interpreted
                 old = rooms.get(k)
                 rooms[k] = room if old in (None, room) else f"{old}|{room}"
     return rooms
