@@ -120,3 +120,28 @@ def test_bench_model_builds_4bit_experts_without_int8():
     x = torch.randn(3, raw["hidden_size"]).bfloat16()
     y = ffn(x, torch.tensor([5, 6, 7])).float()
     assert torch.isfinite(y).all() and 0.05 < y.std() / x.float().std() < 20
+
+
+def test_critical_path_walks_back_through_the_last_finished_kernel(tmp_path):
+    """scripts/critical_path.py on a two-stream trace log: the path skips a side-stream kernel
+    that overlaps it, follows one the main stream waited for, and is cut into layers at every
+    second post_mix."""
+    import critical_path as cp
+    rows = [(0.0, 2.0, "_post_mix_kernel"), (2.5, 6.0, "_gemv_kernel"),
+            (2.6, 9.0, "_a16_kernel"),                     # side stream, longer: waited for
+            (9.4, 12.0, "_decode_kernel"), (12.4, 14.0, "_post_mix_kernel"),
+            (12.5, 13.0, "_swiglu_kernel"),                # side stream, overlapped: not on it
+            (14.4, 20.0, "_mx4_gemv_word_kernel"), (20.4, 22.0, "_post_mix_kernel"),
+            (22.5, 30.0, "_gemv_kernel"), (30.4, 31.0, "_post_mix_kernel"),
+            (31.4, 32.0, "_post_mix_kernel")]
+    log = ["== plain: 11 kernels"] + [f"{s:9.1f} gap    0.4 dur {e - s:7.1f}  {n}"
+                                       for s, e, n in rows] + ["== spec: 0 kernels"]
+    f = tmp_path / "t.txt"
+    f.write_text("\n".join(log) + "\n")
+    ev = cp.read_section(f.read_text(), "plain")
+    assert len(ev) == 11
+    path = [n for _, _, n in cp.critical_path(ev)]
+    assert "_a16_kernel" in path and "_swiglu_kernel" not in path
+    assert path[:4] == ["_post_mix_kernel", "_a16_kernel", "_decode_kernel", "_post_mix_kernel"]
+    ls = cp.layers(cp.critical_path(ev), "_post_mix_kernel", 2)
+    assert [len(x) for x in ls] == [5, 3]

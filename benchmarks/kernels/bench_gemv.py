@@ -33,7 +33,8 @@ from backfit.runtime.kernels.linear import gemm, gemv  # noqa: E402
 DEV = "cuda"
 # name, N, K, kind (int8: int8_g128 -> bf16 out; bf16: bf16 weight -> fp32 out; bf16g: the
 # block-diagonal wo_a, gemv_grouped against the model's einsum, bf16 out), how TP splits
-# it (runtime.layers: "col" the output dim, "row" the input dim, "rep" replicated)
+# it (runtime.layers: "col" the output dim, "row" the input dim, "rep" replicated, "csa" the CSA
+# layer's fused FP32 projection: replicated but for the indexer's weights_proj, split by head)
 SHAPES = [
     ("wq_a|wkv", 1536, 4096, "int8", "rep"),
     ("wq_b", 32768, 1024, "int8", "col"),
@@ -42,7 +43,8 @@ SHAPES = [
     ("shared w2", 4096, 2048, "int8", "row"),
     ("indexer wq_b", 8192, 1024, "int8", "col"),
     ("router", 256, 4096, "bf16", "rep"),
-    ("compressor CSA", 2624, 4096, "bf16", "rep"),  # wkv|wgate 2·1024 + indexer 2·256 + weights_proj 64
+    ("compressor CSA", 2624, 4096, "bf16", "csa"),  # wkv|wgate 2·1024 + indexer 2·256 + weights_proj 64
+    #                                                 (weights_proj split by head: 2576 at tp 4)
     ("compressor HCA", 1024, 4096, "bf16", "rep"),  # wkv|wgate 2·512
     ("wo_a", 8192, 4096, "bf16g", "col"),           # 8 groups of 1024 rows (gemv_grouped)
 ]
@@ -54,7 +56,8 @@ def rank_shapes(tp: int) -> list[tuple[str, int, int, str]]:
     are tp 1's), named with the degree."""
     if tp == 1:
         return [s[:4] for s in SHAPES]
-    return [(f"{n} tp{tp}", N // tp if how == "col" else N, K // tp if how == "row" else K, kind)
+    n_of = {"col": lambda N: N // tp, "csa": lambda N: N - 64 + 64 // tp}
+    return [(f"{n} tp{tp}", n_of.get(how, lambda N: N)(N), K // tp if how == "row" else K, kind)
             for n, N, K, kind, how in SHAPES if how != "rep"]
 
 
