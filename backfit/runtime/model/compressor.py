@@ -211,7 +211,6 @@ class Compressor(nn.Module):
         E = self.rope(self.norm(E.to(dtype)), j * m)
         cache.write_entries_tokens(kind, pos, E)
 
-
     def _store_rows(self, cache, kind: str, pos: torch.Tensor, c: torch.Tensor, z: torch.Tensor,
                     ape_added: bool) -> None:
         """A multi-row decode batch's rows c, z [B, width] FP32 (z + ape[pos mod m] unless
@@ -223,6 +222,7 @@ class Compressor(nn.Module):
                        ape=None if ape_added else self.ape)
             return
         cache.write_rows_tokens(kind, pos, c, z if ape_added else z + self.ape[pos % self.ratio])
+
 
 class Indexer(nn.Module):
     """Lightning indexer: score_j = Σ_h w_h · ReLU(qI_h · K_j), top-k compressed entries per query.

@@ -206,7 +206,6 @@ def test_multi_row_rows_store_kernel_equals_the_torch_stores(tp1_process, monkey
     cfg = ModelConfig.from_dict(tiny_config_dict())
     li = cfg.compress_ratios.index(4)                          # a CSA layer: both compressors
     attn = Attention(cfg, 4)
-    g = torch.Generator().manual_seed(5)
     slots = torch.tensor([2, 2, 2, 0], dtype=torch.int32)      # three rows of one sequence
     pos = torch.tensor([6, 7, 8, 3])
     tables = torch.zeros(4, 4, dtype=torch.int32)
