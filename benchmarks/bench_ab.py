@@ -17,7 +17,8 @@ captured graph; flags read only outside the capture do nothing here. --tiny: sma
 CPU, torch backend, eager (a dry run of this script). --layers / --tp-shard: bench_decode.py's
 (e.g. --layers 43 --tp-shard 4: one TP-4 rank's slice, collectives counted no-ops; between
 processes that slice's step moved by up to ~10 % on 2026-12-02, so its A/B belongs here too);
---experts mx4: the routed experts re-laid-out as mx4_e2m1 first (bench_model.to_mx4).
+--experts mx4: the routed experts built as mx4_e2m1 (bench_model.fill_linear; the INT8 slice
+would fill an 80 GB card).
 """
 
 from __future__ import annotations
@@ -89,10 +90,9 @@ def main() -> None:
     dev = "cpu" if a.tiny else "cuda"
     batches = [int(x) for x in a.batches.split(",")]
     raw = bd.raw_config(a.layers, a.tiny)
-    r = bd.rank_runner(raw, dev, max(batches), a.ctx + 4, tp_shard=a.tp_shard)
+    r = bd.rank_runner(raw, dev, max(batches), a.ctx + 4, tp_shard=a.tp_shard,
+                       experts=a.experts)
     bd.use_backend(r, "torch" if a.tiny else "triton")
-    if a.experts == "mx4":
-        print(f"experts -> mx4_e2m1: {bd.to_mx4(r)}", flush=True)
     gpu = dev == "cuda"
     rows = []
     for m, name, value in switches:

@@ -188,10 +188,9 @@ def real_dims_runner(layers: int, slots: int, max_len: int, root: Path, tp_shard
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_model as bm
     raw = bm.raw_config(layers, False)
-    r = bm.rank_runner(raw, "cuda", slots, max_len, tp_shard=tp_shard, snapshots=snapshots)
+    r = bm.rank_runner(raw, "cuda", slots, max_len, tp_shard=tp_shard, snapshots=snapshots,
+                       experts=experts)            # mx4 built as such: INT8 fills an 80 GB card
     bm.use_backend(r, "triton")
-    if experts == "mx4":                        # the 43-layer INT8 slice needs an H200
-        bm.to_mx4(r, check=(1,))
     if tp_shard > 1:                            # one rank alone: the ids' broadcast a no-op,
         from backfit.runtime import distributed, layers     # the head's all-gather tp_shard
         distributed.broadcast_from_rank0 = lambda x: x      # copies of this rank's logits

@@ -19,8 +19,9 @@
   --python   the host's Python in eager forwards (decode batch 1 and 8, a 128-token prefill
              chunk): the unprofiled wall time, Python calls a forward, the top functions by own
              and by cumulative time (cProfile), and DIR/<case>.prof (pstats) to read elsewhere
-  --experts  the routed-expert scheme(s) traced (mx4: bench_model.to_mx4, the same values as
-             mx4_e2m1; both: the int8 run, then mx4 in the same process); default int8
+  --experts  the routed-expert scheme(s) traced (mx4: built as mx4_e2m1, the INT8 slice fills an
+             80 GB card; both: the int8 run, then bench_model.to_mx4's re-layout of the same
+             values in the same process); default int8
   --spec     METHOD:K (mtp or dspark): instead of the above, the batch-1 speculative step
              (runtime/graphs/spec.py: draft + verify of 1 + K rows, one replay) against the plain
              decode graph of the same model, each traced as --trace does, then both side by side
@@ -344,7 +345,8 @@ def main() -> None:
         return
     raw = bd.raw_config(a.layers, False)
     chunks = [int(n) for n in a.prefill.split(",") if n]
-    r = bd.rank_runner(raw, "cuda", 8, max(8184, a.ctx), max(chunks, default=0), a.tp_shard)
+    r = bd.rank_runner(raw, "cuda", 8, max(8184, a.ctx), max(chunks, default=0), a.tp_shard,
+                       experts="mx4" if a.experts == "mx4" else "int8")   # mx4 built as such
     bd.use_backend(r, "triton")
     pieces = None
     if a.prefill_graphs and chunks:
@@ -362,7 +364,7 @@ def main() -> None:
     if a.python:
         python_host(r, a.python, log)
     for scheme in ("int8", "mx4") if a.experts == "both" else (a.experts,):
-        if scheme == "mx4":
+        if scheme == "mx4" and a.experts == "both":
             r.graphs = None
             log(f"experts -> mx4_e2m1: {bd.to_mx4(r)}")
         if a.trace or a.host:

@@ -259,7 +259,13 @@ _SMALL_I_TILES = {
                   ("magic", 1, 512, 1, 2, 1), ("magic", 4, 1024, 4, 2, 1), ("magic", 16, 256, 4, 2, 1),
                   ("base", 8, 512, 2, 2, 1), ("base", 32, 512, 8, 2, 1)),
     "mx4_e2m1": (("word", 4, 512, 1, 2, 1), ("word", 4, 1024, 2, 2, 1), ("base", 4, 1024, 2, 2, 1),
-                 ("mma", 64, 512, 4, 3, 3), ("mma", 16, 512, 2, 3, 3), ("mma", 32, 512, 2, 1, 1))}
+                 ("mma", 64, 512, 4, 3, 3), ("mma", 16, 512, 2, 3, 3), ("mma", 32, 512, 2, 1, 1),
+                 # whole rows in one K step (all of a program's loads in flight at once): gate/up
+                 # K = 4096, down K = I = 512; then fewer rows a program for the down launch
+                 ("word", 4, 4096, 4, 1, 1), ("word", 4, 4096, 8, 1, 1), ("word", 2, 4096, 4, 1, 1),
+                 ("word", 8, 4096, 8, 1, 1), ("word", 4, 2048, 4, 1, 1), ("word", 2, 2048, 2, 1, 1),
+                 ("base", 4, 4096, 8, 1, 1), ("word", 8, 512, 1, 1, 1), ("word", 16, 512, 2, 1, 1),
+                 ("word", 32, 512, 4, 1, 1), ("mma", 32, 512, 4, 1, 1), ("mma", 16, 512, 1, 1, 1))}
 
 
 def decode_grid(scheme: str, pipe: bool = False, occ: bool = False,
