@@ -80,26 +80,61 @@ def _load_kv(base, rows, ok, SC, dd, d_ok, D: tl.constexpr, INT8: tl.constexpr,
 
 
 @triton.jit
+def _mul_rn(a, b, F32: tl.constexpr):
+    """FP32 a·b rounded on its own, never contracted into an FMA (the rope kernel's products,
+    which it gets from enable_fp_fusion=False); the interpreter never contracts."""
+    if F32:
+        return a * b
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _rope_q(QROW, q, dd, ok, p, QF, eps, D: tl.constexpr, QR: tl.constexpr, F32: tl.constexpr,
+            DT: tl.constexpr):
+    """q [BH, DP] FP32 of wq_b's act-dtype output, rows QROW [BH, 1] -> rope_norm.rope(q, pos,
+    QF, QR, norm=(None, eps)) in registers: each head RMS-normalised and rounded to DT, then the
+    interleaved pairs of its last QR lanes rotated by p·f (angles FP64 -> FP32, products rounded
+    apart) and rounded. A lane's pair partner (lane d xor 1) is a second load of the row."""
+    inv = tl.math.rsqrt(tl.sum(_mul_rn(q, q, F32), axis=1) / D + eps)             # [BH]
+    qn = _mul_rn(q, inv[:, None], F32).to(DT).to(tl.float32)
+    rot = dd >= D - QR                                                            # [DP]
+    qp = tl.load(QROW + (dd ^ 1)[None, :], mask=ok & rot[None, :], other=0.0).to(tl.float32)
+    qp = _mul_rn(qp, inv[:, None], F32).to(DT).to(tl.float32)
+    i = tl.where(rot, (dd - (D - QR)) // 2, 0)
+    ang = p.to(tl.float64) * tl.load(QF + i, mask=rot, other=0.0)
+    cos, sin = tl.cos(ang).to(tl.float32)[None, :], tl.sin(ang).to(tl.float32)[None, :]
+    a, b = _mul_rn(qn, cos, F32), _mul_rn(qp, sin, F32)    # even lane: x_d cos - x_d+1 sin
+    r = tl.where((dd % 2 == 0)[None, :], a - b, b + a)     # odd: x_d-1 sin + x_d cos
+    return tl.where(rot[None, :], r.to(DT).to(tl.float32), qn)
+
+
+@triton.jit
 def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SEQ, START,
-                   O, PO, PM, PL, H, R, stride_tb, n_sel, CHUNK, scale,
+                   O, PO, PM, PL, QF, H, R, stride_tb, n_sel, CHUNK, scale, q_eps,
                    W: tl.constexpr, RATIO: tl.constexpr, PB: tl.constexpr, MODE: tl.constexpr,
                    INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
                    BN: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr,
-                   EXACT: tl.constexpr, DT: tl.constexpr, PREFILL: tl.constexpr = False):
+                   EXACT: tl.constexpr, DT: tl.constexpr, PREFILL: tl.constexpr = False,
+                   QR: tl.constexpr = 0):
     """Program (query b, head block, split): keys [split·CHUNK, +CHUNK) of window ++ compressed.
 
     Decode: query b is sequence b's one token. PREFILL: query b belongs to sequence SEQ[b] whose
     chunk starts at START[b] and at row b - (p - START[b]) of q/kv; window positions >= START[b]
-    come from kv (in flight), earlier ones from the ring."""
+    come from kv (in flight), earlier ones from the ring. QR > 0 (decode): q is wq_b's output,
+    normed and rotated here (_rope_q; QF: the FP64 inv_freq [QR/2], q_eps the RMS eps)."""
     b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hh = hb * BH + tl.arange(0, BH)
     h_ok = hh < H
     dd = tl.arange(0, DP)
     d_ok = dd < D
     b64 = b.to(tl.int64)
-    q = tl.load(Q + (b64 * H + hh[:, None]) * D + dd[None, :], mask=h_ok[:, None] & d_ok[None, :],
-                other=0.0).to(tl.float32)                               # [BH, DP]
     p = tl.load(POS + b).to(tl.int32)                  # int64 or int32 positions
+    qrow = Q + (b64 * H + hh[:, None]) * D
+    q = tl.load(qrow + dd[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                other=0.0).to(tl.float32)                               # [BH, DP]
+    if QR > 0:
+        q = _rope_q(qrow, q, dd, h_ok[:, None] & d_ok[None, :], p, QF, q_eps, D, QR, F32, DT)
     if PREFILL:
         sq = tl.load(SEQ + b).to(tl.int64)                              # sequence of query b
         st = tl.load(START + b)
@@ -250,16 +285,20 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 
 def decode_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode="window",
                      entries=None, entry_scale=None, tables=None, ratio=0, sel=None,
-                     split=None, out_rope=None) -> torch.Tensor:
+                     split=None, out_rope=None, q_rope=None) -> torch.Tensor:
     """q [B, H, D] act dtype, kv [B, D] (this token's, not yet read from the ring), pos [B],
     sink [H] FP32, ring [S, R, D] (+ ring_scale [S, R] if int8), slots [B]; mode "hca" / "csa":
     entries [NB, PB, D] (+ entry_scale), tables [B, nblk] int, ratio; csa: sel [B, k] (-1 unused).
     -> o [B, H, D] FP32 (the torch path's attend output). out_rope = (inv_freq FP64 [r/2], r,
     dtype): o de-rotated by its position and rounded to dtype instead, = rope_norm.rope(o, pos,
     inv_freq, r, inverse=True, out_dtype=dtype) (Attention.post's first step); with split KV
-    it runs inside the merge launch (one launch fewer), else as that rope launch."""
+    it runs inside the merge launch (one launch fewer), else as that rope launch. q_rope =
+    (inv_freq FP64 [r/2], r, eps): q is wq_b's output, and the kernel first makes
+    rope_norm.rope(q, pos, inv_freq, r, norm=(None, eps)) of it (Attention's per-head RMS and
+    RoPE, one launch fewer; the same bits up to the RMS sum's order, i.e. FP32 rounding)."""
     return sparse_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode, entries,
-                            entry_scale, tables, ratio, sel, split=split, out_rope=out_rope)
+                            entry_scale, tables, ratio, sel, split=split, out_rope=out_rope,
+                            q_rope=q_rope)
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink: torch.Tensor,
@@ -268,7 +307,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
                      entry_scale: torch.Tensor | None = None, tables: torch.Tensor | None = None,
                      ratio: int = 0, sel: torch.Tensor | None = None,
                      seq: torch.Tensor | None = None, start: torch.Tensor | None = None,
-                     split: int | None = None, out_rope: tuple | None = None) -> torch.Tensor:
+                     split: int | None = None, out_rope: tuple | None = None,
+                     q_rope: tuple | None = None) -> torch.Tensor:
     """decode_attention for T queries of chunks (chunked prefill, mixed batches): q [T, H, D],
     kv [T, D] the chunks' own rows, pos [T], seq [T] the sequence (row of slots [NS], tables
     [NS, nblk]) and start [T] its chunk's first position; sel [T, k]. Rows of one sequence's
@@ -294,6 +334,13 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
     if q.dtype not in _TL or kv.dtype != q.dtype or (not int8 and ring.dtype != q.dtype):
         raise ValueError(f"decode_attention: q/kv/ring dtypes {q.dtype}/{kv.dtype}/{ring.dtype}")
     dev = q.device
+    qf, qr, q_eps = sink, 0, 0.0                # q_rope: decode only, as out_rope
+    if q_rope is not None:
+        qf, qr, q_eps = q_rope
+        if seq is not None or qf.dtype != torch.float64 or qf.shape != (qr // 2,) or qr % 2 \
+                or not 0 < qr <= D or q.dtype == torch.float32:
+            raise ValueError(f"decode_attention: q_rope = (FP64 inv_freq [r/2], even r <= D, "
+                             f"eps), decode only, q not FP32; got r={qr}, D={D}")
     PB, n_sel, n_comp = 1, 0, 0
     if mode != "window":
         if entries is None or tables is None or entries.shape[2] != D or tables.dim() != 2 \
@@ -327,11 +374,11 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
         else dummy, tables if tables is not None else slots, sel if sel is not None else slots,
         sink.float().contiguous(), slots if seq is None else seq.to(dev, torch.int32).contiguous(),
         slots if start is None else start.to(dev, torch.int32).contiguous(),
-        o, po, pm, pl, H, ring.shape[1],
+        o, po, pm, pl, qf.contiguous(), H, ring.shape[1],
         tables.shape[1] if tables is not None else 0, n_sel, cfg["CHUNK"], D ** -0.5,
-        W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D,
+        float(q_eps), W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D,
         DP=triton.next_power_of_2(D), BH=cfg["BH"], BN=cfg["BN"], SPLIT=S, F32=interpreted(),
-        EXACT=q.dtype == torch.float32, DT=_TL[q.dtype], PREFILL=seq is not None,
+        EXACT=q.dtype == torch.float32, DT=_TL[q.dtype], PREFILL=seq is not None, QR=qr,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if out_rope is not None:
