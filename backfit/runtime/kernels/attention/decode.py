@@ -12,7 +12,8 @@ p·V with p split into two BF16 halves (hi + lo, ~16 mantissa bits); online soft
 sink only in the denominator: o = Σ e^(s-M) k / (Σ e^(s-M) + e^(sink-M)).
 Split-KV (small batches): each program handles one key range and writes (m, l, acc); a second
 kernel merges the splits and adds the sink (decode_attention's out_rope: and applies the inverse
-RoPE of the output path, storing the act dtype). With one split the first kernel finishes alone.
+RoPE of the output path, storing the act dtype). With one split the first kernel finishes alone
+(and de-rotates in its epilogue: one launch for the whole attention).
 sparse_attention: the same kernel (PREFILL) for T queries of chunks (chunked prefill, mixed
 batches): query t of sequence seq[t] sees ring positions before its chunk's start and the
 chunk's own kv rows in flight (attention_torch.attend's keys), its HCA entries or CSA selection.
@@ -90,39 +91,51 @@ def _mul_rn(a, b, F32: tl.constexpr):
 
 
 @triton.jit
+def _rotate(x, xp, dd, p, F, D: tl.constexpr, R: tl.constexpr, SIGN: tl.constexpr,
+            F32: tl.constexpr, DT: tl.constexpr):
+    """rope_norm._rope_kernel's rotation of [.., DP] rows x (values already rounded to DT, FP32),
+    xp = x at lane d xor 1 (the pair partner): the interleaved pairs of the last R lanes turned
+    by SIGN·p·f (angles FP64 -> FP32, products rounded apart) and rounded to DT; the first D - R
+    lanes stay x."""
+    rot = dd >= D - R                                                             # [DP]
+    i = tl.where(rot, (dd - (D - R)) // 2, 0)
+    ang = p.to(tl.float64) * tl.load(F + i, mask=rot, other=0.0)
+    cos, sin = tl.cos(ang).to(tl.float32)[None, :], tl.sin(ang).to(tl.float32)[None, :] * SIGN
+    a, b = _mul_rn(x, cos, F32), _mul_rn(xp, sin, F32)     # even lane: x_d cos - x_d+1 sin
+    r = tl.where((dd % 2 == 0)[None, :], a - b, b + a)     # odd: x_d-1 sin + x_d cos
+    return tl.where(rot[None, :], r.to(DT).to(tl.float32), x)
+
+
+@triton.jit
 def _rope_q(QROW, q, dd, ok, p, QF, eps, D: tl.constexpr, QR: tl.constexpr, F32: tl.constexpr,
             DT: tl.constexpr):
     """q [BH, DP] FP32 of wq_b's act-dtype output, rows QROW [BH, 1] -> rope_norm.rope(q, pos,
-    QF, QR, norm=(None, eps)) in registers: each head RMS-normalised and rounded to DT, then the
-    interleaved pairs of its last QR lanes rotated by p·f (angles FP64 -> FP32, products rounded
-    apart) and rounded. A lane's pair partner (lane d xor 1) is a second load of the row."""
+    QF, QR, norm=(None, eps)) in registers: each head RMS-normalised and rounded to DT, then
+    _rotate; the pair partners are a second load of the row."""
     inv = tl.math.rsqrt(tl.sum(_mul_rn(q, q, F32), axis=1) / D + eps)             # [BH]
     qn = _mul_rn(q, inv[:, None], F32).to(DT).to(tl.float32)
-    rot = dd >= D - QR                                                            # [DP]
-    qp = tl.load(QROW + (dd ^ 1)[None, :], mask=ok & rot[None, :], other=0.0).to(tl.float32)
+    qp = tl.load(QROW + (dd ^ 1)[None, :], mask=ok & (dd >= D - QR)[None, :],
+                 other=0.0).to(tl.float32)
     qp = _mul_rn(qp, inv[:, None], F32).to(DT).to(tl.float32)
-    i = tl.where(rot, (dd - (D - QR)) // 2, 0)
-    ang = p.to(tl.float64) * tl.load(QF + i, mask=rot, other=0.0)
-    cos, sin = tl.cos(ang).to(tl.float32)[None, :], tl.sin(ang).to(tl.float32)[None, :]
-    a, b = _mul_rn(qn, cos, F32), _mul_rn(qp, sin, F32)    # even lane: x_d cos - x_d+1 sin
-    r = tl.where((dd % 2 == 0)[None, :], a - b, b + a)     # odd: x_d-1 sin + x_d cos
-    return tl.where(rot[None, :], r.to(DT).to(tl.float32), qn)
+    return _rotate(qn, qp, dd, p, QF, D, QR, 1.0, F32, DT)
 
 
 @triton.jit
 def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SEQ, START,
-                   O, PO, PM, PL, QF, H, R, stride_tb, n_sel, CHUNK, scale, q_eps,
+                   O, PO, PM, PL, QF, OF, OB, H, R, stride_tb, n_sel, CHUNK, scale, q_eps,
                    W: tl.constexpr, RATIO: tl.constexpr, PB: tl.constexpr, MODE: tl.constexpr,
                    INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
                    BN: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr,
                    EXACT: tl.constexpr, DT: tl.constexpr, PREFILL: tl.constexpr = False,
-                   QR: tl.constexpr = 0):
+                   QR: tl.constexpr = 0, OR: tl.constexpr = 0):
     """Program (query b, head block, split): keys [split·CHUNK, +CHUNK) of window ++ compressed.
 
     Decode: query b is sequence b's one token. PREFILL: query b belongs to sequence SEQ[b] whose
     chunk starts at START[b] and at row b - (p - START[b]) of q/kv; window positions >= START[b]
     come from kv (in flight), earlier ones from the ring. QR > 0 (decode): q is wq_b's output,
-    normed and rotated here (_rope_q; QF: the FP64 inv_freq [QR/2], q_eps the RMS eps)."""
+    normed and rotated here (_rope_q; QF: the FP64 inv_freq [QR/2], q_eps the RMS eps).
+    OR > 0 (decode, SPLIT 1): o is also de-rotated by p (OF: inv_freq [OR/2]) and stored
+    rounded in OB (act dtype), re-read from O after a CTA barrier for the pair partners."""
     b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hh = hb * BH + tl.arange(0, BH)
     h_ok = hh < H
@@ -189,8 +202,15 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SE
         M = tl.maximum(m_i, sink)
         a = tl.exp(m_i - M)
         o = acc * a[:, None] / (l_i * a + tl.exp(sink - M))[:, None]
-        tl.store(O + (b64 * H + hh[:, None]) * D + dd[None, :], o,
-                 mask=h_ok[:, None] & d_ok[None, :])
+        orow = (b64 * H + hh[:, None]) * D
+        tl.store(O + orow + dd[None, :], o, mask=h_ok[:, None] & d_ok[None, :])
+        if OR > 0:                                 # _merge_rope_kernel's de-rotation, one split
+            tl.debug_barrier()                                  # every lane of o stored
+            op = tl.load(O + orow + (dd ^ 1)[None, :], mask=h_ok[:, None] & (dd >= D - OR)[None, :],
+                         other=0.0)
+            ob = _rotate(o.to(DT).to(tl.float32), op.to(DT).to(tl.float32), dd, p, OF, D, OR,
+                         -1.0, F32, DT)
+            tl.store(OB + orow + dd[None, :], ob.to(DT), mask=h_ok[:, None] & d_ok[None, :])
     else:
         row = (b64 * H + hh) * SPLIT + sp                                # [BH] in [B, H, SPLIT]
         tl.store(PM + row, m_i, mask=h_ok)
@@ -264,15 +284,21 @@ MERGE_PAIRS = 64      # _merge_rope_kernel: rotation pairs per program (D = 512:
 # decode + merge 31.0 / 33.7 us at ctx 512 / 32K (the merge 19.5 us of it in the step's trace);
 # capped at 16 (-> 10 splits of 64 keys, SP 16) 20.5 / 21.1 us; window / HCA rows within noise
 MAX_SPLIT = 16
+# decode with out_rope: key tiles up to this many run as ONE split whose epilogue de-rotates
+# (no merge launch: the window / HCA layers' few keys in one program); 0: split as above.
+ONE_SPLIT_STEPS = 0
 
 
 def decode_config(B: int, H: int, n_keys: int, sms: int, split: int | None = None,
-                  prefill: bool = False) -> dict:
+                  prefill: bool = False, one_split: bool = False) -> dict:
     """Tiles and split count: >= ~2 programs per SM when the batch alone does not fill them.
-    prefill: 16-key tiles (the in-flight kv tile is a second buffer: 32 would pass 99 KB)."""
+    prefill: 16-key tiles (the in-flight kv tile is a second buffer: 32 would pass 99 KB).
+    one_split (decode with out_rope): one split up to ONE_SPLIT_STEPS key tiles."""
     BH, BN = 16, 16 if prefill else 32
     progs = B * triton.cdiv(H, BH)
     steps = max(1, triton.cdiv(n_keys, BN))
+    if split is None and one_split and steps <= ONE_SPLIT_STEPS:
+        split = 1
     if split is None:
         split = max(1, min(MAX_SPLIT, steps, triton.cdiv(2 * sms, progs)))
     chunk = triton.cdiv(steps, split) * BN
@@ -292,7 +318,7 @@ def decode_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode="wi
     -> o [B, H, D] FP32 (the torch path's attend output). out_rope = (inv_freq FP64 [r/2], r,
     dtype): o de-rotated by its position and rounded to dtype instead, = rope_norm.rope(o, pos,
     inv_freq, r, inverse=True, out_dtype=dtype) (Attention.post's first step); with split KV
-    it runs inside the merge launch (one launch fewer), else as that rope launch. q_rope =
+    it runs inside the merge launch (one launch fewer), else in the kernel's epilogue. q_rope =
     (inv_freq FP64 [r/2], r, eps): q is wq_b's output, and the kernel first makes
     rope_norm.rope(q, pos, inv_freq, r, norm=(None, eps)) of it (Attention's per-head RMS and
     RoPE, one launch fewer; the same bits up to the RMS sum's order, i.e. FP32 rounding)."""
@@ -314,7 +340,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
     [NS, nblk]) and start [T] its chunk's first position; sel [T, k]. Rows of one sequence's
     chunk are consecutive in q/kv. seq=None: one token per sequence (decode). out_rope (decode
     only, see decode_attention): with split KV the merge de-rotates and rounds, with one split
-    the rope launch after the attention kernel does."""
+    the attention kernel's epilogue (a dtype other than q's: the rope launch after it)."""
     if q.dim() != 3 or kv.shape != (q.shape[0], q.shape[2]) or pos.shape != (q.shape[0],):
         raise ValueError(f"decode_attention: q [B, H, D], kv [B, D], pos [B]; got "
                          f"{list(q.shape)}, {list(kv.shape)}, {list(pos.shape)}")
@@ -356,15 +382,24 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
             sel = sel.to(device=dev, dtype=torch.int32).contiguous()
             n_sel = n_comp = sel.shape[1]
         tables = tables.to(device=dev, dtype=torch.int32).contiguous()
+    if out_rope is not None:
+        f, r, dt = out_rope
+        if seq is not None or f.dtype != torch.float64 or f.shape != (r // 2,) or r % 2 \
+                or r > D or D & (D - 1):
+            raise ValueError(f"decode_attention: out_rope = (FP64 inv_freq [r/2], even r <= D, "
+                             f"dtype), decode only, D a power of 2; got r={r}, D={D}")
     o = torch.empty(B, H, D, dtype=torch.float32, device=dev)
     if B == 0:
-        return o
+        return o if out_rope is None else o.to(out_rope[2])
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-    cfg = decode_config(B, H, window + n_comp, sms, split, seq is not None)
+    cfg = decode_config(B, H, window + n_comp, sms, split, seq is not None,
+                        out_rope is not None and seq is None)
     S = cfg["SPLIT"]
     po = torch.empty(B, H, S, D, dtype=torch.float32, device=dev) if S > 1 else o
     pm = torch.empty(B, H, S, dtype=torch.float32, device=dev) if S > 1 else o
     pl = torch.empty_like(pm) if S > 1 else o
+    rot = None if out_rope is None else torch.empty(B, H, D, dtype=out_rope[2], device=dev)
+    tail = rot is not None and S == 1 and rot.dtype == q.dtype      # de-rotated in the kernel
     dummy = ring_scale if int8 else sink
     ent = entries if entries is not None else ring
     grid = (B, triton.cdiv(H, cfg["BH"]), S)
@@ -374,24 +409,19 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
         else dummy, tables if tables is not None else slots, sel if sel is not None else slots,
         sink.float().contiguous(), slots if seq is None else seq.to(dev, torch.int32).contiguous(),
         slots if start is None else start.to(dev, torch.int32).contiguous(),
-        o, po, pm, pl, qf.contiguous(), H, ring.shape[1],
-        tables.shape[1] if tables is not None else 0, n_sel, cfg["CHUNK"], D ** -0.5,
-        float(q_eps), W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D,
-        DP=triton.next_power_of_2(D), BH=cfg["BH"], BN=cfg["BN"], SPLIT=S, F32=interpreted(),
-        EXACT=q.dtype == torch.float32, DT=_TL[q.dtype], PREFILL=seq is not None, QR=qr,
-        num_warps=cfg["num_warps"],
+        o, po, pm, pl, qf.contiguous(), f.contiguous() if tail else qf, rot if tail else o, H,
+        ring.shape[1], tables.shape[1] if tables is not None else 0, n_sel, cfg["CHUNK"],
+        D ** -0.5, float(q_eps), W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode],
+        INT8=int8, D=D, DP=triton.next_power_of_2(D), BH=cfg["BH"], BN=cfg["BN"], SPLIT=S,
+        F32=interpreted(), EXACT=q.dtype == torch.float32, DT=_TL[q.dtype],
+        PREFILL=seq is not None, QR=qr, OR=r if tail else 0, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
-    if out_rope is not None:
-        f, r, dt = out_rope
-        if seq is not None or f.dtype != torch.float64 or f.shape != (r // 2,) or r % 2 \
-                or r > D or D & (D - 1):
-            raise ValueError(f"decode_attention: out_rope = (FP64 inv_freq [r/2], even r <= D, "
-                             f"dtype), decode only, D a power of 2; got r={r}, D={D}")
-    if out_rope is not None and S == 1:             # no merge launch: the rope kernel's own
+    if tail:
+        return rot
+    if out_rope is not None and S == 1:             # another dtype: the rope kernel's launch
         from backfit.runtime.kernels.rope_norm import rope
         return rope(o, pos, f, r, inverse=True, out_dtype=dt)
     if out_rope is not None:
-        rot = torch.empty(B, H, D, dtype=dt, device=dev)
         dh = min(D // 2, MERGE_PAIRS)                # D a power of 2: dh divides D / 2
         _merge_rope_kernel[(B, H, D // 2 // dh)](
             po, pm, pl, sink.float().contiguous(), pos.to(dev).contiguous(), f.contiguous(),
