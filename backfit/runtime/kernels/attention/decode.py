@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from backfit.runtime.kernels.attention.merge import MERGE_PAIRS, _merge_kernel, \
+    _merge_rope_kernel, _rope_q, _rotate
 from backfit.runtime.kernels.common import interpreted
 
 __all__ = ["decode_attention", "sparse_attention", "decode_config"]
@@ -78,46 +80,6 @@ def _load_kv(base, rows, ok, SC, dd, d_ok, D: tl.constexpr, INT8: tl.constexpr,
         s = tl.load(SC + rows, mask=ok, other=0.0)
         x = (x.to(tl.float32) * s[:, None]).to(DT)                     # = _Store.get
     return x.to(tl.float32)
-
-
-@triton.jit
-def _mul_rn(a, b, F32: tl.constexpr):
-    """FP32 a·b rounded on its own, never contracted into an FMA (the rope kernel's products,
-    which it gets from enable_fp_fusion=False); the interpreter never contracts."""
-    if F32:
-        return a * b
-    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
-                                     dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _rotate(x, xp, dd, p, F, D: tl.constexpr, R: tl.constexpr, SIGN: tl.constexpr,
-            F32: tl.constexpr, DT: tl.constexpr):
-    """rope_norm._rope_kernel's rotation of [.., DP] rows x (values already rounded to DT, FP32),
-    xp = x at lane d xor 1 (the pair partner): the interleaved pairs of the last R lanes turned
-    by SIGN·p·f (angles FP64 -> FP32, products rounded apart) and rounded to DT; the first D - R
-    lanes stay x."""
-    rot = dd >= D - R                                                             # [DP]
-    i = tl.where(rot, (dd - (D - R)) // 2, 0)
-    ang = p.to(tl.float64) * tl.load(F + i, mask=rot, other=0.0)
-    cos, sin = tl.cos(ang).to(tl.float32)[None, :], tl.sin(ang).to(tl.float32)[None, :] * SIGN
-    a, b = _mul_rn(x, cos, F32), _mul_rn(xp, sin, F32)     # even lane: x_d cos - x_d+1 sin
-    r = tl.where((dd % 2 == 0)[None, :], a - b, b + a)     # odd: x_d-1 sin + x_d cos
-    return tl.where(rot[None, :], r.to(DT).to(tl.float32), x)
-
-
-@triton.jit
-def _rope_q(QROW, q, dd, ok, p, QF, eps, D: tl.constexpr, QR: tl.constexpr, F32: tl.constexpr,
-            DT: tl.constexpr):
-    """q [BH, DP] FP32 of wq_b's act-dtype output, rows QROW [BH, 1] -> rope_norm.rope(q, pos,
-    QF, QR, norm=(None, eps)) in registers: each head RMS-normalised and rounded to DT, then
-    _rotate; the pair partners are a second load of the row."""
-    inv = tl.math.rsqrt(tl.sum(_mul_rn(q, q, F32), axis=1) / D + eps)             # [BH]
-    qn = _mul_rn(q, inv[:, None], F32).to(DT).to(tl.float32)
-    qp = tl.load(QROW + (dd ^ 1)[None, :], mask=ok & (dd >= D - QR)[None, :],
-                 other=0.0).to(tl.float32)
-    qp = _mul_rn(qp, inv[:, None], F32).to(DT).to(tl.float32)
-    return _rotate(qn, qp, dd, p, QF, D, QR, 1.0, F32, DT)
 
 
 @triton.jit
@@ -218,67 +180,6 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SE
         tl.store(PO + row[:, None] * D + dd[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
-def _merge_kernel(PO, PM, PL, SINK, O, H, D: tl.constexpr, DP: tl.constexpr,
-                  SPLIT: tl.constexpr, SP: tl.constexpr):
-    """(b, h): o = Σ_s e^(m_s-M) acc_s / (Σ_s e^(m_s-M) l_s + e^(sink-M)), M = max(m_s, sink)."""
-    b, h = tl.program_id(0), tl.program_id(1)
-    row = (b.to(tl.int64) * H + h) * SPLIT
-    ss = tl.arange(0, SP)
-    s_ok = ss < SPLIT
-    dd = tl.arange(0, DP)
-    m = tl.load(PM + row + ss, mask=s_ok, other=-1e30)
-    l = tl.load(PL + row + ss, mask=s_ok, other=0.0)
-    acc = tl.load(PO + (row + ss[:, None]) * D + dd[None, :],
-                  mask=s_ok[:, None] & (dd < D)[None, :],
-                  other=0.0)                                            # [SP, DP]
-    sink = tl.load(SINK + h)
-    M = tl.maximum(tl.max(m, axis=0), sink)
-    a = tl.exp(m - M)
-    o = tl.sum(acc * a[:, None], axis=0) / (tl.sum(l * a, axis=0) + tl.exp(sink - M))
-    tl.store(O + (b.to(tl.int64) * H + h) * D + dd, o, mask=dd < D)
-
-
-@triton.jit
-def _merge_rope_kernel(PO, PM, PL, SINK, POS, F, O, H, D: tl.constexpr, R: tl.constexpr,
-                       SPLIT: tl.constexpr, SP: tl.constexpr, DH: tl.constexpr):
-    """_merge_kernel, then the inverse RoPE of _output (rope_norm._rope_kernel, SIGN -1) on the
-    merged o, stored in O's dtype: o is merged as even / odd lanes so the rotation pairs (2i,
-    2i+1) sit in registers; lanes before D - R are only rounded. Program (b, h, pair block):
-    DH pairs of the D/2 (a [SP, DH] tile per lane parity: at 20+ splits, the CSA layer's, a
-    whole head's [SP, D/2] spilled). Launched with FMA contraction off, as the rope kernel
-    (every product and sum rounded as torch does)."""
-    b, h = tl.program_id(0), tl.program_id(1)
-    row = (b.to(tl.int64) * H + h) * SPLIT
-    ss = tl.arange(0, SP)
-    s_ok = ss < SPLIT
-    i = tl.program_id(2) * DH + tl.arange(0, DH)                       # pair index
-    m = tl.load(PM + row + ss, mask=s_ok, other=-1e30)
-    l = tl.load(PL + row + ss, mask=s_ok, other=0.0)
-    base = PO + (row + ss[:, None]) * D + 2 * i[None, :]
-    acc_e = tl.load(base, mask=s_ok[:, None], other=0.0)                # [SP, DH] lanes 2i
-    acc_o = tl.load(base + 1, mask=s_ok[:, None], other=0.0)            # lanes 2i + 1
-    sink = tl.load(SINK + h)
-    M = tl.maximum(tl.max(m, axis=0), sink)
-    a = tl.exp(m - M)
-    den = tl.sum(l * a, axis=0) + tl.exp(sink - M)
-    oe = tl.sum(acc_e * a[:, None], axis=0) / den
-    oo = tl.sum(acc_o * a[:, None], axis=0) / den
-    oe = oe.to(O.dtype.element_ty).to(tl.float32)                       # rope's rounded inputs
-    oo = oo.to(O.dtype.element_ty).to(tl.float32)
-    rot = i >= (D - R) // 2                                             # pairs of the last R dims
-    j = tl.where(rot, i - (D - R) // 2, 0)
-    ang = tl.load(POS + b).to(tl.float64) * tl.load(F + j, mask=rot, other=0.0)
-    cos = tl.where(rot, tl.cos(ang).to(tl.float32), 1.0)
-    sin = tl.where(rot, -tl.sin(ang).to(tl.float32), 0.0)              # inverse: by -pos·f
-    re = oe * cos - oo * sin
-    ro = oe * sin + oo * cos
-    out = O + (b.to(tl.int64) * H + h) * D + 2 * i
-    tl.store(out, tl.where(rot, re, oe).to(O.dtype.element_ty))
-    tl.store(out + 1, tl.where(rot, ro, oo).to(O.dtype.element_ty))
-
-
-MERGE_PAIRS = 64      # _merge_rope_kernel: rotation pairs per program (D = 512: 4 programs a head)
 # most KV splits a decode program row gets: the merge's [SP, DH] tiles at SP = next_pow2(split).
 # H200 (bench_attention.py --merge, batch 1, 2026-12-01): the CSA layer's 20 splits (SP 32) cost
 # decode + merge 31.0 / 33.7 us at ctx 512 / 32K (the merge 19.5 us of it in the step's trace);

@@ -47,6 +47,10 @@ GEMV_TABLE: list[tuple[str, tuple[int, int], tuple[int, int], tuple[int, int], d
     ("int8", (1024, 1024), (4096, 4096), (2, 2), _cfg("fma", 1, 1024, 4, False)),
     # indexer wq_b, M=1 2.73 vs 5.80, M=2 3.31 vs 5.75 (M=8: 5.65 vs 5.79, left to a16)
     ("int8", (2048, 2048), (1024, 1024), (1, 2), _cfg("cuda", 4, 2048, 4, True)),
+    # the CSA layer's FP32 fused projection (compressor wkv|wgate, indexer's, weights_proj split
+    # by head: 2,576 rows; `bench_gemv.py --tp 4 --only "compressor CSA"`, H100, 2026-12-06)
+    ("bf16", (2576, 2576), (4096, 4096), (1, 1), _cfg("cuda", 1, 4096, 8)),  # M=1 9.29 vs 13.89
+    ("bf16", (2576, 2576), (4096, 4096), (2, 2), _cfg("fma", 1, 1024, 4)),  # M=2 10.14 vs 12.57
     # shared w2, M=1 2.62 vs 5.41, M=2 3.21 vs 5.46
     ("int8", (4096, 4096), (512, 512), (1, 1), _cfg("cuda", 4, 2048, 4, True)),
     ("int8", (4096, 4096), (512, 512), (2, 2), _cfg("cuda", 4, 1024, 4, False)),
