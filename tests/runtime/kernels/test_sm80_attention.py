@@ -27,8 +27,7 @@ def compile_all() -> list[dict]:
     types = dict(Q="*bf16", KV="*bf16", RING="*bf16", RSC="*fp32", SLOTS="*i32", POS="*i32",
                  ENT="*bf16", ESC="*fp32", TABLES="*i32", SEL="*i32", SINK="*fp32",
                  SEQ="*i32", START="*i32", O="*fp32",
-                 PO="*fp32", PM="*fp32", PL="*fp32", QF="*fp64", OF="*fp64", OB="*bf16",
-                 H="i32", R="i32",
+                 PO="*fp32", PM="*fp32", PL="*fp32", QF="*fp64", H="i32", R="i32",
                  stride_tb="i32", n_sel="i32", CHUNK="i32", scale="fp32", q_eps="fp32")
     for mode, split, int8, prefill, qr in ((0, 1, False, False, 64), (1, 1, True, False, 0),
                                            (2, 1, False, False, 0), (1, 8, False, False, 64),
@@ -41,7 +40,7 @@ def compile_all() -> list[dict]:
         out.append(_compile(attention._decode_kernel, t, dict(
             cfg, W=128, RATIO=128 if mode == 1 else 4, PB=1 if mode == 1 else 32, MODE=mode,
             INT8=int8, D=512, DP=512, F32=False, EXACT=False, DT=tl.bfloat16, PREFILL=prefill,
-            QR=qr, OR=qr if split == 1 else 0),
+            QR=qr),
             opts, ("H", "CHUNK")))
     out.append(_compile(attention._merge_kernel, dict(PO="*fp32", PM="*fp32", PL="*fp32",
                         SINK="*fp32", O="*fp32", H="i32"), dict(D=512, DP=512, SPLIT=20, SP=32),

@@ -12,8 +12,7 @@ p·V with p split into two BF16 halves (hi + lo, ~16 mantissa bits); online soft
 sink only in the denominator: o = Σ e^(s-M) k / (Σ e^(s-M) + e^(sink-M)).
 Split-KV (small batches): each program handles one key range and writes (m, l, acc); a second
 kernel merges the splits and adds the sink (decode_attention's out_rope: and applies the inverse
-RoPE of the output path, storing the act dtype). With one split the first kernel finishes alone
-(and de-rotates in its epilogue: one launch for the whole attention).
+RoPE of the output path, storing the act dtype). With one split the first kernel finishes alone.
 sparse_attention: the same kernel (PREFILL) for T queries of chunks (chunked prefill, mixed
 batches): query t of sequence seq[t] sees ring positions before its chunk's start and the
 chunk's own kv rows in flight (attention_torch.attend's keys), its HCA entries or CSA selection.
@@ -26,7 +25,7 @@ import triton
 import triton.language as tl
 
 from backfit.runtime.kernels.attention.merge import MERGE_PAIRS, _merge_kernel, \
-    _merge_rope_kernel, _rope_q, _rotate
+    _merge_rope_kernel, _rope_q
 from backfit.runtime.kernels.common import interpreted
 
 __all__ = ["decode_attention", "sparse_attention", "decode_config"]
@@ -84,20 +83,18 @@ def _load_kv(base, rows, ok, SC, dd, d_ok, D: tl.constexpr, INT8: tl.constexpr,
 
 @triton.jit
 def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SEQ, START,
-                   O, PO, PM, PL, QF, OF, OB, H, R, stride_tb, n_sel, CHUNK, scale, q_eps,
+                   O, PO, PM, PL, QF, H, R, stride_tb, n_sel, CHUNK, scale, q_eps,
                    W: tl.constexpr, RATIO: tl.constexpr, PB: tl.constexpr, MODE: tl.constexpr,
                    INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
                    BN: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr,
                    EXACT: tl.constexpr, DT: tl.constexpr, PREFILL: tl.constexpr = False,
-                   QR: tl.constexpr = 0, OR: tl.constexpr = 0):
+                   QR: tl.constexpr = 0):
     """Program (query b, head block, split): keys [split·CHUNK, +CHUNK) of window ++ compressed.
 
     Decode: query b is sequence b's one token. PREFILL: query b belongs to sequence SEQ[b] whose
     chunk starts at START[b] and at row b - (p - START[b]) of q/kv; window positions >= START[b]
     come from kv (in flight), earlier ones from the ring. QR > 0 (decode): q is wq_b's output,
-    normed and rotated here (_rope_q; QF: the FP64 inv_freq [QR/2], q_eps the RMS eps).
-    OR > 0 (decode, SPLIT 1): o is also de-rotated by p (OF: inv_freq [OR/2]) and stored
-    rounded in OB (act dtype), re-read from O after a CTA barrier for the pair partners."""
+    normed and rotated here (_rope_q; QF: the FP64 inv_freq [QR/2], q_eps the RMS eps)."""
     b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hh = hb * BH + tl.arange(0, BH)
     h_ok = hh < H
@@ -109,7 +106,7 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SE
     q = tl.load(qrow + dd[None, :], mask=h_ok[:, None] & d_ok[None, :],
                 other=0.0).to(tl.float32)                               # [BH, DP]
     if QR > 0:
-        q = _rope_q(qrow, q, dd, h_ok[:, None] & d_ok[None, :], p, QF, q_eps, D, QR, F32, DT)
+        q = _rope_q(qrow, q, h_ok, p, QF, q_eps, BH, D, QR, F32, DT)            # DP == D
     if PREFILL:
         sq = tl.load(SEQ + b).to(tl.int64)                              # sequence of query b
         st = tl.load(START + b)
@@ -164,15 +161,8 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SE
         M = tl.maximum(m_i, sink)
         a = tl.exp(m_i - M)
         o = acc * a[:, None] / (l_i * a + tl.exp(sink - M))[:, None]
-        orow = (b64 * H + hh[:, None]) * D
-        tl.store(O + orow + dd[None, :], o, mask=h_ok[:, None] & d_ok[None, :])
-        if OR > 0:                                 # _merge_rope_kernel's de-rotation, one split
-            tl.debug_barrier()                                  # every lane of o stored
-            op = tl.load(O + orow + (dd ^ 1)[None, :], mask=h_ok[:, None] & (dd >= D - OR)[None, :],
-                         other=0.0)
-            ob = _rotate(o.to(DT).to(tl.float32), op.to(DT).to(tl.float32), dd, p, OF, D, OR,
-                         -1.0, F32, DT)
-            tl.store(OB + orow + dd[None, :], ob.to(DT), mask=h_ok[:, None] & d_ok[None, :])
+        tl.store(O + (b64 * H + hh[:, None]) * D + dd[None, :], o,
+                 mask=h_ok[:, None] & d_ok[None, :])
     else:
         row = (b64 * H + hh) * SPLIT + sp                                # [BH] in [B, H, SPLIT]
         tl.store(PM + row, m_i, mask=h_ok)
@@ -185,21 +175,15 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SE
 # decode + merge 31.0 / 33.7 us at ctx 512 / 32K (the merge 19.5 us of it in the step's trace);
 # capped at 16 (-> 10 splits of 64 keys, SP 16) 20.5 / 21.1 us; window / HCA rows within noise
 MAX_SPLIT = 16
-# decode with out_rope: key tiles up to this many run as ONE split whose epilogue de-rotates
-# (no merge launch: the window / HCA layers' few keys in one program); 0: split as above.
-ONE_SPLIT_STEPS = 0
 
 
 def decode_config(B: int, H: int, n_keys: int, sms: int, split: int | None = None,
-                  prefill: bool = False, one_split: bool = False) -> dict:
+                  prefill: bool = False) -> dict:
     """Tiles and split count: >= ~2 programs per SM when the batch alone does not fill them.
-    prefill: 16-key tiles (the in-flight kv tile is a second buffer: 32 would pass 99 KB).
-    one_split (decode with out_rope): one split up to ONE_SPLIT_STEPS key tiles."""
+    prefill: 16-key tiles (the in-flight kv tile is a second buffer: 32 would pass 99 KB)."""
     BH, BN = 16, 16 if prefill else 32
     progs = B * triton.cdiv(H, BH)
     steps = max(1, triton.cdiv(n_keys, BN))
-    if split is None and one_split and steps <= ONE_SPLIT_STEPS:
-        split = 1
     if split is None:
         split = max(1, min(MAX_SPLIT, steps, triton.cdiv(2 * sms, progs)))
     chunk = triton.cdiv(steps, split) * BN
@@ -219,7 +203,7 @@ def decode_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode="wi
     -> o [B, H, D] FP32 (the torch path's attend output). out_rope = (inv_freq FP64 [r/2], r,
     dtype): o de-rotated by its position and rounded to dtype instead, = rope_norm.rope(o, pos,
     inv_freq, r, inverse=True, out_dtype=dtype) (Attention.post's first step); with split KV
-    it runs inside the merge launch (one launch fewer), else in the kernel's epilogue. q_rope =
+    it runs inside the merge launch (one launch fewer), else as that rope launch. q_rope =
     (inv_freq FP64 [r/2], r, eps): q is wq_b's output, and the kernel first makes
     rope_norm.rope(q, pos, inv_freq, r, norm=(None, eps)) of it (Attention's per-head RMS and
     RoPE, one launch fewer; the same bits up to the RMS sum's order, i.e. FP32 rounding)."""
@@ -241,7 +225,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
     [NS, nblk]) and start [T] its chunk's first position; sel [T, k]. Rows of one sequence's
     chunk are consecutive in q/kv. seq=None: one token per sequence (decode). out_rope (decode
     only, see decode_attention): with split KV the merge de-rotates and rounds, with one split
-    the attention kernel's epilogue (a dtype other than q's: the rope launch after it)."""
+    the rope launch after the attention kernel does."""
     if q.dim() != 3 or kv.shape != (q.shape[0], q.shape[2]) or pos.shape != (q.shape[0],):
         raise ValueError(f"decode_attention: q [B, H, D], kv [B, D], pos [B]; got "
                          f"{list(q.shape)}, {list(kv.shape)}, {list(pos.shape)}")
@@ -265,9 +249,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
     if q_rope is not None:
         qf, qr, q_eps = q_rope
         if seq is not None or qf.dtype != torch.float64 or qf.shape != (qr // 2,) or qr % 2 \
-                or not 0 < qr <= D or q.dtype == torch.float32:
-            raise ValueError(f"decode_attention: q_rope = (FP64 inv_freq [r/2], even r <= D, "
-                             f"eps), decode only, q not FP32; got r={qr}, D={D}")
+                or not 0 < qr <= D or qr & (qr - 1) or D & (D - 1) or q.dtype == torch.float32:
+            raise ValueError(f"decode_attention: q_rope = (FP64 inv_freq [r/2], r <= D powers "
+                             f"of 2, eps), decode only, q not FP32; got r={qr}, D={D}")
     PB, n_sel, n_comp = 1, 0, 0
     if mode != "window":
         if entries is None or tables is None or entries.shape[2] != D or tables.dim() != 2 \
@@ -293,14 +277,11 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
     if B == 0:
         return o if out_rope is None else o.to(out_rope[2])
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-    cfg = decode_config(B, H, window + n_comp, sms, split, seq is not None,
-                        out_rope is not None and seq is None)
+    cfg = decode_config(B, H, window + n_comp, sms, split, seq is not None)
     S = cfg["SPLIT"]
     po = torch.empty(B, H, S, D, dtype=torch.float32, device=dev) if S > 1 else o
     pm = torch.empty(B, H, S, dtype=torch.float32, device=dev) if S > 1 else o
     pl = torch.empty_like(pm) if S > 1 else o
-    rot = None if out_rope is None else torch.empty(B, H, D, dtype=out_rope[2], device=dev)
-    tail = rot is not None and S == 1 and rot.dtype == q.dtype      # de-rotated in the kernel
     dummy = ring_scale if int8 else sink
     ent = entries if entries is not None else ring
     grid = (B, triton.cdiv(H, cfg["BH"]), S)
@@ -310,19 +291,17 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
         else dummy, tables if tables is not None else slots, sel if sel is not None else slots,
         sink.float().contiguous(), slots if seq is None else seq.to(dev, torch.int32).contiguous(),
         slots if start is None else start.to(dev, torch.int32).contiguous(),
-        o, po, pm, pl, qf.contiguous(), f.contiguous() if tail else qf, rot if tail else o, H,
-        ring.shape[1], tables.shape[1] if tables is not None else 0, n_sel, cfg["CHUNK"],
-        D ** -0.5, float(q_eps), W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode],
+        o, po, pm, pl, qf.contiguous(), H, ring.shape[1],
+        tables.shape[1] if tables is not None else 0, n_sel, cfg["CHUNK"], D ** -0.5, float(q_eps), W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode],
         INT8=int8, D=D, DP=triton.next_power_of_2(D), BH=cfg["BH"], BN=cfg["BN"], SPLIT=S,
         F32=interpreted(), EXACT=q.dtype == torch.float32, DT=_TL[q.dtype],
-        PREFILL=seq is not None, QR=qr, OR=r if tail else 0, num_warps=cfg["num_warps"],
+        PREFILL=seq is not None, QR=qr, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
-    if tail:
-        return rot
-    if out_rope is not None and S == 1:             # another dtype: the rope kernel's launch
+    if out_rope is not None and S == 1:             # no merge launch: the rope kernel's own
         from backfit.runtime.kernels.rope_norm import rope
         return rope(o, pos, f, r, inverse=True, out_dtype=dt)
     if out_rope is not None:
+        rot = torch.empty(B, H, D, dtype=dt, device=dev)
         dh = min(D // 2, MERGE_PAIRS)                # D a power of 2: dh divides D / 2
         _merge_rope_kernel[(B, H, D // 2 // dh)](
             po, pm, pl, sink.float().contiguous(), pos.to(dev).contiguous(), f.contiguous(),

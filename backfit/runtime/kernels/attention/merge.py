@@ -26,35 +26,28 @@ def _mul_rn(a, b, F32: tl.constexpr):
 
 
 @triton.jit
-def _rotate(x, xp, dd, p, F, D: tl.constexpr, R: tl.constexpr, SIGN: tl.constexpr,
+def _rope_q(QROW, q, h_ok, p, QF, eps, BH: tl.constexpr, D: tl.constexpr, QR: tl.constexpr,
             F32: tl.constexpr, DT: tl.constexpr):
-    """rope_norm._rope_kernel's rotation of [.., DP] rows x (values already rounded to DT, FP32),
-    xp = x at lane d xor 1 (the pair partner): the interleaved pairs of the last R lanes turned
-    by SIGN·p·f (angles FP64 -> FP32, products rounded apart) and rounded to DT; the first D - R
-    lanes stay x."""
-    rot = dd >= D - R                                                             # [DP]
-    i = tl.where(rot, (dd - (D - R)) // 2, 0)
-    ang = p.to(tl.float64) * tl.load(F + i, mask=rot, other=0.0)
-    cos, sin = tl.cos(ang).to(tl.float32)[None, :], tl.sin(ang).to(tl.float32)[None, :] * SIGN
+    """q [BH, D] FP32 of wq_b's act-dtype output (D a power of 2), rows QROW [BH, 1] ->
+    rope_norm.rope(q, pos, QF, QR, norm=(None, eps)) in registers: each head RMS-normalised and
+    rounded to DT; its last QR lanes loaded again as [BH, QR] tiles, x and its pair partners
+    (lane xor 1), normed, rounded, turned by p·f (angles FP64 -> FP32 on those QR lanes only)
+    and rounded, then put in place through a [BH, D/QR, QR] view."""
+    inv = tl.math.rsqrt(tl.sum(_mul_rn(q, q, F32), axis=1) / D + eps)[:, None]      # [BH, 1]
+    qn = _mul_rn(q, inv, F32).to(DT).to(tl.float32)
+    rr = tl.arange(0, QR)
+    x = tl.load(QROW + (D - QR) + rr[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+    xp = tl.load(QROW + (D - QR) + (rr ^ 1)[None, :], mask=h_ok[:, None], other=0.0)
+    x = _mul_rn(x, inv, F32).to(DT).to(tl.float32)
+    xp = _mul_rn(xp.to(tl.float32), inv, F32).to(DT).to(tl.float32)
+    ang = p.to(tl.float64) * tl.load(QF + rr // 2)                                 # [QR]
+    cos, sin = tl.cos(ang).to(tl.float32)[None, :], tl.sin(ang).to(tl.float32)[None, :]
     a, b = _mul_rn(x, cos, F32), _mul_rn(xp, sin, F32)     # even lane: x_d cos - x_d+1 sin
-    r = tl.where((dd % 2 == 0)[None, :], a - b, b + a)     # odd: x_d-1 sin + x_d cos
-    return tl.where(rot[None, :], r.to(DT).to(tl.float32), x)
-
-
-@triton.jit
-def _rope_q(QROW, q, dd, ok, p, QF, eps, D: tl.constexpr, QR: tl.constexpr, F32: tl.constexpr,
-            DT: tl.constexpr):
-    """q [BH, DP] FP32 of wq_b's act-dtype output, rows QROW [BH, 1] -> rope_norm.rope(q, pos,
-    QF, QR, norm=(None, eps)) in registers: each head RMS-normalised and rounded to DT, then
-    _rotate; the pair partners are a second load of the row."""
-    inv = tl.math.rsqrt(tl.sum(_mul_rn(q, q, F32), axis=1) / D + eps)             # [BH]
-    qn = _mul_rn(q, inv[:, None], F32).to(DT).to(tl.float32)
-    qp = tl.load(QROW + (dd ^ 1)[None, :], mask=ok & (dd >= D - QR)[None, :],
-                 other=0.0).to(tl.float32)
-    qp = _mul_rn(qp, inv[:, None], F32).to(DT).to(tl.float32)
-    return _rotate(qn, qp, dd, p, QF, D, QR, 1.0, F32, DT)
-
-
+    r = tl.where((rr % 2 == 0)[None, :], a - b, b + a)     # odd: x_d-1 sin + x_d cos
+    q3 = tl.reshape(qn, (BH, D // QR, QR))
+    last = (tl.arange(0, D // QR) == D // QR - 1)[None, :, None]
+    q3 = tl.where(last, r.to(DT).to(tl.float32)[:, None, :], q3)
+    return tl.reshape(q3, (BH, D))
 
 
 @triton.jit
