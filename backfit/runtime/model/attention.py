@@ -52,7 +52,7 @@ WO_A_GEMV = True
 Q_NORM_IN_WQ_B = (2,)
 # The paged decode step on the triton path (bf16): the query's per-head RMS and RoPE inside the
 # decode attention launch (kernels.attention.decode q_rope), not a launch of their own before it.
-Q_ROPE_IN_ATTENTION = True
+Q_ROPE_IN_ATTENTION = False
 # Prefill / mixed batches on the triton path: the prefill attention's int32 positions and query
 # blocks made once a forward (ForwardBatch.memo) and reused by every layer; False: every layer.
 PREFILL_MEMO = True
