@@ -29,8 +29,7 @@ from backfit.runtime.model import compressor as compressor_mod
 from backfit.runtime.model.compressor import Compressor, HeadWeights, Indexer, ProjectedRows
 from backfit.runtime.streams import beside
 
-__all__ = ["Attention", "KV_BESIDE", "Q_NORM_IN_WQ_B", "Q_ROPE_IN_ATTENTION", "SIDE_STREAMS",
-           "WO_A_GEMV", "layer_rotary"]
+__all__ = ["Attention", "KV_BESIDE", "Q_NORM_IN_WQ_B", "SIDE_STREAMS", "WO_A_GEMV", "layer_rotary"]
 
 # The paged decode step on CUDA (triton path): the compressor update and the CSA indexer chain
 # run on side streams beside the query path (runtime/streams.py); False: all in order.
@@ -50,9 +49,6 @@ WO_A_GEMV = True
 # +39.2 us with the norm from the one loaded K tile in each of wq_b's 1,024 programs (the cross-warp
 # Σx² on every program's path; that form is deleted), +51.6 us with the first pass (the form kept)
 Q_NORM_IN_WQ_B = (2,)
-# The paged decode step on the triton path (bf16): the query's per-head RMS and RoPE inside the
-# decode attention launch (kernels.attention.decode q_rope), not a launch of their own before it.
-Q_ROPE_IN_ATTENTION = False
 # Prefill / mixed batches on the triton path: the prefill attention's int32 positions and query
 # blocks made once a forward (ForwardBatch.memo) and reused by every layer; False: every layer.
 PREFILL_MEMO = True
@@ -208,16 +204,11 @@ class Attention(nn.Module):
                 self.q_norm(qa) if qr is None else qr, wraw, icomp, pos, cache, x.dtype, proj))
             side = (side[0] + [ev], sel)
         q = (self.wq_b.forward_normed(qa, self.q_norm) if fold else self.wq_b(qr)).view(T, Hl, D)
-        q_rope = None                   # (inv_freq, r, eps): q normed and rotated in the kernel
-        if Q_ROPE_IN_ATTENTION and q.dtype == torch.bfloat16:
-            q_rope = (self.rope.inv_freq, self.rope.rope_dim, self.eps)
-            kv = self._kv_rope(kvx, pos) if kv is None else kv
-        else:
-            q, kv = self._q_kv(q, kvx, pos, kv)
+        q, kv = self._q_kv(q, kvx, pos, kv)
         index = None
         if self.indexer is not None and side is None:
             index = (*self.indexer.queries(qr, wraw, pos), icomp)
-        o = self._kernels(q, kv, pos, batch, cache, comp, index, side, kv_ready, q_rope)
+        o = self._kernels(q, kv, pos, batch, cache, comp, index, side, kv_ready)
         return self.post(o, pos, x.dtype)
 
     def _q_kv(self, q: torch.Tensor, kvx: torch.Tensor, pos: torch.Tensor, kv=None):
@@ -322,7 +313,7 @@ class Attention(nn.Module):
         return self._select(qI, wI, cache, pos)
 
     def _kernels(self, q, kv, pos, batch: ForwardBatch, cache, comp, index, side=None,
-                 kv_ready=None, q_rope=None):
+                 kv_ready=None):
         """The attention core on the Triton kernels, reading the paged pools in place.
 
         Same order as the torch path: the compressors pool (and write) the entries this batch
@@ -334,8 +325,6 @@ class Attention(nn.Module):
         side: (events, sel) when forward queued the decode step's compressor update and the CSA
         selection on side streams (SIDE_STREAMS): waited for here, before the attention reads.
         kv_ready: the event of forward's kv chain (KV_BESIDE: kv normed, rotated and stored).
-        q_rope: decode only, q is wq_b's output and the attention kernel norms and rotates it
-        (Q_ROPE_IN_ATTENTION; decode_attention's q_rope).
         """
         from backfit.runtime.kernels.attention import decode_attention
         T, lens = q.shape[0], batch.seq_lens
@@ -386,7 +375,7 @@ class Attention(nn.Module):
             if early:                     # rows sharing a slot read each other from the ring
                 cache.write_window_tokens(pos, kv)
             o = decode_attention(*args, out_rope=None if q.dtype == torch.float32 else
-                                 (r.inv_freq, r.rope_dim, q.dtype), q_rope=q_rope)
+                                 (r.inv_freq, r.rope_dim, q.dtype))
             if kv_ready is None and not early:                        # else stored beside
                 cache.write_window_tokens(pos, kv)                    # after the kernel read it
         else:

@@ -27,20 +27,19 @@ def compile_all() -> list[dict]:
     types = dict(Q="*bf16", KV="*bf16", RING="*bf16", RSC="*fp32", SLOTS="*i32", POS="*i32",
                  ENT="*bf16", ESC="*fp32", TABLES="*i32", SEL="*i32", SINK="*fp32",
                  SEQ="*i32", START="*i32", O="*fp32",
-                 PO="*fp32", PM="*fp32", PL="*fp32", QF="*fp64", H="i32", R="i32",
-                 stride_tb="i32", n_sel="i32", CHUNK="i32", scale="fp32", q_eps="fp32")
-    for mode, split, int8, prefill, qr in ((0, 1, False, False, 64), (1, 1, True, False, 0),
-                                           (2, 1, False, False, 0), (1, 8, False, False, 64),
-                                           (2, 20, True, False, 64), (2, 1, True, True, 0),
-                                           (1, 1, False, True, 0)):
+                 PO="*fp32", PM="*fp32", PL="*fp32", H="i32", R="i32", stride_tb="i32",
+                 n_sel="i32", CHUNK="i32", scale="fp32")
+    for mode, split, int8, prefill in ((0, 1, False, False), (1, 1, True, False),
+                                       (2, 1, False, False), (1, 8, False, False),
+                                       (2, 20, True, False), (2, 1, True, True),
+                                       (1, 1, False, True)):
         cfg = attention.decode_config(1 if split > 1 else 64, 64, 640, 108, split, prefill)
         opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
         cfg.pop("CHUNK")
         t = dict(types, RING="*i8", ENT="*i8") if int8 else types
         out.append(_compile(attention._decode_kernel, t, dict(
             cfg, W=128, RATIO=128 if mode == 1 else 4, PB=1 if mode == 1 else 32, MODE=mode,
-            INT8=int8, D=512, DP=512, F32=False, EXACT=False, DT=tl.bfloat16, PREFILL=prefill,
-            QR=qr),
+            INT8=int8, D=512, DP=512, F32=False, EXACT=False, DT=tl.bfloat16, PREFILL=prefill),
             opts, ("H", "CHUNK")))
     out.append(_compile(attention._merge_kernel, dict(PO="*fp32", PM="*fp32", PL="*fp32",
                         SINK="*fp32", O="*fp32", H="i32"), dict(D=512, DP=512, SPLIT=20, SP=32),

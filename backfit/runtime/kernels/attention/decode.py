@@ -24,8 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from backfit.runtime.kernels.attention.merge import MERGE_PAIRS, _merge_kernel, \
-    _merge_rope_kernel, _rope_q
 from backfit.runtime.kernels.common import interpreted
 
 __all__ = ["decode_attention", "sparse_attention", "decode_config"]
@@ -83,30 +81,25 @@ def _load_kv(base, rows, ok, SC, dd, d_ok, D: tl.constexpr, INT8: tl.constexpr,
 
 @triton.jit
 def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SEQ, START,
-                   O, PO, PM, PL, QF, H, R, stride_tb, n_sel, CHUNK, scale, q_eps,
+                   O, PO, PM, PL, H, R, stride_tb, n_sel, CHUNK, scale,
                    W: tl.constexpr, RATIO: tl.constexpr, PB: tl.constexpr, MODE: tl.constexpr,
                    INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
                    BN: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr,
-                   EXACT: tl.constexpr, DT: tl.constexpr, PREFILL: tl.constexpr = False,
-                   QR: tl.constexpr = 0):
+                   EXACT: tl.constexpr, DT: tl.constexpr, PREFILL: tl.constexpr = False):
     """Program (query b, head block, split): keys [split·CHUNK, +CHUNK) of window ++ compressed.
 
     Decode: query b is sequence b's one token. PREFILL: query b belongs to sequence SEQ[b] whose
     chunk starts at START[b] and at row b - (p - START[b]) of q/kv; window positions >= START[b]
-    come from kv (in flight), earlier ones from the ring. QR > 0 (decode): q is wq_b's output,
-    normed and rotated here (_rope_q; QF: the FP64 inv_freq [QR/2], q_eps the RMS eps)."""
+    come from kv (in flight), earlier ones from the ring."""
     b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hh = hb * BH + tl.arange(0, BH)
     h_ok = hh < H
     dd = tl.arange(0, DP)
     d_ok = dd < D
     b64 = b.to(tl.int64)
-    p = tl.load(POS + b).to(tl.int32)                  # int64 or int32 positions
-    qrow = Q + (b64 * H + hh[:, None]) * D
-    q = tl.load(qrow + dd[None, :], mask=h_ok[:, None] & d_ok[None, :],
+    q = tl.load(Q + (b64 * H + hh[:, None]) * D + dd[None, :], mask=h_ok[:, None] & d_ok[None, :],
                 other=0.0).to(tl.float32)                               # [BH, DP]
-    if QR > 0:
-        q = _rope_q(qrow, q, h_ok, p, QF, q_eps, BH, D, QR, F32, DT)            # DP == D
+    p = tl.load(POS + b).to(tl.int32)                  # int64 or int32 positions
     if PREFILL:
         sq = tl.load(SEQ + b).to(tl.int64)                              # sequence of query b
         st = tl.load(START + b)
@@ -170,6 +163,67 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SE
         tl.store(PO + row[:, None] * D + dd[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def _merge_kernel(PO, PM, PL, SINK, O, H, D: tl.constexpr, DP: tl.constexpr,
+                  SPLIT: tl.constexpr, SP: tl.constexpr):
+    """(b, h): o = Σ_s e^(m_s-M) acc_s / (Σ_s e^(m_s-M) l_s + e^(sink-M)), M = max(m_s, sink)."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    row = (b.to(tl.int64) * H + h) * SPLIT
+    ss = tl.arange(0, SP)
+    s_ok = ss < SPLIT
+    dd = tl.arange(0, DP)
+    m = tl.load(PM + row + ss, mask=s_ok, other=-1e30)
+    l = tl.load(PL + row + ss, mask=s_ok, other=0.0)
+    acc = tl.load(PO + (row + ss[:, None]) * D + dd[None, :],
+                  mask=s_ok[:, None] & (dd < D)[None, :],
+                  other=0.0)                                            # [SP, DP]
+    sink = tl.load(SINK + h)
+    M = tl.maximum(tl.max(m, axis=0), sink)
+    a = tl.exp(m - M)
+    o = tl.sum(acc * a[:, None], axis=0) / (tl.sum(l * a, axis=0) + tl.exp(sink - M))
+    tl.store(O + (b.to(tl.int64) * H + h) * D + dd, o, mask=dd < D)
+
+
+@triton.jit
+def _merge_rope_kernel(PO, PM, PL, SINK, POS, F, O, H, D: tl.constexpr, R: tl.constexpr,
+                       SPLIT: tl.constexpr, SP: tl.constexpr, DH: tl.constexpr):
+    """_merge_kernel, then the inverse RoPE of _output (rope_norm._rope_kernel, SIGN -1) on the
+    merged o, stored in O's dtype: o is merged as even / odd lanes so the rotation pairs (2i,
+    2i+1) sit in registers; lanes before D - R are only rounded. Program (b, h, pair block):
+    DH pairs of the D/2 (a [SP, DH] tile per lane parity: at 20+ splits, the CSA layer's, a
+    whole head's [SP, D/2] spilled). Launched with FMA contraction off, as the rope kernel
+    (every product and sum rounded as torch does)."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    row = (b.to(tl.int64) * H + h) * SPLIT
+    ss = tl.arange(0, SP)
+    s_ok = ss < SPLIT
+    i = tl.program_id(2) * DH + tl.arange(0, DH)                       # pair index
+    m = tl.load(PM + row + ss, mask=s_ok, other=-1e30)
+    l = tl.load(PL + row + ss, mask=s_ok, other=0.0)
+    base = PO + (row + ss[:, None]) * D + 2 * i[None, :]
+    acc_e = tl.load(base, mask=s_ok[:, None], other=0.0)                # [SP, DH] lanes 2i
+    acc_o = tl.load(base + 1, mask=s_ok[:, None], other=0.0)            # lanes 2i + 1
+    sink = tl.load(SINK + h)
+    M = tl.maximum(tl.max(m, axis=0), sink)
+    a = tl.exp(m - M)
+    den = tl.sum(l * a, axis=0) + tl.exp(sink - M)
+    oe = tl.sum(acc_e * a[:, None], axis=0) / den
+    oo = tl.sum(acc_o * a[:, None], axis=0) / den
+    oe = oe.to(O.dtype.element_ty).to(tl.float32)                       # rope's rounded inputs
+    oo = oo.to(O.dtype.element_ty).to(tl.float32)
+    rot = i >= (D - R) // 2                                             # pairs of the last R dims
+    j = tl.where(rot, i - (D - R) // 2, 0)
+    ang = tl.load(POS + b).to(tl.float64) * tl.load(F + j, mask=rot, other=0.0)
+    cos = tl.where(rot, tl.cos(ang).to(tl.float32), 1.0)
+    sin = tl.where(rot, -tl.sin(ang).to(tl.float32), 0.0)              # inverse: by -pos·f
+    re = oe * cos - oo * sin
+    ro = oe * sin + oo * cos
+    out = O + (b.to(tl.int64) * H + h) * D + 2 * i
+    tl.store(out, tl.where(rot, re, oe).to(O.dtype.element_ty))
+    tl.store(out + 1, tl.where(rot, ro, oo).to(O.dtype.element_ty))
+
+
+MERGE_PAIRS = 64      # _merge_rope_kernel: rotation pairs per program (D = 512: 4 programs a head)
 # most KV splits a decode program row gets: the merge's [SP, DH] tiles at SP = next_pow2(split).
 # H200 (bench_attention.py --merge, batch 1, 2026-12-01): the CSA layer's 20 splits (SP 32) cost
 # decode + merge 31.0 / 33.7 us at ctx 512 / 32K (the merge 19.5 us of it in the step's trace);
@@ -196,20 +250,16 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 
 def decode_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode="window",
                      entries=None, entry_scale=None, tables=None, ratio=0, sel=None,
-                     split=None, out_rope=None, q_rope=None) -> torch.Tensor:
+                     split=None, out_rope=None) -> torch.Tensor:
     """q [B, H, D] act dtype, kv [B, D] (this token's, not yet read from the ring), pos [B],
     sink [H] FP32, ring [S, R, D] (+ ring_scale [S, R] if int8), slots [B]; mode "hca" / "csa":
     entries [NB, PB, D] (+ entry_scale), tables [B, nblk] int, ratio; csa: sel [B, k] (-1 unused).
     -> o [B, H, D] FP32 (the torch path's attend output). out_rope = (inv_freq FP64 [r/2], r,
     dtype): o de-rotated by its position and rounded to dtype instead, = rope_norm.rope(o, pos,
     inv_freq, r, inverse=True, out_dtype=dtype) (Attention.post's first step); with split KV
-    it runs inside the merge launch (one launch fewer), else as that rope launch. q_rope =
-    (inv_freq FP64 [r/2], r, eps): q is wq_b's output, and the kernel first makes
-    rope_norm.rope(q, pos, inv_freq, r, norm=(None, eps)) of it (Attention's per-head RMS and
-    RoPE, one launch fewer; the same bits up to the RMS sum's order, i.e. FP32 rounding)."""
+    it runs inside the merge launch (one launch fewer), else as that rope launch."""
     return sparse_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode, entries,
-                            entry_scale, tables, ratio, sel, split=split, out_rope=out_rope,
-                            q_rope=q_rope)
+                            entry_scale, tables, ratio, sel, split=split, out_rope=out_rope)
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink: torch.Tensor,
@@ -218,8 +268,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
                      entry_scale: torch.Tensor | None = None, tables: torch.Tensor | None = None,
                      ratio: int = 0, sel: torch.Tensor | None = None,
                      seq: torch.Tensor | None = None, start: torch.Tensor | None = None,
-                     split: int | None = None, out_rope: tuple | None = None,
-                     q_rope: tuple | None = None) -> torch.Tensor:
+                     split: int | None = None, out_rope: tuple | None = None) -> torch.Tensor:
     """decode_attention for T queries of chunks (chunked prefill, mixed batches): q [T, H, D],
     kv [T, D] the chunks' own rows, pos [T], seq [T] the sequence (row of slots [NS], tables
     [NS, nblk]) and start [T] its chunk's first position; sel [T, k]. Rows of one sequence's
@@ -245,13 +294,6 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
     if q.dtype not in _TL or kv.dtype != q.dtype or (not int8 and ring.dtype != q.dtype):
         raise ValueError(f"decode_attention: q/kv/ring dtypes {q.dtype}/{kv.dtype}/{ring.dtype}")
     dev = q.device
-    qf, qr, q_eps = sink, 0, 0.0                # q_rope: decode only, as out_rope
-    if q_rope is not None:
-        qf, qr, q_eps = q_rope
-        if seq is not None or qf.dtype != torch.float64 or qf.shape != (qr // 2,) or qr % 2 \
-                or not 0 < qr <= D or qr & (qr - 1) or D & (D - 1) or q.dtype == torch.float32:
-            raise ValueError(f"decode_attention: q_rope = (FP64 inv_freq [r/2], r <= D powers "
-                             f"of 2, eps), decode only, q not FP32; got r={qr}, D={D}")
     PB, n_sel, n_comp = 1, 0, 0
     if mode != "window":
         if entries is None or tables is None or entries.shape[2] != D or tables.dim() != 2 \
@@ -267,15 +309,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
             sel = sel.to(device=dev, dtype=torch.int32).contiguous()
             n_sel = n_comp = sel.shape[1]
         tables = tables.to(device=dev, dtype=torch.int32).contiguous()
-    if out_rope is not None:
-        f, r, dt = out_rope
-        if seq is not None or f.dtype != torch.float64 or f.shape != (r // 2,) or r % 2 \
-                or r > D or D & (D - 1):
-            raise ValueError(f"decode_attention: out_rope = (FP64 inv_freq [r/2], even r <= D, "
-                             f"dtype), decode only, D a power of 2; got r={r}, D={D}")
     o = torch.empty(B, H, D, dtype=torch.float32, device=dev)
     if B == 0:
-        return o if out_rope is None else o.to(out_rope[2])
+        return o
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
     cfg = decode_config(B, H, window + n_comp, sms, split, seq is not None)
     S = cfg["SPLIT"]
@@ -291,12 +327,19 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
         else dummy, tables if tables is not None else slots, sel if sel is not None else slots,
         sink.float().contiguous(), slots if seq is None else seq.to(dev, torch.int32).contiguous(),
         slots if start is None else start.to(dev, torch.int32).contiguous(),
-        o, po, pm, pl, qf.contiguous(), H, ring.shape[1],
-        tables.shape[1] if tables is not None else 0, n_sel, cfg["CHUNK"], D ** -0.5, float(q_eps), W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode],
-        INT8=int8, D=D, DP=triton.next_power_of_2(D), BH=cfg["BH"], BN=cfg["BN"], SPLIT=S,
-        F32=interpreted(), EXACT=q.dtype == torch.float32, DT=_TL[q.dtype],
-        PREFILL=seq is not None, QR=qr, num_warps=cfg["num_warps"],
+        o, po, pm, pl, H, ring.shape[1],
+        tables.shape[1] if tables is not None else 0, n_sel, cfg["CHUNK"], D ** -0.5,
+        W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D,
+        DP=triton.next_power_of_2(D), BH=cfg["BH"], BN=cfg["BN"], SPLIT=S, F32=interpreted(),
+        EXACT=q.dtype == torch.float32, DT=_TL[q.dtype], PREFILL=seq is not None,
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
+    if out_rope is not None:
+        f, r, dt = out_rope
+        if seq is not None or f.dtype != torch.float64 or f.shape != (r // 2,) or r % 2 \
+                or r > D or D & (D - 1):
+            raise ValueError(f"decode_attention: out_rope = (FP64 inv_freq [r/2], even r <= D, "
+                             f"dtype), decode only, D a power of 2; got r={r}, D={D}")
     if out_rope is not None and S == 1:             # no merge launch: the rope kernel's own
         from backfit.runtime.kernels.rope_norm import rope
         return rope(o, pos, f, r, inverse=True, out_dtype=dt)
