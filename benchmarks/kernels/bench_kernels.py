@@ -260,8 +260,8 @@ _SMALL_I_TILES = {
                   ("base", 8, 512, 2, 2, 1), ("base", 32, 512, 8, 2, 1)),
     "mx4_e2m1": (("word", 4, 512, 1, 2, 1), ("word", 4, 1024, 2, 2, 1), ("base", 4, 1024, 2, 2, 1),
                  ("mma", 64, 512, 4, 3, 3), ("mma", 16, 512, 2, 3, 3), ("mma", 32, 512, 2, 1, 1),
-                 # whole rows in one K step (all of a program's loads in flight at once): gate/up
-                 # K = 4096, down K = I = 512; then fewer rows a program for the down launch
+                 # whole rows in one K step (gate/up K = 4096), then fewer rows a down program:
+                 # none beat the shipped rows (H100, 2026-12-06; moe/mx4.py's DECODE_TABLE note)
                  ("word", 4, 4096, 4, 1, 1), ("word", 4, 4096, 8, 1, 1), ("word", 2, 4096, 4, 1, 1),
                  ("word", 8, 4096, 8, 1, 1), ("word", 4, 2048, 4, 1, 1), ("word", 2, 2048, 2, 1, 1),
                  ("base", 4, 4096, 8, 1, 1), ("word", 8, 512, 1, 1, 1), ("word", 16, 512, 2, 1, 1),

@@ -185,6 +185,9 @@ def _mx4_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
 # the best gate/up, word BN 8 BK 256 on 1 warp (33.7 us), with the mma down: 51.8 us (M = 2:
 # 89.1 vs 91.2 fused at BK 256, 97.4 at BK 512). In the step that row LOST: bench_ab.py
 # --experts mx4, batch 1, +25 us (GPU time of the replay, same process): not taken.
+# 2026-12-06 (`--moe-decode-sweep --moe-tp 4 --schemes mx4_e2m1`, H100): 12 more tiles, whole
+# rows in one K step (word BK 2048 / 4096 on 2-8 warps) and fewer rows a down program: gate/up
+# 15.4-22.5 us against the shipped word tile's 15.2, down 7.6-16.1 against mma BN 64's 6.5.
 DECODE_TABLE = ((6, 512, dict(variant="word", BN=4, BK=512, num_warps=1, num_stages=2, STAGES=1,
                               down=dict(variant="mma", BN=64, BK=512, num_warps=4, num_stages=3,
                                         STAGES=3))),
