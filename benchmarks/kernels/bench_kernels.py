@@ -265,7 +265,9 @@ _SMALL_I_TILES = {
                  ("word", 4, 4096, 4, 1, 1), ("word", 4, 4096, 8, 1, 1), ("word", 2, 4096, 4, 1, 1),
                  ("word", 8, 4096, 8, 1, 1), ("word", 4, 2048, 4, 1, 1), ("word", 2, 2048, 2, 1, 1),
                  ("base", 4, 4096, 8, 1, 1), ("word", 8, 512, 1, 1, 1), ("word", 16, 512, 2, 1, 1),
-                 ("word", 32, 512, 4, 1, 1), ("mma", 32, 512, 4, 1, 1), ("mma", 16, 512, 1, 1, 1))}
+                 ("word", 32, 512, 4, 1, 1), ("mma", 32, 512, 4, 1, 1), ("mma", 16, 512, 1, 1, 1),
+                 # more one-warp programs a pair (I = 512: 256 / 512 at BN 2 / 1), not yet timed
+                 ("word", 2, 512, 1, 2, 1), ("word", 1, 512, 1, 2, 1), ("word", 2, 256, 1, 2, 1))}
 
 
 def decode_grid(scheme: str, pipe: bool = False, occ: bool = False,
