@@ -15,19 +15,18 @@ ttft   one request: BOS, a few text ids, N distinct images of --image-size, a fe
        time from LLMEngine.add_request to its first token, on a runner built as
        scripts/bench_model.py builds one (random weights, the first --layers layers of the real
        schedule, TP rank 0 of a --tp-shard slice: collectives are counted no-ops; of a step's
-       new images the tower runs rank 0's share, runtime/images.py) plus the
-       vision tower, triton kernels, no CUDA graphs for image steps (the runner runs them
-       eagerly), prefix caching off, an empty embedding cache (the tower runs for every image).
-       Each count runs once untimed-for-the-figure (its first run, printed: Triton compiles
-       the chunk shapes it meets first), then --ttft-reps times (the median is the figure); a
-       text-only request of the same length beside it, also after a first run (the language
-       model's share: the rest
-       is the tower, the splice and the eager image steps). --experts mx4 re-lays the routed
-       experts out as 4 bits (bench_model.to_mx4): the 43-layer TP-4 slice's INT8 experts need
-       ~70 GB, too much beside a 33k-token prefill on an 80 GB card.
+       new images the tower runs rank 0's share, runtime/images.py) plus the vision tower,
+       triton kernels, no CUDA graphs for image steps (the runner runs them eagerly), prefix
+       caching off, an empty embedding cache (the tower runs for every image). Each count runs
+       once untimed-for-the-figure (its first run, printed: Triton compiles the chunk shapes it
+       meets first), then --ttft-reps times (the median is the figure); a text-only request of
+       the same length beside it, also after a first run (the language model's share: the rest
+       is the tower, the splice and the eager image steps). --experts mx4 builds the routed
+       experts in 4 bits: the 43-layer TP-4 slice's INT8 experts need ~70 GB, too much beside a
+       33k-token prefill on an 80 GB card.
 --tiny runs both parts at tiny dims on the CPU (the torch kernels): a dry run of the script
-end to end, its numbers mean nothing. The figures the issue asks for are the lead's to take on
-a GPU (docs/VISION.md says how; the figures are in docs/PERFORMANCE.md).
+end to end, its numbers mean nothing. The figures come from a GPU run (docs/VISION.md says how;
+they are in docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -125,14 +124,13 @@ def ttft_runner(a, dev, tmp: Path, max_len: int):
     vis = TINY_VISION if a.tiny else REAL_VISION
     raw = tiny_config_dict("vision", 512 if a.tiny else 129280, **dims,
                            main_ratios=ratios[:a.layers], **vis)
-    r = bm.rank_runner(raw, dev, 1, 0, prefill=max_len, tp_shard=a.tp_shard)
+    r = bm.rank_runner(raw, dev, 1, 0, prefill=max_len, tp_shard=a.tp_shard,
+                       experts=a.experts)
     fill_vision(r.model, dev)
     r.image_cache = EmbeddingCache(r.model)
     r.max_num_batched_tokens = a.max_num_batched_tokens
     if not a.tiny:
         bm.use_backend(r, "triton")
-    if a.experts == "mx4":
-        print(f"routed experts -> mx4_e2m1: {bm.to_mx4(r)}", flush=True)
     (tmp / "config.json").write_text(json.dumps(raw))
     if a.tiny:
         from backfit.synthetic import write_small_tokenizer

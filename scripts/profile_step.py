@@ -25,8 +25,8 @@
   --spec     METHOD:K (mtp or dspark): instead of the above, the batch-1 speculative step
              (runtime/graphs/spec.py: draft + verify of 1 + K rows, one replay) against the plain
              decode graph of the same model, each traced as --trace does, then both side by side
-             by kernel and by room of
-             backfit.runtime.kernels (cuBLAS, copies, elementwise: torch): launches and µs
+             by kernel and by room of backfit.runtime.kernels (cuBLAS, copies, elementwise:
+             torch): launches and µs
   --layers / --tp-shard  layers 0..N-1 of the real schedule as TP rank 0 of K, collectives
              counted no-ops (bench_decode.py's; e.g. --tp-shard 4: the shapes one TP4 rank runs)
 Built like scripts/bench_decode.py (random converted weights, random paged pools).
@@ -149,12 +149,17 @@ def spec_trace(a, log) -> None:
         (c0, u0), (c1, u1) = pt.get(n, [0, 0.0]), stot.get(n, [0, 0.0])
         log(f"  {c0:5d} {u0:9.1f} | {c1:5d} {u1:9.1f}  {u1 - u0:+9.1f}  {n}")
     rooms = kernel_rooms()
+
+    def by_room(tot: dict) -> dict[str, list]:          # {room: [launches, µs]}
+        out: dict[str, list] = {}
+        for n, (c, u) in tot.items():
+            acc = out.setdefault(part_of(n, rooms), [0, 0.0])
+            acc[0], acc[1] = acc[0] + c, acc[1] + u
+        return out
+    p_room, s_room = by_room(pt), by_room(stot)
     log(f"by room of backfit.runtime.kernels: launches and µs, {pn} | {sn}")
-    for part in sorted({part_of(n, rooms) for n in keys}):
-        c0 = sum(v[0] for n, v in pt.items() if part_of(n, rooms) == part)
-        u0 = sum(v[1] for n, v in pt.items() if part_of(n, rooms) == part)
-        c1 = sum(v[0] for n, v in stot.items() if part_of(n, rooms) == part)
-        u1 = sum(v[1] for n, v in stot.items() if part_of(n, rooms) == part)
+    for part in sorted(set(p_room) | set(s_room)):
+        (c0, u0), (c1, u1) = p_room.get(part, [0, 0.0]), s_room.get(part, [0, 0.0])
         log(f"  {part:10s} {c0:5d} {u0:9.1f} | {c1:5d} {u1:9.1f}  x{u1 / max(u0, 1e-9):5.2f}")
 
 

@@ -98,9 +98,9 @@ class EmbeddingCache:
         local = image_embeddings(m.vision, m.aligner, mine, m.dtype, dev)    # [gh·gw, H] each
         x = torch.cat(local) if local else torch.empty(0, m.cfg.hidden_size, dtype=m.dtype,
                                                        device=dev)          # [R_rank, H]
-        sizes = [sum(n for n, o in zip(rows, owner) if o == r) for r in range(tp.size)]
-        parts = [iter(p.split([n for n, o in zip(rows, owner) if o == r]))   # [R_r, H] each
-                 for r, p in enumerate(all_gather_rows(x, sizes))]
+        per_rank = [[n for n, o in zip(rows, owner) if o == r] for r in range(tp.size)]
+        parts = [iter(p.split(n))                                           # [R_r, H] each
+                 for p, n in zip(all_gather_rows(x, [sum(n) for n in per_rank]), per_rank)]
         # a copy each: a view would keep its rank's whole gathered buffer alive in the cache
         return [next(parts[r]).clone() for r in owner]
 
