@@ -54,3 +54,51 @@ def without_host_sync(fn):
         return fn()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def split_k_check(fused_moe, st, gen, ref_fn, variant: str, dev: str, tol: float,
+                  bk: int = 64) -> None:
+    """A decode variant with split-K (config SPLIT) through fused_moe at T = 1..3 against the
+    torch math ref_fn: SPLIT 2 and 4 of gate/up's K = D (parts of D / SPLIT inputs in BK tiles;
+    the down projection's K = I fits fewer splits, launch_decode's fit_split), the current
+    stream's counters back at 0 after each launch (the next launch and a graph replay count
+    from 0), and the same bits from a second launch."""
+    from backfit.runtime.streams import stream_counters
+    D, E, k = st[0].shape[2] * (2 if st[0].dtype == torch.uint8 else 1), st[0].shape[0], 3
+    for T, split in ((1, 2), (2, 4), (3, 4)):
+        x = (torch.randn(T, D, generator=gen) * 4).bfloat16().to(dev)
+        idx, w = routing(T, k, E, gen, dev)
+        cfg = dict(variant=variant, BN=16, BK=bk, num_warps=2, SPLIT=split)
+        y = fused_moe(x, idx, w, *st, LIMIT, path="decode", config=cfg)
+        assert not stream_counters(x.device, 1).any(), (variant, split)
+        assert rel(y, ref_fn(x, idx, w, *st, LIMIT)) < tol, (variant, T, split)
+        assert torch.equal(y, fused_moe(x, idx, w, *st, LIMIT, path="decode", config=cfg))
+
+
+def split_args(st, gen, dev: str) -> tuple:
+    """(x, idx, w) of one token for stacks st (3 of its experts)."""
+    D = st[0].shape[2] * (2 if st[0].dtype == torch.uint8 else 1)
+    return ((torch.randn(1, D, generator=gen)).bfloat16().to(dev),
+            *routing(1, 3, st[0].shape[0], gen, dev))
+
+
+def down_combine_check(fused_moe, common, st, gen, dev: str) -> None:
+    """The combine inside the down launch (common.DOWN_COMBINE) gives moe_combine's bits: T = 1
+    and 3 tokens, with and without the shared expert's output, FP32 and BF16 sums; the current
+    stream's counters back at 0 after each launch."""
+    from backfit.runtime.streams import stream_counters
+    D, E = st[4].shape[1], st[0].shape[0]
+    K = st[0].shape[2] * (2 if st[0].dtype == torch.uint8 else 1)
+    for T, with_shared, dtype in ((1, True, torch.float32), (3, True, torch.bfloat16),
+                                  (3, False, torch.float32)):
+        x = (torch.randn(T, K, generator=gen) * 4).bfloat16().to(dev)
+        idx, w = routing(T, 3, E, gen, dev)
+        sh = (torch.randn(T, D, generator=gen) * 8).bfloat16().to(dev) if with_shared else None
+        got = fused_moe(x, idx, w, *st, LIMIT, path="decode", shared=sh, dtype=dtype)
+        assert not stream_counters(x.device, 1).any()
+        old, common.DOWN_COMBINE = common.DOWN_COMBINE, False
+        try:
+            want = fused_moe(x, idx, w, *st, LIMIT, path="decode", shared=sh, dtype=dtype)
+        finally:
+            common.DOWN_COMBINE = old
+        assert got.dtype == dtype and torch.equal(got, want), (T, with_shared, dtype)
