@@ -270,35 +270,13 @@ _SMALL_I_TILES = {
                  ("word", 2, 512, 1, 2, 1), ("word", 1, 512, 1, 2, 1), ("word", 2, 256, 1, 2, 1))}
 
 
-# --moe-tp K --split-k: the shipped tiles, then split-K ones (config SPLIT: K in SPLIT parts, a
-# program each, summed by the row block's last program; down's K = I fits fewer parts, fit_split).
-# At I = 512 the shipped mx4 gate/up (word BN 4 BK 512, 1 warp) is 768 one-warp programs, ~6 an
-# SM, each 8 K steps; SPLIT 4 makes ~23 an SM of 2 steps. (variant, BN, BK, warps, num_stages,
-# STAGES, SPLIT)
-_SPLIT_K_TILES = {
-    "int8_mx32": (("magic", 2, 1024, 2, 2, 1, 2), ("magic", 2, 512, 1, 2, 1, 4),
-                  ("magic", 4, 512, 2, 2, 1, 4), ("magic", 8, 512, 2, 2, 1, 4),
-                  ("magic", 16, 256, 4, 2, 1, 4)),
-    "mx4_e2m1": (("word", 4, 512, 1, 2, 1, 4), ("word", 4, 512, 1, 2, 1, 2),
-                 ("word", 4, 512, 1, 2, 1, 8), ("word", 4, 256, 1, 2, 1, 4),
-                 ("word", 8, 512, 1, 2, 1, 4), ("word", 8, 512, 2, 2, 1, 4),
-                 ("word", 16, 512, 4, 2, 1, 4), ("word", 2, 512, 1, 2, 1, 4),
-                 ("word", 4, 1024, 2, 2, 1, 4), ("mma", 32, 512, 2, 3, 3, 4),
-                 ("mma", 16, 512, 1, 1, 1, 4), ("mma", 16, 512, 1, 1, 1, 8),
-                 ("mma", 64, 512, 4, 3, 3, 4), ("base", 4, 1024, 2, 2, 1, 4),
-                 # down (K = 512) in 2-4 parts
-                 ("mma", 64, 256, 4, 3, 3, 2), ("mma", 32, 256, 2, 3, 3, 2),
-                 ("mma", 64, 128, 4, 3, 3, 4), ("word", 16, 256, 1, 2, 1, 2),
-                 ("word", 8, 128, 1, 2, 1, 4))}
-
-
 def decode_grid(scheme: str, pipe: bool = False, occ: bool = False,
-                small_i: bool = False, split_k: bool = False) -> list[dict]:
+                small_i: bool = False) -> list[dict]:
     """int8_mx32: 26 configs over moe.int8.DECODE_VARIANTS; mx4_e2m1: 16 over moe_mx4's (the
     shipped tile, then mma, word, prefetch, the rest of base: a spent budget skips the last).
     pipe: the shipped DECODE_TABLE configs (down tiles split out as configs of their own), then
     _PIPE_TILES. occ: the shipped configs, then _OCC_TILES[scheme]. small_i: the shipped
-    configs, then _SMALL_I_TILES (split_k: _SPLIT_K_TILES instead)."""
+    configs, then _SMALL_I_TILES."""
     if pipe or occ or small_i:
         table = (moe_mx4 if scheme == "mx4_e2m1" else moe.int8).DECODE_TABLE
         shipped = []
@@ -310,9 +288,6 @@ def decode_grid(scheme: str, pipe: bool = False, occ: bool = False,
         if occ:
             return shipped + [dict(variant=v, BN=b, BK=k, num_warps=w, num_stages=n, STAGES=st)
                               for v, b, k, w, n, st in _OCC_TILES[scheme]]
-        if split_k:
-            return shipped + [dict(variant=v, BN=b, BK=k, num_warps=w, num_stages=n, STAGES=st,
-                                   SPLIT=sp) for v, b, k, w, n, st, sp in _SPLIT_K_TILES[scheme]]
         if small_i:
             return shipped + [dict(variant=v, BN=b, BK=k, num_warps=w, num_stages=n, STAGES=st)
                               for v, b, k, w, n, st in _SMALL_I_TILES[scheme]]
@@ -370,7 +345,7 @@ def decode_launches(scheme: str, st: tuple, x, idx, w, cfg: dict) -> tuple:
 def moe_decode_sweep(ceil: dict, budget_s: float, t0: float, Ms=(1, 2, 4, 8), E: int = 256,
                      D: int = 4096, I: int = 2048, k: int = 6, rot: int = 4,
                      pipe: bool = False, occ: bool = False, tp: int = 1,
-                     schemes=("int8_mx32", "mx4_e2m1"), split_k: bool = False) -> dict:
+                     schemes=("int8_mx32", "mx4_e2m1")) -> dict:
     """Every decode variant x tile at M tokens, both schemes: graph-timed µs per call over `rot`
     routings (other experts each call: weights stream from HBM), GB/s of the distinct experts'
     bytes, % of the copy bandwidth, rel err vs the torch path; best per (scheme, M)."""
@@ -390,7 +365,7 @@ def moe_decode_sweep(ceil: dict, budget_s: float, t0: float, Ms=(1, 2, 4, 8), E:
             byts = n_exp * per_expert + M * D * 2 * 2 + M * k * I * 4      # x, y, h (w, r)
             cases[M] = (xs, idxs, ws, byts, refn(xs[0], idxs[0], ws[0], *st, 10.0))
         stop = t0 + budget_s * (0.62 if scheme == "int8_mx32" and len(schemes) > 1 else 1.0)
-        for cfg in decode_grid(scheme, pipe, occ, small_i=tp > 1, split_k=split_k):
+        for cfg in decode_grid(scheme, pipe, occ, small_i=tp > 1):
             if time.time() > stop:
                 print(f"  budget {budget_s:.0f} s spent: {scheme} {cfg} skipped", flush=True)
                 continue
@@ -411,8 +386,7 @@ def moe_decode_sweep(ceil: dict, budget_s: float, t0: float, Ms=(1, 2, 4, 8), E:
                                  down_us=t_dn, frac_copy=gbs / 1e3 / ceil["copy_TBps"],
                                  rel_err=err))
                 tile = "BN{BN:<3d} BK{BK:<5d} w{num_warps} s{num_stages}".format(**cfg) + (
-                    f" S{cfg['STAGES']}" if "STAGES" in cfg else "") + (
-                    f" split{cfg['SPLIT']}" if cfg.get("SPLIT", 1) > 1 else "")
+                    f" S{cfg['STAGES']}" if "STAGES" in cfg else "")
                 print(f"{scheme:9s} {cfg['variant']:8s} {tile} M={M} {t:8.1f} us "
                       f"{gbs:6.0f} GB/s {rows[-1]['frac_copy']:6.1%}  err {err:.1e}  "
                       f"(gate/up {t_up:.1f} + down {t_dn:.1f} us alone)", flush=True)
@@ -464,8 +438,6 @@ def main() -> None:
     ap.add_argument("--moe-tp", type=int, default=1, metavar="K",
                     help="--moe-decode-sweep at one TP-K rank's experts (I = 2048 / K), over the "
                          "shipped tiles + _SMALL_I_TILES")
-    ap.add_argument("--split-k", action="store_true",
-                    help="with --moe-tp: the shipped tiles + split-K ones (_SPLIT_K_TILES), M = 1, 8")
     ap.add_argument("--budget-s", type=float, default=115.0,
                     help="--moe-decode-sweep: skip the configs left after this many seconds")
     args = ap.parse_args()
@@ -477,10 +449,8 @@ def main() -> None:
         res = dict(device=torch.cuda.get_device_name(), triton=__import__("triton").__version__,
                    ceilings=ceil, **moe_decode_sweep(ceil, args.budget_s, t0, pipe=args.pipe,
                                                     occ=args.occ, tp=args.moe_tp,
-                                                    Ms=(1, 2) if args.occ else (1, 8)
-                                                    if args.split_k else (1, 2, 4, 8),
-                                                    schemes=tuple(args.schemes.split(",")),
-                                                    split_k=args.split_k and args.moe_tp > 1))
+                                                    Ms=(1, 2) if args.occ else (1, 2, 4, 8),
+                                                    schemes=tuple(args.schemes.split(","))))
         Path(args.out).write_text(json.dumps(dict(res, seconds=time.time() - t0), indent=1))
         print(f"done in {time.time() - t0:.0f} s -> {args.out}")
         return

@@ -102,26 +102,6 @@ def test_decode_variants_match_reference(kmoe, variant):
             assert rel(y, want) < TOL, (variant, T, cfg)
 
 
-@pytest.mark.parametrize("variant", ["base", "magic", "prefetch"])
-def test_decode_split_k_matches_reference(kmoe, variant):
-    """Split-K decode (config SPLIT): parts of K summed by the last program of a row block."""
-    st, gen = experts(6, 256, 64, seed=23)
-    with one_thread():
-        moe_support.split_k_check(kmoe.fused_moe, st, gen, ref.moe_routed_ref, variant, DEV,
-                                  TOL)
-    with pytest.raises(ValueError, match="SPLIT must be a power of 2"):
-        kmoe.fused_moe(*moe_support.split_args(st, gen, DEV), *st, LIMIT, path="decode",
-                       config=dict(SPLIT=3))
-
-
-def test_down_launch_combines_bit_for_bit(kmoe):
-    """The decode path's combine in the down launch = moe_combine's launch (int8 experts)."""
-    from backfit.runtime.kernels.moe import common
-    st, gen = experts(6, 192, 64, seed=27)
-    with one_thread():
-        moe_support.down_combine_check(kmoe.fused_moe, common, st, gen, DEV)
-
-
 # every int8 code (the 16 2·e2m1 values) and 8 exponent bytes, incl. 0 and 1 (subnormal scales
 # 2^-128, 2^-127) and up to 231 (the decode fma variant's range: (1.5·2^23 + q)·2^(e-128) must
 # stay finite): two experts [2, N, K] of codes and [2, N, K/32] of bytes

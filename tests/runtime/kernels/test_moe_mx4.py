@@ -202,22 +202,6 @@ def test_decode_variants_exact_and_match(kmx4, variant):
     assert rel(y, y_want) < TOL
 
 
-@pytest.mark.parametrize("variant", ["base", "prefetch", "word", "mma"])
-def test_decode_split_k_matches_reference(kmx4, variant):
-    """Split-K decode (config SPLIT): parts of K summed by the last program of a row block."""
-    st, gen = experts(6, 256, 64, seed=29)
-    with one_thread():
-        moe_support.split_k_check(kmx4.fused_moe_mx4, st, gen, moe_ref, variant, DEV, TOL)
-
-
-def test_down_launch_combines_bit_for_bit(kmx4):
-    """The decode path's combine in the down launch = moe_combine's launch (mx4 experts)."""
-    from backfit.runtime.kernels.moe import common
-    st, gen = experts(6, 256, 64, seed=31)
-    with one_thread():
-        moe_support.down_combine_check(kmx4.fused_moe_mx4, common, st, gen, DEV)
-
-
 @pytest.mark.parametrize("variant,tile,D", [("word", (16, 512, 4, 2), 512),
                                             ("mma", (32, 512, 2, 2), 512),
                                             ("mma", (32, 1024, 4, 2), 1024)])

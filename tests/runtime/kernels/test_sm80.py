@@ -9,7 +9,6 @@ real shapes; without it Triton cannot vectorize or pipeline the loads, and share
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import re
@@ -26,8 +25,6 @@ def _compile(fn, types: dict, constexprs: dict, opts: dict, div16: tuple = ()) -
     from triton.compiler import ASTSource
 
     sig = {a: types.get(a, "constexpr") for a in fn.arg_names}
-    constexprs = {**{p.name: p.default for p in fn.params if sig[p.name] == "constexpr"
-                     and p.default is not inspect.Parameter.empty}, **constexprs}  # as the JIT
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
              if sig[a].startswith("*") or a in div16}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)

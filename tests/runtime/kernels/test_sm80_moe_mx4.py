@@ -29,7 +29,7 @@ def compile_all() -> list[dict]:
 
     types = dict(A="*bf16", IDX="*i32", RW="*fp32", W1="*u8", S1="*u8", W3="*u8", S3="*u8",
                  OUT="*bf16", N="i32", K="i32", TOPK="i32", SORTED="*i32", BLOCK_E="*i32",
-                 P="i32", E="i32", WS="*fp32", CNT="*i32", Y="*fp32", SH="*bf16")
+                 P="i32", E="i32")
     out = []
 
     def compile_one(*a):
@@ -40,9 +40,7 @@ def compile_all() -> list[dict]:
             r = _compile(*a)
         finally:
             triton.compile = real
-        return dict(r, ftz_mul=bool(re.search(r"(mul|fma|cvt)[\w.]*\.ftz", ptx[0].asm["ptx"])),
-                    atom_acq_rel=bool(re.search(r"atom\.[\w.]*acq_rel[\w.]*\.add",
-                                                ptx[0].asm["ptx"])))
+        return dict(r, ftz_mul=bool(re.search(r"(mul|fma|cvt)[\w.]*\.ftz", ptx[0].asm["ptx"])))
     for gated, k in ((True, 4096), (False, 512)):
         for i in (None, 512):                     # the shipped tiles: tp 1, a TP-4 rank's I
             cfg = dict(moe_mx4.decode_config(k, 6, down=not gated, I=i))
@@ -67,20 +65,11 @@ def compile_all() -> list[dict]:
                                 (False, 512, "word", (16, 1024, 4, 2)),
                                 (True, 4096, "mma", (32, 512, 2, 2)),
                                 (True, 4096, "mma", (32, 1024, 4, 2)),
-                                (False, 512, "mma", (64, 256, 4, 3)),
-                                # split-K (its FP32 parts and the last program's acq_rel count)
-                                (True, 4096, "word", (4, 512, 1, 2, 4)),
-                                (True, 4096, "mma", (32, 512, 2, 2, 2)),
-                                # the shipped TP-4 down with the combine in its last programs
-                                (False, 512, "mma", "combine")):
+                                (False, 512, "mma", (64, 256, 4, 3))):
         dc = dict(moe_mx4.decode_config(k), variant=var)
-        if tile == "combine":
-            dc = dict(moe_mx4.decode_config(k, down=True, I=512), COMBINE=True, HAS_SH=True)
-        elif tile:
+        if tile:
             dc.update(BN=tile[0], BK=tile[1], num_warps=tile[2], num_stages=tile[3],
                       STAGES=1)                 # the sweep grid's tiles: plain K loops
-            if len(tile) > 4:
-                dc["SPLIT"] = tile[4]
         kern, extra = moe_mx4._GEMV4[var]
         extra = {**extra, **({"F32": False} if "F32" in extra else {})}   # compiled: BF16 MMA
         cfg, opts = _split(dc)
@@ -91,7 +80,7 @@ def compile_all() -> list[dict]:
 
 def test_mx4_moe_kernels_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 12 + 4 + 5 + 3          # + decode variants, split-K, combine
+    assert len(results) == 12 + 4 + 5                       # + decode variants
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
@@ -102,8 +91,6 @@ def test_mx4_moe_kernels_compile_for_sm80_within_shared_memory():
             assert r["mma"] == [BF16_MMA], name
         else:
             assert r["mma"] == [], name                              # GEMV: CUDA cores
-        if r["config"].get("SPLIT", 1) > 1 or r["config"].get("COMBINE"):   # last program
-            assert r["atom_acq_rel"], name
         if r["kernel"] == "_mx4_sorted_kernel":             # DEQ 2: BF16 pairs from PTX
             assert r["config"]["DEQ"] == 2 and r["fma_bf16x2"], name
 

@@ -23,15 +23,10 @@ import triton
 import triton.language as tl
 
 from backfit.runtime.kernels.common import interpreted
-from backfit.runtime.streams import stream_counters
 
-__all__ = ["DECODE_PAIRS", "DOWN_COMBINE", "SORTED_DEQ", "align", "run_moe", "stack_experts"]
+__all__ = ["DECODE_PAIRS", "SORTED_DEQ", "align", "run_moe", "stack_experts"]
 
 DECODE_PAIRS = 64        # up to this many (token, expert) pairs: per-pair GEMV path
-# decode path, the pairs summed by moe_combine (not left to hc_post, pairs=False: tp > 1): that
-# sum in the down launch's last program of each token and row block (_pair_store's COMBINE),
-# one launch fewer; False: moe_combine's own launch
-DOWN_COMBINE = True
 SORTED_DEQ = 2           # the sorted kernels' dequantization (their DEQ; int8 and mx4)
 
 
@@ -54,71 +49,11 @@ def _pair_program(IDX, N, TOPK, GATED: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _k_range(K, SPLIT: tl.constexpr):
-    """This program's inputs [k_lo, k_hi): split program_id(2) of SPLIT equal parts of K
-    (launch_decode checks that BK divides each part)."""
-    if SPLIT == 1:                                          # the loop as without split-K
-        return 0, K
-    ks = K // SPLIT
-    k_lo = tl.program_id(2) * ks
-    return k_lo, k_lo + ks
-
-
-@triton.jit
-def _pair_store(OUT, RW, p, N, rn, n_ok, r1, r3, GATED: tl.constexpr, LIMIT: tl.constexpr,
-                SPLIT: tl.constexpr = 1, WS=None, CNT=None, TOPK=1, Y=None, SH=None,
-                COMBINE: tl.constexpr = False, HAS_SH: tl.constexpr = False):
+def _pair_store(OUT, RW, p, N, rn, n_ok, r1, r3, GATED: tl.constexpr, LIMIT: tl.constexpr):
     """Row sums r1 [BN] (GATED: _swiglu of r1, r3 with pair p's routing weight) -> OUT[p, rn]
-    as bf16. SPLIT > 1 (split-K): r1, r3 are this program's part of K, stored FP32 in WS [P,
-    SPLIT, 2, N]; the last of the row block's SPLIT programs to arrive (CNT[p, row block],
-    acq_rel, reset to 0 for the next launch) sums the parts in split order (the same bits
-    whatever the arrival order) and stores as above. COMBINE (down, no split): then the last
-    of token p // TOPK's TOPK programs of this row block (CNT[t, row block]) sums the token's
-    pairs (+ SH[t]) as pointwise.moe_combine does into Y[t] (_combine_rows)."""
-    if SPLIT > 1:
-        z = tl.program_id(2)
-        ws = WS + (p * SPLIT + z) * 2 * N + rn
-        tl.store(ws, r1, mask=n_ok)
-        if GATED:
-            tl.store(ws + N, r3, mask=n_ok)
-        tl.debug_barrier()                              # every thread's part stored
-        cnt = CNT + p * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            tl.store(cnt, 0)                            # ready for the next launch
-            r1 = tl.zeros_like(r1)
-            r3 = tl.zeros_like(r3)
-            for i in tl.static_range(SPLIT):            # from L2: other programs wrote them
-                wi = WS + (p * SPLIT + i) * 2 * N + rn
-                r1 += tl.load(wi, mask=n_ok, other=0.0, cache_modifier=".cg")
-                if GATED:
-                    r3 += tl.load(wi + N, mask=n_ok, other=0.0, cache_modifier=".cg")
-            out = _swiglu(r1, r3, tl.load(RW + p), LIMIT) if GATED else r1
-            tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
-    else:
-        out = _swiglu(r1, r3, tl.load(RW + p), LIMIT) if GATED else r1
-        tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
-        if COMBINE:
-            tl.debug_barrier()                          # every thread's rows stored
-            t = p // TOPK
-            cnt = CNT + t * tl.num_programs(1) + tl.program_id(1)
-            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == TOPK - 1:
-                tl.store(cnt, 0)                        # ready for the next launch
-                _combine_rows(OUT, SH, Y, t, rn, n_ok, N, TOPK, HAS_SH)
-
-
-@triton.jit
-def _combine_rows(OUT, SH, Y, t, rn, n_ok, N, TOPK, HAS_SH: tl.constexpr):
-    """Y[t, rn] = SH[t, rn] + Σ_j OUT[t·TOPK + j, rn] in FP32, j in order: pointwise._pair_acc's
-    operations (so moe_combine's bits), read from L2 (other programs wrote the pairs)."""
-    acc = tl.load(OUT + t * TOPK * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
-    acc = acc.to(tl.float32)
-    for j in range(1, TOPK):
-        acc += tl.load(OUT + (t * TOPK + j) * N + rn, mask=n_ok, other=0.0,
-                       cache_modifier=".cg").to(tl.float32)
-    if HAS_SH:
-        acc = tl.load(SH + t * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg").to(
-            tl.float32) + acc
-    tl.store(Y + t * N + rn, acc.to(Y.dtype.element_ty), mask=n_ok)
+    as bf16."""
+    out = _swiglu(r1, r3, tl.load(RW + p), LIMIT) if GATED else r1
+    tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
 
 
 def align(idx: torch.Tensor, n_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,11 +109,9 @@ def decode_pair(K: int, I: int, P: int, config: dict | None, table) -> tuple[dic
 
 
 def launch_decode(kernels: dict, grid_p: int, N: int, K: int, cfg: dict, args: tuple,
-                  combine: tuple | None = None, **consts) -> None:
+                   **consts) -> None:
     """One decode GEMV launch; cfg["variant"] picks the kernel of `kernels` (base or a group
-    kernel, the latter told MAGIC), BK fitted to K (the kernels have no K mask), SPLIT fitted
-    (fit_split). combine = (y [T, N], shared [T, N] or None) on a down launch without split:
-    the pairs' combine into y in this launch (_pair_store's COMBINE)."""
+    kernel, the latter told MAGIC), BK fitted to K (the kernels have no K mask)."""
     cfg = dict(cfg)
     variant = cfg.pop("variant", "base")
     if variant not in kernels:
@@ -186,29 +119,7 @@ def launch_decode(kernels: dict, grid_p: int, N: int, K: int, cfg: dict, args: t
                          f"expected one of {sorted(kernels)}")
     kern, extra = kernels[variant]
     cfg["BK"] = fit_bk(K, cfg["BK"])
-    split = fit_split(K, cfg["BK"], cfg.pop("SPLIT", 1))
-    nb = triton.cdiv(N, cfg["BN"])
-    dev = args[0].device
-    if split > 1:                              # split-K: FP32 parts, last program finishes
-        if combine is not None:
-            raise ValueError("fused_moe: the combine in the down launch needs SPLIT 1")
-        extra = dict(extra, WS=torch.empty(grid_p, split, 2, N, dtype=torch.float32,
-                                           device=dev),
-                     CNT=stream_counters(dev, grid_p * nb))
-    elif combine is not None:                  # the token's last pair program combines
-        y, shared = combine
-        extra = dict(extra, Y=y, SH=y if shared is None else shared, COMBINE=True,
-                     HAS_SH=shared is not None, CNT=stream_counters(dev, y.shape[0] * nb))
-    kern[(grid_p, nb, split)](*args, **consts, **extra, SPLIT=split, **cfg)
-
-
-def fit_split(K: int, bk: int, split: int) -> int:
-    """Largest split-K count <= split whose parts are whole BK tiles (1: no split)."""
-    if split < 1 or split & (split - 1):
-        raise ValueError(f"fused_moe: SPLIT must be a power of 2 >= 1, got {split}")
-    while split > 1 and K % (split * bk):
-        split //= 2
-    return split
+    kern[(grid_p, triton.cdiv(N, cfg["BN"]))](*args, **consts, **extra, **cfg)
 
 
 def sorted_config(P: int, down: bool = True) -> dict:
@@ -258,11 +169,9 @@ def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_ke
     """The launch sequence both expert schemes share (their launchers check the stacks first):
     stacks (w1, s1, w3, s3, w2, s2), dims (E, I, K, D); gemv / table: the decode variants and
     DECODE_TABLE of the scheme, sorted_kernel with its extra constexprs for (gate/up, down);
-    the pairs' outputs summed (+ shared, after shared_ready) in FP32 by one combine launch
-    (DOWN_COMBINE on the decode path: inside the down launch), stored in `dtype` (pairs: that
-    sum left to the caller, a PairSum). down_tile: the
+    the pairs' outputs summed (+ shared, after shared_ready) in FP32 by one combine launch,
+    stored in `dtype` (pairs: that launch left to the caller, a PairSum). down_tile: the
     sorted down launch's own tile (_sorted_config)."""
-    from backfit.runtime.kernels.pointwise import _check_combine as _check_combine_args
     from backfit.runtime.kernels.pointwise import combine_later, moe_combine
     combine = combine_later if pairs else moe_combine
     E, I, K, D = dims
@@ -290,18 +199,9 @@ def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_ke
         h = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
         c1, c2 = decode_pair(K, I, P, config, table)
         launch_decode(gemv, P, I, K, c1, (x, ids, rw, w1, s1, w3, s3, h, I, K, k),
-                      GATED=True, LIMIT=lim)
-        fold = DOWN_COMBINE and not pairs and fit_split(
-            I, fit_bk(I, c2["BK"]), c2.get("SPLIT", 1)) == 1
-        if fold:                                    # the combine inside the down launch
-            if shared_ready is not None:            # it reads the shared expert's output
-                torch.cuda.current_stream(x.device).wait_event(shared_ready)
-            y = torch.empty(T, D, dtype=dtype, device=x.device)
-            _check_combine_args(out, k, shared)
+                       GATED=True, LIMIT=lim)
         launch_decode(gemv, P, D, I, c2, (h, ids, rw, w2, s2, w2, s2, out, D, I, k),
-                      combine=(y, shared) if fold else None, GATED=False, LIMIT=lim)
-        if fold:
-            return y
+                       GATED=False, LIMIT=lim)
     elif path == "sorted":
         cfg, c_down = sorted_pair(P, config, down_tile)
         sorted_ids, block_e = align(idx, E, cfg["BM"])

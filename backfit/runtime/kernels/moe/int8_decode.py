@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backfit.runtime.kernels.moe.common import _k_range, _pair_program, _pair_store
+from backfit.runtime.kernels.moe.common import _pair_program, _pair_store
 
 __all__: list[str] = []
 
@@ -65,13 +65,10 @@ def _dequant_bf16(q, e, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
 @triton.jit
 def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
                      GATED: tl.constexpr, LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     STAGES: tl.constexpr = 1,
-                     SPLIT: tl.constexpr = 1, WS=None, CNT=None, Y=None, SH=None,
-                     COMBINE: tl.constexpr = False, HAS_SH: tl.constexpr = False):
+                     STAGES: tl.constexpr = 1):
     """Pair p, rows [pid_n·BN, +BN) of expert idx[p]: GATED -> h [P, N], else out [P, N] (bf16).
     STAGES > 1: the K loop's loads go through a cp.async pipeline that deep (see STAGES below)."""
     p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
-    k_lo, k_hi = _k_range(K, SPLIT)                         # split-K: this program's part
     rk = tl.arange(0, BK)
     rg = tl.arange(0, BK // 32)
     KG = K // 32
@@ -79,7 +76,7 @@ def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
     s_off = e * N * KG + rn[:, None] * KG
     acc1 = tl.zeros((BN,), dtype=tl.float32)
     acc3 = tl.zeros((BN,), dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         a = tl.load(A + arow * K + k0 + rk).to(tl.float32)                   # [BK]
         q = tl.load(W1 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
         s = tl.load(S1 + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
@@ -88,8 +85,7 @@ def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
             q = tl.load(W3 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
             s = tl.load(S3 + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
             acc3 += tl.sum(_dequant_mx(q, s, BN, BK) * a[None, :], axis=1)
-    _pair_store(OUT, RW, p, N, rn, n_ok, acc1, acc3, GATED, LIMIT, SPLIT, WS, CNT, TOPK, Y, SH,
-                COMBINE, HAS_SH)
+    _pair_store(OUT, RW, p, N, rn, n_ok, acc1, acc3, GATED, LIMIT)
 
 
 # Decode GEMV variants (config key "variant"; docs/KERNELS.md; bench_kernels.py --moe-decode-sweep)
@@ -149,15 +145,12 @@ def _acc_rows(acc, MODE: tl.constexpr):
 @triton.jit
 def _moe_gemv_group_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
                            LIMIT: tl.constexpr, MODE: tl.constexpr, PREFETCH: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr = 1,
-                           SPLIT: tl.constexpr = 1, WS=None, CNT=None, Y=None, SH=None,
-                           COMBINE: tl.constexpr = False, HAS_SH: tl.constexpr = False):
+                           BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr = 1):
     """_moe_gemv_kernel's contract, tiles [BN, BK/32, 32] (variants group / magic / fma /
     prefetch; STAGES as there). Prefetched codes are carried as int32 (an int8 loop-carried tile costs byte
     repacking instructions)."""
     G: tl.constexpr = BK // 32
     p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
-    k_lo, k_hi = _k_range(K, SPLIT)                         # split-K: this program's part
     rg = tl.arange(0, G)
     rj = tl.arange(0, 32)
     m3, m2 = n_ok[:, None, None], n_ok[:, None]
@@ -170,16 +163,16 @@ def _moe_gemv_group_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: t
     else:
         acc1 = tl.zeros((BN, G), dtype=tl.float32)
     acc3 = tl.zeros_like(acc1)
-    if PREFETCH:                                  # tile k0 = k_lo (BK divides the part)
-        q1 = tl.load(W1 + w_off + k_lo, mask=m3, other=0).to(tl.int32)
-        s1 = tl.load(S1 + s_off + k_lo // 32, mask=m2, other=0)
+    if PREFETCH:                                  # tile k0 = 0 (BK divides K)
+        q1 = tl.load(W1 + w_off, mask=m3, other=0).to(tl.int32)
+        s1 = tl.load(S1 + s_off, mask=m2, other=0)
         q3, s3 = q1, s1
         if GATED:
-            q3 = tl.load(W3 + w_off + k_lo, mask=m3, other=0).to(tl.int32)
-            s3 = tl.load(S3 + s_off + k_lo // 32, mask=m2, other=0)
-    for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+            q3 = tl.load(W3 + w_off, mask=m3, other=0).to(tl.int32)
+            s3 = tl.load(S3 + s_off, mask=m2, other=0)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         a = tl.load(A + a_off + k0).to(tl.float32)[None, :, :]                 # [1, G, 32]
-        nk = tl.minimum(k0 + BK, k_hi - BK) if PREFETCH else k0   # last prefetch: itself (L1)
+        nk = tl.minimum(k0 + BK, K - BK) if PREFETCH else k0   # last prefetch: itself (L1)
         q1n = tl.load(W1 + w_off + nk, mask=m3, other=0)
         s1n = tl.load(S1 + s_off + nk // 32, mask=m2, other=0)
         q3n, s3n = q1n, s1n
@@ -197,4 +190,4 @@ def _moe_gemv_group_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: t
             if GATED:
                 acc3 = _acc_tile(acc3, q3n, s3n, a, MODE)
     _pair_store(OUT, RW, p, N, rn, n_ok, _acc_rows(acc1, MODE), _acc_rows(acc3, MODE), GATED,
-                LIMIT, SPLIT, WS, CNT, TOPK, Y, SH, COMBINE, HAS_SH)
+                LIMIT)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from backfit.runtime.kernels.common import dot_bf16
-from backfit.runtime.kernels.moe.common import _k_range, _pair_program, _pair_store
+from backfit.runtime.kernels.moe.common import _pair_program, _pair_store
 
 __all__ = ["GEMV_KERNELS"]
 
@@ -65,15 +65,12 @@ def _gemv_groups(W, S, w_off, s_off, k0, n_ok, a_lo, a_hi):
 @triton.jit
 def _mx4_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
                      GATED: tl.constexpr, LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     STAGES: tl.constexpr = 1,
-                     SPLIT: tl.constexpr = 1, WS=None, CNT=None, Y=None, SH=None,
-                     COMBINE: tl.constexpr = False, HAS_SH: tl.constexpr = False):
+                     STAGES: tl.constexpr = 1):
     """Pair p, rows [pid_n·BN, +BN) of expert idx[p]: GATED -> h [P, N], else out [P, N] (bf16).
     GATED reads x[p // TOPK], else A[p]. Tiles [BN, BK/32, 16] bytes (one 16-byte vector per
     row and group), group sums accumulated [BN, BK/32] across K, one cross-group sum at the end."""
     G: tl.constexpr = BK // 32
     p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
-    k_lo, k_hi = _k_range(K, SPLIT)                         # split-K: this program's part
     rg = tl.arange(0, G)
     rj = tl.arange(0, 16)                                   # byte j of a group: inputs 2j, 2j+1
     KB, KG = (K // 64) * 32, (K // 64) * 2                  # = K/2, K/32 (K % 64 == 0), aligned
@@ -83,14 +80,14 @@ def _mx4_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
     a_off = arow * K + rg[:, None] * 32 + 2 * rj[None, :]   # [G, 16] even inputs
     acc1 = tl.zeros((BN, G), dtype=tl.float32)
     acc3 = tl.zeros((BN, G), dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         a_lo = tl.load(A + a_off + k0).to(tl.float32) * _TWO63
         a_hi = tl.load(A + a_off + k0 + 1).to(tl.float32) * _TWO63
         acc1 += _gemv_groups(W1, S1, w_off, s_off, k0, n_ok, a_lo, a_hi)
         if GATED:
             acc3 += _gemv_groups(W3, S3, w_off, s_off, k0, n_ok, a_lo, a_hi)
     _pair_store(OUT, RW, p, N, rn, n_ok, tl.sum(acc1, axis=1), tl.sum(acc3, axis=1), GATED,
-                LIMIT, SPLIT, WS, CNT, TOPK, Y, SH, COMBINE, HAS_SH)
+                LIMIT)
 
 
 @triton.jit
@@ -103,14 +100,11 @@ def _mx4_groups(b, s, a_lo, a_hi):
 @triton.jit
 def _mx4_gemv_prefetch_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
                               LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                              STAGES: tl.constexpr = 1,
-                              SPLIT: tl.constexpr = 1, WS=None, CNT=None, Y=None, SH=None,
-                              COMBINE: tl.constexpr = False, HAS_SH: tl.constexpr = False):
+                              STAGES: tl.constexpr = 1):
     """_mx4_gemv_kernel (variant "prefetch", as kernels.moe.int8's): the next K tile's bytes and
     exponents are loaded (as int32) before this tile's math; the last tile reloads itself."""
     G: tl.constexpr = BK // 32
     p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
-    k_lo, k_hi = _k_range(K, SPLIT)                         # split-K: this program's part
     rg = tl.arange(0, G)
     rj = tl.arange(0, 16)
     m3, m2 = n_ok[:, None, None], n_ok[:, None]
@@ -120,16 +114,16 @@ def _mx4_gemv_prefetch_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED
     a_off = arow * K + rg[:, None] * 32 + 2 * rj[None, :]
     acc1 = tl.zeros((BN, G), dtype=tl.float32)
     acc3 = tl.zeros((BN, G), dtype=tl.float32)
-    b1 = tl.load(W1 + w_off + k_lo // 2, mask=m3, other=0).to(tl.int32)    # tile k_lo
-    s1 = tl.load(S1 + s_off + k_lo // 32, mask=m2, other=0)
+    b1 = tl.load(W1 + w_off, mask=m3, other=0).to(tl.int32)
+    s1 = tl.load(S1 + s_off, mask=m2, other=0)
     b3, s3 = b1, s1
     if GATED:
-        b3 = tl.load(W3 + w_off + k_lo // 2, mask=m3, other=0).to(tl.int32)
-        s3 = tl.load(S3 + s_off + k_lo // 32, mask=m2, other=0)
-    for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+        b3 = tl.load(W3 + w_off, mask=m3, other=0).to(tl.int32)
+        s3 = tl.load(S3 + s_off, mask=m2, other=0)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         a_lo = tl.load(A + a_off + k0).to(tl.float32) * _TWO63
         a_hi = tl.load(A + a_off + k0 + 1).to(tl.float32) * _TWO63
-        nk = tl.minimum(k0 + BK, k_hi - BK)                    # next tile (inputs)
+        nk = tl.minimum(k0 + BK, K - BK)                    # next tile (inputs)
         b1n = tl.load(W1 + w_off + nk // 2, mask=m3, other=0).to(tl.int32)
         s1n = tl.load(S1 + s_off + nk // 32, mask=m2, other=0)
         b3n, s3n = b1n, s1n
@@ -141,7 +135,7 @@ def _mx4_gemv_prefetch_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED
             acc3 += _mx4_groups(b3, s3, a_lo, a_hi)
         b1, s1, b3, s3 = b1n, s1n, b3n, s3n
     _pair_store(OUT, RW, p, N, rn, n_ok, tl.sum(acc1, axis=1), tl.sum(acc3, axis=1), GATED,
-                LIMIT, SPLIT, WS, CNT, TOPK, Y, SH, COMBINE, HAS_SH)
+                LIMIT)
 
 
 # Packed-word decode (variants "word", "mma"; bench_kernels.py --moe-decode-sweep
@@ -190,15 +184,12 @@ def _nib_pair(w, q: tl.constexpr):
 @triton.jit
 def _mx4_gemv_word_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
                           LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          STAGES: tl.constexpr = 1,
-                          SPLIT: tl.constexpr = 1, WS=None, CNT=None, Y=None, SH=None,
-                          COMBINE: tl.constexpr = False, HAS_SH: tl.constexpr = False):
+                          STAGES: tl.constexpr = 1):
     """_mx4_gemv_kernel's contract (variant "word", CUDA cores): tiles [BN, BK/32, 4] int32
     words, each nibble decoded from the word by _nib_f32, FP32 products with x_(8j+i)·2^63,
     group sums times 2^63·2^(e-127) as in _gemv_groups."""
     G: tl.constexpr = BK // 32
     p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
-    k_lo, k_hi = _k_range(K, SPLIT)                         # split-K: this program's part
     rg = tl.arange(0, G)
     rj = tl.arange(0, 4)                                    # word j of a group: inputs 8j..8j+7
     KW, KG = (K // 64) * 8, (K // 64) * 2                   # = K/8 words, K/32 groups a row
@@ -208,7 +199,7 @@ def _mx4_gemv_word_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl
     W1w, W3w = W1.to(tl.pointer_type(tl.int32)), W3.to(tl.pointer_type(tl.int32))
     acc1 = tl.zeros((BN, G), dtype=tl.float32)
     acc3 = tl.zeros((BN, G), dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         w1 = tl.load(W1w + w_off + k0 // 8, mask=n_ok[:, None, None], other=0)
         w3 = w1
         if GATED:
@@ -226,7 +217,7 @@ def _mx4_gemv_word_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl
             s3 = tl.load(S3 + s_off + k0 // 32, mask=n_ok[:, None], other=0)
             acc3 += tl.sum(t3, axis=2) * _TWO63 * _pow2(s3)
     _pair_store(OUT, RW, p, N, rn, n_ok, tl.sum(acc1, axis=1), tl.sum(acc3, axis=1), GATED,
-                LIMIT, SPLIT, WS, CNT, TOPK, Y, SH, COMBINE, HAS_SH)
+                LIMIT)
 
 
 @triton.jit
@@ -289,9 +280,7 @@ def _mma_rows(x, R: tl.constexpr, BK: tl.constexpr):
 def _mx4_gemv_mma_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
                          LIMIT: tl.constexpr, F32: tl.constexpr, BN: tl.constexpr,
                          BK: tl.constexpr,
-                         STAGES: tl.constexpr = 1,
-                         SPLIT: tl.constexpr = 1, WS=None, CNT=None, Y=None, SH=None,
-                         COMBINE: tl.constexpr = False, HAS_SH: tl.constexpr = False):
+                         STAGES: tl.constexpr = 1):
     """_mx4_gemv_kernel's contract on the tensor cores (variant "mma"): per K tile BF16 dots
     [R, BK] x [BK, BN] (four, one per nibble pair), R = max(16, BK/32) rows, row r holding
     x·2^63 on group r's 32 inputs only (zero elsewhere), so row r of the FP32 product is group
@@ -300,7 +289,6 @@ def _mx4_gemv_mma_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.
     G: tl.constexpr = BK // 32
     R: tl.constexpr = 16 if G < 16 else G
     p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
-    k_lo, k_hi = _k_range(K, SPLIT)                         # split-K: this program's part
     rw = tl.arange(0, BK // 8)
     rr = tl.arange(0, R)
     g_ok = rr < G
@@ -311,7 +299,7 @@ def _mx4_gemv_mma_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.
     W1w, W3w = W1.to(tl.pointer_type(tl.int32)), W3.to(tl.pointer_type(tl.int32))
     acc1 = tl.zeros((R, BN), dtype=tl.float32)
     acc3 = tl.zeros((R, BN), dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         a0, a1, a2, a3 = _mma_rows(tl.load(A + a_off + k0), R, BK)
         acc1 += _mma_groups(W1w, S1, w_off, s_off, k0, n_ok, g_ok, a0, a1, a2, a3, F32, R, BN,
                             BK)
@@ -319,7 +307,7 @@ def _mx4_gemv_mma_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.
             acc3 += _mma_groups(W3w, S3, w_off, s_off, k0, n_ok, g_ok, a0, a1, a2, a3, F32, R,
                                 BN, BK)
     _pair_store(OUT, RW, p, N, rn, n_ok, tl.sum(acc1, axis=0), tl.sum(acc3, axis=0), GATED,
-                LIMIT, SPLIT, WS, CNT, TOPK, Y, SH, COMBINE, HAS_SH)
+                LIMIT)
 
 
 GEMV_KERNELS = dict(base=_mx4_gemv_kernel, prefetch=_mx4_gemv_prefetch_kernel,
