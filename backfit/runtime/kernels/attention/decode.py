@@ -231,18 +231,25 @@ MERGE_PAIRS = 64      # _merge_rope_kernel: rotation pairs per program (D = 512:
 MAX_SPLIT = 16
 
 
+# _decode_kernel's tile: BH heads x BN keys a step (prefill: 16 keys), warps, stages. H100, the
+# TP-4 slice's step (bench_ab.py --layers 43 --tp-shard 4 --experts mx4, GPU time of the replay,
+# 2026-12-06), batch 1 / 8: 8 warps -20.7 / -15.1 us (within the A/B's noise), BN 16 +13.6 /
+# +86.9 us, BN 16 on 2 warps with 3 stages +218.6 / +342.3 us
+DECODE_TILE = dict(BH=16, BN=32, num_warps=4, num_stages=2)
+
+
 def decode_config(B: int, H: int, n_keys: int, sms: int, split: int | None = None,
                   prefill: bool = False) -> dict:
     """Tiles and split count: >= ~2 programs per SM when the batch alone does not fill them.
     prefill: 16-key tiles (the in-flight kv tile is a second buffer: 32 would pass 99 KB)."""
-    BH, BN = 16, 16 if prefill else 32
+    BH, BN = DECODE_TILE["BH"], 16 if prefill else DECODE_TILE["BN"]
     progs = B * triton.cdiv(H, BH)
     steps = max(1, triton.cdiv(n_keys, BN))
     if split is None:
         split = max(1, min(MAX_SPLIT, steps, triton.cdiv(2 * sms, progs)))
     chunk = triton.cdiv(steps, split) * BN
     return dict(BH=BH, BN=BN, SPLIT=triton.cdiv(max(n_keys, 1), chunk), CHUNK=chunk,
-                num_warps=4, num_stages=2)
+                num_warps=DECODE_TILE["num_warps"], num_stages=DECODE_TILE["num_stages"])
 
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}

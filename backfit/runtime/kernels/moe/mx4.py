@@ -188,6 +188,10 @@ def _mx4_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
 # 2026-12-06 (`--moe-decode-sweep --moe-tp 4 --schemes mx4_e2m1`, H100): 12 more tiles, whole
 # rows in one K step (word BK 2048 / 4096 on 2-8 warps) and fewer rows a down program: gate/up
 # 15.4-22.5 us against the shipped word tile's 15.2, down 7.6-16.1 against mma BN 64's 6.5.
+# 2026-12-06, split-K (K in 2-8 parts, a program each, the row block's last program summing the
+# parts; code at 4174fb9): 19 tiles, gate/up at best 14.2 us (word BN 8 BK 512, 1 warp, 4 parts)
+# against the shipped 15.1 in that run; in the slice's step -10.9 us at batch 1: noise, reverted.
+# Four times the warps did not help: the gate/up is not bound by the warps an SM holds.
 DECODE_TABLE = ((6, 512, dict(variant="word", BN=4, BK=512, num_warps=1, num_stages=2, STAGES=1,
                               down=dict(variant="mma", BN=64, BK=512, num_warps=4, num_stages=3,
                                         STAGES=3))),
