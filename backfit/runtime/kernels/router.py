@@ -35,9 +35,10 @@ FUSED_MAX_M = 8         # model.moe.Gate takes it up to this batch
 
 # BN rows a program, BK inputs a K step, warps (a program per (BN rows, token)): gemv's measured
 # bf16 M = 1 row for the router shape (256 x 4096: BN 1, BK 4096, 8 warps). H100 (2026-12-06, the
-# whole launch graph-timed over 16 weights in turn, M = 1): 10 tiles of BN 1-8, 1-8 warps within
-# 5.4-6.4 us a call (this one 5.6); the best, BN 2 on 4 warps, in the TP-4 slice's step (bench_ab.py,
-# GPU time of the replay) +18.3 us at batch 1, -22.3 at batch 8: noise, not taken
+# whole launch graph-timed over 16 weights in turn, M = 1): 9 of 10 tiles of BN 1-8 on 1-8 warps
+# within 5.4-6.4 us a call (this one 5.6; BN 8 7.8); the best, BN 2 on 4 warps, in the TP-4
+# slice's step (bench_ab.py, GPU time of the replay) +18.3 us at batch 1, -22.3 at batch 8:
+# noise, not taken
 CONFIG = dict(BN=1, BK=4096, num_warps=8)
 
 
