@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gemv import make_weights  # noqa: E402  (random int8_g128 weights)
+from bench_kernels import mx4_stack, mx_stack  # noqa: E402  (random expert stacks)
 from harness import copy_bandwidth, graph_us  # noqa: E402
 
 from backfit.runtime.kernels.linear import gemv  # noqa: E402
@@ -72,25 +74,13 @@ def chains() -> dict:
     return out
 
 
-def _mx4_stack(E, n, k):
-    return (torch.randint(0, 256, (E, n, k // 2), device=DEV, dtype=torch.uint8),
-            torch.randint(119, 127, (E, n, k // 32), device=DEV, dtype=torch.uint8))
-
-
-def _int8_stack(E, n, k):
-    vals = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
-                        dtype=torch.int8, device=DEV)
-    return (vals[torch.randint(0, 16, (E, n, k), device=DEV)],
-            torch.randint(118, 126, (E, n, k // 32), device=DEV, dtype=torch.uint8))
-
-
 def gate_up(scheme: str, cold: bool, E: int = 256, D: int = 4096, I: int = 512,
             k: int = 6) -> tuple[float, float]:
     """(µs a call, weight bytes a call) of the routed gate/up launch at batch 1."""
     mod = moe_mx4 if scheme == "mx4" else moe_int8
     kern = moe_mx4._GEMV4 if scheme == "mx4" else moe_int8._GEMV
-    w1, s1 = (_mx4_stack if scheme == "mx4" else _int8_stack)(E, I, D)
-    w3, s3 = (_mx4_stack if scheme == "mx4" else _int8_stack)(E, I, D)
+    w1, s1 = (mx4_stack if scheme == "mx4" else mx_stack)(E, I, D)
+    w3, s3 = (mx4_stack if scheme == "mx4" else mx_stack)(E, I, D)
     cfg = mod.decode_config(D, k, I=I)
     calls = []
     for r in range(16):
@@ -108,9 +98,7 @@ def gate_up(scheme: str, cold: bool, E: int = 256, D: int = 4096, I: int = 512,
 
 def wq_b(cold: bool, N: int = 8192, K: int = 1024) -> tuple[float, float]:
     """(µs a call, weight bytes) of a TP-4 rank's int8 wq_b GEMV at M = 1."""
-    ws = [(torch.randint(-127, 128, (N, K), dtype=torch.int8, device=DEV),
-           torch.rand(N, K // 128, device=DEV).mul_(0.02).add_(1e-3))
-          for _ in range(16 if cold else 1)]
+    ws = make_weights(N, K, "int8", 16 if cold else 1)
     x = torch.randn(1, K, device=DEV).bfloat16()
     calls = [lambda w=w, s=s: gemv.gemv(x, w, s, "int8_g128", out_dtype=torch.bfloat16)
              for w, s in (ws * 16)[:16]]
