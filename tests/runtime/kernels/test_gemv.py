@@ -134,6 +134,25 @@ def test_every_table_config_runs(gv):
             assert rel(y, reference(x, deq)) < TOL[out], (kind, items)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="real shapes: compiled on CUDA only")
+def test_every_table_row_at_its_own_shape(gv):
+    """Each GEMV_TABLE row of kinds int8 / bf16 at its own N and K (the real decode shapes, where
+    the tiny checkpoint never goes: the TP-4 CSA projection's 2,576 x 4,096 among them), at both
+    ends of its M range, with its config, against the FP64 reference."""
+    gen = torch.Generator().manual_seed(13)
+    rows = [r for r in gv.GEMV_TABLE if r[0] in ("int8", "bf16")]
+    assert any(r[1] == (2576, 2576) for r in rows)
+    for kind, (n, _), (k, _), (m_lo, m_hi), cfg in rows:
+        quant = kind == "int8"
+        w, s, deq = weights(n, k, quant, gen)
+        out = torch.bfloat16 if quant else torch.float32
+        for m in sorted({m_lo, m_hi}):
+            x = torch.randn(m, k, generator=gen).bfloat16().to(DEV)
+            y = gv.gemv(x, w, s, "int8_g128" if quant else "bf16", config=cfg, out_dtype=out)
+            assert rel(y, reference(x, deq)) < TOL[out], (kind, n, k, m, cfg)
+
+
 def test_table_lookup_first_match(gv, monkeypatch):
     monkeypatch.setattr(gv, "GEMV_TABLE", [
         ("int8", (1, 2048), (1, 8192), (1, 2), dict(variant="cuda", BN=2, BK=1024)),
