@@ -12,8 +12,7 @@ their bytes (on the lent GPU; docs/PERFORMANCE.md "The TP-4 slice"):
            each call (they stay in L2): the mx4 and int8 routed gate/up (6 experts x 2 x 512 x
            4096), the int8 `wq_b` GEMV (8192 x 1024). Hot close to cold: the kernel is bound
            by its instructions or latency, not by its bytes.
-It has not run on a GPU yet (2026-12-06: no device time left); its first figures belong in
-PERFORMANCE.md "The TP-4 slice".
+Figures: docs/PERFORMANCE.md "The TP-4 slice" ("The persistent lever, measured").
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ per-row FP32 scale. Three ways, CUDA-graph timed, µs per chain:
               from DRAM while the slowest program finishes and the barrier resolves
 Also the barrier alone: µs a phase of a persistent launch whose phases load 16 bytes and meet.
 The kernel's math has a torch reference (tests/test_scripts.py runs it in the interpreter with
-one program, where the barrier passes at once).
+one program, where the barrier passes at once). Figures: docs/PERFORMANCE.md "The TP-4 slice"
+("The persistent lever, measured"): a barrier costs about a launch; the persistent chain loses.
 """
 
 from __future__ import annotations
