@@ -63,6 +63,8 @@ def compile_all() -> list[dict]:
                                 (True, 4096, "prefetch", (32, 1024, 4, 2)),
                                 (True, 4096, "word", (16, 2048, 8, 2)),
                                 (False, 512, "word", (16, 1024, 4, 2)),
+                                (True, 4096, "word8", (4, 4096, 4, 2)),
+                                (False, 512, "word8", (16, 512, 4, 2)),
                                 (True, 4096, "mma", (32, 512, 2, 2)),
                                 (True, 4096, "mma", (32, 1024, 4, 2)),
                                 (False, 512, "mma", (64, 256, 4, 3))):
@@ -80,7 +82,7 @@ def compile_all() -> list[dict]:
 
 def test_mx4_moe_kernels_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 12 + 4 + 5                       # + decode variants
+    assert len(results) == 12 + 4 + 7                       # + decode variants
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name

@@ -5,6 +5,8 @@ moe_mx4.DECODE_TABLE):
   base      byte tiles [BN, BK/32, 16], even / odd activations loaded apart, group sums in FP32
   prefetch  base with the next K tile loaded one iteration ahead
   word      int32 words, 8 nibbles each, a nibble to FP32 in 3 integer ops
+  word8     word with the 8 nibbles of a word on a 4th tile axis: a K tile's inputs loaded once,
+            no shared-memory round trip a nibble
   mma       two BF16 weights per int32 in 13 ops per 8, BF16 tensor cores with each 32-group in
             its own MMA row, so the group's 2^(e-127) is one FP32 multiply per row (the E = 0
             codes ±0.5 enter the MMA as BF16 subnormals, which the H200 keeps:
@@ -221,6 +223,46 @@ def _mx4_gemv_word_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl
 
 
 @triton.jit
+def _mx4_gemv_word8_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
+                           LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           STAGES: tl.constexpr = 1):
+    """The "word" variant's math with its 8 nibbles on a 4th axis (variant "word8"): a K tile's
+    inputs are loaded once, [BN, G, 4, 8] (8 consecutive bf16 a word: 16-byte loads), where
+    "word" loads them nibble by nibble as [G, 4] and moves each through shared memory to the
+    weights' layout (PTX for sm_80: 8 bar.sync a K tile; here 4, two a weight tile, whose
+    words change layout once). Nibble i of word j: (w << 28 - 4i) >> 6, masked (_nib_f32's 3
+    ops), times x_(8j+i)·2^63; per tile a group's 32 products summed, times 2^63·2^(e-127)."""
+    G: tl.constexpr = BK // 32
+    p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
+    rg = tl.arange(0, G)
+    rj = tl.arange(0, 4)
+    ri = tl.arange(0, 8)
+    KW, KG = (K // 64) * 8, (K // 64) * 2
+    w_off = e * N * KW + rn[:, None, None] * KW + rg[None, :, None] * 4 + rj[None, None, :]
+    s_off = e * N * KG + rn[:, None] * KG + rg[None, :]
+    a_off = (arow * K + rn[:, None, None, None] * 0 + rg[None, :, None, None] * 32
+             + rj[None, None, :, None] * 8 + ri[None, None, None, :])       # [BN, G, 4, 8]
+    shl = (28 - 4 * ri)[None, None, None, :]
+    W1w, W3w = W1.to(tl.pointer_type(tl.int32)), W3.to(tl.pointer_type(tl.int32))
+    acc1 = tl.zeros((BN, G), dtype=tl.float32)
+    acc3 = tl.zeros((BN, G), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        a = tl.load(A + a_off + k0).to(tl.float32) * _TWO63                    # [BN, G, 4, 8]
+        w1 = tl.load(W1w + w_off + k0 // 8, mask=n_ok[:, None, None], other=0)
+        d1 = (((w1[:, :, :, None] << shl) >> 6) & _SIGN_EXP_MAN).to(tl.float32, bitcast=True)
+        s1 = tl.load(S1 + s_off + k0 // 32, mask=n_ok[:, None], other=0)
+        acc1 += tl.sum(tl.sum(d1 * a, axis=3), axis=2) * _TWO63 * _pow2(s1)
+        if GATED:
+            w3 = tl.load(W3w + w_off + k0 // 8, mask=n_ok[:, None, None], other=0)
+            d3 = (((w3[:, :, :, None] << shl) >> 6) & _SIGN_EXP_MAN).to(tl.float32,
+                                                                           bitcast=True)
+            s3 = tl.load(S3 + s_off + k0 // 32, mask=n_ok[:, None], other=0)
+            acc3 += tl.sum(tl.sum(d3 * a, axis=3), axis=2) * _TWO63 * _pow2(s3)
+    _pair_store(OUT, RW, p, N, rn, n_ok, tl.sum(acc1, axis=1), tl.sum(acc3, axis=1), GATED,
+                LIMIT)
+
+
+@triton.jit
 def _pair_lanes(w, q: tl.constexpr, F32: tl.constexpr):
     """_nib_pair(w, q) -> [..., 2] (low lane, high lane) as BF16 (F32: FP32 of the same values;
     the interpreter flushes BF16 subnormals when it widens them)."""
@@ -311,4 +353,5 @@ def _mx4_gemv_mma_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.
 
 
 GEMV_KERNELS = dict(base=_mx4_gemv_kernel, prefetch=_mx4_gemv_prefetch_kernel,
-                    word=_mx4_gemv_word_kernel, mma=_mx4_gemv_mma_kernel)
+                    word=_mx4_gemv_word_kernel, word8=_mx4_gemv_word8_kernel,
+                    mma=_mx4_gemv_mma_kernel)
