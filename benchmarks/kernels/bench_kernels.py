@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -208,7 +207,9 @@ _MX4_TILES = dict(                                 # BK counts inputs (BK/2 byte
     # w4 s2 63.5 (gate/up 38.0 alone, the best), base 79.4
     mma=((32, 512, 2, 2), (32, 512, 2, 3), (32, 256, 2, 3), (64, 512, 4, 2), (64, 256, 4, 3),
          (32, 1024, 4, 2), (16, 256, 1, 3), (16, 512, 1, 3)),
-    word=((16, 1024, 4, 2), (16, 1024, 8, 2), (16, 2048, 8, 2), (16, 512, 4, 2)))
+    word=((16, 1024, 4, 2), (16, 1024, 8, 2), (16, 2048, 8, 2), (16, 512, 4, 2)),
+    # word4d: the TP-4 batch-1 gate/up tile (H100, 2026-12-06) and a wider one
+    word4d=((1, 2048, 1, 2), (4, 1024, 2, 2)))
 
 
 # --pipe: the K loop as a cp.async pipeline (config STAGES, kernels/moe_decode.py) over tiles
@@ -266,14 +267,18 @@ _SMALL_I_TILES = {
                  ("word", 8, 4096, 8, 1, 1), ("word", 4, 2048, 4, 1, 1), ("word", 2, 2048, 2, 1, 1),
                  ("base", 4, 4096, 8, 1, 1), ("word", 8, 512, 1, 1, 1), ("word", 16, 512, 2, 1, 1),
                  ("word", 32, 512, 4, 1, 1), ("mma", 32, 512, 4, 1, 1), ("mma", 16, 512, 1, 1, 1),
-                 # more one-warp programs a pair (I = 512: 256 / 512 at BN 2 / 1), not yet timed
-                 ("word", 2, 512, 1, 2, 1), ("word", 1, 512, 1, 2, 1), ("word", 2, 256, 1, 2, 1))}
+                 # more one-warp programs a pair (H100, 2026-12-06: 14.3 / 19.8 / 15.7 us against
+                 # word BN 4's 14.5), then word4d (the shipped gate/up 10.65 us, BN 1 BK 2048)
+                 ("word", 2, 512, 1, 2, 1), ("word", 1, 512, 1, 2, 1), ("word", 2, 256, 1, 2, 1),
+                 ("word4d", 1, 2048, 1, 2, 1), ("word4d", 2, 1024, 2, 2, 1),
+                 ("word4d", 4, 1024, 2, 2, 1), ("word4d", 1, 512, 1, 2, 1),
+                 ("word4d", 8, 256, 1, 2, 1))}
 
 
 def decode_grid(scheme: str, pipe: bool = False, occ: bool = False,
                 small_i: bool = False) -> list[dict]:
-    """int8_mx32: 26 configs over moe.int8.DECODE_VARIANTS; mx4_e2m1: 16 over moe_mx4's (the
-    shipped tile, then mma, word, prefetch, the rest of base: a spent budget skips the last).
+    """int8_mx32: 26 configs over moe.int8.DECODE_VARIANTS; mx4_e2m1: 18 over moe_mx4's (the
+    shipped tile, then mma, word, word4d, prefetch, the rest of base: a spent budget skips the last).
     pipe: the shipped DECODE_TABLE configs (down tiles split out as configs of their own), then
     _PIPE_TILES. occ: the shipped configs, then _OCC_TILES[scheme]. small_i: the shipped
     configs, then _SMALL_I_TILES."""
@@ -295,7 +300,7 @@ def decode_grid(scheme: str, pipe: bool = False, occ: bool = False,
                           for v, b, k, w, n, st in _PIPE_TILES[scheme]]
     if scheme == "mx4_e2m1":
         assert set(_MX4_TILES) == set(moe_mx4.DECODE_VARIANTS), moe_mx4.DECODE_VARIANTS
-        order = ("mma", "word", "prefetch")
+        order = ("mma", "word", "word4d", "prefetch")
         tiles = [("base", _MX4_TILES["base"][0])] + [
             (v, t) for v in order for t in _MX4_TILES[v]] + [
             ("base", t) for t in _MX4_TILES["base"][1:]]

@@ -331,6 +331,6 @@ def test_decode_table_rows_bound_the_intermediate_size(kmoe):
     assert kmoe.int8.decode_config(4096, 6, I=512)["BN"] == 2                    # shipped TP-4 row
     assert kmoe.int8.decode_config(4096, 6, I=2048)["BN"] == 8                   # shipped tp-1 row
     from backfit.runtime.kernels.moe import mx4 as moe_mx4                                # same rule, mx4
-    assert moe_mx4.decode_config(4096, 6, I=512)["variant"] == "word8"
+    assert moe_mx4.decode_config(4096, 6, I=512)["variant"] == "word4d"
     assert moe_mx4.decode_config(512, 6, down=True, I=512)["BN"] == 64
     assert moe_mx4.decode_config(4096, 6)["variant"] == "mma"

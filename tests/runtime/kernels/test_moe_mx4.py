@@ -171,7 +171,7 @@ def test_ragged_tiles_and_clamps(kmx4):
             assert rel(y, want) < TOL, (path, cfg)
 
 
-@pytest.mark.parametrize("variant", ["base", "prefetch", "word", "word8", "mma"])
+@pytest.mark.parametrize("variant", ["base", "prefetch", "word", "word4d", "mma"])
 def test_decode_variants_exact_and_match(kmx4, variant):
     """Each decode GEMV variant (config "variant"): every byte x 8 exponents read back bit for
     bit by one-hot rows (as above; subnormals on the GPU only), and the fused MoE against the
@@ -203,7 +203,7 @@ def test_decode_variants_exact_and_match(kmx4, variant):
 
 
 @pytest.mark.parametrize("variant,tile,D", [("word", (16, 512, 4, 2), 512),
-                                            ("word8", (4, 512, 1, 2), 512),
+                                            ("word4d", (4, 512, 1, 2), 512),
                                             ("mma", (32, 512, 2, 2), 512),
                                             ("mma", (32, 1024, 4, 2), 1024)])
 def test_packed_decode_variants_fused_t1_to_3(kmx4, variant, tile, D):
@@ -225,12 +225,12 @@ def test_packed_decode_variants_fused_t1_to_3(kmx4, variant, tile, D):
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET, reason="a real shape: compiled on CUDA only")
 def test_shipped_tp4_batch1_row_at_its_shape(kmx4):
-    """DECODE_TABLE's TP-4 batch-1 row (word8 gate/up, mma down) at a TP-4 rank's expert shape
+    """DECODE_TABLE's TP-4 batch-1 row (word4d gate/up, mma down) at a TP-4 rank's expert shape
     (D = 4096, I = 512, top-6 at T = 1: the launches one decode step of the slice makes) against
     the torch math, and the same as the other word variant within FP32 summation order."""
     E, D, I, k = 8, 4096, 512, 6
     st, gen = experts(E, D, I, seed=51)
-    assert kmx4.decode_config(D, k, I=I)["variant"] == "word8"
+    assert kmx4.decode_config(D, k, I=I)["variant"] == "word4d"
     x = (torch.randn(1, D, generator=gen) * 2).bfloat16().to(DEV)
     idx, w = routing(1, k, E, gen)
     y = kmx4.fused_moe_mx4(x, idx, w, *st, LIMIT, path="decode")

@@ -5,7 +5,7 @@ moe_mx4.DECODE_TABLE):
   base      byte tiles [BN, BK/32, 16], even / odd activations loaded apart, group sums in FP32
   prefetch  base with the next K tile loaded one iteration ahead
   word      int32 words, 8 nibbles each, a nibble to FP32 in 3 integer ops
-  word8     word with the 8 nibbles of a word on a 4th tile axis: a K tile's inputs loaded once,
+  word4d     word with the 8 nibbles of a word on a 4th tile axis: a K tile's inputs loaded once,
             no shared-memory round trip a nibble
   mma       two BF16 weights per int32 in 13 ops per 8, BF16 tensor cores with each 32-group in
             its own MMA row, so the group's 2^(e-127) is one FP32 multiply per row (the E = 0
@@ -223,10 +223,10 @@ def _mx4_gemv_word_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl
 
 
 @triton.jit
-def _mx4_gemv_word8_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
+def _mx4_gemv_word4d_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
                            LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                            STAGES: tl.constexpr = 1):
-    """The "word" variant's math with its 8 nibbles on a 4th axis (variant "word8"): a K tile's
+    """The "word" variant's math with its 8 nibbles on a 4th axis (variant "word4d"): a K tile's
     inputs are loaded once, [BN, G, 4, 8] (8 consecutive bf16 a word: 16-byte loads), where
     "word" loads them nibble by nibble as [G, 4] and moves each through shared memory to the
     weights' layout (PTX for sm_80: 8 bar.sync a K tile; here 4, two a weight tile, whose
@@ -353,5 +353,5 @@ def _mx4_gemv_mma_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.
 
 
 GEMV_KERNELS = dict(base=_mx4_gemv_kernel, prefetch=_mx4_gemv_prefetch_kernel,
-                    word=_mx4_gemv_word_kernel, word8=_mx4_gemv_word8_kernel,
+                    word=_mx4_gemv_word_kernel, word4d=_mx4_gemv_word4d_kernel,
                     mma=_mx4_gemv_mma_kernel)
