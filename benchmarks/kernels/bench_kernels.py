@@ -278,7 +278,8 @@ _SMALL_I_TILES = {
 def decode_grid(scheme: str, pipe: bool = False, occ: bool = False,
                 small_i: bool = False) -> list[dict]:
     """int8_mx32: 26 configs over moe.int8.DECODE_VARIANTS; mx4_e2m1: 18 over moe_mx4's (the
-    shipped tile, then mma, word, word4d, prefetch, the rest of base: a spent budget skips the last).
+    shipped tile, then mma, word, word4d, prefetch, the rest of base: a spent budget skips the
+    last).
     pipe: the shipped DECODE_TABLE configs (down tiles split out as configs of their own), then
     _PIPE_TILES. occ: the shipped configs, then _OCC_TILES[scheme]. small_i: the shipped
     configs, then _SMALL_I_TILES."""
