@@ -194,15 +194,15 @@ def _mx4_sorted_kernel(A, SORTED, BLOCK_E, RW, W1, S1, W3, S3, OUT, N, K, TOPK, 
 # Four times the warps did not help: the gate/up is not bound by the warps an SM holds.
 # 2026-12-06 (H100, ncu): the word tile issues 0.44 instructions a cycle a scheduler with 1.45
 # warps on each; its PTX moves the inputs of every nibble through shared memory (8 bar.sync a
-# K tile). The "word4d" variant loads a tile's inputs once in the weights' layout: gate/up
+# K tile). The "word4d" variant loads a K tile's inputs once, as 16-byte runs: gate/up
 # 14.55 -> 10.65 us alone (word4d BN 1 BK 2048, 1 warp, best of 15 tiles; same bits at this
 # shape); down word4d 7.04 vs mma 7.32. In the slice's step (bench_ab.py --layers 43 --tp-shard 4
 # --experts mx4, same process, GPU time of the replay): gate/up -236.2 us at batch 1 (-2.7 at
 # batch 8, where this row does not apply); with the word4d down too -244.7 (+14.0 at batch 8):
 # the down stays mma.
-DECODE_TABLE = ((6, 512, dict(variant="word4d", BN=1, BK=2048, num_warps=1, num_stages=2, STAGES=1,
-                              down=dict(variant="mma", BN=64, BK=512, num_warps=4, num_stages=3,
-                                        STAGES=3))),
+DECODE_TABLE = ((6, 512, dict(variant="word4d", BN=1, BK=2048, num_warps=1, num_stages=2,
+                              STAGES=1, down=dict(variant="mma", BN=64, BK=512, num_warps=4,
+                                                  num_stages=3, STAGES=3))),
                 (DECODE_PAIRS, dict(variant="mma", BN=32, BK=512, num_warps=2, num_stages=3,
                                     STAGES=3)))
 DECODE_VARIANTS = ("base", "prefetch", "word", "word4d", "mma")

@@ -5,7 +5,7 @@ moe_mx4.DECODE_TABLE):
   base      byte tiles [BN, BK/32, 16], even / odd activations loaded apart, group sums in FP32
   prefetch  base with the next K tile loaded one iteration ahead
   word      int32 words, 8 nibbles each, a nibble to FP32 in 3 integer ops
-  word4d     word with the 8 nibbles of a word on a 4th tile axis: a K tile's inputs loaded once,
+  word4d    word with the 8 nibbles of a word on a 4th tile axis: a K tile's inputs loaded once,
             no shared-memory round trip a nibble
   mma       two BF16 weights per int32 in 13 ops per 8, BF16 tensor cores with each 32-group in
             its own MMA row, so the group's 2^(e-127) is one FP32 multiply per row (the E = 0
@@ -224,8 +224,8 @@ def _mx4_gemv_word_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl
 
 @triton.jit
 def _mx4_gemv_word4d_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
-                           LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           STAGES: tl.constexpr = 1):
+                            LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                            STAGES: tl.constexpr = 1):
     """The "word" variant's math with its 8 nibbles on a 4th axis (variant "word4d"): a K tile's
     inputs are loaded once, [BN, G, 4, 8] (8 consecutive bf16 a word: 16-byte loads), where
     "word" loads them nibble by nibble as [G, 4] and moves each through shared memory to the
