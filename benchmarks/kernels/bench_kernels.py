@@ -253,8 +253,8 @@ _OCC_TILES = {
 ERR_OK = 1e-2                 # rel err vs the torch path above which a config is not a candidate
 
 
-# One TP-K rank (--moe-tp K: I = 2048 / K output rows for gate/up): small BN, few warps (session
-# 14's probes at I = 512: int8 gate/up 23.8 -> 11.8 us, mx4 24.4 -> 15.3 at M = 1)
+# One TP-K rank (--moe-tp K: I = 2048 / K output rows for gate/up): small BN, few warps (the
+# 2026-12-02 probes at I = 512: int8 gate/up 23.8 -> 11.8 us, mx4 24.4 -> 15.3 at M = 1)
 _SMALL_I_TILES = {
     "int8_mx32": (("magic", 2, 1024, 2, 2, 1), ("magic", 2, 512, 1, 2, 1), ("magic", 4, 512, 2, 2, 1),
                   ("magic", 1, 512, 1, 2, 1), ("magic", 4, 1024, 4, 2, 1), ("magic", 16, 256, 4, 2, 1),
