@@ -63,6 +63,15 @@ def _grid_barrier(CNT, target):
 
 
 @triton.jit
+def _grid_done(CNT):
+    """CNT[1] counts the programs that finished; the last resets both counters for the next
+    launch (every program is then past every barrier)."""
+    if tl.atomic_add(CNT + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.atomic_xchg(CNT, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(CNT + 1, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _chain_kernel(W, S, ACT, TAB, CNT, p_lo, p_hi, BN: tl.constexpr, BK: tl.constexpr,
                   PERSIST: tl.constexpr, L2: tl.constexpr):
     """Phases [p_lo, p_hi): TAB int64 [P, 6] = (weight offset, N, K, x offset, y offset, scale
@@ -104,9 +113,7 @@ def _chain_kernel(W, S, ACT, TAB, CNT, p_lo, p_hi, BN: tl.constexpr, BK: tl.cons
                             _l2_prefetch(W + w2 + rows[:, None] * k2 + k0 + rl[None, :])
                 _grid_barrier(CNT, (p + 1 - p_lo) * nprog)
     if PERSIST:
-        if tl.atomic_add(CNT + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
-            tl.atomic_xchg(CNT, 0, sem="relaxed", scope="gpu")      # every program is past
-            tl.atomic_xchg(CNT + 1, 0, sem="relaxed", scope="gpu")  # every barrier
+        _grid_done(CNT)
 
 
 @triton.jit
@@ -118,9 +125,7 @@ def _meet_kernel(Y, CNT, n_phase):
     for ph in range(n_phase):
         tl.store(Y + pid * 4 + r, r + ph)
         _grid_barrier(CNT, (ph + 1) * nprog)
-    if tl.atomic_add(CNT + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
-        tl.atomic_xchg(CNT, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(CNT + 1, 0, sem="relaxed", scope="gpu")
+    _grid_done(CNT)
 
 
 class Chain:

@@ -223,6 +223,17 @@ def _mx4_gemv_word_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl
 
 
 @triton.jit
+def _word4d_groups(Ww, S, w_off, s_off, k0, n_ok, shl, a):
+    """One K tile of "word4d" -> FP32 [BN, G] group sums, scaled: words [BN, G, 4] at w_off,
+    nibble i of each by (w << 28 - 4i) >> 6, masked (_nib_f32's 3 ops; shl [.., 8] = 28 - 4i),
+    times a = x·2^63 [BN, G, 4, 8]; a group's 32 products summed, times 2^63·2^(e-127)."""
+    w = tl.load(Ww + w_off + k0 // 8, mask=n_ok[:, None, None], other=0)
+    d = (((w[:, :, :, None] << shl) >> 6) & _SIGN_EXP_MAN).to(tl.float32, bitcast=True)
+    s = tl.load(S + s_off + k0 // 32, mask=n_ok[:, None], other=0)
+    return tl.sum(tl.sum(d * a, axis=3), axis=2) * _TWO63 * _pow2(s)
+
+
+@triton.jit
 def _mx4_gemv_word4d_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
                             LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                             STAGES: tl.constexpr = 1):
@@ -230,8 +241,7 @@ def _mx4_gemv_word4d_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: 
     inputs are loaded once, [BN, G, 4, 8] (8 consecutive bf16 a word: 16-byte loads), where
     "word" loads them nibble by nibble as [G, 4] and moves each through shared memory to the
     weights' layout (PTX for sm_80: 8 bar.sync a K tile; here 4, two a weight tile, whose
-    words change layout once). Nibble i of word j: (w << 28 - 4i) >> 6, masked (_nib_f32's 3
-    ops), times x_(8j+i)·2^63; per tile a group's 32 products summed, times 2^63·2^(e-127)."""
+    words change layout once). Per tile _word4d_groups for W1 (and W3)."""
     G: tl.constexpr = BK // 32
     p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
     rg = tl.arange(0, G)
@@ -248,16 +258,9 @@ def _mx4_gemv_word4d_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: 
     acc3 = tl.zeros((BN, G), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         a = tl.load(A + a_off + k0).to(tl.float32) * _TWO63                    # [BN, G, 4, 8]
-        w1 = tl.load(W1w + w_off + k0 // 8, mask=n_ok[:, None, None], other=0)
-        d1 = (((w1[:, :, :, None] << shl) >> 6) & _SIGN_EXP_MAN).to(tl.float32, bitcast=True)
-        s1 = tl.load(S1 + s_off + k0 // 32, mask=n_ok[:, None], other=0)
-        acc1 += tl.sum(tl.sum(d1 * a, axis=3), axis=2) * _TWO63 * _pow2(s1)
+        acc1 += _word4d_groups(W1w, S1, w_off, s_off, k0, n_ok, shl, a)
         if GATED:
-            w3 = tl.load(W3w + w_off + k0 // 8, mask=n_ok[:, None, None], other=0)
-            d3 = (((w3[:, :, :, None] << shl) >> 6) & _SIGN_EXP_MAN).to(tl.float32,
-                                                                           bitcast=True)
-            s3 = tl.load(S3 + s_off + k0 // 32, mask=n_ok[:, None], other=0)
-            acc3 += tl.sum(tl.sum(d3 * a, axis=3), axis=2) * _TWO63 * _pow2(s3)
+            acc3 += _word4d_groups(W3w, S3, w_off, s_off, k0, n_ok, shl, a)
     _pair_store(OUT, RW, p, N, rn, n_ok, tl.sum(acc1, axis=1), tl.sum(acc3, axis=1), GATED,
                 LIMIT)
 
