@@ -2,8 +2,8 @@
 layers by default, triton kernels, CUDA graphs), on the lent GPU:
 
     python3 benchmarks/bench_ab.py --switch backfit.runtime.model.attention:KV_BESIDE=False \
-        [--switch module:NAME=value ...] [--batches 1,8] [--ctx 512] [--rounds 4] [--out ab.json]
-        [--layers 4] [--tp-shard 1] [--experts int8|mx4]
+        [--switch module:NAME=value ...] [--switch module:NAME=@module:NAME] [--batches 1,8]
+        [--ctx 512] [--rounds 4] [--out ab.json] [--layers 4] [--tp-shard 1] [--experts int8|mx4]
 
 Step-level figures move ±5 % between processes on the lent machine (2026-12-01: the same code
 timed 1.06, 1.11 and 1.16 ms at batch 1 in three calls), more than most single changes are
@@ -40,15 +40,20 @@ from bench_decode import time_forward  # noqa: E402
 
 
 def parse_switch(spec: str) -> tuple[object, str, object]:
-    """'package.module:NAME=value' -> (module, NAME, value); value a Python literal."""
+    """'package.module:NAME=value' -> (module, NAME, value); value a Python literal, or
+    '@package.module:NAME' for that object (another kernel of the same signature, say)."""
     try:
         where, value = spec.split("=", 1)
         mod, name = where.split(":")
         m = importlib.import_module(mod)
         getattr(m, name)
+        if value.startswith("@"):
+            vmod, vname = value[1:].split(":")
+            return m, name, getattr(importlib.import_module(vmod), vname)
         return m, name, ast.literal_eval(value)
     except (ValueError, ImportError, AttributeError, SyntaxError) as e:
-        raise SystemExit(f"--switch {spec!r}: expected an existing module:NAME=literal ({e})")
+        raise SystemExit(f"--switch {spec!r}: expected an existing module:NAME=literal or "
+                         f"=@module:NAME ({e})")
 
 
 def timed(r, graphs, mk, n: int, gpu: bool) -> tuple[float, float | None]:

@@ -169,3 +169,23 @@ def test_bench_persistent_chain_matches_torch_launched_and_persistent(monkeypatc
         assert ref[-1].float().abs().max() > 0.1 and c.cnt.tolist() == [0, 0]
     finally:
         sys.modules.pop("bench_persistent", None)
+
+
+def test_bench_ab_switch_takes_a_literal_or_another_modules_object():
+    """--switch module:NAME=literal, or =@module:NAME (a kernel of the same signature, say)."""
+    import pytest
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_ab
+    from backfit.runtime.kernels.mhc import core, decode
+    m, name, value = bench_ab.parse_switch(
+        "backfit.runtime.kernels.mhc.decode:FOLD={'bd_u': 1024, 'warps': 8}")
+    assert (m, name, value) == (decode, "FOLD", {"bd_u": 1024, "warps": 8})
+    m, name, value = bench_ab.parse_switch(
+        "backfit.runtime.kernels.mhc.decode:_post_mix_kernel=@backfit.runtime.kernels.mhc.core:"
+        "_post_kernel")
+    assert m is decode and name == "_post_mix_kernel" and value is core._post_kernel
+    for bad in ("backfit.runtime.kernels.mhc.decode:NOPE=1",
+                "backfit.runtime.kernels.mhc.decode:FOLD=@backfit.runtime.kernels.mhc.core:NOPE",
+                "backfit.runtime.kernels.mhc.decode:FOLD=dict("):
+        with pytest.raises(SystemExit, match="--switch"):
+            bench_ab.parse_switch(bad)

@@ -183,29 +183,26 @@ def _collapse_kernel(PART, X, SCALE, BASE, U, POST, MOUT, SPLIT, D, K, iters, hc
 
 
 @triton.jit
-def _post_inputs(F, X, D, S: tl.constexpr, BD: tl.constexpr, LOAD_F: tl.constexpr = True):
-    """Program (t, d block) -> (t, rs, rd, d_ok, X[t, :, block] [S, BD], f[t, block] [BD] FP32;
-    zeros without LOAD_F: the caller forms f itself)."""
-    t, b = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    rs = tl.arange(0, S)
-    rd = b * BD + tl.arange(0, BD)
-    d_ok = rd < D
-    x = tl.load(X + (t * S + rs[:, None]) * D + rd[None, :], mask=d_ok[None, :],
-                other=0.0).to(tl.float32)
-    f = tl.zeros((BD,), dtype=tl.float32)
-    if LOAD_F:
-        f = tl.load(F + t * D + rd, mask=d_ok, other=0.0).to(tl.float32)
-    return t, rs, rd, d_ok, x, f
+def _post_block(X, POST, MIX, f, t, rs, rd, d_ok, D, S: tl.constexpr):
+    """out[t, :, block] in FP32 [S(k), BD]: post[t, k]·f + Σ_j M[t, j, k]·X[t, j, block], j in
+    order, elementwise (a tensor sum over j would reduce across warps: a shared-memory round
+    trip and bar.syncs a launch); f [BD] FP32."""
+    o = tl.load(POST + t * S + rs)[:, None] * f[None, :]
+    for j in tl.static_range(S):
+        xj = tl.load(X + (t * S + j) * D + rd, mask=d_ok, other=0.0).to(tl.float32)
+        o += tl.load(MIX + (t * S + j) * S + rs)[:, None] * xj[None, :]
+    return o
 
 
 @triton.jit
 def _post_kernel(F, X, POST, MIX, OUT, D, S: tl.constexpr, BD: tl.constexpr):
     """out[t, k, block] = post[t, k]·f[t, block] + Σ_j M[t, j, k]·X[t, j, block], FP32 math."""
-    t, rs, rd, d_ok, x, f = _post_inputs(F, X, D, S, BD)
-    m = tl.load(MIX + t * S * S + rs[:, None] * S + rs[None, :])         # [S(j), S(k)]
-    post = tl.load(POST + t * S + rs)                                    # [S(k)]
-    mixed = tl.sum(m[:, :, None] * x[:, None, :], axis=0)               # [S(k), BD]
-    out = post[:, None] * f[None, :] + mixed
+    t, b = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    rs = tl.arange(0, S)
+    rd = b * BD + tl.arange(0, BD)
+    d_ok = rd < D
+    f = tl.load(F + t * D + rd, mask=d_ok, other=0.0).to(tl.float32)
+    out = _post_block(X, POST, MIX, f, t, rs, rd, d_ok, D, S)
     tl.store(OUT + (t * S + rs[:, None]) * D + rd[None, :], out.to(OUT.dtype.element_ty),
              mask=d_ok[None, :])
 

@@ -9,7 +9,9 @@ RMSNorm (kernels.rope_norm._rms_kernel): ~16.5 us for a few KB. Here:
                          s·d + block] · out[t, s, block], PART[t, b, NOUT] = Σ out², FP32 (the
                          [T, SPLIT, NP] layout core._partials writes, SPLIT = d blocks), so
                          the next hc_pre skips _mix_partial_kernel. Each program streams its
-                         [NOUT, S·BD] slice of fn_next (24 x 16384 FP32 = 1.5 MB in all).
+                         [NOUT, S·BD] slice of fn_next (24 x 16384 FP32 = 1.5 MB in all),
+                         loaded first, and sums all S streams' dots in ONE reduction (one a
+                         stream: 27 bar.syncs before the tail in the sm_80 PTX, now 3).
                          Given the MoE's unsummed pairs (pointwise.PairSum, POST_COMBINE), it
                          first sums them as pointwise.moe_combine would: one launch less.
   _collapse_norm_kernel  program t: the splits summed, gates and (SINKHORN) Sinkhorn ONCE per
@@ -44,7 +46,7 @@ import triton
 import triton.language as tl
 
 from backfit.runtime.kernels.mhc import core
-from backfit.runtime.kernels.mhc.core import _ld, _post_comb, _post_inputs, _pre_gates, _sinkhorn, \
+from backfit.runtime.kernels.mhc.core import _ld, _post_block, _post_comb, _pre_gates, _sinkhorn, \
     _sinkhorn4
 from backfit.runtime.kernels.pointwise import _pair_acc
 from backfit.runtime.streams import stream_counters
@@ -62,10 +64,14 @@ SINKHORN_STREAM = True  # hc_pre_async on CUDA: post / M on a side stream (False
 PRE_FOLD = ("attn", "ffn")
 # hc_post(pre=)'s tail: the d block of its u passes and the post-mix launch's warps (4 without
 # pre), up to FOLD_MAX_T tokens (past it pre is ignored: u None). H200, `bench_mhc.py --decode`
-# (2026-12-02), µs per pair as the model runs it (hc_post + hc_pre_async, Sinkhorn beside)
-# without -> with the fold at bd_u 4096 / 8 warps: T = 1 7.78 -> 7.01 (4 warps 7.68; bd_u 1024:
-# 9.90, 19.0 at 8 warps), T = 8 9.67 -> 8.37, T = 63 29.68 -> 36.44 (best fold 31.78: a loss)
-FOLD = dict(bd_u=4096, warps=8)
+# (2026-12-02, the main part then reduced once a stream), µs per pair as the model runs it
+# (hc_post + hc_pre_async, Sinkhorn beside) without -> with the fold at bd_u 4096 / 8 warps:
+# T = 1 7.78 -> 7.01 (bd_u 1024: 9.90), T = 8 9.67 -> 8.37, T = 63 29.68 -> 36.44 (a loss).
+# With one reduction a program (2026-12-06, H200, hc_post(pre=) alone, graph-timed over 20
+# inputs, 8 -> 4 warps): T = 1 5.27 -> 5.19 (an FP32 pair 5.50 -> 5.30), T = 2 5.96 -> 5.66,
+# T = 8 9.07 -> 7.28 µs; the 43-layer TP-4 slice (bench_ab.py, GPU time of the replay) -1.6 µs at
+# batch 1, -140.1 µs at batch 8
+FOLD = dict(bd_u=4096, warps=4)
 FOLD_MAX_T = 8
 
 
@@ -121,28 +127,26 @@ def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT
     PRE (with HAS_FN): the last of token t's programs to arrive (CNT[t], acq_rel; reset to 0
     for the next launch) runs the next hc_pre's critical launch for t from PART and out, read
     from L2: the gates, U[t] = rmsnorm(u)·NW in d blocks of BDU (_collapse_norm_kernel's ops)."""
-    t, rs, rd, d_ok, x, f = _post_inputs(F, X, D, S, BD, KC == 0)    # x [S(j), BD], f [BD]
+    t, b = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    rs = tl.arange(0, S)
+    rd = b * BD + tl.arange(0, BD)
+    d_ok = rd < D
+    if HAS_FN:           # fn_next's [NP, S, BD] slice first: its loads wait on nothing
+        rn = tl.arange(0, NP)[:, None, None]
+        w = tl.load(FN + rn * K + rs[None, :, None] * D + rd[None, None, :],
+                    mask=(rn < NOUT) & d_ok[None, None, :], other=0.0)
     if KC > 0:
         f = _pair_acc(F, SH, t, rd, d_ok, D, KC, HAS_SH).to(FT).to(tl.float32)
-    b = tl.program_id(1)
-    rn = tl.arange(0, NP)
-    n_ok = rn < NOUT
-    acc = tl.zeros((NP,), dtype=tl.float32)
-    sq = tl.zeros((BD,), dtype=tl.float32)
-    for k in tl.static_range(S):                                         # destination stream k
-        mk = tl.load(MIX + t * S * S + rs * S + k)                       # M[t, :, k], [S(j)]
-        o = tl.load(POST + t * S + k) * f + tl.sum(mk[:, None] * x, axis=0)
-        ob = o.to(OUT.dtype.element_ty)                                  # the stream as stored
-        tl.store(OUT + (t * S + k) * D + rd, ob, mask=d_ok)
-        if HAS_FN:
-            y = ob.to(tl.float32)
-            w = tl.load(FN + rn[:, None] * K + k * D + rd[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)   # [NP, BD] of fn_next
-            acc += tl.sum(w * y[None, :], axis=1)
-            sq += y * y
+    else:
+        f = tl.load(F + t * D + rd, mask=d_ok, other=0.0).to(tl.float32)
+    ob = _post_block(X, POST, MIX, f, t, rs, rd, d_ok, D, S).to(OUT.dtype.element_ty)
+    tl.store(OUT + (t * S + rs[:, None]) * D + rd[None, :], ob, mask=d_ok[None, :])
     if HAS_FN:
-        acc = tl.where(rn == NOUT, tl.sum(sq, axis=0), acc)             # slot NOUT carries Σx²
-        tl.store(PART + (t * tl.num_programs(1) + b) * NP + rn, acc)
+        # every stream's dots in ONE reduction over [S, BD] (one a stream cost a shared-memory
+        # round trip and bar.syncs each); row NOUT holds out itself: that slot sums out²
+        y = ob.to(tl.float32)[None, :, :]                                # [1, S, BD]
+        acc = tl.sum(tl.sum(tl.where(rn == NOUT, y, w) * y, axis=2), axis=1)   # [NP]
+        tl.store(PART + (t * tl.num_programs(1) + b) * NP + tl.arange(0, NP), acc)
     if PRE:
         tl.debug_barrier()                                  # every thread's out / PART stored
         if tl.atomic_add(CNT + t, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
