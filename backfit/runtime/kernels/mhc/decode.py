@@ -10,8 +10,9 @@ RMSNorm (kernels.rope_norm._rms_kernel): ~16.5 us for a few KB. Here:
                          [T, SPLIT, NP] layout core._partials writes, SPLIT = d blocks), so
                          the next hc_pre skips _mix_partial_kernel. Each program streams its
                          [NOUT, S·BD] slice of fn_next (24 x 16384 FP32 = 1.5 MB in all),
-                         loaded first, and sums all S streams' dots in ONE reduction (one a
-                         stream: 27 bar.syncs before the tail in the sm_80 PTX, now 3).
+                         loaded first, and sums all S streams' dots in ONE reduction (a
+                         reduction a stream: 27 bar.syncs before the tail in the sm_80 PTX;
+                         this: 3).
                          Given the MoE's unsummed pairs (pointwise.PairSum, POST_COMBINE), it
                          first sums them as pointwise.moe_combine would: one launch less.
   _collapse_norm_kernel  program t: the splits summed, gates and (SINKHORN) Sinkhorn ONCE per
