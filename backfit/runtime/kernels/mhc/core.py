@@ -183,6 +183,14 @@ def _collapse_kernel(PART, X, SCALE, BASE, U, POST, MOUT, SPLIT, D, K, iters, hc
 
 
 @triton.jit
+def _post_coords(D, S: tl.constexpr, BD: tl.constexpr):
+    """Program (token t, d block b) of a post-mix grid -> (t, b, rs [S], rd [BD], d_ok)."""
+    t, b = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    rd = b * BD + tl.arange(0, BD)
+    return t, b, tl.arange(0, S), rd, rd < D
+
+
+@triton.jit
 def _post_block(X, POST, MIX, f, t, rs, rd, d_ok, D, S: tl.constexpr):
     """out[t, :, block] in FP32 [S(k), BD]: post[t, k]·f + Σ_j M[t, j, k]·X[t, j, block], j in
     order, elementwise (a tensor sum over j would reduce across warps: a shared-memory round
@@ -197,10 +205,7 @@ def _post_block(X, POST, MIX, f, t, rs, rd, d_ok, D, S: tl.constexpr):
 @triton.jit
 def _post_kernel(F, X, POST, MIX, OUT, D, S: tl.constexpr, BD: tl.constexpr):
     """out[t, k, block] = post[t, k]·f[t, block] + Σ_j M[t, j, k]·X[t, j, block], FP32 math."""
-    t, b = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    rs = tl.arange(0, S)
-    rd = b * BD + tl.arange(0, BD)
-    d_ok = rd < D
+    t, _, rs, rd, d_ok = _post_coords(D, S, BD)
     f = tl.load(F + t * D + rd, mask=d_ok, other=0.0).to(tl.float32)
     out = _post_block(X, POST, MIX, f, t, rs, rd, d_ok, D, S)
     tl.store(OUT + (t * S + rs[:, None]) * D + rd[None, :], out.to(OUT.dtype.element_ty),

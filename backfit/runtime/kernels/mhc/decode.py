@@ -47,8 +47,8 @@ import triton
 import triton.language as tl
 
 from backfit.runtime.kernels.mhc import core
-from backfit.runtime.kernels.mhc.core import _ld, _post_block, _post_comb, _pre_gates, _sinkhorn, \
-    _sinkhorn4
+from backfit.runtime.kernels.mhc.core import _ld, _post_block, _post_comb, _post_coords, \
+    _pre_gates, _sinkhorn, _sinkhorn4
 from backfit.runtime.kernels.pointwise import _pair_acc
 from backfit.runtime.streams import stream_counters
 
@@ -128,10 +128,7 @@ def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT
     PRE (with HAS_FN): the last of token t's programs to arrive (CNT[t], acq_rel; reset to 0
     for the next launch) runs the next hc_pre's critical launch for t from PART and out, read
     from L2: the gates, U[t] = rmsnorm(u)·NW in d blocks of BDU (_collapse_norm_kernel's ops)."""
-    t, b = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    rs = tl.arange(0, S)
-    rd = b * BD + tl.arange(0, BD)
-    d_ok = rd < D
+    t, b, rs, rd, d_ok = _post_coords(D, S, BD)
     if HAS_FN:           # fn_next's [NP, S, BD] slice first: its loads wait on nothing
         rn = tl.arange(0, NP)[:, None, None]
         w = tl.load(FN + rn * K + rs[None, :, None] * D + rd[None, None, :],
