@@ -78,7 +78,8 @@ def compile_all() -> list[dict]:
     for bd_u, kc in ((mhc_decode.FOLD["bd_u"], 0), (mhc_decode.FOLD["bd_u"], 6), (1024, 0)):
         out.append(_compile(mhc_decode._post_mix_kernel, fold_types,
                             dict(S=4, NOUT=24, NP=32, BD=bd1, HAS_FN=True, KC=kc, HAS_SH=kc > 0,
-                                 FT=tl.bfloat16, SP=4096 // bd1, BDU=bd_u, PRE=True),
+                                 FT=tl.bfloat16, SP=4096 // bd1, BDU=bd_u, PRE=True,
+                                 ONE_PASS=bd_u >= 4096),
                             dict(num_warps=mhc_decode.FOLD["warps"], num_stages=1), ("D", "K")))
     norm_types = dict(ctypes, W="*fp32", rms_eps="fp32")
     bd8 = mhc_decode.post_bd(8, 4096)

@@ -71,11 +71,15 @@ def _pre_gates(part, i_ok, rs, SCALE, BASE, K, hc_eps, norm_eps, NOUT: tl.conste
                CG: tl.constexpr = False):
     """The split rows part [SP] (live where i_ok) -> (pre [S], r): one gather per logit group,
     summed over the splits by a fixed-shape tree (deterministic); r = rsqrt(mean(x²) + eps).
-    CG: the rows are read from L2 (.cg: other programs of this launch wrote them)."""
-    lp = tl.sum(_ld(part[:, None] + rs[None, :], i_ok[:, None], CG), axis=0)
-    sq = tl.sum(_ld(part + NOUT, i_ok, CG), axis=0)
+    CG: the rows are read from L2 (.cg: other programs of this launch wrote them). Every load
+    comes before the first sum: one round trip (a load after a cross-warp sum waits for it)."""
+    lg = _ld(part[:, None] + rs[None, :], i_ok[:, None], CG)
+    sqs = _ld(part + NOUT, i_ok, CG)
+    scale, base = tl.load(SCALE), tl.load(BASE + rs)
+    lp = tl.sum(lg, axis=0)
+    sq = tl.sum(sqs, axis=0)
     r = 1.0 / tl.sqrt_rn(sq / K + norm_eps)
-    return tl.sigmoid(lp * r * tl.load(SCALE) + tl.load(BASE + rs)) + hc_eps, r
+    return tl.sigmoid(lp * r * scale + base) + hc_eps, r
 
 
 @triton.jit

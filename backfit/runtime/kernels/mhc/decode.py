@@ -120,14 +120,16 @@ def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT
                      SH=None, KC: tl.constexpr = 0, HAS_SH: tl.constexpr = False,
                      FT: tl.constexpr = tl.bfloat16, CNT=None, SCALE=None, BASE=None, NW=None,
                      U=None, hc_eps=0.0, norm_eps=0.0, rms_eps=0.0, SP: tl.constexpr = 1,
-                     BDU: tl.constexpr = 16, PRE: tl.constexpr = False):
+                     BDU: tl.constexpr = 16, PRE: tl.constexpr = False,
+                     ONE_PASS: tl.constexpr = False):
     """out[t, k, block] = post[t, k]·f[t, block] + Σ_j M[t, j, k]·X[t, j, block] (bf16); HAS_FN:
     PART[t, b] = fn·out[t, :, block] (NOUT dots) and Σ out² from the bf16-rounded out. KC > 0:
     F holds the MoE's KC pairs a token (and SH its shared output): f is their combine, by
     moe_combine's own sum (pointwise._pair_acc), rounded to FT: the launch it would have been.
     PRE (with HAS_FN): the last of token t's programs to arrive (CNT[t], acq_rel; reset to 0
     for the next launch) runs the next hc_pre's critical launch for t from PART and out, read
-    from L2: the gates, U[t] = rmsnorm(u)·NW in d blocks of BDU (_collapse_norm_kernel's ops)."""
+    from L2: the gates, U[t] = rmsnorm(u)·NW in d blocks of BDU (_collapse_norm_kernel's ops;
+    ONE_PASS, BDU >= D: out[t] and NW loaded with PART's rows, one round trip)."""
     t, b, rs, rd, d_ok = _post_coords(D, S, BD)
     if HAS_FN:           # fn_next's [NP, S, BD] slice first: its loads wait on nothing
         rn = tl.arange(0, NP)[:, None, None]
@@ -151,9 +153,14 @@ def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT
             tl.store(CNT + t, 0)                            # ready for the next launch
             split = tl.num_programs(1)
             ri = tl.arange(0, SP)
+            if ONE_PASS:          # BDU >= D: out[t] and NW loaded with PART's rows, one trip
+                xu, wu = _u_load(OUT, NW, t, D, S, BDU, True, True)
             pre, _ = _pre_gates(PART + t * split * NP + ri * NP, ri < split, rs, SCALE, BASE, K,
                                 hc_eps, norm_eps, NOUT, CG=True)
-            _u_norm(OUT, NW, U, t, pre, D, rms_eps, S, BDU, True, BDU >= D, True)
+            if ONE_PASS:
+                _u_store(xu, wu, U, t, pre, D, rms_eps, BDU, True)
+            else:
+                _u_norm(OUT, NW, U, t, pre, D, rms_eps, S, BDU, True, True)
 
 
 @triton.jit
@@ -172,6 +179,8 @@ def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, i
     ri = tl.arange(0, SP)                                        # splits, padded to SP
     i_ok = ri < SPLIT
     part = PART + t * SPLIT * NP + ri * NP                       # [SP] split rows
+    if UOUT and ONE_PASS:          # X[t] (and W) loaded with PART's rows: one round trip
+        xu, wu = _u_load(X, W, t, D, S, BD, NORM, False)
     pre, r = _pre_gates(part, i_ok, rs, SCALE, BASE, K, hc_eps, norm_eps, NOUT)  # as mhc's
     if SINKHORN:
         post, c = _post_comb(part, i_ok, rs, r, SCALE, BASE, S)
@@ -184,46 +193,66 @@ def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, i
         else:
             m = _sinkhorn(c, iters, hc_eps)
             tl.store(MOUT + t * S * S + rs[:, None] * S + rs[None, :], m)
-    if UOUT:                                                     # False: post and M only
-        _u_norm(X, W, U, t, pre, D, rms_eps, S, BD, NORM, ONE_PASS, False)
+    if UOUT and ONE_PASS:                                        # UOUT False: post and M only
+        _u_store(xu, wu, U, t, pre, D, rms_eps, BD, NORM)
+    elif UOUT:
+        _u_norm(X, W, U, t, pre, D, rms_eps, S, BD, NORM, False)
+
+
+@triton.jit
+def _u_load(X, W, t, D, S: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, CG: tl.constexpr):
+    """X[t] as one [S, BD] FP32 tile (BD >= D) and (NORM) the weight W [BD] (else zeros): the
+    one-pass u's loads, issued before the gates' sums so that they share one round trip. CG: X
+    read from L2 (this launch wrote it)."""
+    rs = tl.arange(0, S)
+    rd = tl.arange(0, BD)
+    d_ok = rd < D
+    x = _ld(X + (t * S + rs[:, None]) * D + rd[None, :], d_ok[None, :], CG)
+    w = tl.zeros((BD,), dtype=tl.float32)
+    if NORM:
+        w = tl.load(W + rd, mask=d_ok, other=0.0)
+    return x, w
+
+
+@triton.jit
+def _u_store(x, w, U, t, pre, D, rms_eps, BD: tl.constexpr, NORM: tl.constexpr):
+    """U[t] = u = Σ_s pre_s x_s from _u_load's tile, rounded to bf16 (NORM: rmsnorm(u)·w)."""
+    rd = tl.arange(0, BD)
+    d_ok = rd < D
+    u = tl.sum(pre[:, None] * x, axis=0)                         # [BD] from [S, BD]
+    if NORM:
+        u = u.to(U.dtype.element_ty).to(tl.float32)
+        u = u * tl.math.rsqrt(tl.sum(u * u, axis=0) / D + rms_eps)
+        u = u * w
+    tl.store(U + t * D + rd, u.to(U.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
 def _u_norm(X, W, U, t, pre, D, rms_eps, S: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
-            ONE_PASS: tl.constexpr, CG: tl.constexpr):
+            CG: tl.constexpr):
     """U[t] = u = Σ_s pre_s X[t, s] rounded to bf16 (NORM: rmsnorm(u)·W instead), in d blocks of
-    BD (ONE_PASS: BD >= D, X[t] loaded once); CG: X read from L2 (this launch wrote it)."""
+    BD < D (two passes with NORM: Σ u² first); CG: X read from L2 (this launch wrote it). The
+    same ops as _u_store's at BD >= D, so the same bits."""
     rs = tl.arange(0, S)
-    if ONE_PASS:
-        rd = tl.arange(0, BD)
-        d_ok = rd < D
-        x = _ld(X + (t * S + rs[:, None]) * D + rd[None, :], d_ok[None, :], CG)
-        u = tl.sum(pre[:, None] * x, axis=0)                     # [BD] from [S, BD]
-        if NORM:
-            u = u.to(U.dtype.element_ty).to(tl.float32)
-            u = u * tl.math.rsqrt(tl.sum(u * u, axis=0) / D + rms_eps)
-            u = u * tl.load(W + rd, mask=d_ok, other=0.0)
-        tl.store(U + t * D + rd, u.to(U.dtype.element_ty), mask=d_ok)
-    else:
-        xrow = X + (t * S + rs[:, None]) * D                     # [S] stream rows
-        inv = 1.0
-        if NORM:                                                 # pass 1: Σ u² of the bf16 u
-            ss = tl.zeros((BD,), dtype=tl.float32)
-            for d0 in range(0, D, BD):
-                rd = d0 + tl.arange(0, BD)
-                x = _ld(xrow + rd[None, :], (rd < D)[None, :], CG)
-                u = tl.sum(pre[:, None] * x, axis=0).to(U.dtype.element_ty).to(tl.float32)
-                ss += u * u
-            inv = tl.math.rsqrt(tl.sum(ss, axis=0) / D + rms_eps)
+    xrow = X + (t * S + rs[:, None]) * D                         # [S] stream rows
+    inv = 1.0
+    if NORM:                                                     # pass 1: Σ u² of the bf16 u
+        ss = tl.zeros((BD,), dtype=tl.float32)
         for d0 in range(0, D, BD):
             rd = d0 + tl.arange(0, BD)
-            d_ok = rd < D
-            x = _ld(xrow + rd[None, :], d_ok[None, :], CG)
-            u = tl.sum(pre[:, None] * x, axis=0)                 # [BD] from [S, BD]
-            if NORM:
-                u = u.to(U.dtype.element_ty).to(tl.float32) * inv
-                u = u * tl.load(W + rd, mask=d_ok, other=0.0)
-            tl.store(U + t * D + rd, u.to(U.dtype.element_ty), mask=d_ok)
+            x = _ld(xrow + rd[None, :], (rd < D)[None, :], CG)
+            u = tl.sum(pre[:, None] * x, axis=0).to(U.dtype.element_ty).to(tl.float32)
+            ss += u * u
+        inv = tl.math.rsqrt(tl.sum(ss, axis=0) / D + rms_eps)
+    for d0 in range(0, D, BD):
+        rd = d0 + tl.arange(0, BD)
+        d_ok = rd < D
+        x = _ld(xrow + rd[None, :], d_ok[None, :], CG)
+        u = tl.sum(pre[:, None] * x, axis=0)                     # [BD] from [S, BD]
+        if NORM:
+            u = u.to(U.dtype.element_ty).to(tl.float32) * inv
+            u = u * tl.load(W + rd, mask=d_ok, other=0.0)
+        tl.store(U + t * D + rd, u.to(U.dtype.element_ty), mask=d_ok)
 
 
 def post_bd(T: int, d: int) -> int:
@@ -398,7 +427,7 @@ def hc_post(f, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor,
         extra.update(CNT=stream_counters(X.device, T), SCALE=pre.scale.contiguous(),
                      BASE=pre.base.contiguous(), NW=pre.norm_w, U=u, hc_eps=float(pre.hc_eps),
                      norm_eps=float(pre.norm_eps), rms_eps=float(pre.rms_eps),
-                     SP=triton.next_power_of_2(blocks), BDU=bd_u, PRE=True)
+                     SP=triton.next_power_of_2(blocks), BDU=bd_u, PRE=True, ONE_PASS=bd_u >= d)
     if T:
         _post_mix_kernel[(T, blocks)](
             f.contiguous() if pairs is None else pairs.out, X.contiguous(), post.contiguous(),
