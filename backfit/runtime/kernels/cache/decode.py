@@ -124,30 +124,38 @@ def _entry_tail(EBUF, b, tb, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scra
     _store_kernel in their order."""
     row = EBUF + b * D
     full = tl.arange(0, DP)
+    hh = tl.arange(0, BH)                                             # the unrotated head
+    h_ok = hh < D - RR
+    i = tl.arange(0, RR // 2)
+    ev = D - RR + 2 * i                                               # rotated pairs (ev, ev+1)
+    j = p // M                                                        # _store_kernel, "entry"
+    done = (p + 1) % M == 0
+    # every load before the first cross-warp sum (a load after it waits for it): one trip
     x = tl.load(row + full, mask=full < D, other=0.0, cache_modifier=".cg")   # other blocks' E
+    xh = tl.load(row + hh, mask=h_ok, other=0.0, cache_modifier=".cg")
+    xa = tl.load(row + ev, cache_modifier=".cg")
+    xb = tl.load(row + ev + 1, cache_modifier=".cg")
+    wh = tl.load(NW + hh, mask=h_ok, other=0.0)
+    wa = tl.load(NW + ev)
+    wb = tl.load(NW + ev + 1)
+    f = tl.load(F + i)
+    blk = tl.load(TABLES + tb * stride_tb + tl.where(done, j // PB, 0))
     if BF16:
         x = _round_bf16(x)                                            # E.to(dtype)
     inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)              # _rms_kernel
-    hh = tl.arange(0, BH)                                             # the unrotated head
-    h_ok = hh < D - RR
-    xh = tl.load(row + hh, mask=h_ok, other=0.0, cache_modifier=".cg")
-    i = tl.arange(0, RR // 2)
-    ev = D - RR + 2 * i                                               # rotated pairs (ev, ev+1)
-    xa = tl.load(row + ev, cache_modifier=".cg")
-    xb = tl.load(row + ev + 1, cache_modifier=".cg")
     if BF16:
         xh, xa, xb = _round_bf16(xh), _round_bf16(xa), _round_bf16(xb)
     yh = xh * inv
-    yh = yh * tl.load(NW + hh, mask=h_ok, other=0.0)
+    yh = yh * wh
     a = xa * inv
-    a = a * tl.load(NW + ev)
+    a = a * wa
     bb = xb * inv
-    bb = bb * tl.load(NW + ev + 1)
+    bb = bb * wb
     if BF16:                                                          # the norm's output dtype
         yh = yh.to(tl.bfloat16).to(tl.float32)
         a = a.to(tl.bfloat16).to(tl.float32)
         bb = bb.to(tl.bfloat16).to(tl.float32)
-    ang = ((p // M) * M).to(tl.float64) * tl.load(F + i)              # _rope_kernel, FP64 angles
+    ang = ((p // M) * M).to(tl.float64) * f                           # _rope_kernel, FP64 angles
     cos = tl.cos(ang).to(tl.float32)
     sin = tl.sin(ang).to(tl.float32)
     if RN:                                                            # no FMA contraction
@@ -159,9 +167,6 @@ def _entry_tail(EBUF, b, tb, p, NW, eps, F, TABLES, stride_tb, DATA, SCALE, scra
     if BF16:
         ra = ra.to(tl.bfloat16).to(tl.float32)
         rb = rb.to(tl.bfloat16).to(tl.float32)
-    j = p // M                                                        # _store_kernel, "entry"
-    done = (p + 1) % M == 0
-    blk = tl.load(TABLES + tb * stride_tb + tl.where(done, j // PB, 0))
     i0 = tl.where(done, blk, scratch).to(tl.int64)
     at = (i0 * PB + j % PB) * D
     if INT8:
