@@ -71,15 +71,16 @@ def compile_all() -> list[dict]:
                                  HAS_FN=has_fn, KC=kc, HAS_SH=sh, FT=tl.bfloat16), warps,
                             ("D", "K")))
     # hc_post(pre=): the next hc_pre's critical launch in the last programs (the 2026-12-02 fold),
-    # at FOLD's tile (the one-pass u, bd_u 4096) for the attention's and the MoE's hc_post, and
-    # the two-pass u at bd_u 1024
+    # at FOLD's tile (the one-pass u, bd_u 4096) for the attention's and the MoE's hc_post (its
+    # loads early, as at T = 1, and after the gates), and the two-pass u at bd_u 1024
     fold_types = dict(post_types, CNT="*i32", SCALE="*fp32", BASE="*fp32", NW="*fp32", U="*bf16",
                       hc_eps="fp32", norm_eps="fp32", rms_eps="fp32")
-    for bd_u, kc in ((mhc_decode.FOLD["bd_u"], 0), (mhc_decode.FOLD["bd_u"], 6), (1024, 0)):
+    for bd_u, kc, early in ((mhc_decode.FOLD["bd_u"], 0, True), (mhc_decode.FOLD["bd_u"], 6, True),
+                            (mhc_decode.FOLD["bd_u"], 6, False), (1024, 0, False)):
         out.append(_compile(mhc_decode._post_mix_kernel, fold_types,
                             dict(S=4, NOUT=24, NP=32, BD=bd1, HAS_FN=True, KC=kc, HAS_SH=kc > 0,
                                  FT=tl.bfloat16, SP=4096 // bd1, BDU=bd_u, PRE=True,
-                                 ONE_PASS=bd_u >= 4096),
+                                 EARLY=early),
                             dict(num_warps=mhc_decode.FOLD["warps"], num_stages=1), ("D", "K")))
     norm_types = dict(ctypes, W="*fp32", rms_eps="fp32")
     bd8 = mhc_decode.post_bd(8, 4096)
@@ -94,8 +95,7 @@ def compile_all() -> list[dict]:
                                               (False, True, 4096 // bd1, 4, 1024, False)):
         out.append(_compile(mhc_decode._collapse_norm_kernel, norm_types,
                             dict(S=4, NOUT=24 if sinkhorn else 4, NP=32 if sinkhorn else 8, SP=sp,
-                                 BD=bd, SINKHORN=sinkhorn, NORM=norm, SCALAR=scalar,
-                                 ONE_PASS=bd >= 4096),
+                                 BD=bd, SINKHORN=sinkhorn, NORM=norm, SCALAR=scalar),
                             dict(num_warps=w, num_stages=1), ("D", "K")))
     # hc_pre_async's two launches at T = 1: gates + u + norm (no Sinkhorn) at COLLAPSE_U's tile,
     # post + M (no u) at COLLAPSE's
@@ -103,8 +103,7 @@ def compile_all() -> list[dict]:
     for sinkhorn, norm, uout, c in ((False, True, True, cu), (True, False, False, cp)):
         out.append(_compile(mhc_decode._collapse_norm_kernel, norm_types,
                             dict(S=4, NOUT=24, NP=32, SP=4096 // bd1, BD=c["bd"],
-                                 SINKHORN=sinkhorn, NORM=norm, SCALAR=False, UOUT=uout,
-                                 ONE_PASS=uout and c["bd"] >= 4096),
+                                 SINKHORN=sinkhorn, NORM=norm, SCALAR=False, UOUT=uout),
                             dict(num_warps=c["warps"], num_stages=1), ("D", "K")))
     a16 = dict(X="*bf16", W="*i8", S="*fp32", Y="*fp32", WS="*fp32", LOCK="*i32", M="i32",
                N="i32", K="i32", stride_xm="i32", K_SPLIT="i32")
@@ -119,7 +118,7 @@ def compile_all() -> list[dict]:
 
 def test_mhc_and_fp32_output_linear_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 33
+    assert len(results) == 34
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name

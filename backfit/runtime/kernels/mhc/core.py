@@ -68,17 +68,23 @@ def _ld(ptrs, mask, CG: tl.constexpr):
 
 @triton.jit
 def _pre_gates(part, i_ok, rs, SCALE, BASE, K, hc_eps, norm_eps, NOUT: tl.constexpr,
-               CG: tl.constexpr = False):
+               CG: tl.constexpr = False, EARLY: tl.constexpr = False):
     """The split rows part [SP] (live where i_ok) -> (pre [S], r): one gather per logit group,
     summed over the splits by a fixed-shape tree (deterministic); r = rsqrt(mean(x²) + eps).
-    CG: the rows are read from L2 (.cg: other programs of this launch wrote them). Every load
-    comes before the first sum: one round trip (a load after a cross-warp sum waits for it)."""
+    CG: the rows are read from L2 (.cg: other programs of this launch wrote them). EARLY: every
+    load before the first sum, one round trip (a load after a cross-warp sum waits for it),
+    at the cost of the registers that hold them (hc_post's FOLD["one_pass_max_t"])."""
     lg = _ld(part[:, None] + rs[None, :], i_ok[:, None], CG)
-    sqs = _ld(part + NOUT, i_ok, CG)
-    scale, base = tl.load(SCALE), tl.load(BASE + rs)
+    if EARLY:
+        sqs = _ld(part + NOUT, i_ok, CG)
+        scale, base = tl.load(SCALE), tl.load(BASE + rs)
     lp = tl.sum(lg, axis=0)
+    if not EARLY:
+        sqs = _ld(part + NOUT, i_ok, CG)
     sq = tl.sum(sqs, axis=0)
     r = 1.0 / tl.sqrt_rn(sq / K + norm_eps)
+    if not EARLY:
+        scale, base = tl.load(SCALE), tl.load(BASE + rs)
     return tl.sigmoid(lp * r * scale + base) + hc_eps, r
 
 

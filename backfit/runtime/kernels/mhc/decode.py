@@ -72,7 +72,11 @@ PRE_FOLD = ("attn", "ffn")
 # inputs, 8 -> 4 warps): T = 1 5.27 -> 5.19 (an FP32 pair 5.50 -> 5.30), T = 2 5.96 -> 5.66,
 # T = 8 9.07 -> 7.28 µs; the 43-layer TP-4 slice (bench_ab.py, GPU time of the replay) -1.6 µs at
 # batch 1, -140.1 µs at batch 8
-FOLD = dict(bd_u=4096, warps=4)
+# one_pass_max_t: up to that many tokens a tail with bd_u >= d loads out[t] and the norm weight
+# with the gates' rows (EARLY: one round trip, not five). Beyond it the registers that hold them
+# cost more than the trips (43-layer TP-4 slice, bench_ab.py, GPU time of the replay, H100,
+# 2026-12-06: batch 1 -80 µs, batch 8 +50 to +69 µs with the loads early)
+FOLD = dict(bd_u=4096, warps=4, one_pass_max_t=1)
 FOLD_MAX_T = 8
 
 
@@ -100,7 +104,7 @@ COLLAPSE = ((4, dict(warps=4, bd=1024, scalar=False)),
 
 
 # hc_pre_async's critical launch (gates + u + RMSNorm, no Sinkhorn) by token count: (largest T,
-# warps, d block); bd >= d runs one pass (ONE_PASS: X[t] loaded once). H200, `bench_mhc.py
+# warps, d block); bd >= d runs one pass (X[t] loaded once). H200, `bench_mhc.py
 # --collapse` (2026-12-01; the Sinkhorn chain, whose barriers made more warps lose, is on the
 # side launch), µs at T = 1 / 2 / 4 / 8: COLLAPSE's 4 warps / 1024 5.65 / 5.87 / 6.01 / 5.70;
 # one pass 8 warps 3.68 / 3.75 / 3.03 / 2.86, 16 warps 3.42 / 3.43 / 3.34 / 3.06 (prediction
@@ -121,7 +125,7 @@ def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT
                      FT: tl.constexpr = tl.bfloat16, CNT=None, SCALE=None, BASE=None, NW=None,
                      U=None, hc_eps=0.0, norm_eps=0.0, rms_eps=0.0, SP: tl.constexpr = 1,
                      BDU: tl.constexpr = 16, PRE: tl.constexpr = False,
-                     ONE_PASS: tl.constexpr = False):
+                     EARLY: tl.constexpr = False):
     """out[t, k, block] = post[t, k]·f[t, block] + Σ_j M[t, j, k]·X[t, j, block] (bf16); HAS_FN:
     PART[t, b] = fn·out[t, :, block] (NOUT dots) and Σ out² from the bf16-rounded out. KC > 0:
     F holds the MoE's KC pairs a token (and SH its shared output): f is their combine, by
@@ -129,7 +133,8 @@ def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT
     PRE (with HAS_FN): the last of token t's programs to arrive (CNT[t], acq_rel; reset to 0
     for the next launch) runs the next hc_pre's critical launch for t from PART and out, read
     from L2: the gates, U[t] = rmsnorm(u)·NW in d blocks of BDU (_collapse_norm_kernel's ops;
-    ONE_PASS, BDU >= D: out[t] and NW loaded with PART's rows, one round trip)."""
+    EARLY, BDU >= D: out[t], NW and the gates' scale / base loaded with PART's rows, one round
+    trip, not five)."""
     t, b, rs, rd, d_ok = _post_coords(D, S, BD)
     if HAS_FN:           # fn_next's [NP, S, BD] slice first: its loads wait on nothing
         rn = tl.arange(0, NP)[:, None, None]
@@ -153,11 +158,11 @@ def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT
             tl.store(CNT + t, 0)                            # ready for the next launch
             split = tl.num_programs(1)
             ri = tl.arange(0, SP)
-            if ONE_PASS:          # BDU >= D: out[t] and NW loaded with PART's rows, one trip
+            if EARLY:             # BDU >= D: out[t] and NW loaded with PART's rows, one trip
                 xu, wu = _u_load(OUT, NW, t, D, S, BDU, True, True)
             pre, _ = _pre_gates(PART + t * split * NP + ri * NP, ri < split, rs, SCALE, BASE, K,
-                                hc_eps, norm_eps, NOUT, CG=True)
-            if ONE_PASS:
+                                hc_eps, norm_eps, NOUT, CG=True, EARLY=EARLY)
+            if EARLY:
                 _u_store(xu, wu, U, t, pre, D, rms_eps, BDU, True)
             else:
                 _u_norm(OUT, NW, U, t, pre, D, rms_eps, S, BDU, True, True)
@@ -168,19 +173,17 @@ def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, i
                           norm_eps, rms_eps, S: tl.constexpr, NOUT: tl.constexpr,
                           NP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
                           SINKHORN: tl.constexpr, NORM: tl.constexpr, SCALAR: tl.constexpr,
-                          UOUT: tl.constexpr = True, ONE_PASS: tl.constexpr = False):
+                          UOUT: tl.constexpr = True):
     """Token t: gates (and Sinkhorn M) from PART once, u[t] = Σ_s pre_s X[t, s] (bf16) over d;
     NORM: U = rmsnorm(u)·W instead of u. SCALAR (S = 4): the Sinkhorn on 16 per-thread scalars
-    (_sinkhorn4) instead of [S, S] tensor reductions. ONE_PASS (BD >= D): X[t] is one tile,
-    loaded once and kept for the output (the same ops as the two passes at that BD, so the same
-    bits; the second pass's loads were a dependent round trip on the critical path)."""
+    (_sinkhorn4) instead of [S, S] tensor reductions. BD >= D: X[t] is one tile, loaded once and
+    kept for the output (_u_norm: the same ops as the two passes at that BD, so the same bits;
+    the second pass's loads were a dependent round trip on the critical path)."""
     t = tl.program_id(0).to(tl.int64)
     rs = tl.arange(0, S)
     ri = tl.arange(0, SP)                                        # splits, padded to SP
     i_ok = ri < SPLIT
     part = PART + t * SPLIT * NP + ri * NP                       # [SP] split rows
-    if UOUT and ONE_PASS:          # X[t] (and W) loaded with PART's rows: one round trip
-        xu, wu = _u_load(X, W, t, D, S, BD, NORM, False)
     pre, r = _pre_gates(part, i_ok, rs, SCALE, BASE, K, hc_eps, norm_eps, NOUT)  # as mhc's
     if SINKHORN:
         post, c = _post_comb(part, i_ok, rs, r, SCALE, BASE, S)
@@ -193,9 +196,7 @@ def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, i
         else:
             m = _sinkhorn(c, iters, hc_eps)
             tl.store(MOUT + t * S * S + rs[:, None] * S + rs[None, :], m)
-    if UOUT and ONE_PASS:                                        # UOUT False: post and M only
-        _u_store(xu, wu, U, t, pre, D, rms_eps, BD, NORM)
-    elif UOUT:
+    if UOUT:                                                     # False: post and M only
         _u_norm(X, W, U, t, pre, D, rms_eps, S, BD, NORM, False)
 
 
@@ -231,8 +232,12 @@ def _u_store(x, w, U, t, pre, D, rms_eps, BD: tl.constexpr, NORM: tl.constexpr):
 def _u_norm(X, W, U, t, pre, D, rms_eps, S: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
             CG: tl.constexpr):
     """U[t] = u = Σ_s pre_s X[t, s] rounded to bf16 (NORM: rmsnorm(u)·W instead), in d blocks of
-    BD < D (two passes with NORM: Σ u² first); CG: X read from L2 (this launch wrote it). The
-    same ops as _u_store's at BD >= D, so the same bits."""
+    BD (BD >= D: one tile, _u_load then _u_store; else two passes with NORM, Σ u² first, the
+    same ops, so the same bits); CG: X read from L2 (this launch wrote it)."""
+    if BD >= D:
+        x, w = _u_load(X, W, t, D, S, BD, NORM, CG)
+        _u_store(x, w, U, t, pre, D, rms_eps, BD, NORM)
+        return
     rs = tl.arange(0, S)
     xrow = X + (t * S + rs[:, None]) * D                         # [S] stream rows
     inv = 1.0
@@ -303,7 +308,7 @@ def _collapse_norm(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, norm, 
         float(hc_eps), float(norm_eps), float(eps), S=S, NOUT=n_out, NP=NP,
         SP=triton.next_power_of_2(split), BD=bd,
         SINKHORN=sinkhorn, NORM=norm is not None, SCALAR=scalar and S == 4, UOUT=uout,
-        ONE_PASS=bd >= d, num_warps=warps)
+        num_warps=warps)
     return u, post, M
 
 
@@ -427,7 +432,8 @@ def hc_post(f, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor,
         extra.update(CNT=stream_counters(X.device, T), SCALE=pre.scale.contiguous(),
                      BASE=pre.base.contiguous(), NW=pre.norm_w, U=u, hc_eps=float(pre.hc_eps),
                      norm_eps=float(pre.norm_eps), rms_eps=float(pre.rms_eps),
-                     SP=triton.next_power_of_2(blocks), BDU=bd_u, PRE=True, ONE_PASS=bd_u >= d)
+                     SP=triton.next_power_of_2(blocks), BDU=bd_u, PRE=True,
+                     EARLY=bd_u >= d and T <= FOLD["one_pass_max_t"])
     if T:
         _post_mix_kernel[(T, blocks)](
             f.contiguous() if pairs is None else pairs.out, X.contiguous(), post.contiguous(),
