@@ -30,12 +30,10 @@ def _rms_kernel(X, W, Y, N, stride_x, eps, HAS_W: tl.constexpr, BLOCK: tl.conste
     c = tl.arange(0, BLOCK)
     ok = c < N
     x = tl.load(X + r * stride_x + c, mask=ok, other=0.0).to(tl.float32)
-    if HAS_W:               # loaded with x: a load after the cross-warp sum would wait for it
-        w = tl.load(W + c, mask=ok, other=0.0)
     inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     y = x * inv
     if HAS_W:
-        y = y * w
+        y = y * tl.load(W + c, mask=ok, other=0.0)
     tl.store(Y + r * N + c, y.to(Y.dtype.element_ty), mask=ok)
 
 

@@ -198,10 +198,6 @@ def _merge_rope_kernel(PO, PM, PL, SINK, POS, F, O, H, D: tl.constexpr, R: tl.co
     ss = tl.arange(0, SP)
     s_ok = ss < SPLIT
     i = tl.program_id(2) * DH + tl.arange(0, DH)                       # pair index
-    rot = i >= (D - R) // 2                                             # pairs of the last R dims
-    j = tl.where(rot, i - (D - R) // 2, 0)
-    # pos and f loaded with the partials (after the sums they would wait for them: one more trip)
-    ang = tl.load(POS + b).to(tl.float64) * tl.load(F + j, mask=rot, other=0.0)
     m = tl.load(PM + row + ss, mask=s_ok, other=-1e30)
     l = tl.load(PL + row + ss, mask=s_ok, other=0.0)
     base = PO + (row + ss[:, None]) * D + 2 * i[None, :]
@@ -215,6 +211,9 @@ def _merge_rope_kernel(PO, PM, PL, SINK, POS, F, O, H, D: tl.constexpr, R: tl.co
     oo = tl.sum(acc_o * a[:, None], axis=0) / den
     oe = oe.to(O.dtype.element_ty).to(tl.float32)                       # rope's rounded inputs
     oo = oo.to(O.dtype.element_ty).to(tl.float32)
+    rot = i >= (D - R) // 2                                             # pairs of the last R dims
+    j = tl.where(rot, i - (D - R) // 2, 0)
+    ang = tl.load(POS + b).to(tl.float64) * tl.load(F + j, mask=rot, other=0.0)
     cos = tl.where(rot, tl.cos(ang).to(tl.float32), 1.0)
     sin = tl.where(rot, -tl.sin(ang).to(tl.float32), 0.0)              # inverse: by -pos·f
     re = oe * cos - oo * sin
