@@ -80,7 +80,7 @@ def compile_all() -> list[dict]:
         out.append(_compile(mhc_decode._post_mix_kernel, fold_types,
                             dict(S=4, NOUT=24, NP=32, BD=bd1, HAS_FN=True, KC=kc, HAS_SH=kc > 0,
                                  FT=tl.bfloat16, SP=4096 // bd1, BDU=bd_u, PRE=True,
-                                 EARLY=early),
+                                 ONE_PASS=bd_u >= 4096, EARLY=early),
                             dict(num_warps=mhc_decode.FOLD["warps"], num_stages=1), ("D", "K")))
     norm_types = dict(ctypes, W="*fp32", rms_eps="fp32")
     bd8 = mhc_decode.post_bd(8, 4096)
@@ -95,7 +95,8 @@ def compile_all() -> list[dict]:
                                               (False, True, 4096 // bd1, 4, 1024, False)):
         out.append(_compile(mhc_decode._collapse_norm_kernel, norm_types,
                             dict(S=4, NOUT=24 if sinkhorn else 4, NP=32 if sinkhorn else 8, SP=sp,
-                                 BD=bd, SINKHORN=sinkhorn, NORM=norm, SCALAR=scalar),
+                                 BD=bd, SINKHORN=sinkhorn, NORM=norm, SCALAR=scalar,
+                                 ONE_PASS=bd >= 4096),
                             dict(num_warps=w, num_stages=1), ("D", "K")))
     # hc_pre_async's two launches at T = 1: gates + u + norm (no Sinkhorn) at COLLAPSE_U's tile,
     # post + M (no u) at COLLAPSE's
@@ -103,7 +104,8 @@ def compile_all() -> list[dict]:
     for sinkhorn, norm, uout, c in ((False, True, True, cu), (True, False, False, cp)):
         out.append(_compile(mhc_decode._collapse_norm_kernel, norm_types,
                             dict(S=4, NOUT=24, NP=32, SP=4096 // bd1, BD=c["bd"],
-                                 SINKHORN=sinkhorn, NORM=norm, SCALAR=False, UOUT=uout),
+                                 SINKHORN=sinkhorn, NORM=norm, SCALAR=False, UOUT=uout,
+                                 ONE_PASS=uout and c["bd"] >= 4096),
                             dict(num_warps=c["warps"], num_stages=1), ("D", "K")))
     a16 = dict(X="*bf16", W="*i8", S="*fp32", Y="*fp32", WS="*fp32", LOCK="*i32", M="i32",
                N="i32", K="i32", stride_xm="i32", K_SPLIT="i32")

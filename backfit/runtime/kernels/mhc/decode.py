@@ -104,7 +104,7 @@ COLLAPSE = ((4, dict(warps=4, bd=1024, scalar=False)),
 
 
 # hc_pre_async's critical launch (gates + u + RMSNorm, no Sinkhorn) by token count: (largest T,
-# warps, d block); bd >= d runs one pass (X[t] loaded once). H200, `bench_mhc.py
+# warps, d block); bd >= d runs one pass (ONE_PASS: X[t] loaded once). H200, `bench_mhc.py
 # --collapse` (2026-12-01; the Sinkhorn chain, whose barriers made more warps lose, is on the
 # side launch), µs at T = 1 / 2 / 4 / 8: COLLAPSE's 4 warps / 1024 5.65 / 5.87 / 6.01 / 5.70;
 # one pass 8 warps 3.68 / 3.75 / 3.03 / 2.86, 16 warps 3.42 / 3.43 / 3.34 / 3.06 (prediction
@@ -125,7 +125,7 @@ def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT
                      FT: tl.constexpr = tl.bfloat16, CNT=None, SCALE=None, BASE=None, NW=None,
                      U=None, hc_eps=0.0, norm_eps=0.0, rms_eps=0.0, SP: tl.constexpr = 1,
                      BDU: tl.constexpr = 16, PRE: tl.constexpr = False,
-                     EARLY: tl.constexpr = False):
+                     ONE_PASS: tl.constexpr = False, EARLY: tl.constexpr = False):
     """out[t, k, block] = post[t, k]·f[t, block] + Σ_j M[t, j, k]·X[t, j, block] (bf16); HAS_FN:
     PART[t, b] = fn·out[t, :, block] (NOUT dots) and Σ out² from the bf16-rounded out. KC > 0:
     F holds the MoE's KC pairs a token (and SH its shared output): f is their combine, by
@@ -133,8 +133,8 @@ def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT
     PRE (with HAS_FN): the last of token t's programs to arrive (CNT[t], acq_rel; reset to 0
     for the next launch) runs the next hc_pre's critical launch for t from PART and out, read
     from L2: the gates, U[t] = rmsnorm(u)·NW in d blocks of BDU (_collapse_norm_kernel's ops;
-    EARLY, BDU >= D: out[t], NW and the gates' scale / base loaded with PART's rows, one round
-    trip, not five)."""
+    ONE_PASS: BDU >= D, one block; EARLY, with it: out[t], NW and the gates' scale / base loaded
+    with PART's rows, one round trip, not five)."""
     t, b, rs, rd, d_ok = _post_coords(D, S, BD)
     if HAS_FN:           # fn_next's [NP, S, BD] slice first: its loads wait on nothing
         rn = tl.arange(0, NP)[:, None, None]
@@ -165,7 +165,7 @@ def _post_mix_kernel(F, X, POST, MIX, OUT, FN, PART, D, K, S: tl.constexpr, NOUT
             if EARLY:
                 _u_store(xu, wu, U, t, pre, D, rms_eps, BDU, True)
             else:
-                _u_norm(OUT, NW, U, t, pre, D, rms_eps, S, BDU, True, True)
+                _u_norm(OUT, NW, U, t, pre, D, rms_eps, S, BDU, True, ONE_PASS, True)
 
 
 @triton.jit
@@ -173,12 +173,12 @@ def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, i
                           norm_eps, rms_eps, S: tl.constexpr, NOUT: tl.constexpr,
                           NP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
                           SINKHORN: tl.constexpr, NORM: tl.constexpr, SCALAR: tl.constexpr,
-                          UOUT: tl.constexpr = True):
+                          UOUT: tl.constexpr = True, ONE_PASS: tl.constexpr = False):
     """Token t: gates (and Sinkhorn M) from PART once, u[t] = Σ_s pre_s X[t, s] (bf16) over d;
     NORM: U = rmsnorm(u)·W instead of u. SCALAR (S = 4): the Sinkhorn on 16 per-thread scalars
-    (_sinkhorn4) instead of [S, S] tensor reductions. BD >= D: X[t] is one tile, loaded once and
-    kept for the output (_u_norm: the same ops as the two passes at that BD, so the same bits;
-    the second pass's loads were a dependent round trip on the critical path)."""
+    (_sinkhorn4) instead of [S, S] tensor reductions. ONE_PASS (BD >= D): X[t] is one tile,
+    loaded once and kept for the output (the same ops as the two passes at that BD, so the same
+    bits; the second pass's loads were a dependent round trip on the critical path)."""
     t = tl.program_id(0).to(tl.int64)
     rs = tl.arange(0, S)
     ri = tl.arange(0, SP)                                        # splits, padded to SP
@@ -197,7 +197,7 @@ def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, i
             m = _sinkhorn(c, iters, hc_eps)
             tl.store(MOUT + t * S * S + rs[:, None] * S + rs[None, :], m)
     if UOUT:                                                     # False: post and M only
-        _u_norm(X, W, U, t, pre, D, rms_eps, S, BD, NORM, False)
+        _u_norm(X, W, U, t, pre, D, rms_eps, S, BD, NORM, ONE_PASS, False)
 
 
 @triton.jit
@@ -230,34 +230,34 @@ def _u_store(x, w, U, t, pre, D, rms_eps, BD: tl.constexpr, NORM: tl.constexpr):
 
 @triton.jit
 def _u_norm(X, W, U, t, pre, D, rms_eps, S: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
-            CG: tl.constexpr):
+            ONE_PASS: tl.constexpr, CG: tl.constexpr):
     """U[t] = u = Σ_s pre_s X[t, s] rounded to bf16 (NORM: rmsnorm(u)·W instead), in d blocks of
-    BD (BD >= D: one tile, _u_load then _u_store; else two passes with NORM, Σ u² first, the
-    same ops, so the same bits); CG: X read from L2 (this launch wrote it)."""
-    if BD >= D:
+    BD (ONE_PASS, BD >= D: one tile, _u_load then _u_store; else two passes with NORM, Σ u²
+    first; the same ops, so the same bits); CG: X read from L2 (this launch wrote it)."""
+    if ONE_PASS:
         x, w = _u_load(X, W, t, D, S, BD, NORM, CG)
         _u_store(x, w, U, t, pre, D, rms_eps, BD, NORM)
-        return
-    rs = tl.arange(0, S)
-    xrow = X + (t * S + rs[:, None]) * D                         # [S] stream rows
-    inv = 1.0
-    if NORM:                                                     # pass 1: Σ u² of the bf16 u
-        ss = tl.zeros((BD,), dtype=tl.float32)
+    else:
+        rs = tl.arange(0, S)
+        xrow = X + (t * S + rs[:, None]) * D                         # [S] stream rows
+        inv = 1.0
+        if NORM:                                                     # pass 1: Σ u² of the bf16 u
+            ss = tl.zeros((BD,), dtype=tl.float32)
+            for d0 in range(0, D, BD):
+                rd = d0 + tl.arange(0, BD)
+                x = _ld(xrow + rd[None, :], (rd < D)[None, :], CG)
+                u = tl.sum(pre[:, None] * x, axis=0).to(U.dtype.element_ty).to(tl.float32)
+                ss += u * u
+            inv = tl.math.rsqrt(tl.sum(ss, axis=0) / D + rms_eps)
         for d0 in range(0, D, BD):
             rd = d0 + tl.arange(0, BD)
-            x = _ld(xrow + rd[None, :], (rd < D)[None, :], CG)
-            u = tl.sum(pre[:, None] * x, axis=0).to(U.dtype.element_ty).to(tl.float32)
-            ss += u * u
-        inv = tl.math.rsqrt(tl.sum(ss, axis=0) / D + rms_eps)
-    for d0 in range(0, D, BD):
-        rd = d0 + tl.arange(0, BD)
-        d_ok = rd < D
-        x = _ld(xrow + rd[None, :], d_ok[None, :], CG)
-        u = tl.sum(pre[:, None] * x, axis=0)                     # [BD] from [S, BD]
-        if NORM:
-            u = u.to(U.dtype.element_ty).to(tl.float32) * inv
-            u = u * tl.load(W + rd, mask=d_ok, other=0.0)
-        tl.store(U + t * D + rd, u.to(U.dtype.element_ty), mask=d_ok)
+            d_ok = rd < D
+            x = _ld(xrow + rd[None, :], d_ok[None, :], CG)
+            u = tl.sum(pre[:, None] * x, axis=0)                     # [BD] from [S, BD]
+            if NORM:
+                u = u.to(U.dtype.element_ty).to(tl.float32) * inv
+                u = u * tl.load(W + rd, mask=d_ok, other=0.0)
+            tl.store(U + t * D + rd, u.to(U.dtype.element_ty), mask=d_ok)
 
 
 def post_bd(T: int, d: int) -> int:
@@ -308,7 +308,7 @@ def _collapse_norm(X, fn, scale, base, iters, hc_eps, norm_eps, sinkhorn, norm, 
         float(hc_eps), float(norm_eps), float(eps), S=S, NOUT=n_out, NP=NP,
         SP=triton.next_power_of_2(split), BD=bd,
         SINKHORN=sinkhorn, NORM=norm is not None, SCALAR=scalar and S == 4, UOUT=uout,
-        num_warps=warps)
+        ONE_PASS=bd >= d, num_warps=warps)
     return u, post, M
 
 
@@ -433,6 +433,7 @@ def hc_post(f, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor,
                      BASE=pre.base.contiguous(), NW=pre.norm_w, U=u, hc_eps=float(pre.hc_eps),
                      norm_eps=float(pre.norm_eps), rms_eps=float(pre.rms_eps),
                      SP=triton.next_power_of_2(blocks), BDU=bd_u, PRE=True,
+                     ONE_PASS=bd_u >= d,
                      EARLY=bd_u >= d and T <= FOLD["one_pass_max_t"])
     if T:
         _post_mix_kernel[(T, blocks)](
