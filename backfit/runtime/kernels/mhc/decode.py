@@ -73,9 +73,10 @@ PRE_FOLD = ("attn", "ffn")
 # T = 8 9.07 -> 7.28 µs; the 43-layer TP-4 slice (bench_ab.py, GPU time of the replay) -1.6 µs at
 # batch 1, -140.1 µs at batch 8
 # one_pass_max_t: up to that many tokens a tail with bd_u >= d loads out[t] and the norm weight
-# with the gates' rows (EARLY: one round trip, not five). Beyond it the registers that hold them
-# cost more than the trips (43-layer TP-4 slice, bench_ab.py, GPU time of the replay, H100,
-# 2026-12-06: batch 1 -80 to -82 µs, batch 8 +45 to +50 µs with the loads early)
+# with the gates' rows (EARLY: one round trip, not five). Beyond it the early form lost (our
+# reading: the registers that hold those loads, reserved by every program; 43-layer TP-4
+# slice, bench_ab.py, GPU time of the replay, H100, 2026-12-06: batch 1 -80 to -82 µs, batch 8
+# +45 to +50 µs with the loads early)
 FOLD = dict(bd_u=4096, warps=4, one_pass_max_t=1)
 FOLD_MAX_T = 8
 
