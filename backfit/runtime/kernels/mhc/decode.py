@@ -204,8 +204,8 @@ def _collapse_norm_kernel(PART, X, SCALE, BASE, W, U, POST, MOUT, SPLIT, D, K, i
 @triton.jit
 def _u_load(X, W, t, D, S: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, CG: tl.constexpr):
     """X[t] as one [S, BD] FP32 tile (BD >= D) and (NORM) the weight W [BD] (else zeros): the
-    one-pass u's loads, issued before the gates' sums so that they share one round trip. CG: X
-    read from L2 (this launch wrote it)."""
+    one-pass u's loads (post_mix's EARLY tail issues them before the gates' sums, so that they
+    share one round trip). CG: X read from L2 (this launch wrote it)."""
     rs = tl.arange(0, S)
     rd = tl.arange(0, BD)
     d_ok = rd < D
@@ -433,9 +433,8 @@ def hc_post(f, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor,
         extra.update(CNT=stream_counters(X.device, T), SCALE=pre.scale.contiguous(),
                      BASE=pre.base.contiguous(), NW=pre.norm_w, U=u, hc_eps=float(pre.hc_eps),
                      norm_eps=float(pre.norm_eps), rms_eps=float(pre.rms_eps),
-                     SP=triton.next_power_of_2(blocks), BDU=bd_u, PRE=True,
-                     ONE_PASS=bd_u >= d,
-                     EARLY=bd_u >= d and T <= FOLD["one_pass_max_t"])
+                     SP=triton.next_power_of_2(blocks), BDU=bd_u, PRE=True, ONE_PASS=bd_u >= d,
+                     EARLY=bd_u >= d and T <= FOLD["one_pass_max_t"])    # EARLY: one pass too
     if T:
         _post_mix_kernel[(T, blocks)](
             f.contiguous() if pairs is None else pairs.out, X.contiguous(), post.contiguous(),
