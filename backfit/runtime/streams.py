@@ -12,8 +12,6 @@ Users (triton path on CUDA only; the torch path and CPU never fork):
                   (kv_norm + RoPE + ring store, "kv") beside q_norm / wq_b / the query RoPE
   kernels.mhc.decode  the Sinkhorn of hc_pre (post, M: read only by the hc_post after the
                   sub-layer) beside the critical u + RMSNorm launch; hc_post joins it
-  model.block     the L2 prefetch of weights a few GEMVs ahead ("prefetch", kernels.prefetch:
-                  reads nothing into registers, writes nothing); Transformer.hidden joins it
 Rules that keep the caching allocator safe without record_stream (which graph capture does not
 track): fork with side.wait_stream(main) AFTER the side chain's inputs are queued; every tensor
 the side chain reads or writes that main allocated stays referenced until main has waited on

@@ -2,8 +2,7 @@
 twin eager runners on the triton kernels, one with every side stream on (the compressor update,
 the CSA indexer chain and the kv chain (norm, RoPE, ring store) beside the query path, the
 shared expert, the Sinkhorn), one with all of them off (everything in order on one stream), fed
-the same prefill and decode steps (and the L2 prefetch of the main tower's weights on its own
-stream, Block.L2_PREFETCH). The
+the same prefill and decode steps. The
 graphed path runs with them on and is held to the eager one by tests/runtime/test_graphs.py."""
 
 import pytest
@@ -12,8 +11,7 @@ import torch
 SWITCHES = (("backfit.runtime.model.attention", "SIDE_STREAMS"),
             ("backfit.runtime.model.attention", "KV_BESIDE"),
             ("backfit.runtime.model.moe", "SHARED_STREAM"),
-            ("backfit.runtime.kernels.mhc.decode", "SINKHORN_STREAM"),
-            ("backfit.runtime.model.block", "L2_PREFETCH"))
+            ("backfit.runtime.kernels.mhc.decode", "SINKHORN_STREAM"))
 
 
 def test_switches_exist_and_default_on():

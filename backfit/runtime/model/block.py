@@ -15,17 +15,8 @@ from backfit.runtime.layers import RMSNorm
 from backfit.runtime.model.attention import Attention
 from backfit.runtime.model.hyper import add_hc_buffers, decode_kernels, hc_post, hc_pre
 from backfit.runtime.model.moe import MoE
-from backfit.runtime.streams import beside
 
-__all__ = ["Block", "L2_PREFETCH", "L2_PREFETCH_MAX_T"]
-
-# Decode steps of up to L2_PREFETCH_MAX_T tokens on CUDA (triton path, Transformer.hidden): the
-# weights of the GEMVs a few launches ahead asked into L2 on the "prefetch" side stream
-# (kernels.prefetch), `l2` of each Block: at the layer's start its wq_b, wo_a and wo_b (wq_a|wkv
-# runs at once), at its MoE's start the next layer's wq_a|wkv (and moe.L2_PREFETCH_EXPERTS: the
-# chosen experts' down weights after the router). False: none of them.
-L2_PREFETCH = True
-L2_PREFETCH_MAX_T = 8
+__all__ = ["Block"]
 
 
 class Block(nn.Module):
@@ -41,7 +32,6 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, hashed)
         add_hc_buffers(self, "hc_attn", (2 + S) * S, S, d)        # 4 pre + 4 post + 16 comb
         add_hc_buffers(self, "hc_ffn", (2 + S) * S, S, d)
-        self.l2 = None          # (at the layer's start, at its MoE's start): kernels.prefetch plans
 
     def _hc(self, which: str, X: torch.Tensor):
         c = self.cfg
@@ -88,10 +78,6 @@ class Block(nn.Module):
         Sinkhorn beside it), each hc_post with the next hc_pre's partials (1 launch), the MoE's
         combine inside its hc_post (POST_COMBINE); same math as forward's torch path."""
         c = self.cfg
-        pf = self.l2 is not None and L2_PREFETCH and X.shape[0] <= L2_PREFETCH_MAX_T
-        if pf:                          # the stream joined by Transformer.hidden (hc["l2"])
-            beside(X.device, "prefetch", self.l2[0].launch)
-            hc["l2"] = True
 
         def pre(which, X, norm, part, u):       # the Sinkhorn (post, M) on a side stream
             return k.hc_pre_async(X, getattr(self, f"hc_{which}_fn"),
@@ -101,10 +87,8 @@ class Block(nn.Module):
         u, post, M, wait = pre("attn", X, self.attn_norm, hc.get("part"), hc.get("u"))
         X, part, *u = k.hc_post(self.attn(u, batch, cache), X, post, M, next_fn=self.hc_ffn_fn,
                                 wait=wait, pre=self.pre_args(k, "ffn"))    # u = ffn_norm(u)
-        if pf and self.l2[1] is not None:
-            beside(X.device, "prefetch", self.l2[1].launch)
         u, post, M, wait = pre("ffn", X, self.ffn_norm, part, u[0] if u else None)
-        out = k.hc_post(self.ffn(u, batch.tokens, pairs=k.POST_COMBINE, prefetch=pf), X, post, M,
+        out = k.hc_post(self.ffn(u, batch.tokens, pairs=k.POST_COMBINE), X, post, M,
                         next_fn=hc.get("next_fn"), wait=wait, pre=hc.get("next_pre"))
         if hc.get("next_fn") is None:
             hc["part"] = hc["u"] = None

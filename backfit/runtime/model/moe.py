@@ -26,13 +26,9 @@ from backfit.runtime.distributed import all_reduce, get_tp_info
 from backfit.runtime.kernels import get_kernel_backend, kernel_path
 from backfit.runtime.layers import ColumnParallelLinear, Linear, RowParallelLinear
 
-__all__ = ["Expert", "Gate", "L2_PREFETCH_EXPERTS", "MoE", "SHARED_STREAM"]
+__all__ = ["Expert", "Gate", "MoE", "SHARED_STREAM"]
 
 SHARED_STREAM = True        # triton path on CUDA: the shared expert on a side stream
-# The decode Block's prefetch steps (forward(prefetch=True): block.L2_PREFETCH) where MoE.l2 is set
-# (the main tower): the chosen experts' down weights asked into L2 on the "prefetch" side stream
-# right after the router, while gate/up runs (kernels.prefetch). False: none.
-L2_PREFETCH_EXPERTS = True
 
 
 def _shared_on_side(expert: nn.Module, x: torch.Tensor):
@@ -136,7 +132,6 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(d, inter, lim) for _ in range(cfg.n_routed_experts))
         self.shared_experts = Expert(d, inter, lim)
         self.stacked: tuple[torch.Tensor, ...] | None = None     # kernel layout; () = unsupported
-        self.l2 = None          # kernels.prefetch plan of the stacked down weights (main tower)
 
     def prepare_kernels(self) -> bool:
         """Post-load step: stack the routed experts for runtime.kernels.moe.int8, int8_mx32 as
@@ -155,8 +150,7 @@ class MoE(nn.Module):
             self.stacked = stack_experts(self.experts)
         return bool(self.stacked)
 
-    def forward(self, x: torch.Tensor, tokens: torch.Tensor, pairs: bool = False,
-                prefetch: bool = False):
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, pairs: bool = False):
         """x [T, dim] (ffn_norm output), tokens [T] -> [T, dim] in x.dtype. pairs (the decode
         Block): at tp 1 on the triton path the routed pairs and the shared output come back
         unsummed (kernels.pointwise.PairSum) for kernels.mhc.decode.hc_post to sum; at tp > 1
@@ -169,9 +163,6 @@ class MoE(nn.Module):
             else:
                 shared, ready = self.shared_experts(x), None
             idx, w = self.gate.route(x, tokens)
-            if prefetch and self.l2 is not None and L2_PREFETCH_EXPERTS and x.is_cuda:
-                from backfit.runtime.streams import beside   # the caller joins the stream
-                beside(x.device, "prefetch", lambda: self.l2.launch(idx))
             y = fused_moe(x, idx, w, *self.stacked, self.shared_experts.limit, shared=shared,
                           dtype=x.dtype if tp1 else torch.float32, shared_ready=ready,
                           pairs=pairs and tp1)

@@ -24,7 +24,6 @@ from backfit.runtime.model.block import Block
 from backfit.runtime.model.draft import build_drafter
 from backfit.runtime.model.hyper import add_hc_buffers, decode_kernels, hc_head
 from backfit.runtime.state import DecodeState
-from backfit.runtime.streams import side_stream
 
 __all__ = ["Transformer"]
 
@@ -68,15 +67,6 @@ class Transformer(nn.Module):
         for layer in (*self.layers, *self.mtp):         # the drafter's blocks too
             layer.attn.prepare_kernels()
             layer.ffn.prepare_kernels()
-        if self.embed.weight.is_cuda:                   # block.L2_PREFETCH's plans (main tower)
-            from backfit.runtime.kernels.prefetch import L2Plan
-            for i, layer in enumerate(self.layers):
-                a, nxt = layer.attn, self.layers[i + 1].attn if i + 1 < len(self.layers) else None
-                layer.l2 = (L2Plan([t for m in (a.wq_b, a.wo_a, a.wo_b)
-                                    for t in (m.weight, m.scale)]),
-                            L2Plan([nxt.fused_a.weight, nxt.fused_a.scale]) if nxt else None)
-                if layer.ffn.stacked:                   # (w1, s1, w3, s3, w2, s2)
-                    layer.ffn.l2 = L2Plan(list(layer.ffn.stacked[4:]), experts=True)
 
     def new_state(self, device: str | torch.device | None = None) -> DecodeState:
         device = device if device is not None else self.embed.weight.device
@@ -105,8 +95,6 @@ class Transformer(nn.Module):
             X = layer(X, batch, bound.layer(i), hc=hc)
             if i in self.tap_layers:
                 taps.append(X.float().mean(1).to(X.dtype))             # [T, d]
-        if hc is not None and hc.get("l2"):             # the blocks' "prefetch" stream joined
-            torch.cuda.current_stream(X.device).wait_stream(side_stream(X.device, "prefetch"))
         self.taps = torch.cat(taps, -1) if taps else None
         self._head_part = (X, hc["part"]) if hc is not None else None
         bound.commit()
