@@ -1,9 +1,10 @@
 """mHC decode on the GPU (marker gpu) against an FP64 reference: post and M of the next hc_pre
 from the partials that hc_post(next_fn=) computes beside its output, at each of its d blocks.
 hc_pre's own partials and the post_mix kernel before `c4fc533` stay within 1.5-2.3e-7 of FP64
-on an H100; the shipped post_mix gives 1.2-3.2e-5 at T > 1 with d blocks <= 64 (2026-12-07),
-which this test names (docs/KERNELS.md "Open"). Under the interpreter the same check holds
-(run `check(dec, bd, Ts)` by hand: its FP32 ops are not the GPU's)."""
+on an H100; the shipped post_mix gives 1.2-3.2e-5 at T > 1 with d blocks <= 64 (2026-12-07,
+this check's computation run as a probe; the test itself has not run on a GPU yet), which this
+test names (docs/KERNELS.md "Open"). Under the interpreter the same check holds (run
+`check(dec, bd, Ts)` by hand: its FP32 ops are not the GPU's)."""
 
 from __future__ import annotations
 
