@@ -29,7 +29,8 @@ from backfit.runtime.model import compressor as compressor_mod
 from backfit.runtime.model.compressor import Compressor, HeadWeights, Indexer, ProjectedRows
 from backfit.runtime.streams import beside
 
-__all__ = ["Attention", "KV_BESIDE", "Q_NORM_IN_WQ_B", "SIDE_STREAMS", "WO_A_GEMV", "layer_rotary"]
+__all__ = ["Attention", "KV_BESIDE", "Q_NORM_IN_WQ_B", "Q_ROPE_IN_DECODE", "SIDE_STREAMS",
+           "WO_A_GEMV", "layer_rotary"]
 
 # The paged decode step on CUDA (triton path): the compressor update and the CSA indexer chain
 # run on side streams beside the query path (runtime/streams.py); False: all in order.
@@ -37,18 +38,20 @@ SIDE_STREAMS = True
 # The paged decode step on CUDA (any layer): kv_norm + RoPE of the token's kv and its ring store on
 # a side stream ("kv") beside q_norm / wq_b / the query RoPE; decode attention joins it.
 KV_BESIDE = True
-# Decode batches on the triton path: the grouped wo_a as one block-diagonal GEMV
-# (kernels.linear.gemv
+# Decode batches on the triton path: the grouped wo_a as one block-diagonal GEMV (kernels.linear.
 # gemv_grouped) at the shapes its table measured faster than the einsum (cuBLAS); False: einsum.
 WO_A_GEMV = True
 # The paged decode step on the triton path, at these batch sizes: q_norm inside wq_b's GEMV launch
 # where kernels.linear.gemv takes wq_b's shape (a TP-4 rank at batch 1-2; Linear.norm_folds); the
-# CSA
-# indexer's qr is normed on its own side chain. Elsewhere q_norm's own launch, then wq_b. H200,
+# CSA indexer's qr is normed on its own side chain. Elsewhere q_norm's own launch, then wq_b. H200,
 # 43-layer TP-4 slice, bench_ab.py (2026-12-02, GPU time of the replay): batch 2 -74.9 us; batch 1
 # +39.2 us with the norm from the one loaded K tile in each of wq_b's 1,024 programs (the cross-warp
 # Σx² on every program's path; that form is deleted), +51.6 us with the first pass (the form kept)
 Q_NORM_IN_WQ_B = (2,)
+# The paged decode step on the triton path: q's per-head RMS + RoPE inside decode attention's
+# programs (kernels.attention.decode q_rope) and the CSA indexer's query RoPE inside its score
+# programs (indexer_scores q_rope), not launches of their own before them.
+Q_ROPE_IN_DECODE = True
 # Prefill / mixed batches on the triton path: the prefill attention's int32 positions and query
 # blocks made once a forward (ForwardBatch.memo) and reused by every layer; False: every layer.
 PREFILL_MEMO = True
@@ -204,20 +207,24 @@ class Attention(nn.Module):
                 self.q_norm(qa) if qr is None else qr, wraw, icomp, pos, cache, x.dtype, proj))
             side = (side[0] + [ev], sel)
         q = (self.wq_b.forward_normed(qa, self.q_norm) if fold else self.wq_b(qr)).view(T, Hl, D)
-        q, kv = self._q_kv(q, kvx, pos, kv)
+        raw = Q_ROPE_IN_DECODE and kernel_path(q)       # q's RMS + RoPE in decode attention
+        q, kv = self._q_kv(q, kvx, pos, kv, q_raw=raw)
         index = None
         if self.indexer is not None and side is None:
             index = (*self.indexer.queries(qr, wraw, pos), icomp)
-        o = self._kernels(q, kv, pos, batch, cache, comp, index, side, kv_ready)
+        o = self._kernels(q, kv, pos, batch, cache, comp, index, side, kv_ready, q_raw=raw)
         return self.post(o, pos, x.dtype)
 
-    def _q_kv(self, q: torch.Tensor, kvx: torch.Tensor, pos: torch.Tensor, kv=None):
-        """q [T, Hl, D] (wq_b's output) -> per-head RMS + RoPE; kvx [T, D] -> kv_norm + RoPE,
-        unless kv (made beside, KV_BESIDE) is given -> (q, kv) in q's dtype."""
+    def _q_kv(self, q: torch.Tensor, kvx: torch.Tensor, pos: torch.Tensor, kv=None,
+              q_raw: bool = False):
+        """q [T, Hl, D] (wq_b's output) -> per-head RMS + RoPE (q_raw: left to decode
+        attention); kvx [T, D] -> kv_norm + RoPE, unless kv (made beside, KV_BESIDE) is given ->
+        (q, kv) in q's dtype."""
         if kernel_path(q):              # norm + RoPE in one launch each (kernels.rope_norm)
             from backfit.runtime.kernels.rope_norm import rope
             r = self.rope
-            q = rope(q, pos, r.inv_freq, r.rope_dim, norm=(None, self.eps))     # per-head RMS
+            if not q_raw:
+                q = rope(q, pos, r.inv_freq, r.rope_dim, norm=(None, self.eps))  # per-head RMS
             return q, (self._kv_rope(kvx, pos) if kv is None else kv)
         qf = q.float()
         q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
@@ -280,15 +287,16 @@ class Attention(nn.Module):
         elif rows is not None:
             mod.decode_update(cache, kind, rows[0], rows[1], pos, dtype)
 
-    def _select(self, qI, wI, cache, pos, seq=None) -> torch.Tensor:
-        """CSA: the indexer's top-k entries per query over the paged index pool -> sel [T, k]."""
+    def _select(self, qI, wI, cache, pos, seq=None, q_rope=None) -> torch.Tensor:
+        """CSA: the indexer's top-k entries per query over the paged index pool -> sel [T, k]
+        (q_rope: qI unrotated, indexer_scores rotates it)."""
         from backfit.runtime.kernels.attention import indexer_scores, topk_select
         keys, _ = cache.entry_pool("index")
         sels = []
         for a in range(0, qI.shape[0], self.q_chunk):                 # bounds [n, NC] scores
             b = min(qI.shape[0], a + self.q_chunk)
             sc = indexer_scores(qI[a:b], wI[a:b], keys, cache.block_table(), pos[a:b],
-                                None if seq is None else seq[a:b])
+                                None if seq is None else seq[a:b], q_rope=q_rope)
             sels.append(topk_select(all_reduce(sc), self.indexer.topk))
         return sels[0] if len(sels) == 1 else torch.cat(sels)
 
@@ -307,13 +315,15 @@ class Attention(nn.Module):
         (after: an event to wait for first, the projections of its rows and weights)."""
         if after is not None:
             torch.cuda.current_stream(qr.device).wait_event(after)
-        qI, wI = self.indexer.queries(qr, wraw, pos)
+        qI, wI = self.indexer.queries(qr, wraw, pos, rotate=not Q_ROPE_IN_DECODE)
         self._decode_compress(self.indexer.compressor, "index", icomp,
                               wI if isinstance(wI, HeadWeights) else None, cache, pos, dtype)
-        return self._select(qI, wI, cache, pos)
+        r = self.indexer.rope
+        return self._select(qI, wI, cache, pos, q_rope=(r.inv_freq, r.rope_dim)
+                            if Q_ROPE_IN_DECODE and kernel_path(qI) else None)
 
     def _kernels(self, q, kv, pos, batch: ForwardBatch, cache, comp, index, side=None,
-                 kv_ready=None):
+                 kv_ready=None, q_raw: bool = False):
         """The attention core on the Triton kernels, reading the paged pools in place.
 
         Same order as the torch path: the compressors pool (and write) the entries this batch
@@ -325,6 +335,7 @@ class Attention(nn.Module):
         side: (events, sel) when forward queued the decode step's compressor update and the CSA
         selection on side streams (SIDE_STREAMS): waited for here, before the attention reads.
         kv_ready: the event of forward's kv chain (KV_BESIDE: kv normed, rotated and stored).
+        q_raw (decode): q is wq_b's output; decode attention makes its RMS + RoPE (q_rope).
         """
         from backfit.runtime.kernels.attention import decode_attention
         T, lens = q.shape[0], batch.seq_lens
@@ -375,7 +386,8 @@ class Attention(nn.Module):
             if early:                     # rows sharing a slot read each other from the ring
                 cache.write_window_tokens(pos, kv)
             o = decode_attention(*args, out_rope=None if q.dtype == torch.float32 else
-                                 (r.inv_freq, r.rope_dim, q.dtype))
+                                 (r.inv_freq, r.rope_dim, q.dtype),
+                                 q_rope=(r.inv_freq, r.rope_dim, self.eps) if q_raw else None)
             if kv_ready is None and not early:                        # else stored beside
                 cache.write_window_tokens(pos, kv)                    # after the kernel read it
         else:

@@ -62,6 +62,29 @@ def test_indexer_scores_sweep(idx, H):
             assert (got[~fin] == float("-inf")).all()
 
 
+@pytest.mark.parametrize("H", [16, 20])
+def test_indexer_scores_q_rope_equals_the_rope_launch_before(idx, H):
+    """indexer_scores(q_rope=...) on the indexer wq_b's raw qI = indexer_scores of rope_norm.
+    rope(qI, pos, inv_freq, 64): the RoPE made in each score program, bit for bit (the rope
+    kernel's ops, each product rounded alone), at positions whose rotation matters."""
+    from backfit.runtime.kernels.rope_norm import rope
+    from backfit.runtime.layers import yarn_inv_freq
+    f = yarn_inv_freq(64, 10000.0, None).to(DEV)
+    gen, rnd = torch.Generator().manual_seed(60 + H), random.Random(60 + H)
+    with one_thread():
+        for B in (1, 4):
+            qI, w, keys, tables, pos = case(gen, rnd, B, H)
+            qI = (qI * 3).bfloat16()
+            want = idx.indexer_scores(rope(qI, pos, f, 64), w, keys, tables, pos)
+            got = idx.indexer_scores(qI, w, keys, tables, pos, q_rope=(f, 64))
+            assert torch.equal(got, want), pos.tolist()
+    assert not torch.equal(idx.indexer_scores(qI, w, keys, tables, pos), want)
+    with pytest.raises(ValueError, match="q_rope"):
+        idx.indexer_scores(qI.float(), w, keys, tables, pos, q_rope=(f, 64))
+    with pytest.raises(ValueError, match="q_rope"):
+        idx.indexer_scores(qI, w, keys, tables, pos, pos, q_rope=(f, 64))
+
+
 def test_indexer_scores_prefill_rows(idx):
     """Chunked prefill: query rows of 3 sequences, each row scored against its own table."""
     gen, rnd = torch.Generator().manual_seed(8), random.Random(8)

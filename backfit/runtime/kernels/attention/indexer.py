@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from backfit.runtime.kernels.attention.q_rope import _q_rope, check_q_rope
 from backfit.runtime.kernels.common import interpreted
 
 __all__ = ["TOPK_CHUNK", "TOPK_FAST", "indexer_scores", "topk_select"]
@@ -56,9 +57,11 @@ TOPK_SCORES_CHUNK = 1024
 @triton.jit
 def _score_kernel(QI, WI, KEYS, TABLES, POS, OUT, SEQ, H, NC, stride_tb,
                   PB: tl.constexpr, DI: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-                  F32: tl.constexpr, EXACT: tl.constexpr, PREFILL: tl.constexpr = False):
+                  F32: tl.constexpr, EXACT: tl.constexpr, PREFILL: tl.constexpr = False,
+                  QF=None, QR: tl.constexpr = 0):
     """Program (query b, key tile): scores of keys [tile·BN, +BN) for query b (of sequence b;
-    PREFILL: of sequence SEQ[b], i.e. table row SEQ[b])."""
+    PREFILL: of sequence SEQ[b], i.e. table row SEQ[b]). QR > 0 (decode): QI holds the indexer
+    wq_b's raw output, rotated here (q_rope._q_rope, no norm)."""
     b, t = tl.program_id(0), tl.program_id(1)
     b64 = b.to(tl.int64)
     if PREFILL:
@@ -68,9 +71,15 @@ def _score_kernel(QI, WI, KEYS, TABLES, POS, OUT, SEQ, H, NC, stride_tb,
     hh = tl.arange(0, BH)
     h_ok = hh < H
     dd = tl.arange(0, DI)
-    qi = tl.load(QI + (b64 * H + hh[:, None]) * DI + dd[None, :], mask=h_ok[:, None], other=0.0)
+    p = tl.load(POS + b).to(tl.int32)                                   # int64 or int32
+    if QR > 0:
+        qi = _q_rope(QI, b64 * H + hh, dd, h_ok[:, None], p, QF, 0.0, DI, QR,
+                     QI.dtype.element_ty, F32, NORM=False)
+    else:
+        qi = tl.load(QI + (b64 * H + hh[:, None]) * DI + dd[None, :], mask=h_ok[:, None],
+                     other=0.0)
     w = tl.load(WI + b64 * H + hh, mask=h_ok, other=0.0)                # [BH] FP32
-    n_valid = (tl.load(POS + b).to(tl.int32) + 1) // 4            # int64 or int32 positions
+    n_valid = (p + 1) // 4
     j = t * BN + tl.arange(0, BN)
     ok = j < n_valid
     jj = tl.where(ok, j, 0)
@@ -219,10 +228,14 @@ def _topk_pass_kernel(IN, OUT, SEL, N, n_out, k, NEG_INF_KEY, K: tl.constexpr, C
 
 
 def indexer_scores(qI: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: torch.Tensor,
-                   pos: torch.Tensor, seq: torch.Tensor | None = None) -> torch.Tensor:
+                   pos: torch.Tensor, seq: torch.Tensor | None = None,
+                   q_rope: tuple | None = None) -> torch.Tensor:
     """qI [B, H, 128] (FP32 holding act-dtype values), w [B, H] FP32, keys [NB, PB, 128] pool,
     tables [B, nblk], pos [B] -> scores [B, nblk·PB] FP32 (-inf past (p+1)//4).
-    Chunked prefill: B queries, seq [B] = each query's row of tables [NS, nblk]."""
+    Chunked prefill: B queries, seq [B] = each query's row of tables [NS, nblk].
+    q_rope = (inv_freq FP64 [r/2], r), decode only: qI is the indexer wq_b's raw output (in the
+    keys' dtype) and the scores are those of rope_norm.rope(qI, pos, inv_freq, r), bit for bit,
+    each program rotating its query's heads (one launch fewer)."""
     if qI.dim() != 3 or w.shape != qI.shape[:2] or keys.dim() != 3 or keys.shape[2] != qI.shape[2]:
         raise ValueError(f"indexer_scores: qI [B, H, d], w [B, H], keys [NB, PB, d]; got "
                          f"{list(qI.shape)}, {list(w.shape)}, {list(keys.shape)}")
@@ -231,6 +244,10 @@ def indexer_scores(qI: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables
             or DI & (DI - 1) or (seq is not None and seq.shape != (B,)):
         raise ValueError(f"indexer_scores: tables [B={B}, nblk], pos [B], power-of-2 key width; "
                          f"got {list(tables.shape)}, {list(pos.shape)}, {DI}")
+    qf, qr, _ = check_q_rope(q_rope, DI, seq is None, "indexer_scores", eps=False)
+    if qr and qI.dtype != keys.dtype:
+        raise ValueError(f"indexer_scores: q_rope needs qI in the keys' dtype {keys.dtype}, got "
+                         f"{qI.dtype}")
     PB = keys.shape[1]
     NC = tables.shape[1] * PB
     out = torch.empty(B, NC, dtype=torch.float32, device=qI.device)
@@ -244,7 +261,8 @@ def indexer_scores(qI: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables
         keys, tables.to(qI.device, torch.int32).contiguous(), pos32, out,
         pos32 if seq is None else seq.to(qI.device, torch.int32).contiguous(), H, NC,
         tables.shape[1], PB=PB, DI=DI, BH=max(16, triton.next_power_of_2(H)), BN=BN,
-        F32=interpreted(), EXACT=exact, PREFILL=seq is not None, num_warps=4)
+        F32=interpreted(), EXACT=exact, PREFILL=seq is not None, QF=qf if qr else w, QR=qr,
+        num_warps=4)
     return out
 
 
