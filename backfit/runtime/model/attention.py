@@ -29,8 +29,8 @@ from backfit.runtime.model import compressor as compressor_mod
 from backfit.runtime.model.compressor import Compressor, HeadWeights, Indexer, ProjectedRows
 from backfit.runtime.streams import beside
 
-__all__ = ["Attention", "KV_BESIDE", "Q_NORM_IN_WQ_B", "Q_ROPE_IN_DECODE", "SIDE_STREAMS",
-           "WO_A_GEMV", "layer_rotary"]
+__all__ = ["Attention", "KV_BESIDE", "Q_NORM_IN_WQ_B", "Q_NORM_SCALE_FREE", "Q_ROPE_IN_DECODE",
+           "SIDE_STREAMS", "WO_A_GEMV", "layer_rotary"]
 
 # The paged decode step on CUDA (triton path): the compressor update and the CSA indexer chain
 # run on side streams beside the query path (runtime/streams.py); False: all in order.
@@ -52,6 +52,11 @@ Q_NORM_IN_WQ_B = (2,)
 # programs (kernels.attention.decode q_rope) and the CSA indexer's query RoPE inside its score
 # programs (indexer_scores q_rope), not launches of their own before them.
 Q_ROPE_IN_DECODE = True
+# With it, where wq_b (and the CSA indexer's wq_b) take q_norm in their GEMV launch: the
+# scale-free q_norm there, x ⊙ w (Linear.forward_weighted: no reduction before the weights'
+# loads), its 1/rms applied by decode attention (q_scale; the indexer's top-k ignores it); no
+# q_norm launch on either chain. Else Q_NORM_IN_WQ_B's fold or q_norm's own launch.
+Q_NORM_SCALE_FREE = True
 # Prefill / mixed batches on the triton path: the prefill attention's int32 positions and query
 # blocks made once a forward (ForwardBatch.memo) and reused by every layer; False: every layer.
 PREFILL_MEMO = True
@@ -184,7 +189,8 @@ class Attention(nn.Module):
     def _decode_step(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         """The paged decode step on the triton backend: the compressor update, the CSA indexer
         chain and the kv store on side streams beside the query path where on CUDA (SIDE_STREAMS,
-        KV_BESIDE), q_norm folded into wq_b at Q_NORM_IN_WQ_B's batch sizes."""
+        KV_BESIDE); q's RMS + RoPE in decode attention (Q_ROPE_IN_DECODE), q_norm scale-free in
+        wq_b (Q_NORM_SCALE_FREE) or folded into it at Q_NORM_IN_WQ_B's batch sizes."""
         T, pos = x.shape[0], batch.positions
         Hl, D = self.local_heads, self.cfg.head_dim
         side = None                     # (events, sel) of the chains queued beside the q path
@@ -199,20 +205,23 @@ class Attention(nn.Module):
         kv = kv_ready = None            # kv_ready: the event of the kv chain queued beside
         if KV_BESIDE and x.is_cuda and kernel_path(x):
             kv, kv_ready = beside(x.device, "kv", lambda: self._kv_stored(kvx, pos, cache))
-        fold = T in Q_NORM_IN_WQ_B and self.wq_b.norm_folds(qa)      # q_norm in wq_b
+        raw = Q_ROPE_IN_DECODE and kernel_path(qa)      # q's RMS + RoPE in decode attention
+        free = raw and Q_NORM_SCALE_FREE and self.wq_b.norm_folds(qa)  # q_norm's 1/rms there too
+        fold = not free and T in Q_NORM_IN_WQ_B and self.wq_b.norm_folds(qa)   # q_norm in wq_b
         indexed = self.indexer is not None
-        qr = None if fold and (side is not None or not indexed) else self.q_norm(qa)  # [T, q_lora]
-        if side is not None and indexed:                              # from qr on, beside wq_b
+        qr = None if (fold or free) and (side is not None or not indexed) else self.q_norm(qa)
+        if side is not None and indexed:                              # from qa on, beside wq_b
             sel, ev = beside(x.device, "index", lambda: self._decode_select(
-                self.q_norm(qa) if qr is None else qr, wraw, icomp, pos, cache, x.dtype, proj))
+                qa, qr, wraw, icomp, pos, cache, x.dtype, proj))
             side = (side[0] + [ev], sel)
-        q = (self.wq_b.forward_normed(qa, self.q_norm) if fold else self.wq_b(qr)).view(T, Hl, D)
-        raw = Q_ROPE_IN_DECODE and kernel_path(q)       # q's RMS + RoPE in decode attention
+        q = (self.wq_b.forward_weighted(qa, self.q_norm) if free else self.wq_b.forward_normed(
+            qa, self.q_norm) if fold else self.wq_b(qr)).view(T, Hl, D)
         q, kv = self._q_kv(q, kvx, pos, kv, q_raw=raw)
         index = None
         if self.indexer is not None and side is None:
             index = (*self.indexer.queries(qr, wraw, pos), icomp)
-        o = self._kernels(q, kv, pos, batch, cache, comp, index, side, kv_ready, q_raw=raw)
+        o = self._kernels(q, kv, pos, batch, cache, comp, index, side, kv_ready, q_raw=raw,
+                          q_scale=(qa, self.q_norm.eps) if free else None)
         return self.post(o, pos, x.dtype)
 
     def _q_kv(self, q: torch.Tensor, kvx: torch.Tensor, pos: torch.Tensor, kv=None,
@@ -310,20 +319,28 @@ class Attention(nn.Module):
         self._decode_compress(self.compressor, "comp", comp, None, cache, pos, x.dtype)
         return comp, icomp, wraw, proj
 
-    def _decode_select(self, qr, wraw, icomp, pos, cache, dtype, after=None) -> torch.Tensor:
+    def _decode_select(self, qa, qr, wraw, icomp, pos, cache, dtype, after=None) -> torch.Tensor:
         """The decode step's CSA indexer chain: queries, its compressor update, scores, top-k
-        (after: an event to wait for first, the projections of its rows and weights)."""
+        (after: an event to wait for first, the projections of its rows and weights). qa: wq_a's
+        output, qr = q_norm(qa) or None (made here). Q_ROPE_IN_DECODE (kernel path): the score
+        kernel rotates the queries; Q_NORM_SCALE_FREE where its wq_b folds: the queries of the
+        scale-free q_norm (Linear.forward_weighted), the scores 1/c of the normed queries' (c =
+        rsqrt(mean(qa²) + eps) > 0 per row: relu and the top-k order are unchanged by it)."""
         if after is not None:
-            torch.cuda.current_stream(qr.device).wait_event(after)
-        qI, wI = self.indexer.queries(qr, wraw, pos, rotate=not Q_ROPE_IN_DECODE)
-        self._decode_compress(self.indexer.compressor, "index", icomp,
+            torch.cuda.current_stream(qa.device).wait_event(after)
+        raw = Q_ROPE_IN_DECODE and kernel_path(qa)
+        idx = self.indexer
+        if raw and Q_NORM_SCALE_FREE and idx.wq_b.norm_folds(qa):
+            qI, wI = idx.queries(qa, wraw, pos, rotate=False, norm=self.q_norm)
+        else:
+            qI, wI = idx.queries(self.q_norm(qa) if qr is None else qr, wraw, pos, rotate=not raw)
+        self._decode_compress(idx.compressor, "index", icomp,
                               wI if isinstance(wI, HeadWeights) else None, cache, pos, dtype)
-        r = self.indexer.rope
-        return self._select(qI, wI, cache, pos, q_rope=(r.inv_freq, r.rope_dim)
-                            if Q_ROPE_IN_DECODE and kernel_path(qI) else None)
+        return self._select(qI, wI, cache, pos, q_rope=(idx.rope.inv_freq, idx.rope.rope_dim)
+                            if raw else None)
 
     def _kernels(self, q, kv, pos, batch: ForwardBatch, cache, comp, index, side=None,
-                 kv_ready=None, q_raw: bool = False):
+                 kv_ready=None, q_raw: bool = False, q_scale=None):
         """The attention core on the Triton kernels, reading the paged pools in place.
 
         Same order as the torch path: the compressors pool (and write) the entries this batch
@@ -335,7 +352,8 @@ class Attention(nn.Module):
         side: (events, sel) when forward queued the decode step's compressor update and the CSA
         selection on side streams (SIDE_STREAMS): waited for here, before the attention reads.
         kv_ready: the event of forward's kv chain (KV_BESIDE: kv normed, rotated and stored).
-        q_raw (decode): q is wq_b's output; decode attention makes its RMS + RoPE (q_rope).
+        q_raw (decode): q is wq_b's output; decode attention makes its RMS + RoPE (q_rope);
+        q_scale = (qa, eps): of the scale-free q_norm, decode attention applies its 1/rms.
         """
         from backfit.runtime.kernels.attention import decode_attention
         T, lens = q.shape[0], batch.seq_lens
@@ -387,7 +405,8 @@ class Attention(nn.Module):
                 cache.write_window_tokens(pos, kv)
             o = decode_attention(*args, out_rope=None if q.dtype == torch.float32 else
                                  (r.inv_freq, r.rope_dim, q.dtype),
-                                 q_rope=(r.inv_freq, r.rope_dim, self.eps) if q_raw else None)
+                                 q_rope=(r.inv_freq, r.rope_dim, self.eps) if q_raw else None,
+                                 q_scale=q_scale)
             if kv_ready is None and not early:                        # else stored beside
                 cache.write_window_tokens(pos, kv)                    # after the kernel read it
         else:

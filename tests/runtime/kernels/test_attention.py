@@ -178,6 +178,34 @@ def test_q_rope_equals_the_rope_launch_before(attn, mode, ratio, int8):
         attn.sparse_attention(**c, q_rope=(f, 16, 1e-6), seq=c["slots"][:B], start=c["pos"])
 
 
+def test_q_scale_is_the_scale_free_q_norms_missing_factor(attn):
+    """decode_attention(q_rope=, q_scale=(qa, eps)) on u = wq_b(qa ⊙ w) (Linear.forward_weighted)
+    = decode_attention of rope(u·c, norm) with c = rsqrt(mean(qa²) + eps) per row: the per-head
+    RMS cancels c but for its eps, so the case makes eps matter (|u| ~ 1e-3) and fails without
+    q_scale. qa is a strided view (the fused wq_a|wkv output's q part)."""
+    from backfit.runtime.kernels.rope_norm import rope
+    from backfit.runtime.layers import yarn_inv_freq
+    gen, rnd = torch.Generator().manual_seed(50), random.Random(50)
+    f = yarn_inv_freq(16, 10000.0, None).to(DEV)
+    with one_thread():
+        c = case(gen, rnd, 3, "hca", False, ratio=8, H=20, pos=[150, 37, 95])
+        u = (c["q"].float() * 1e-3).bfloat16()
+        qa = (torch.randn(3, 128 + 32, generator=gen) * 0.01).bfloat16().to(DEV)[:, :128]
+        inv = torch.rsqrt(qa.float().square().mean(-1) + 1e-6)                    # [3]
+        x = u.float() * inv[:, None, None]
+        want = attn.decode_attention(**dict(c, q=rope(x, c["pos"], f, 16, norm=(None, 1e-6),
+                                                      out_dtype=torch.bfloat16)), split=3)
+        got = attn.decode_attention(**dict(c, q=u), split=3, q_rope=(f, 16, 1e-6),
+                                    q_scale=(qa, 1e-6))
+        assert rel(got, want) < Q_TOL
+        unscaled = attn.decode_attention(**dict(c, q=u), split=3, q_rope=(f, 16, 1e-6))
+        assert rel(unscaled, want) > 10 * Q_TOL
+    with pytest.raises(ValueError, match="q_scale"):
+        attn.decode_attention(**dict(c, q=u), q_scale=(qa, 1e-6))
+    with pytest.raises(ValueError, match="q_scale"):
+        attn.decode_attention(**dict(c, q=u), q_rope=(f, 16, 1e-6), q_scale=(qa[:, :96], 1e-6))
+
+
 @pytest.mark.parametrize("mode,ratio,int8", [("window", 0, True), ("hca", 8, False),
                                             ("csa", 4, True)])
 def test_chunked_prefill_sweep(attn, mode, ratio, int8):

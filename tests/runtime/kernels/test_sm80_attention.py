@@ -28,11 +28,13 @@ def compile_all() -> list[dict]:
                  ENT="*bf16", ESC="*fp32", TABLES="*i32", SEL="*i32", SINK="*fp32",
                  SEQ="*i32", START="*i32", O="*fp32",
                  PO="*fp32", PM="*fp32", PL="*fp32", H="i32", R="i32", stride_tb="i32",
-                 n_sel="i32", CHUNK="i32", scale="fp32", QF="*fp64", q_eps="fp32")
-    for mode, split, int8, prefill, qr in ((0, 1, False, False, 0), (1, 1, True, False, 0),
-                                           (2, 1, False, False, 0), (1, 8, False, False, 0),
-                                           (2, 20, True, False, 0), (2, 1, True, True, 0),
-                                           (1, 1, False, True, 0), (1, 16, False, False, 64)):
+                 n_sel="i32", CHUNK="i32", scale="fp32", QF="*fp64", q_eps="fp32",
+                 QA="*bf16", sa="i32", qa_eps="fp32")
+    for mode, split, int8, prefill, qr, kq in (
+            (0, 1, False, False, 0, 0), (1, 1, True, False, 0, 0), (2, 1, False, False, 0, 0),
+            (1, 8, False, False, 0, 0), (2, 20, True, False, 0, 0), (2, 1, True, True, 0, 0),
+            (1, 1, False, True, 0, 0), (1, 16, False, False, 64, 0),
+            (2, 16, False, False, 64, 1024)):
         cfg = attention.decode_config(1 if split > 1 else 64, 64, 640, 108, split, prefill)
         opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
         cfg.pop("CHUNK")
@@ -40,7 +42,7 @@ def compile_all() -> list[dict]:
         out.append(_compile(attention._decode_kernel, t, dict(
             cfg, W=128, RATIO=128 if mode == 1 else 4, PB=1 if mode == 1 else 32, MODE=mode,
             INT8=int8, D=512, DP=512, F32=False, EXACT=False, DT=tl.bfloat16, PREFILL=prefill,
-            QR=qr), opts, ("H", "CHUNK")))
+            QR=qr, KQ=kq), opts, ("H", "CHUNK", "sa")))
     out.append(_compile(attention._merge_kernel, dict(PO="*fp32", PM="*fp32", PL="*fp32",
                         SINK="*fp32", O="*fp32", H="i32"), dict(D=512, DP=512, SPLIT=20, SP=32),
                         dict(num_warps=4, num_stages=1), ("H",)))
@@ -65,7 +67,7 @@ def compile_all() -> list[dict]:
 
 def test_attention_and_indexer_kernels_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 15
+    assert len(results) == 16
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
