@@ -1,7 +1,7 @@
 """Same-process A/B of the runtime's switches on the decode step (4 real DeepSeek-V4-Flash
 layers by default, triton kernels, CUDA graphs), on the lent GPU:
 
-    python3 benchmarks/bench_ab.py --switch backfit.runtime.model.attention:KV_BESIDE=False \
+    python3 benchmarks/bench_ab.py --switch backfit.runtime.model.attention_decode:KV_BESIDE=False \
         [--switch module:NAME=value ...] [--switch module:NAME=@module:NAME] [--batches 1,8]
         [--ctx 512] [--rounds 4] [--out ab.json] [--layers 4] [--tp-shard 1] [--experts int8|mx4]
 
@@ -12,7 +12,7 @@ every switch as shipped (A) and once with the switch set (B); the rounds then al
 B, ... and each round times both the step (ModelRunner.forward + sync, what bench_decode.py
 reports) and the replay's GPU time (CUDA events around replay(), no host part). Reported per
 switch, batch and context: medians of A and B and B - A. A module-level flag read while the step
-is captured (attention.SIDE_STREAMS, KV_BESIDE, MAX_SPLIT, moe.SHARED_STREAM, ...) changes the
+is captured (attention_decode.SIDE_STREAMS, KV_BESIDE, MAX_SPLIT, moe.SHARED_STREAM, ...) changes the
 captured graph; flags read only outside the capture do nothing here. --tiny: small dims on the
 CPU, torch backend, eager (a dry run of this script). --layers / --tp-shard: bench_decode.py's
 (e.g. --layers 43 --tp-shard 4: one TP-4 rank's slice, collectives counted no-ops; between

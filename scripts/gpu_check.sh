@@ -174,9 +174,9 @@ for s in "${steps[@]}"; do
             --async-scheduling both --json "$OUT/engine.json" ;;
     ab)
         sw=()
-        for x in ${AB_SWITCHES:-backfit.runtime.model.attention:KV_BESIDE=False \
+        for x in ${AB_SWITCHES:-backfit.runtime.model.attention_decode:KV_BESIDE=False \
                   backfit.runtime.kernels.attention.decode:MAX_SPLIT=32 \
-                  backfit.runtime.model.attention:SIDE_STREAMS=False}; do sw+=(--switch "$x"); done
+                  backfit.runtime.model.attention_decode:SIDE_STREAMS=False}; do sw+=(--switch "$x"); done
         run_step ab "${AB_S:-300}" $PY benchmarks/bench_ab.py "${sw[@]}" --out "$OUT/ab.json" ;;
     sweep)
         run_step sweep "${SWEEP_S:-280}" $PY benchmarks/kernels/bench_kernels.py --moe-decode-sweep \

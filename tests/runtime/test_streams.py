@@ -8,8 +8,8 @@ graphed path runs with them on and is held to the eager one by tests/runtime/tes
 import pytest
 import torch
 
-SWITCHES = (("backfit.runtime.model.attention", "SIDE_STREAMS"),
-            ("backfit.runtime.model.attention", "KV_BESIDE"),
+SWITCHES = (("backfit.runtime.model.attention_decode", "SIDE_STREAMS"),
+            ("backfit.runtime.model.attention_decode", "KV_BESIDE"),
             ("backfit.runtime.model.moe", "SHARED_STREAM"),
             ("backfit.runtime.kernels.mhc.decode", "SINKHORN_STREAM"))
 

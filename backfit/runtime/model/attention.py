@@ -26,37 +26,14 @@ from backfit.runtime.kernels import get_kernel_backend, kernel_path
 from backfit.runtime.layers import (ColumnParallelLinear, FusedProjection, Linear, RMSNorm,
                                     RowParallelLinear, Rotary)
 from backfit.runtime.model import compressor as compressor_mod
+from backfit.runtime.model.attention_decode import decode_step
 from backfit.runtime.model.compressor import Compressor, HeadWeights, Indexer, ProjectedRows
-from backfit.runtime.streams import beside
 
-__all__ = ["Attention", "KV_BESIDE", "Q_NORM_IN_WQ_B", "Q_NORM_SCALE_FREE", "Q_ROPE_IN_DECODE",
-           "SIDE_STREAMS", "WO_A_GEMV", "layer_rotary"]
+__all__ = ["Attention", "WO_A_GEMV", "layer_rotary"]
 
-# The paged decode step on CUDA (triton path): the compressor update and the CSA indexer chain
-# run on side streams beside the query path (runtime/streams.py); False: all in order.
-SIDE_STREAMS = True
-# The paged decode step on CUDA (any layer): kv_norm + RoPE of the token's kv and its ring store on
-# a side stream ("kv") beside q_norm / wq_b / the query RoPE; decode attention joins it.
-KV_BESIDE = True
 # Decode batches on the triton path: the grouped wo_a as one block-diagonal GEMV (kernels.linear.
 # gemv_grouped) at the shapes its table measured faster than the einsum (cuBLAS); False: einsum.
 WO_A_GEMV = True
-# The paged decode step on the triton path, at these batch sizes: q_norm inside wq_b's GEMV launch
-# where kernels.linear.gemv takes wq_b's shape (a TP-4 rank at batch 1-2; Linear.norm_folds); the
-# CSA indexer's qr is normed on its own side chain. Elsewhere q_norm's own launch, then wq_b. H200,
-# 43-layer TP-4 slice, bench_ab.py (2026-12-02, GPU time of the replay): batch 2 -74.9 us; batch 1
-# +39.2 us with the norm from the one loaded K tile in each of wq_b's 1,024 programs (the cross-warp
-# Σx² on every program's path; that form is deleted), +51.6 us with the first pass (the form kept)
-Q_NORM_IN_WQ_B = (2,)
-# The paged decode step on the triton path: q's per-head RMS + RoPE inside decode attention's
-# programs (kernels.attention.decode q_rope) and the CSA indexer's query RoPE inside its score
-# programs (indexer_scores q_rope), not launches of their own before them.
-Q_ROPE_IN_DECODE = True
-# With it, where wq_b (and the CSA indexer's wq_b) take q_norm in their GEMV launch: the
-# scale-free q_norm there, x ⊙ w (Linear.forward_weighted: no reduction before the weights'
-# loads), its 1/rms applied by decode attention (q_scale; the indexer's top-k ignores it); no
-# q_norm launch on either chain. Else Q_NORM_IN_WQ_B's fold or q_norm's own launch.
-Q_NORM_SCALE_FREE = True
 # Prefill / mixed batches on the triton path: the prefill attention's int32 positions and query
 # blocks made once a forward (ForwardBatch.memo) and reused by every layer; False: every layer.
 PREFILL_MEMO = True
@@ -152,11 +129,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         """x [T, d] (normed attention input) -> [T, d]; cache: this layer's, bound to the batch.
-        The paged decode step (one token per sequence) has its own path (_decode_step); every
+        The paged decode step (one token per sequence) has its own path (attention_decode); every
         other batch is post(core(pre(x))), the split runtime/prefill_graphs.py captures around
         (pre and post touch no cache and have shapes from T alone; core reads and writes it)."""
         if _paged(cache) and x.shape[0] == len(batch.seq_lens):
-            return self._decode_step(x, batch, cache)
+            return decode_step(self, x, batch, cache)
         pos = batch.positions
         return self.post(self.core(self.pre(x, pos), batch, cache), pos, x.dtype)
 
@@ -186,44 +163,6 @@ class Attention(nn.Module):
         from backfit.runtime.model.attention_torch import torch_core
         return torch_core(self, pre, batch, cache)
 
-    def _decode_step(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
-        """The paged decode step on the triton backend: the compressor update, the CSA indexer
-        chain and the kv store on side streams beside the query path where on CUDA (SIDE_STREAMS,
-        KV_BESIDE); q's RMS + RoPE in decode attention (Q_ROPE_IN_DECODE), q_norm scale-free in
-        wq_b (Q_NORM_SCALE_FREE) or folded into it at Q_NORM_IN_WQ_B's batch sizes."""
-        T, pos = x.shape[0], batch.positions
-        Hl, D = self.local_heads, self.cfg.head_dim
-        side = None                     # (events, sel) of the chains queued beside the q path
-        if SIDE_STREAMS and self.compressor is not None and x.is_cuda \
-                and kernel_path(x):    # the FP32 projections + the compressor on "comp"
-            (comp, icomp, wraw, proj), ev = beside(x.device, "comp", lambda: self._comp_chain(
-                x, pos, cache))
-            qa, kvx = self._project_a(x)
-            side = ([ev], None)
-        else:
-            qa, kvx, comp, icomp, wraw = self._project(x, pos, True)
-        kv = kv_ready = None            # kv_ready: the event of the kv chain queued beside
-        if KV_BESIDE and x.is_cuda and kernel_path(x):
-            kv, kv_ready = beside(x.device, "kv", lambda: self._kv_stored(kvx, pos, cache))
-        raw = Q_ROPE_IN_DECODE and kernel_path(qa)      # q's RMS + RoPE in decode attention
-        free = raw and Q_NORM_SCALE_FREE and self.wq_b.norm_folds(qa)  # q_norm's 1/rms there too
-        fold = not free and T in Q_NORM_IN_WQ_B and self.wq_b.norm_folds(qa)   # q_norm in wq_b
-        indexed = self.indexer is not None
-        qr = None if (fold or free) and (side is not None or not indexed) else self.q_norm(qa)
-        if side is not None and indexed:                              # from qa on, beside wq_b
-            sel, ev = beside(x.device, "index", lambda: self._decode_select(
-                qa, qr, wraw, icomp, pos, cache, x.dtype, proj))
-            side = (side[0] + [ev], sel)
-        q = (self.wq_b.forward_weighted(qa, self.q_norm) if free else self.wq_b.forward_normed(
-            qa, self.q_norm) if fold else self.wq_b(qr)).view(T, Hl, D)
-        q, kv = self._q_kv(q, kvx, pos, kv, q_raw=raw)
-        index = None
-        if self.indexer is not None and side is None:
-            index = (*self.indexer.queries(qr, wraw, pos), icomp)
-        o = self._kernels(q, kv, pos, batch, cache, comp, index, side, kv_ready, q_raw=raw,
-                          q_scale=(qa, self.q_norm.eps) if free else None)
-        return self.post(o, pos, x.dtype)
-
     def _q_kv(self, q: torch.Tensor, kvx: torch.Tensor, pos: torch.Tensor, kv=None,
               q_raw: bool = False):
         """q [T, Hl, D] (wq_b's output) -> per-head RMS + RoPE (q_raw: left to decode
@@ -251,14 +190,6 @@ class Attention(nn.Module):
         from backfit.runtime.kernels.rope_norm import rope
         r = self.rope
         return rope(kvx, pos, r.inv_freq, r.rope_dim, norm=(self.kv_norm.weight, self.kv_norm.eps))
-
-    def _kv_stored(self, kvx: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
-        """Decode step (kernels, paged pools): _kv_rope, stored in the rings at pos right away.
-        The row it replaces holds position p - R, no key of p's window (R >= W) nor of a
-        rollback's, and decode attention reads p's own kv from the returned tensor."""
-        kv = self._kv_rope(kvx, pos)
-        cache.write_window_tokens(pos, kv)
-        return kv
 
     def post(self, o: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """o [T, Hl, D] FP32 -> inverse RoPE, grouped wo_a, wo_b -> [T, d]. An o already in
@@ -308,36 +239,6 @@ class Attention(nn.Module):
                                 None if seq is None else seq[a:b], q_rope=q_rope)
             sels.append(topk_select(all_reduce(sc), self.indexer.topk))
         return sels[0] if len(sels) == 1 else torch.cat(sels)
-
-    def _comp_chain(self, x, pos, cache):
-        """The "comp" side chain of the decode step: the FP32 projections, then the compressor
-        update -> (comp, icomp, wraw, an event after the projections: the indexer chain's
-        start)."""
-        comp, icomp, wraw = self._project_f32(x, pos, True)
-        proj = torch.cuda.Event()
-        proj.record()
-        self._decode_compress(self.compressor, "comp", comp, None, cache, pos, x.dtype)
-        return comp, icomp, wraw, proj
-
-    def _decode_select(self, qa, qr, wraw, icomp, pos, cache, dtype, after=None) -> torch.Tensor:
-        """The decode step's CSA indexer chain: queries, its compressor update, scores, top-k
-        (after: an event to wait for first, the projections of its rows and weights). qa: wq_a's
-        output, qr = q_norm(qa) or None (made here). Q_ROPE_IN_DECODE (kernel path): the score
-        kernel rotates the queries; Q_NORM_SCALE_FREE where its wq_b folds: the queries of the
-        scale-free q_norm (Linear.forward_weighted), the scores 1/c of the normed queries' (c =
-        rsqrt(mean(qa²) + eps) > 0 per row: relu and the top-k order are unchanged by it)."""
-        if after is not None:
-            torch.cuda.current_stream(qa.device).wait_event(after)
-        raw = Q_ROPE_IN_DECODE and kernel_path(qa)
-        idx = self.indexer
-        if raw and Q_NORM_SCALE_FREE and idx.wq_b.norm_folds(qa):
-            qI, wI = idx.queries(qa, wraw, pos, rotate=False, norm=self.q_norm)
-        else:
-            qI, wI = idx.queries(self.q_norm(qa) if qr is None else qr, wraw, pos, rotate=not raw)
-        self._decode_compress(idx.compressor, "index", icomp,
-                              wI if isinstance(wI, HeadWeights) else None, cache, pos, dtype)
-        return self._select(qI, wI, cache, pos, q_rope=(idx.rope.inv_freq, idx.rope.rope_dim)
-                            if raw else None)
 
     def _kernels(self, q, kv, pos, batch: ForwardBatch, cache, comp, index, side=None,
                  kv_ready=None, q_raw: bool = False, q_scale=None):

@@ -76,7 +76,7 @@ def test_kernel_path_equals_torch_path(tiny_converted, tp1_process, monkeypatch,
     if want_one and want_one != experts:
         pytest.skip(f"BACKFIT_E2E_EXPERTS={want_one}")
     from backfit.runtime.kernels.linear import gemv
-    from backfit.runtime.model import attention
+    from backfit.runtime.model import attention, attention_decode
     conv = tiny_converted(1, experts)
     model = Transformer(ModelConfig.from_file(conv / "config.json"), torch.bfloat16, mtp=False)
     load_model(model, conv)
@@ -86,8 +86,8 @@ def test_kernel_path_equals_torch_path(tiny_converted, tp1_process, monkeypatch,
     monkeypatch.setattr(gemv, "GEMV_TABLE", gemv.GEMV_TABLE + [
         ("int8", (4096, 4096), (128, 128), (2, 2), dict(variant="cuda", BN=8, BK=128,
                                                       num_warps=4, MAGIC=True, num_stages=1))])
-    monkeypatch.setattr(attention, "Q_NORM_IN_WQ_B", (2,))
-    monkeypatch.setattr(attention, "Q_NORM_SCALE_FREE", scale_free)
+    monkeypatch.setattr(attention_decode, "Q_NORM_IN_WQ_B", (2,))
+    monkeypatch.setattr(attention_decode, "Q_NORM_SCALE_FREE", scale_free)
     folds = []
     name = "forward_weighted" if scale_free else "forward_normed"
     real = getattr(attention.Linear, name)

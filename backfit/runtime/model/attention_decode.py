@@ -1,0 +1,120 @@
+"""The paged decode step of one attention layer on the Triton kernels (Attention.forward calls
+decode_step for a batch of one token per sequence on the engine's pools): the query chain on the
+current stream, and beside it (runtime/streams.py) the FP32 projections + compressor update
+("comp"), the CSA indexer chain ("index") and the token's kv store ("kv"); decode attention
+joins them. The switches below are read at each step (benchmarks/bench_ab.py flips them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backfit.runtime.batch import ForwardBatch
+from backfit.runtime.kernels import kernel_path
+from backfit.runtime.model.compressor import HeadWeights
+from backfit.runtime.streams import beside
+
+__all__ = ["KV_BESIDE", "Q_NORM_IN_WQ_B", "Q_NORM_SCALE_FREE", "Q_ROPE_IN_DECODE", "SIDE_STREAMS",
+           "decode_step"]
+
+# The paged decode step on CUDA (triton path): the compressor update and the CSA indexer chain
+# run on side streams beside the query path (runtime/streams.py); False: all in order.
+SIDE_STREAMS = True
+# The paged decode step on CUDA (any layer): kv_norm + RoPE of the token's kv and its ring store on
+# a side stream ("kv") beside q_norm / wq_b / the query RoPE; decode attention joins it.
+KV_BESIDE = True
+# The paged decode step on the triton path, at these batch sizes: q_norm inside wq_b's GEMV launch
+# where kernels.linear.gemv takes wq_b's shape (a TP-4 rank at batch 1-2; Linear.norm_folds); the
+# CSA indexer's qr is normed on its own side chain. Elsewhere q_norm's own launch, then wq_b. H200,
+# 43-layer TP-4 slice, bench_ab.py (2026-12-02, GPU time of the replay): batch 2 -74.9 us; batch 1
+# +39.2 us with the norm from the one loaded K tile in each of wq_b's 1,024 programs (the cross-warp
+# Σx² on every program's path; that form is deleted), +51.6 us with the first pass (the form kept)
+Q_NORM_IN_WQ_B = (2,)
+# The paged decode step on the triton path: q's per-head RMS + RoPE inside decode attention's
+# programs (kernels.attention.decode q_rope) and the CSA indexer's query RoPE inside its score
+# programs (indexer_scores q_rope), not launches of their own before them.
+Q_ROPE_IN_DECODE = True
+# With it, where wq_b (and the CSA indexer's wq_b) take q_norm in their GEMV launch: the
+# scale-free q_norm there, x ⊙ w (Linear.forward_weighted: no reduction before the weights'
+# loads), its 1/rms applied by decode attention (q_scale; the indexer's top-k ignores it); no
+# q_norm launch on either chain. Else Q_NORM_IN_WQ_B's fold or q_norm's own launch.
+Q_NORM_SCALE_FREE = True
+
+
+def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
+    """The paged decode step on the triton backend: the compressor update, the CSA indexer
+    chain and the kv store on side streams beside the query path where on CUDA (SIDE_STREAMS,
+    KV_BESIDE); q's RMS + RoPE in decode attention (Q_ROPE_IN_DECODE), q_norm scale-free in
+    wq_b (Q_NORM_SCALE_FREE) or folded into it at Q_NORM_IN_WQ_B's batch sizes."""
+    T, pos = x.shape[0], batch.positions
+    Hl, D = attn.local_heads, attn.cfg.head_dim
+    side = None                     # (events, sel) of the chains queued beside the q path
+    if SIDE_STREAMS and attn.compressor is not None and x.is_cuda \
+            and kernel_path(x):    # the FP32 projections + the compressor on "comp"
+        (comp, icomp, wraw, proj), ev = beside(x.device, "comp", lambda: attn._comp_chain(
+            x, pos, cache))
+        qa, kvx = attn._project_a(x)
+        side = ([ev], None)
+    else:
+        qa, kvx, comp, icomp, wraw = attn._project(x, pos, True)
+    kv = kv_ready = None            # kv_ready: the event of the kv chain queued beside
+    if KV_BESIDE and x.is_cuda and kernel_path(x):
+        kv, kv_ready = beside(x.device, "kv", lambda: _kv_stored(attn, kvx, pos, cache))
+    raw = Q_ROPE_IN_DECODE and kernel_path(qa)      # q's RMS + RoPE in decode attention
+    free = raw and Q_NORM_SCALE_FREE and attn.wq_b.norm_folds(qa)  # q_norm's 1/rms there too
+    fold = not free and T in Q_NORM_IN_WQ_B and attn.wq_b.norm_folds(qa)   # q_norm in wq_b
+    indexed = attn.indexer is not None
+    qr = None if (fold or free) and (side is not None or not indexed) else attn.q_norm(qa)
+    if side is not None and indexed:                              # from qa on, beside wq_b
+        sel, ev = beside(x.device, "index", lambda: attn._decode_select(
+            qa, qr, wraw, icomp, pos, cache, x.dtype, proj))
+        side = (side[0] + [ev], sel)
+    q = (attn.wq_b.forward_weighted(qa, attn.q_norm) if free else attn.wq_b.forward_normed(
+        qa, attn.q_norm) if fold else attn.wq_b(qr)).view(T, Hl, D)
+    q, kv = attn._q_kv(q, kvx, pos, kv, q_raw=raw)
+    index = None
+    if attn.indexer is not None and side is None:
+        index = (*attn.indexer.queries(qr, wraw, pos), icomp)
+    o = attn._kernels(q, kv, pos, batch, cache, comp, index, side, kv_ready, q_raw=raw,
+                      q_scale=(qa, attn.q_norm.eps) if free else None)
+    return attn.post(o, pos, x.dtype)
+
+
+def _kv_stored(attn, kvx: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
+    """Decode step (kernels, paged pools): _kv_rope, stored in the rings at pos right away.
+    The row it replaces holds position p - R, no key of p's window (R >= W) nor of a
+    rollback's, and decode attention reads p's own kv from the returned tensor."""
+    kv = attn._kv_rope(kvx, pos)
+    cache.write_window_tokens(pos, kv)
+    return kv
+
+
+def _comp_chain(attn, x, pos, cache):
+    """The "comp" side chain of the decode step: the FP32 projections, then the compressor
+    update -> (comp, icomp, wraw, an event after the projections: the indexer chain's
+    start)."""
+    comp, icomp, wraw = attn._project_f32(x, pos, True)
+    proj = torch.cuda.Event()
+    proj.record()
+    attn._decode_compress(attn.compressor, "comp", comp, None, cache, pos, x.dtype)
+    return comp, icomp, wraw, proj
+
+def _decode_select(attn, qa, qr, wraw, icomp, pos, cache, dtype, after=None) -> torch.Tensor:
+    """The decode step's CSA indexer chain: queries, its compressor update, scores, top-k
+    (after: an event to wait for first, the projections of its rows and weights). qa: wq_a's
+    output, qr = q_norm(qa) or None (made here). Q_ROPE_IN_DECODE (kernel path): the score
+    kernel rotates the queries; Q_NORM_SCALE_FREE where its wq_b folds: the queries of the
+    scale-free q_norm (Linear.forward_weighted), the scores 1/c of the normed queries' (c =
+    rsqrt(mean(qa²) + eps) > 0 per row: relu and the top-k order are unchanged by it)."""
+    if after is not None:
+        torch.cuda.current_stream(qa.device).wait_event(after)
+    raw = Q_ROPE_IN_DECODE and kernel_path(qa)
+    idx = attn.indexer
+    if raw and Q_NORM_SCALE_FREE and idx.wq_b.norm_folds(qa):
+        qI, wI = idx.queries(qa, wraw, pos, rotate=False, norm=attn.q_norm)
+    else:
+        qI, wI = idx.queries(attn.q_norm(qa) if qr is None else qr, wraw, pos, rotate=not raw)
+    attn._decode_compress(idx.compressor, "index", icomp,
+                          wI if isinstance(wI, HeadWeights) else None, cache, pos, dtype)
+    return attn._select(qI, wI, cache, pos, q_rope=(idx.rope.inv_freq, idx.rope.rope_dim)
+                        if raw else None)
