@@ -1,7 +1,7 @@
-"""The decode step's query folds on a GPU (marker gpu), end to end on the tiny model: q's per-head
-RMS + RoPE inside decode attention and the indexer's RoPE inside its score kernel
-(attention_decode.Q_ROPE_IN_DECODE), the scale-free q_norm in both wq_b GEMVs with its 1/rms in
-decode attention (Q_NORM_SCALE_FREE), against twin runners with both off. GEMV_TABLE rows for the
+"""The decode step's query folds on a GPU (marker gpu), end to end on the tiny model: the CSA
+indexer's query RoPE inside its score kernel (attention_decode.INDEX_ROPE_IN_SCORES), the
+scale-free q_norm in both wq_b GEMVs with its 1/rms in the query's RMS + RoPE launch
+(Q_NORM_SCALE_FREE), against twin runners with both off. GEMV_TABLE rows for the
 tiny wq_b shapes (4,096 and 2,048 x 128) make the folds apply, as they do at a TP-4 rank's real
 shapes. The folds round q differently (bf16 ulps), so the logits are held to a small relative
 error and the same argmax; tests/runtime/kernels/test_kernel_path_e2e.py checks the same wiring
@@ -12,7 +12,7 @@ import importlib
 import pytest
 import torch
 
-SWITCHES = ("Q_ROPE_IN_DECODE", "Q_NORM_SCALE_FREE")
+SWITCHES = ("INDEX_ROPE_IN_SCORES", "Q_NORM_SCALE_FREE")
 TINY_ROWS = [("int8", (n, n), (128, 128), (1, 2), dict(variant="cuda", BN=8, BK=128, num_warps=4,
                                                        MAGIC=True, num_stages=1))
              for n in (4096, 2048)]

@@ -164,15 +164,15 @@ class Attention(nn.Module):
         return torch_core(self, pre, batch, cache)
 
     def _q_kv(self, q: torch.Tensor, kvx: torch.Tensor, pos: torch.Tensor, kv=None,
-              q_raw: bool = False):
-        """q [T, Hl, D] (wq_b's output) -> per-head RMS + RoPE (q_raw: left to decode
-        attention); kvx [T, D] -> kv_norm + RoPE, unless kv (made beside, KV_BESIDE) is given ->
-        (q, kv) in q's dtype."""
+              q_scale: tuple | None = None):
+        """q [T, Hl, D] (wq_b's output) -> per-head RMS + RoPE; kvx [T, D] -> kv_norm + RoPE,
+        unless kv (made beside, KV_BESIDE) is given -> (q, kv) in q's dtype. q_scale = (qa, eps)
+        (kernel path): q is wq_b's output of the scale-free q_norm, its 1/rms applied first."""
         if kernel_path(q):              # norm + RoPE in one launch each (kernels.rope_norm)
             from backfit.runtime.kernels.rope_norm import rope
             r = self.rope
-            if not q_raw:
-                q = rope(q, pos, r.inv_freq, r.rope_dim, norm=(None, self.eps))  # per-head RMS
+            q = rope(q, pos, r.inv_freq, r.rope_dim, norm=(None, self.eps),  # per-head RMS
+                     scale=q_scale)
             return q, (self._kv_rope(kvx, pos) if kv is None else kv)
         qf = q.float()
         q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
@@ -241,7 +241,7 @@ class Attention(nn.Module):
         return sels[0] if len(sels) == 1 else torch.cat(sels)
 
     def _kernels(self, q, kv, pos, batch: ForwardBatch, cache, comp, index, side=None,
-                 kv_ready=None, q_raw: bool = False, q_scale=None):
+                 kv_ready=None):
         """The attention core on the Triton kernels, reading the paged pools in place.
 
         Same order as the torch path: the compressors pool (and write) the entries this batch
@@ -253,8 +253,6 @@ class Attention(nn.Module):
         side: (events, sel) when forward queued the decode step's compressor update and the CSA
         selection on side streams (SIDE_STREAMS): waited for here, before the attention reads.
         kv_ready: the event of forward's kv chain (KV_BESIDE: kv normed, rotated and stored).
-        q_raw (decode): q is wq_b's output; decode attention makes its RMS + RoPE (q_rope);
-        q_scale = (qa, eps): of the scale-free q_norm, decode attention applies its 1/rms.
         """
         from backfit.runtime.kernels.attention import decode_attention
         T, lens = q.shape[0], batch.seq_lens
@@ -305,9 +303,7 @@ class Attention(nn.Module):
             if early:                     # rows sharing a slot read each other from the ring
                 cache.write_window_tokens(pos, kv)
             o = decode_attention(*args, out_rope=None if q.dtype == torch.float32 else
-                                 (r.inv_freq, r.rope_dim, q.dtype),
-                                 q_rope=(r.inv_freq, r.rope_dim, self.eps) if q_raw else None,
-                                 q_scale=q_scale)
+                                 (r.inv_freq, r.rope_dim, q.dtype))
             if kv_ready is None and not early:                        # else stored beside
                 cache.write_window_tokens(pos, kv)                    # after the kernel read it
         else:

@@ -14,8 +14,8 @@ from backfit.runtime.kernels import kernel_path
 from backfit.runtime.model.compressor import HeadWeights
 from backfit.runtime.streams import beside
 
-__all__ = ["KV_BESIDE", "Q_NORM_IN_WQ_B", "Q_NORM_SCALE_FREE", "Q_ROPE_IN_DECODE", "SIDE_STREAMS",
-           "decode_step"]
+__all__ = ["INDEX_ROPE_IN_SCORES", "KV_BESIDE", "Q_NORM_IN_WQ_B", "Q_NORM_SCALE_FREE",
+           "SIDE_STREAMS", "decode_step"]
 
 # The paged decode step on CUDA (triton path): the compressor update and the CSA indexer chain
 # run on side streams beside the query path (runtime/streams.py); False: all in order.
@@ -30,29 +30,31 @@ KV_BESIDE = True
 # +39.2 us with the norm from the one loaded K tile in each of wq_b's 1,024 programs (the cross-warp
 # Σx² on every program's path; that form is deleted), +51.6 us with the first pass (the form kept)
 Q_NORM_IN_WQ_B = (2,)
-# The paged decode step on the triton path: q's per-head RMS + RoPE inside decode attention's
-# programs (kernels.attention.decode q_rope) and the CSA indexer's query RoPE inside its score
-# programs (indexer_scores q_rope), not launches of their own before them.
-Q_ROPE_IN_DECODE = True
-# With it, where wq_b (and the CSA indexer's wq_b) take q_norm in their GEMV launch: the
-# scale-free q_norm there, x ⊙ w (Linear.forward_weighted: no reduction before the weights'
-# loads), its 1/rms applied by decode attention (q_scale; the indexer's top-k ignores it); no
-# q_norm launch on either chain. Else Q_NORM_IN_WQ_B's fold or q_norm's own launch.
+# The paged decode step on the triton path: the CSA indexer's query RoPE inside its score kernel
+# (kernels.attention.indexer_scores q_rope), not a launch of its own before it. (The main query's
+# norm + RoPE inside decode attention lost twice: docs/KERNELS.md "Attention".)
+INDEX_ROPE_IN_SCORES = True
+# The paged decode step on the triton path, where wq_b (or the CSA indexer's wq_b) takes q_norm in
+# its GEMV launch (Linear.norm_folds): the scale-free q_norm there, x ⊙ w (Linear.forward_weighted:
+# no reduction before the weights' loads, unlike Q_NORM_IN_WQ_B's), its 1/rms applied by the
+# query's RMS + RoPE launch (rope_norm.rope scale=; the per-head RMS cancels it but for its eps)
+# and ignored by the indexer (its scores scale by it, a positive factor: the top-k is unchanged).
+# No q_norm launch on the query chain; on the indexer chain where its wq_b folds too.
 Q_NORM_SCALE_FREE = True
 
 
 def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
     """The paged decode step on the triton backend: the compressor update, the CSA indexer
     chain and the kv store on side streams beside the query path where on CUDA (SIDE_STREAMS,
-    KV_BESIDE); q's RMS + RoPE in decode attention (Q_ROPE_IN_DECODE), q_norm scale-free in
-    wq_b (Q_NORM_SCALE_FREE) or folded into it at Q_NORM_IN_WQ_B's batch sizes."""
+    KV_BESIDE); q_norm scale-free in wq_b (Q_NORM_SCALE_FREE) or folded into it at
+    Q_NORM_IN_WQ_B's batch sizes."""
     T, pos = x.shape[0], batch.positions
     Hl, D = attn.local_heads, attn.cfg.head_dim
     side = None                     # (events, sel) of the chains queued beside the q path
     if SIDE_STREAMS and attn.compressor is not None and x.is_cuda \
             and kernel_path(x):    # the FP32 projections + the compressor on "comp"
-        (comp, icomp, wraw, proj), ev = beside(x.device, "comp", lambda: attn._comp_chain(
-            x, pos, cache))
+        (comp, icomp, wraw, proj), ev = beside(x.device, "comp", lambda: _comp_chain(
+            attn, x, pos, cache))
         qa, kvx = attn._project_a(x)
         side = ([ev], None)
     else:
@@ -60,23 +62,21 @@ def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tens
     kv = kv_ready = None            # kv_ready: the event of the kv chain queued beside
     if KV_BESIDE and x.is_cuda and kernel_path(x):
         kv, kv_ready = beside(x.device, "kv", lambda: _kv_stored(attn, kvx, pos, cache))
-    raw = Q_ROPE_IN_DECODE and kernel_path(qa)      # q's RMS + RoPE in decode attention
-    free = raw and Q_NORM_SCALE_FREE and attn.wq_b.norm_folds(qa)  # q_norm's 1/rms there too
+    free = Q_NORM_SCALE_FREE and attn.wq_b.norm_folds(qa)          # q_norm's 1/rms in the RoPE
     fold = not free and T in Q_NORM_IN_WQ_B and attn.wq_b.norm_folds(qa)   # q_norm in wq_b
     indexed = attn.indexer is not None
     qr = None if (fold or free) and (side is not None or not indexed) else attn.q_norm(qa)
     if side is not None and indexed:                              # from qa on, beside wq_b
-        sel, ev = beside(x.device, "index", lambda: attn._decode_select(
-            qa, qr, wraw, icomp, pos, cache, x.dtype, proj))
+        sel, ev = beside(x.device, "index", lambda: _decode_select(
+            attn, qa, qr, wraw, icomp, pos, cache, x.dtype, proj))
         side = (side[0] + [ev], sel)
     q = (attn.wq_b.forward_weighted(qa, attn.q_norm) if free else attn.wq_b.forward_normed(
         qa, attn.q_norm) if fold else attn.wq_b(qr)).view(T, Hl, D)
-    q, kv = attn._q_kv(q, kvx, pos, kv, q_raw=raw)
+    q, kv = attn._q_kv(q, kvx, pos, kv, q_scale=(qa, attn.q_norm.eps) if free else None)
     index = None
     if attn.indexer is not None and side is None:
         index = (*attn.indexer.queries(qr, wraw, pos), icomp)
-    o = attn._kernels(q, kv, pos, batch, cache, comp, index, side, kv_ready, q_raw=raw,
-                      q_scale=(qa, attn.q_norm.eps) if free else None)
+    o = attn._kernels(q, kv, pos, batch, cache, comp, index, side, kv_ready)
     return attn.post(o, pos, x.dtype)
 
 
@@ -102,16 +102,16 @@ def _comp_chain(attn, x, pos, cache):
 def _decode_select(attn, qa, qr, wraw, icomp, pos, cache, dtype, after=None) -> torch.Tensor:
     """The decode step's CSA indexer chain: queries, its compressor update, scores, top-k
     (after: an event to wait for first, the projections of its rows and weights). qa: wq_a's
-    output, qr = q_norm(qa) or None (made here). Q_ROPE_IN_DECODE (kernel path): the score
-    kernel rotates the queries; Q_NORM_SCALE_FREE where its wq_b folds: the queries of the
-    scale-free q_norm (Linear.forward_weighted), the scores 1/c of the normed queries' (c =
-    rsqrt(mean(qa²) + eps) > 0 per row: relu and the top-k order are unchanged by it)."""
+    output, qr = q_norm(qa) or None (made here). Q_NORM_SCALE_FREE where the indexer's wq_b
+    folds: the queries of the scale-free q_norm (Linear.forward_weighted), scores 1/c of the
+    normed queries' (c = rsqrt(mean(qa²) + eps) > 0 per row: relu and the top-k order keep).
+    INDEX_ROPE_IN_SCORES (kernel path): the score kernel rotates the queries."""
     if after is not None:
         torch.cuda.current_stream(qa.device).wait_event(after)
-    raw = Q_ROPE_IN_DECODE and kernel_path(qa)
     idx = attn.indexer
-    if raw and Q_NORM_SCALE_FREE and idx.wq_b.norm_folds(qa):
-        qI, wI = idx.queries(qa, wraw, pos, rotate=False, norm=attn.q_norm)
+    raw = INDEX_ROPE_IN_SCORES and kernel_path(qa)
+    if Q_NORM_SCALE_FREE and idx.wq_b.norm_folds(qa):
+        qI, wI = idx.queries(qa, wraw, pos, rotate=not raw, norm=attn.q_norm)
     else:
         qI, wI = idx.queries(attn.q_norm(qa) if qr is None else qr, wraw, pos, rotate=not raw)
     attn._decode_compress(idx.compressor, "index", icomp,

@@ -13,9 +13,6 @@ sink only in the denominator: o = Σ e^(s-M) k / (Σ e^(s-M) + e^(sink-M)).
 Split-KV (small batches): each program handles one key range and writes (m, l, acc); a second
 kernel merges the splits and adds the sink (decode_attention's out_rope: and applies the inverse
 RoPE of the output path, storing the act dtype). With one split the first kernel finishes alone.
-q_rope (decode): q arrives as wq_b's raw output and each program makes its own heads' queries,
-the per-head RMS and RoPE of Attention._q_kv (rope_norm.rope(q, pos, f, r, norm=(None, eps)):
-one launch fewer on the decode step's critical chain; see _q_rope for what may differ).
 sparse_attention: the same kernel (PREFILL) for T queries of chunks (chunked prefill, mixed
 batches): query t of sequence seq[t] sees ring positions before its chunk's start and the
 chunk's own kv rows in flight (attention_torch.attend's keys), its HCA entries or CSA selection.
@@ -27,8 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from backfit.runtime.kernels.attention.q_rope import _q_rope, _rms_inv, check_q_rope, \
-    check_q_scale
 from backfit.runtime.kernels.common import interpreted
 
 __all__ = ["decode_attention", "sparse_attention", "decode_config"]
@@ -90,12 +85,8 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SE
                    W: tl.constexpr, RATIO: tl.constexpr, PB: tl.constexpr, MODE: tl.constexpr,
                    INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
                    BN: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr,
-                   EXACT: tl.constexpr, DT: tl.constexpr, PREFILL: tl.constexpr = False,
-                   QF=None, q_eps=0.0, QR: tl.constexpr = 0, QA=None, sa=0, qa_eps=0.0,
-                   KQ: tl.constexpr = 0):
+                   EXACT: tl.constexpr, DT: tl.constexpr, PREFILL: tl.constexpr = False):
     """Program (query b, head block, split): keys [split·CHUNK, +CHUNK) of window ++ compressed.
-    QR > 0 (decode): Q holds wq_b's raw output, normed and rotated here (_q_rope); KQ > 0: of
-    the scale-free q_norm, scaled by rsqrt(mean(qa²) + qa_eps) of qa's row b (QA) first.
 
     Decode: query b is sequence b's one token. PREFILL: query b belongs to sequence SEQ[b] whose
     chunk starts at START[b] and at row b - (p - START[b]) of q/kv; window positions >= START[b]
@@ -106,16 +97,9 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SE
     dd = tl.arange(0, DP)
     d_ok = dd < D
     b64 = b.to(tl.int64)
+    q = tl.load(Q + (b64 * H + hh[:, None]) * D + dd[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                other=0.0).to(tl.float32)                               # [BH, DP]
     p = tl.load(POS + b).to(tl.int32)                  # int64 or int32 positions
-    q_ok = h_ok[:, None] & d_ok[None, :]
-    if QR > 0:
-        qc = 1.0                                        # the scale-free q_norm's 1/rms
-        if KQ > 0:
-            qc = _rms_inv(QA + b64 * sa, qa_eps, KQ)
-        q = _q_rope(Q, b64 * H + hh, dd, q_ok, p, QF, q_eps, D, QR, DT, F32, c=qc)
-    else:
-        q = tl.load(Q + (b64 * H + hh[:, None]) * D + dd[None, :], mask=q_ok,
-                    other=0.0).to(tl.float32)                           # [BH, DP]
     if PREFILL:
         sq = tl.load(SEQ + b).to(tl.int64)                              # sequence of query b
         st = tl.load(START + b)
@@ -273,22 +257,16 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 
 def decode_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode="window",
                      entries=None, entry_scale=None, tables=None, ratio=0, sel=None,
-                     split=None, out_rope=None, q_rope=None, q_scale=None) -> torch.Tensor:
+                     split=None, out_rope=None) -> torch.Tensor:
     """q [B, H, D] act dtype, kv [B, D] (this token's, not yet read from the ring), pos [B],
     sink [H] FP32, ring [S, R, D] (+ ring_scale [S, R] if int8), slots [B]; mode "hca" / "csa":
     entries [NB, PB, D] (+ entry_scale), tables [B, nblk] int, ratio; csa: sel [B, k] (-1 unused).
     -> o [B, H, D] FP32 (the torch path's attend output). out_rope = (inv_freq FP64 [r/2], r,
     dtype): o de-rotated by its position and rounded to dtype instead, = rope_norm.rope(o, pos,
     inv_freq, r, inverse=True, out_dtype=dtype) (Attention.post's first step); with split KV
-    it runs inside the merge launch (one launch fewer), else as that rope launch. q_rope =
-    (inv_freq FP64 [r/2], r, eps): q is wq_b's raw output, and the kernel attends with rope_norm.
-    rope(q, pos, inv_freq, r, norm=(None, eps)) made in its own programs (one launch fewer; a
-    query lane may differ by one ulp of q's dtype, _q_rope). q_scale = (qa [B, K], eps), with
-    q_rope: q is wq_b's output of the scale-free q_norm (Linear.forward_weighted), scaled by
-    rsqrt(mean(qa²) + eps) first."""
+    it runs inside the merge launch (one launch fewer), else as that rope launch."""
     return sparse_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode, entries,
-                            entry_scale, tables, ratio, sel, split=split, out_rope=out_rope,
-                            q_rope=q_rope, q_scale=q_scale)
+                            entry_scale, tables, ratio, sel, split=split, out_rope=out_rope)
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink: torch.Tensor,
@@ -297,15 +275,13 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
                      entry_scale: torch.Tensor | None = None, tables: torch.Tensor | None = None,
                      ratio: int = 0, sel: torch.Tensor | None = None,
                      seq: torch.Tensor | None = None, start: torch.Tensor | None = None,
-                     split: int | None = None, out_rope: tuple | None = None,
-                     q_rope: tuple | None = None, q_scale: tuple | None = None) -> torch.Tensor:
+                     split: int | None = None, out_rope: tuple | None = None) -> torch.Tensor:
     """decode_attention for T queries of chunks (chunked prefill, mixed batches): q [T, H, D],
     kv [T, D] the chunks' own rows, pos [T], seq [T] the sequence (row of slots [NS], tables
     [NS, nblk]) and start [T] its chunk's first position; sel [T, k]. Rows of one sequence's
     chunk are consecutive in q/kv. seq=None: one token per sequence (decode). out_rope (decode
     only, see decode_attention): with split KV the merge de-rotates and rounds, with one split
-    the rope launch after the attention kernel does. q_rope, q_scale: decode only, see
-    decode_attention."""
+    the rope launch after the attention kernel does."""
     if q.dim() != 3 or kv.shape != (q.shape[0], q.shape[2]) or pos.shape != (q.shape[0],):
         raise ValueError(f"decode_attention: q [B, H, D], kv [B, D], pos [B]; got "
                          f"{list(q.shape)}, {list(kv.shape)}, {list(pos.shape)}")
@@ -325,8 +301,6 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
     if q.dtype not in _TL or kv.dtype != q.dtype or (not int8 and ring.dtype != q.dtype):
         raise ValueError(f"decode_attention: q/kv/ring dtypes {q.dtype}/{kv.dtype}/{ring.dtype}")
     dev = q.device
-    qf, qr, q_eps = check_q_rope(q_rope, D, seq is None)
-    qa, sa, kq, qa_eps = check_q_scale(q_scale, q_rope, B)
     PB, n_sel, n_comp = 1, 0, 0
     if mode != "window":
         if entries is None or tables is None or entries.shape[2] != D or tables.dim() != 2 \
@@ -365,8 +339,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
         W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D,
         DP=triton.next_power_of_2(D), BH=cfg["BH"], BN=cfg["BN"], SPLIT=S, F32=interpreted(),
         EXACT=q.dtype == torch.float32, DT=_TL[q.dtype], PREFILL=seq is not None,
-        QF=qf if qf is not None else sink, q_eps=q_eps, QR=qr, QA=qa if kq else q, sa=sa,
-        qa_eps=qa_eps, KQ=kq, num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if out_rope is not None:
         f, r, dt = out_rope

@@ -73,8 +73,8 @@ def _score_kernel(QI, WI, KEYS, TABLES, POS, OUT, SEQ, H, NC, stride_tb,
     dd = tl.arange(0, DI)
     p = tl.load(POS + b).to(tl.int32)                                   # int64 or int32
     if QR > 0:
-        qi = _q_rope(QI, b64 * H + hh, dd, h_ok[:, None], p, QF, 0.0, DI, QR,
-                     QI.dtype.element_ty, F32, NORM=False)
+        qi = _q_rope(QI, b64 * H + hh, dd, h_ok[:, None], p, QF, DI, QR, QI.dtype.element_ty,
+                     F32)
     else:
         qi = tl.load(QI + (b64 * H + hh[:, None]) * DI + dd[None, :], mask=h_ok[:, None],
                      other=0.0)
@@ -244,7 +244,7 @@ def indexer_scores(qI: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables
             or DI & (DI - 1) or (seq is not None and seq.shape != (B,)):
         raise ValueError(f"indexer_scores: tables [B={B}, nblk], pos [B], power-of-2 key width; "
                          f"got {list(tables.shape)}, {list(pos.shape)}, {DI}")
-    qf, qr, _ = check_q_rope(q_rope, DI, seq is None, "indexer_scores", eps=False)
+    qf, qr = check_q_rope(q_rope, DI, seq is None)
     if qr and qI.dtype != keys.dtype:
         raise ValueError(f"indexer_scores: q_rope needs qI in the keys' dtype {keys.dtype}, got "
                          f"{qI.dtype}")
