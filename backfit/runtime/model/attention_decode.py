@@ -99,6 +99,7 @@ def _comp_chain(attn, x, pos, cache):
     attn._decode_compress(attn.compressor, "comp", comp, None, cache, pos, x.dtype)
     return comp, icomp, wraw, proj
 
+
 def _decode_select(attn, qa, qr, wraw, icomp, pos, cache, dtype, after=None) -> torch.Tensor:
     """The decode step's CSA indexer chain: queries, its compressor update, scores, top-k
     (after: an event to wait for first, the projections of its rows and weights). qa: wq_a's
