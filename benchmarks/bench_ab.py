@@ -12,8 +12,8 @@ every switch as shipped (A) and once with the switch set (B); the rounds then al
 B, ... and each round times both the step (ModelRunner.forward + sync, what bench_decode.py
 reports) and the replay's GPU time (CUDA events around replay(), no host part). Reported per
 switch, batch and context: medians of A and B and B - A. A module-level flag read while the step
-is captured (attention_decode.SIDE_STREAMS, KV_BESIDE, MAX_SPLIT, moe.SHARED_STREAM, ...) changes the
-captured graph; flags read only outside the capture do nothing here. --tiny: small dims on the
+is captured (attention_decode.SIDE_STREAMS, KV_BESIDE, MAX_SPLIT, moe.SHARED_STREAM, ...) changes
+the captured graph; flags read only outside the capture do nothing here. --tiny: small dims on the
 CPU, torch backend, eager (a dry run of this script). --layers / --tp-shard: bench_decode.py's
 (e.g. --layers 43 --tp-shard 4: one TP-4 rank's slice, collectives counted no-ops; between
 processes that slice's step moved by up to ~10 % on 2026-12-02, so its A/B belongs here too);
