@@ -18,10 +18,10 @@ TINY_ROWS = [("int8", (n, n), (128, 128), (1, 2), dict(variant="cuda", BN=8, BK=
              for n in (4096, 2048)]
 
 
-def test_switches_exist_and_default_on():
+def test_switches_exist():
     mod = importlib.import_module("backfit.runtime.model.attention_decode")
     for name in SWITCHES:
-        assert getattr(mod, name) is True, name
+        assert isinstance(getattr(mod, name), bool), name
 
 
 @pytest.mark.gpu

@@ -32,15 +32,17 @@ KV_BESIDE = True
 Q_NORM_IN_WQ_B = (2,)
 # The paged decode step on the triton path: the CSA indexer's query RoPE inside its score kernel
 # (kernels.attention.indexer_scores q_rope), not a launch of its own before it. (The main query's
-# norm + RoPE inside decode attention lost twice: docs/KERNELS.md "Attention".)
-INDEX_ROPE_IN_SCORES = True
+# norm + RoPE inside decode attention lost twice: docs/KERNELS.md "Attention".) Off until
+# measured on a GPU (predicted −55 to −65 µs a batch-1 slice step: PERFORMANCE.md).
+INDEX_ROPE_IN_SCORES = False
 # The paged decode step on the triton path, where wq_b (or the CSA indexer's wq_b) takes q_norm in
 # its GEMV launch (Linear.norm_folds): the scale-free q_norm there, x ⊙ w (Linear.forward_weighted:
 # no reduction before the weights' loads, unlike Q_NORM_IN_WQ_B's), its 1/rms applied by the
 # query's RMS + RoPE launch (rope_norm.rope scale=; the per-head RMS cancels it but for its eps)
 # and ignored by the indexer (its scores scale by it, a positive factor: the top-k is unchanged).
-# No q_norm launch on the query chain; on the indexer chain where its wq_b folds too.
-Q_NORM_SCALE_FREE = True
+# No q_norm launch on the query chain; on the indexer chain where its wq_b folds too. Off until
+# measured on a GPU (predicted −145 to −170 µs a batch-1 slice step: PERFORMANCE.md).
+Q_NORM_SCALE_FREE = False
 
 
 def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:

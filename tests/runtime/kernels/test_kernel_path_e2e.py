@@ -68,7 +68,7 @@ def test_kernel_path_equals_torch_path(tiny_converted, tp1_process, monkeypatch,
                                        scale_free):
     """... and with q_norm inside wq_b's GEMV at the decode steps (batch 2): a GEMV_TABLE row for
     the tiny wq_b shape (4096 x 128), so window and HCA layers take the scale-free q_norm
-    (Q_NORM_SCALE_FREE, its 1/rms in the query's RoPE launch, as shipped: int8) or
+    (Q_NORM_SCALE_FREE, its 1/rms in the query's RoPE launch: int8) or
     Q_NORM_IN_WQ_B's whole norm in the GEMV (mx4), and the CSA layers norm qr for their indexer.
     Both expert schemes (mx4: the 4-bit decode GEMV and sorted kernels); BACKFIT_E2E_EXPERTS=int8
     (or mx4) runs one."""
