@@ -70,3 +70,20 @@ def truncating_pool_get(monkeypatch):
         x = data[idx].float() * scale[idx][..., None]
         return (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
     monkeypatch.setattr(ref, "pool_get_ref", get)
+
+
+def prefill_then_decode(n: int, gen: torch.Generator, steps: int = 16):
+    """Runner steps for n sequences on disjoint 16-block tables: one prefill of 118 + 7i random
+    tokens each, then `steps` one-token decode steps (on the tiny model they cross CSA (4) and
+    HCA (8) entry ends) -> yields (is_prefill, StepInput)."""
+    from backfit.runtime.runner import StepInput, StepSeq
+    tables = [tuple(range(16 * i, 16 * i + 16)) for i in range(n)]
+    prompts = [torch.randint(3, 500, (118 + 7 * i,), generator=gen).tolist() for i in range(n)]
+    yield True, StepInput(tuple(StepSeq(i, i, tables[i], 0, tuple(p), True)
+                                for i, p in enumerate(prompts)))
+    starts = [len(p) for p in prompts]
+    for _ in range(steps):
+        toks = torch.randint(3, 500, (n,), generator=gen).tolist()
+        yield False, StepInput(tuple(StepSeq(i, i, tables[i], starts[i], (toks[i],), True)
+                                     for i in range(n)))
+        starts = [s + 1 for s in starts]

@@ -11,6 +11,7 @@ import importlib
 
 import pytest
 import torch
+from support import prefill_then_decode
 
 SWITCHES = ("INDEX_ROPE_IN_SCORES", "Q_NORM_SCALE_FREE")
 TINY_ROWS = [("int8", (n, n), (128, 128), (1, 2), dict(variant="cuda", BN=8, BK=128, num_warps=4,
@@ -30,7 +31,7 @@ def test_decode_folds_match_the_unfolded_step(tiny_converted, tp1_process, monke
     from backfit.runtime import kernels as kpkg
     from backfit.runtime.kernels.linear import gemv
     from backfit.runtime.layers import Linear
-    from backfit.runtime.runner import ModelRunner, RunnerConfig, StepInput, StepSeq
+    from backfit.runtime.runner import ModelRunner, RunnerConfig
     if kpkg._backend not in (None, "triton"):
         pytest.skip("this process already runs the torch backend")
     dec = importlib.import_module("backfit.runtime.model.attention_decode")
@@ -49,18 +50,9 @@ def test_decode_folds_match_the_unfolded_step(tiny_converted, tp1_process, monke
         return runner.forward(step).logits.float()
     g = torch.Generator().manual_seed(5)
     for n in (1, 2):
-        tables = [tuple(range(16 * i, 16 * i + 16)) for i in range(n)]
-        prompts = [torch.randint(3, 500, (118 + 7 * i,), generator=g).tolist() for i in range(n)]
-        first = StepInput(tuple(StepSeq(i, i, tables[i], 0, tuple(p), True)
-                                for i, p in enumerate(prompts)))
-        forward(on, first, True), forward(off, first, False)
-        starts = [len(p) for p in prompts]
-        for _ in range(16):                       # crosses CSA (4) and HCA (8) entries
-            toks = torch.randint(3, 500, (n,), generator=g).tolist()
-            step = StepInput(tuple(StepSeq(i, i, tables[i], starts[i], (toks[i],), True)
-                                   for i in range(n)))
+        for k, (prefill, step) in enumerate(prefill_then_decode(n, g)):
             got, want = forward(on, step, True), forward(off, step, False)
             rel = ((got - want).norm() / want.norm()).item()
-            assert rel < 3e-2 and torch.equal(got.argmax(-1), want.argmax(-1)), (n, starts, rel)
-            starts = [s + 1 for s in starts]
+            assert prefill or rel < 3e-2 and torch.equal(got.argmax(-1), want.argmax(-1)), \
+                (n, k, rel)
     assert weighted and set(weighted) == {1, 2}          # the scale-free fold really ran

@@ -7,6 +7,7 @@ graphed path runs with them on and is held to the eager one by tests/runtime/tes
 
 import pytest
 import torch
+from support import prefill_then_decode
 
 SWITCHES = (("backfit.runtime.model.attention_decode", "SIDE_STREAMS"),
             ("backfit.runtime.model.attention_decode", "KV_BESIDE"),
@@ -26,7 +27,7 @@ def test_side_streams_equal_in_order(tiny_converted, tp1_process, monkeypatch):
     import importlib
 
     from backfit.runtime import kernels as kpkg
-    from backfit.runtime.runner import ModelRunner, RunnerConfig, StepInput, StepSeq
+    from backfit.runtime.runner import ModelRunner, RunnerConfig
     if kpkg._backend not in (None, "triton"):
         pytest.skip("this process already runs the torch backend")
     conv = tiny_converted(1, "int8")
@@ -42,16 +43,5 @@ def test_side_streams_equal_in_order(tiny_converted, tp1_process, monkeypatch):
         return runner.forward(step).logits
     g = torch.Generator().manual_seed(3)
     for n in (1, 3):
-        tables = [tuple(range(16 * i, 16 * i + 16)) for i in range(n)]
-        prompts = [torch.randint(3, 500, (118 + 7 * i,), generator=g).tolist() for i in range(n)]
-        first = StepInput(tuple(StepSeq(i, i, tables[i], 0, tuple(p), True)
-                                for i, p in enumerate(prompts)))
-        assert torch.equal(forward(on, first, True), forward(off, first, False))
-        starts = [len(p) for p in prompts]
-        for _ in range(16):                       # crosses CSA (4) and HCA (8) entries
-            toks = torch.randint(3, 500, (n,), generator=g).tolist()
-            step = StepInput(tuple(StepSeq(i, i, tables[i], starts[i], (toks[i],), True)
-                                   for i in range(n)))
-            got, want = forward(on, step, True), forward(off, step, False)
-            assert torch.equal(got, want), (n, starts)
-            starts = [s + 1 for s in starts]
+        for k, (_, step) in enumerate(prefill_then_decode(n, g)):
+            assert torch.equal(forward(on, step, True), forward(off, step, False)), (n, k)
