@@ -123,7 +123,7 @@ class Linear(nn.Module):
     def forward_weighted(self, x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
         """self(norm(x)) / c, c = rsqrt(mean(x²) + eps) per row: self(x ⊙ norm.weight), the
         norm's weight without its 1/rms, in one GEMV launch (where norm_folds(x)); for a
-        consumer that is scale-free in its input or applies c itself (model.attention)."""
+        consumer that is scale-free in its input or applies c itself (model.attention_decode)."""
         if not self.norm_folds(x):
             raise ValueError(f"forward_weighted: no GEMV fold for x {list(x.shape)} on "
                              f"{self.out_features}x{self.in_features} (check norm_folds first)")
