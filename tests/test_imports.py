@@ -77,7 +77,7 @@ RULES = [
          must_not=tuple(f"backfit.runtime.kernels.{room}.{mod}" for room, mods in (
              ("linear", ("gemm", "gemv", "gemv_tiles")),
              ("moe", ("common", "int8", "int8_decode", "mx4", "mx4_decode")),
-             ("attention", ("decode", "prefill", "prefill_cd", "tiles", "indexer", "q_rope")),
+             ("attention", ("decode", "prefill", "prefill_cd", "tiles", "indexer")),
              ("mhc", ("core", "decode", "tile")), ("cache", ("decode", "prefill")))
              for mod in mods)),
     Rule("drafters build on the blocks, never on the tower", ("runtime/model/draft/*",),

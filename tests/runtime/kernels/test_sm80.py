@@ -36,7 +36,7 @@ def _compile(fn, types: dict, constexprs: dict, opts: dict, div16: tuple = ()) -
                 fp8=bool(re.search(r"e4m3|e5m2|e2m1", ptx)),
                 fma_f32=bool(re.search(r"fma\.rn\.f32", ptx)),
                 fma_bf16x2=bool(re.search(r"fma\.rn\.bf16x2", ptx)),
-                mul_rn_f32=len(re.findall(r"mul\.rn\.f32", ptx)),
+                mul_rn_f32=len(re.findall(r"mul\.rn(?:\.ftz)?\.f32", ptx)),
                 i2f=bool(re.search(r"cvt\.rn\.f32\.s(8|16|32)", ptx)))
 
 

@@ -23,6 +23,11 @@ table[b, j // PB], row j % PB of the pool keys [NB, PB, 128] (act dtype, never i
                   sum of C/K binary searches. The last pass writes sel itself (no unpack launch,
                   no fill): 1 launch for N <= C, 2 for N <= C·C/K. Results are bit-identical to
                   the old path (keys are unique: j is in the low word).
+At the decode step indexer_scores(q_rope=) takes the indexer wq_b's raw output and each score
+program rotates its query itself (_q_rope: rope_norm.rope's ops, angles p·f in FP64 rounded to
+FP32, each product rounded alone, mul.rn, as that launch runs without FMA contraction; bit for
+bit), one launch fewer on the indexer's chain. (The main query's norm + RoPE inside decode
+attention lost twice, +7.8 and +122 µs a batch-1 slice step: docs/KERNELS.md "Attention".)
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from backfit.runtime.kernels.attention.q_rope import _q_rope, check_q_rope
 from backfit.runtime.kernels.common import interpreted
 
 __all__ = ["TOPK_CHUNK", "TOPK_FAST", "indexer_scores", "topk_select"]
@@ -55,13 +60,37 @@ TOPK_SCORES_CHUNK = 1024
 
 
 @triton.jit
+def _q_rope(Q, row, dd, ok, p, QF, D: tl.constexpr, QR: tl.constexpr, DT: tl.constexpr,
+            F32: tl.constexpr):
+    """Rows `row` [BH] of q [.., D] -> FP32 [BH, D] of DT values = rope_norm.rope(q, pos, QF, QR)
+    of them: the last QR lanes' pairs (2i, 2i+1) = (a, b) -> (a·cos - b·sin, a·sin + b·cos) at
+    angle p·QF[i], rounded to DT; the other lanes as loaded. Each lane reads its pair partner
+    (lane ^ 1) as a second load: no register shuffle."""
+    ptr = Q + row[:, None] * D
+    x = tl.load(ptr + dd[None, :], mask=ok, other=0.0).to(tl.float32)         # [BH, D]
+    y = tl.load(ptr + (dd ^ 1)[None, :], mask=ok, other=0.0).to(tl.float32)   # the partner
+    rot = dd >= D - QR
+    ang = p.to(tl.float64) * tl.load(QF + tl.where(rot, (dd - (D - QR)) // 2, 0), mask=rot,
+                                     other=0.0)                                 # [D] FP64
+    cos = tl.cos(ang).to(tl.float32)[None, :]
+    sin = tl.sin(ang).to(tl.float32)[None, :]
+    if F32:                                     # interpreter: numpy rounds each op
+        xc, ys = x * cos, y * sin
+    else:                                       # no FMA contraction (cache/decode.py's RN)
+        xc, ys = libdevice.mul_rn(x, cos), libdevice.mul_rn(y, sin)
+    # even lane: a·cos - b·sin (x = a, y = b); odd lane: a·sin + b·cos (y = a, x = b)
+    r = tl.where((dd % 2 == 0)[None, :], xc - ys, ys + xc)
+    return tl.where(rot[None, :], r.to(DT).to(tl.float32), x)
+
+
+@triton.jit
 def _score_kernel(QI, WI, KEYS, TABLES, POS, OUT, SEQ, H, NC, stride_tb,
                   PB: tl.constexpr, DI: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                   F32: tl.constexpr, EXACT: tl.constexpr, PREFILL: tl.constexpr = False,
                   QF=None, QR: tl.constexpr = 0):
     """Program (query b, key tile): scores of keys [tile·BN, +BN) for query b (of sequence b;
     PREFILL: of sequence SEQ[b], i.e. table row SEQ[b]). QR > 0 (decode): QI holds the indexer
-    wq_b's raw output, rotated here (q_rope._q_rope, no norm)."""
+    wq_b's raw output, rotated here (_q_rope)."""
     b, t = tl.program_id(0), tl.program_id(1)
     b64 = b.to(tl.int64)
     if PREFILL:
@@ -225,6 +254,18 @@ def _topk_pass_kernel(IN, OUT, SEL, N, n_out, k, NEG_INF_KEY, K: tl.constexpr, C
             tl.store(SEL + b.to(tl.int64) * k + o, _unpack(top, NEG_INF_KEY), mask=o < k)
         else:
             tl.store(OUT + b.to(tl.int64) * n_out + c * K + o, top)
+
+
+def check_q_rope(q_rope: tuple | None, D: int, decode: bool) -> tuple:
+    """q_rope = (inv_freq FP64 [r/2], r) -> the kernel's (QF, QR); None -> (None, 0)."""
+    if q_rope is None:
+        return None, 0
+    f, r = q_rope
+    if not decode or f.dtype != torch.float64 or f.shape != (r // 2,) or r <= 0 or r > D \
+            or r & (r - 1) or D % 2:
+        raise ValueError(f"indexer_scores: q_rope = (FP64 inv_freq [r/2], power-of-two r <= D), "
+                         f"decode only, D even; got r={r}, D={D}")
+    return f.contiguous(), r
 
 
 def indexer_scores(qI: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: torch.Tensor,
