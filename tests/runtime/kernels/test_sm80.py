@@ -98,12 +98,19 @@ def compile_all() -> list[dict]:
             cfg, opts = _split(common.sorted_pair(p, None)[0 if gated else 1])
             out.append(_compile(moe._moe_sorted_kernel, mtypes,
                                 dict(cfg, GATED=gated, LIMIT=10.0, F32=False), opts, ("N", "K")))
+    # the summed down (DOWN_SUM) at a TP-4 rank's I = 512, top-6, shared added, FP32 out
+    stypes = dict(H="*bf16", IDX="*i64", W2="*i8", S2="*u8", SH="*bf16", Y="*fp32", N="i32",
+                  K="i32")
+    for bn, bk, nw in ((4, 512, 1), (16, 512, 4)):
+        out.append(_compile(moe.SUM_KERNELS["base"], stypes,
+                            dict(TOPK=6, SHARED=True, BN=bn, BK=bk, STAGES=1),
+                            dict(num_warps=nw, num_stages=2), ("N", "K")))
     return out
 
 
 def test_every_kernel_config_compiles_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 18 + 2 * (3 + 3 * 5)            # 3 table rows, 5 variants x 3 tiles
+    assert len(results) == 18 + 2 * (3 + 3 * 5) + 2        # 3 rows, 5 variants x 3, summed
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name

@@ -77,12 +77,19 @@ def compile_all() -> list[dict]:
         cfg, opts = _split(dc)
         out.append(compile_one(kern, types, dict(cfg, **extra, GATED=gated, LIMIT=10.0), opts,
                                ("N", "K")))
+    # the summed down (DOWN_SUM) at a TP-4 rank's I = 512, top-6, shared added, FP32 out
+    sum_types = dict(H="*bf16", IDX="*i64", W2="*u8", S2="*u8", SH="*bf16", Y="*fp32", N="i32",
+                     K="i32")
+    for bn, bk, nw in ((2, 512, 1), (8, 256, 2)):
+        out.append(compile_one(moe_mx4.SUM_KERNELS["word4d"], sum_types,
+                               dict(TOPK=6, SHARED=True, BN=bn, BK=bk, STAGES=1),
+                               dict(num_warps=nw, num_stages=2), ("N", "K")))
     return out
 
 
 def test_mx4_moe_kernels_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 12 + 4 + 7                       # + decode variants
+    assert len(results) == 12 + 4 + 7 + 2              # + decode variants, summed down
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name

@@ -56,6 +56,33 @@ def _pair_store(OUT, RW, p, N, rn, n_ok, r1, r3, GATED: tl.constexpr, LIMIT: tl.
     tl.store(OUT + p * N + rn, out.to(tl.bfloat16), mask=n_ok)
 
 
+@triton.jit
+def _sum_program(N, BN: tl.constexpr):
+    """A summed down program (DOWN_SUM: token t, row block) -> (t int64, rn [BN], rn < N)."""
+    t, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    return t, rn, rn < N
+
+
+@triton.jit
+def _sum_pair(tot, r, j: tl.constexpr):
+    """A token's running sum after its pair j: r rounded to bf16 (as _pair_store stores the
+    down's output), added in FP32 in j order; pair 0 starts the sum (pointwise._pair_acc's
+    order: no 0 + r, which would turn -0 into +0)."""
+    r = r.to(tl.bfloat16).to(tl.float32)
+    if j > 0:
+        r = tot + r
+    return r
+
+
+@triton.jit
+def _sum_store(Y, SH, t, N, rn, n_ok, tot, SHARED: tl.constexpr):
+    """Y[t, rn] = (SH[t, rn] +) tot in Y's dtype (pointwise._pair_acc's shared add)."""
+    if SHARED:
+        tot = tl.load(SH + t * N + rn, mask=n_ok, other=0.0).to(tl.float32) + tot
+    tl.store(Y + t * N + rn, tot.to(Y.dtype.element_ty), mask=n_ok)
+
+
 def align(idx: torch.Tensor, n_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """idx [T, k] -> (sorted [NB·bm] int32 pair ids by expert, P = padding; block_expert [NB]
     int32, n_experts past the end). NB = cdiv(P, bm) + min(E, P) is known on the host; the rest
@@ -122,6 +149,29 @@ def launch_decode(kernels: dict, grid_p: int, N: int, K: int, cfg: dict, args: t
     kern[(grid_p, triton.cdiv(N, cfg["BN"]))](*args, **consts, **extra, **cfg)
 
 
+def down_sum_config(down_sum: dict | None, P: int, pairs: bool) -> dict | None:
+    """The summed down's tile (a scheme's DOWN_SUM: its variant, tile and "max_pairs") where it
+    applies: a decode launch of <= max_pairs pairs whose sum is not left to the caller."""
+    if down_sum is None or pairs or P > down_sum.get("max_pairs", DECODE_PAIRS):
+        return None
+    return {k: v for k, v in down_sum.items() if k != "max_pairs"}
+
+
+def launch_down_sum(kernels: dict, cfg: dict, h, ids, w2, s2, shared, y, k: int) -> None:
+    """The down projection and the combine as one launch (kernels[cfg["variant"]], a program per
+    (token, BN rows)): y [T, D] = (shared +) Σ_j bf16(pair t·k + j's down rows), FP32 sums."""
+    cfg = dict(cfg)
+    variant = cfg.pop("variant")
+    if variant not in kernels:
+        raise ValueError(f"fused_moe: no summed down for variant {variant!r}, expected one of "
+                         f"{sorted(kernels)}")
+    (T, D), I = y.shape, h.shape[1]
+    cfg["BK"] = fit_bk(I, cfg["BK"])
+    kernels[variant][(T, triton.cdiv(D, cfg["BN"]))](
+        h, ids, w2, s2, shared if shared is not None else h, y, D, I, TOPK=k,
+        SHARED=shared is not None, **cfg)
+
+
 def sorted_config(P: int, down: bool = True) -> dict:
     """Tiles of the sorted path for P pairs; down True: int8_mx32 (the largest row has the down
     launch's own BN), False: mx4_e2m1 (the int8 tiles but past 32K pairs its own). DEQ =
@@ -165,13 +215,15 @@ def sorted_pair(P: int, config: dict | None, down: bool = True) -> tuple[dict, d
 
 def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_kernel,
             sorted_kw, shared=None, dtype=torch.float32, shared_ready=None,
-            down_tile: bool = True, pairs: bool = False):
+            down_tile: bool = True, pairs: bool = False, down_sum: tuple = ({}, None)):
     """The launch sequence both expert schemes share (their launchers check the stacks first):
     stacks (w1, s1, w3, s3, w2, s2), dims (E, I, K, D); gemv / table: the decode variants and
     DECODE_TABLE of the scheme, sorted_kernel with its extra constexprs for (gate/up, down);
     the pairs' outputs summed (+ shared, after shared_ready) in FP32 by one combine launch,
     stored in `dtype` (pairs: that launch left to the caller, a PairSum). down_tile: the
-    sorted down launch's own tile (_sorted_config)."""
+    sorted down launch's own tile (_sorted_config). down_sum: (the scheme's summed-down kernels,
+    its DOWN_SUM tile or None): where down_sum_config applies, the down launch sums each token's
+    pairs itself (no combine launch; it waits for the shared expert first)."""
     from backfit.runtime.kernels.pointwise import combine_later, moe_combine
     combine = combine_later if pairs else moe_combine
     E, I, K, D = dims
@@ -200,6 +252,13 @@ def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_ke
         c1, c2 = decode_pair(K, I, P, config, table)
         launch_decode(gemv, P, I, K, c1, (x, ids, rw, w1, s1, w3, s3, h, I, K, k),
                        GATED=True, LIMIT=lim)
+        c_sum = down_sum_config(down_sum[1], P, pairs)
+        if c_sum is not None:
+            if shared_ready is not None:                        # the shared expert's output
+                torch.cuda.current_stream(x.device).wait_event(shared_ready)
+            y = torch.empty(T, D, dtype=dtype, device=x.device)
+            launch_down_sum(down_sum[0], c_sum, h, ids, w2, s2, shared, y, k)
+            return y
         launch_decode(gemv, P, D, I, c2, (h, ids, rw, w2, s2, w2, s2, out, D, I, k),
                        GATED=False, LIMIT=lim)
     elif path == "sorted":

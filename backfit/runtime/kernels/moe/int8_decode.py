@@ -8,9 +8,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backfit.runtime.kernels.moe.common import _pair_program, _pair_store
+from backfit.runtime.kernels.moe.common import _pair_program, _pair_store, _sum_pair, \
+    _sum_program, _sum_store
 
-__all__: list[str] = []
+__all__ = ["SUM_KERNELS"]
 
 
 @triton.jit
@@ -63,12 +64,11 @@ def _dequant_bf16(q, e, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
 
 
 @triton.jit
-def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
-                     GATED: tl.constexpr, LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     STAGES: tl.constexpr = 1):
-    """Pair p, rows [pid_n·BN, +BN) of expert idx[p]: GATED -> h [P, N], else out [P, N] (bf16).
-    STAGES > 1: the K loop's loads go through a cp.async pipeline that deep (see STAGES below)."""
-    p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
+def _base_rows(A, arow, W1, S1, W3, S3, e, rn, n_ok, N, K, GATED: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """Variant "base": FP32 [BN] row sums of expert e's rows rn · A[arow] (and W3's, GATED),
+    [BN, BK] tiles dequantized through a [BN, BK/32, 32] reshape. STAGES > 1: the K loop's
+    loads go through a cp.async pipeline that deep (see STAGES below)."""
     rk = tl.arange(0, BK)
     rg = tl.arange(0, BK // 32)
     KG = K // 32
@@ -85,7 +85,34 @@ def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
             q = tl.load(W3 + w_off + k0 + rk[None, :], mask=n_ok[:, None], other=0)
             s = tl.load(S3 + s_off + k0 // 32 + rg[None, :], mask=n_ok[:, None], other=0)
             acc3 += tl.sum(_dequant_mx(q, s, BN, BK) * a[None, :], axis=1)
-    _pair_store(OUT, RW, p, N, rn, n_ok, acc1, acc3, GATED, LIMIT)
+    return acc1, acc3
+
+
+@triton.jit
+def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
+                     GATED: tl.constexpr, LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     STAGES: tl.constexpr = 1):
+    """Pair p, rows [pid_n·BN, +BN) of expert idx[p]: GATED -> h [P, N], else out [P, N] (bf16)
+    (_base_rows)."""
+    p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
+    r1, r3 = _base_rows(A, arow, W1, S1, W3, S3, e, rn, n_ok, N, K, GATED, BN, BK, STAGES)
+    _pair_store(OUT, RW, p, N, rn, n_ok, r1, r3, GATED, LIMIT)
+
+
+@triton.jit
+def _moe_down_sum_kernel(H, IDX, W2, S2, SH, Y, N, K, TOPK: tl.constexpr, SHARED: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr = 1):
+    """The down projection and the combine in one launch (a scheme's DOWN_SUM, variant "base"):
+    program (token t, rows [pid_n·BN, +BN)) -> Y[t, rows] = (SH[t] +) Σ_j bf16(h[t·TOPK + j] ·
+    W2_e(j)ᵀ), FP32 sums in j order: bit for bit the base down launch and pointwise.moe_combine."""
+    t, rn, n_ok = _sum_program(N, BN)
+    tot = tl.zeros((BN,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        p = t * TOPK + j
+        e = tl.load(IDX + p).to(tl.int64)
+        r, _ = _base_rows(H, p, W2, S2, W2, S2, e, rn, n_ok, N, K, False, BN, BK, STAGES)
+        tot = _sum_pair(tot, r, j)
+    _sum_store(Y, SH, t, N, rn, n_ok, tot, SHARED)
 
 
 # Decode GEMV variants (config key "variant"; docs/KERNELS.md; bench_kernels.py --moe-decode-sweep)
@@ -191,3 +218,6 @@ def _moe_gemv_group_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: t
                 acc3 = _acc_tile(acc3, q3n, s3n, a, MODE)
     _pair_store(OUT, RW, p, N, rn, n_ok, _acc_rows(acc1, MODE), _acc_rows(acc3, MODE), GATED,
                 LIMIT)
+
+
+SUM_KERNELS = dict(base=_moe_down_sum_kernel)

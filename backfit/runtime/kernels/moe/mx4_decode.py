@@ -19,9 +19,10 @@ import triton
 import triton.language as tl
 
 from backfit.runtime.kernels.common import dot_bf16
-from backfit.runtime.kernels.moe.common import _pair_program, _pair_store
+from backfit.runtime.kernels.moe.common import _pair_program, _pair_store, _sum_pair, \
+    _sum_program, _sum_store
 
-__all__ = ["GEMV_KERNELS"]
+__all__ = ["GEMV_KERNELS", "SUM_KERNELS"]
 
 
 @triton.jit
@@ -234,16 +235,15 @@ def _word4d_groups(Ww, S, w_off, s_off, k0, n_ok, shl, a):
 
 
 @triton.jit
-def _mx4_gemv_word4d_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
-                            LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                            STAGES: tl.constexpr = 1):
-    """The "word" variant's math with its 8 nibbles on a 4th axis (variant "word4d"): a K tile's
-    inputs are loaded once, [BN, G, 4, 8] (8 consecutive bf16 a word: 16-byte loads), where
-    "word" loads them nibble by nibble as [G, 4] and moves each through shared memory to the
-    weights' layout (PTX for sm_80: 8 bar.sync a K tile; here 4, two a weight tile, whose
-    words change layout once). Per tile _word4d_groups for W1 (and W3)."""
+def _word4d_rows(A, arow, W1, S1, W3, S3, e, rn, n_ok, N, K, GATED: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """The "word" variant's math with its 8 nibbles on a 4th axis (variant "word4d") -> FP32
+    [BN] row sums of expert e's rows rn · A[arow] (and W3's, GATED): a K tile's inputs are loaded
+    once, [BN, G, 4, 8] (8 consecutive bf16 a word: 16-byte loads), where "word" loads them
+    nibble by nibble as [G, 4] and moves each through shared memory to the weights' layout (PTX
+    for sm_80: 8 bar.sync a K tile; here 4, two a weight tile, whose words change layout once).
+    Per tile _word4d_groups for W1 (and W3)."""
     G: tl.constexpr = BK // 32
-    p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
     rg = tl.arange(0, G)
     rj = tl.arange(0, 4)
     ri = tl.arange(0, 8)
@@ -261,8 +261,33 @@ def _mx4_gemv_word4d_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: 
         acc1 += _word4d_groups(W1w, S1, w_off, s_off, k0, n_ok, shl, a)
         if GATED:
             acc3 += _word4d_groups(W3w, S3, w_off, s_off, k0, n_ok, shl, a)
-    _pair_store(OUT, RW, p, N, rn, n_ok, tl.sum(acc1, axis=1), tl.sum(acc3, axis=1), GATED,
-                LIMIT)
+    return tl.sum(acc1, axis=1), tl.sum(acc3, axis=1)
+
+
+@triton.jit
+def _mx4_gemv_word4d_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.constexpr,
+                            LIMIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                            STAGES: tl.constexpr = 1):
+    """_mx4_gemv_kernel's contract, variant "word4d" (_word4d_rows)."""
+    p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
+    r1, r3 = _word4d_rows(A, arow, W1, S1, W3, S3, e, rn, n_ok, N, K, GATED, BN, BK, STAGES)
+    _pair_store(OUT, RW, p, N, rn, n_ok, r1, r3, GATED, LIMIT)
+
+
+@triton.jit
+def _mx4_down_sum_kernel(H, IDX, W2, S2, SH, Y, N, K, TOPK: tl.constexpr, SHARED: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr = 1):
+    """The down projection and the combine in one launch (common.DOWN_SUM): program (token t,
+    rows [pid_n·BN, +BN)) -> Y[t, rows] = (SH[t] +) Σ_j bf16(h[t·TOPK + j] · W2_e(j)ᵀ), FP32
+    sums in j order: bit for bit the word4d down launch and pointwise.moe_combine."""
+    t, rn, n_ok = _sum_program(N, BN)
+    tot = tl.zeros((BN,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        p = t * TOPK + j
+        e = tl.load(IDX + p).to(tl.int64)
+        r, _ = _word4d_rows(H, p, W2, S2, W2, S2, e, rn, n_ok, N, K, False, BN, BK, STAGES)
+        tot = _sum_pair(tot, r, j)
+    _sum_store(Y, SH, t, N, rn, n_ok, tot, SHARED)
 
 
 @triton.jit
@@ -358,3 +383,4 @@ def _mx4_gemv_mma_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.
 GEMV_KERNELS = dict(base=_mx4_gemv_kernel, prefetch=_mx4_gemv_prefetch_kernel,
                     word=_mx4_gemv_word_kernel, word4d=_mx4_gemv_word4d_kernel,
                     mma=_mx4_gemv_mma_kernel)
+SUM_KERNELS = dict(word4d=_mx4_down_sum_kernel)
