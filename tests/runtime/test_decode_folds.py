@@ -13,7 +13,8 @@ import pytest
 import torch
 from support import prefill_then_decode
 
-SWITCHES = ("INDEX_ROPE_IN_SCORES", "Q_NORM_SCALE_FREE")
+# each switch's (on, off) values
+SWITCHES = dict(INDEX_ROPE_IN_SCORES=(64, 0), Q_NORM_SCALE_FREE=(True, False))
 TINY_ROWS = [("int8", (n, n), (128, 128), (1, 2), dict(variant="cuda", BN=8, BK=128, num_warps=4,
                                                        MAGIC=True, num_stages=1))
              for n in (4096, 2048)]
@@ -21,8 +22,8 @@ TINY_ROWS = [("int8", (n, n), (128, 128), (1, 2), dict(variant="cuda", BN=8, BK=
 
 def test_switches_exist():
     mod = importlib.import_module("backfit.runtime.model.attention_decode")
-    for name in SWITCHES:
-        assert isinstance(getattr(mod, name), bool), name
+    for name, (on, _) in SWITCHES.items():
+        assert type(getattr(mod, name)) is type(on), name
 
 
 @pytest.mark.gpu
@@ -45,8 +46,8 @@ def test_decode_folds_match_the_unfolded_step(tiny_converted, tp1_process, monke
     on, off = ModelRunner(rc), ModelRunner(rc)
 
     def forward(runner, step, flag: bool) -> torch.Tensor:
-        for name in SWITCHES:
-            monkeypatch.setattr(dec, name, flag)
+        for name, values in SWITCHES.items():
+            monkeypatch.setattr(dec, name, values[0] if flag else values[1])
         return runner.forward(step).logits.float()
     g = torch.Generator().manual_seed(5)
     for n in (1, 2):

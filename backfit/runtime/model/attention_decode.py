@@ -30,18 +30,21 @@ KV_BESIDE = True
 # +39.2 us with the norm from the one loaded K tile in each of wq_b's 1,024 programs (the cross-warp
 # Σx² on every program's path; that form is deleted), +51.6 us with the first pass (the form kept)
 Q_NORM_IN_WQ_B = (2,)
-# The paged decode step on the triton path: the CSA indexer's query RoPE inside its score kernel
-# (kernels.attention.indexer_scores q_rope), not a launch of its own before it. (The main query's
-# norm + RoPE inside decode attention lost twice: docs/KERNELS.md "Attention".) Off until
-# measured on a GPU (predicted −55 to −65 µs a batch-1 slice step: PERFORMANCE.md).
-INDEX_ROPE_IN_SCORES = False
+# The paged decode step on the triton path, up to this batch size: the CSA indexer's query RoPE
+# inside its score kernel (kernels.attention.indexer_scores q_rope), not a launch of its own
+# before it; 0: off. H200, 43-layer TP-4 slice, mx4 experts, bench_ab.py (2026-12-07, GPU time of
+# the replay): -42.8 / -54.1 us at batch 1, -53.5 / -56.3 at batch 8 (two processes), +42.8 us at
+# batch 64 (each score program rotates its query again: 64 rows of them). (The main query's norm
+# + RoPE inside decode attention lost twice: docs/KERNELS.md "Attention".)
+INDEX_ROPE_IN_SCORES = 8
 # The paged decode step on the triton path, where wq_b (or the CSA indexer's wq_b) takes q_norm in
 # its GEMV launch (Linear.norm_folds): the scale-free q_norm there, x ⊙ w (Linear.forward_weighted:
 # no reduction before the weights' loads, unlike Q_NORM_IN_WQ_B's), its 1/rms applied by the
 # query's RMS + RoPE launch (rope_norm.rope scale=; the per-head RMS cancels it but for its eps)
 # and ignored by the indexer (its scores scale by it, a positive factor: the top-k is unchanged).
-# No q_norm launch on the query chain; on the indexer chain where its wq_b folds too. Off until
-# measured on a GPU (predicted −145 to −170 µs a batch-1 slice step: PERFORMANCE.md).
+# Off: it rounds q differently from the torch path (qa ⊙ w, not qa·c ⊙ w, before wq_b) for no
+# measured gain. H200, the slice as above: -20.3 and -3.2 us at batch 1 in two processes (noise
+# there: +-15 us), -10.4 / -6.9 at batch 8; predicted -145 to -170 us.
 Q_NORM_SCALE_FREE = False
 
 
@@ -108,11 +111,11 @@ def _decode_select(attn, qa, qr, wraw, icomp, pos, cache, dtype, after=None) -> 
     output, qr = q_norm(qa) or None (made here). Q_NORM_SCALE_FREE where the indexer's wq_b
     folds: the queries of the scale-free q_norm (Linear.forward_weighted), scores 1/c of the
     normed queries' (c = rsqrt(mean(qa²) + eps) > 0 per row: relu and the top-k order keep).
-    INDEX_ROPE_IN_SCORES (kernel path): the score kernel rotates the queries."""
+    Up to INDEX_ROPE_IN_SCORES tokens (kernel path): the score kernel rotates the queries."""
     if after is not None:
         torch.cuda.current_stream(qa.device).wait_event(after)
     idx = attn.indexer
-    raw = INDEX_ROPE_IN_SCORES and kernel_path(qa)
+    raw = qa.shape[0] <= INDEX_ROPE_IN_SCORES and kernel_path(qa)
     if Q_NORM_SCALE_FREE and idx.wq_b.norm_folds(qa):
         qI, wI = idx.queries(qa, wraw, pos, rotate=not raw, norm=attn.q_norm)
     else:

@@ -204,11 +204,14 @@ def _post_coords(D, S: tl.constexpr, BD: tl.constexpr):
 def _post_block(X, POST, MIX, f, t, rs, rd, d_ok, D, S: tl.constexpr):
     """out[t, :, block] in FP32 [S(k), BD]: post[t, k]·f + Σ_j M[t, j, k]·X[t, j, block], j in
     order, elementwise (a tensor sum over j would reduce across warps: a shared-memory round
-    trip and bar.syncs a launch); f [BD] FP32."""
+    trip and bar.syncs a launch); f [BD] FP32. Each term an explicit fma: with `o += M·x` the
+    sm_80 code rounded M₀·x₀ alone in one of the two copies the fold computes, and the next
+    hc_pre's M from the partials was 1.2-3.2e-5 off FP64 at T > 1 (H100); with the fma within
+    test_mhc_precision.py's 2e-6 at every d block (H200, 2026-12-07)."""
     o = tl.load(POST + t * S + rs)[:, None] * f[None, :]
     for j in tl.static_range(S):
         xj = tl.load(X + (t * S + j) * D + rd, mask=d_ok, other=0.0).to(tl.float32)
-        o += tl.load(MIX + (t * S + j) * S + rs)[:, None] * xj[None, :]
+        o = tl.fma(tl.load(MIX + (t * S + j) * S + rs)[:, None], xj[None, :], o)
     return o
 
 

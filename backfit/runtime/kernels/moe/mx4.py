@@ -209,8 +209,12 @@ DECODE_VARIANTS = ("base", "prefetch", "word", "word4d", "mma")
 # The down launch summing each token's pairs (common.launch_down_sum: no combine launch; a
 # program per (token, BN rows), the TOPK pairs in turn): None = off, else a tile of
 # mx4_decode.SUM_KERNELS' variants and "max_pairs" (decode launches of at most that many pairs;
-# at tp 1 the decode Block leaves the sum to hc_post, so this applies at tp > 1).
-DOWN_SUM: dict | None = None
+# at tp 1 the decode Block leaves the sum to hc_post, so this applies at tp > 1). H200, 43-layer
+# TP-4 slice, bench_ab.py (2026-12-07, GPU time of the replay, against the mma down + combine):
+# word4d BN 2 BK 512 on 1 warp -32.5 / -43.6 us at batch 1 (two processes); BN 8 BK 256 +228.6;
+# BN 4 BK 512 +74.9 at batch 1 and +245.7 at batch 8 (48 pairs), so batch 1 only. int8's (its
+# base variant, BN 2 / 4 / 8) did not win: moe.int8.DOWN_SUM.
+DOWN_SUM: dict | None = dict(variant="word4d", BN=2, BK=512, num_warps=1, max_pairs=6)
 
 
 def decode_config(K: int, P: int = 1, down: bool = False, I: int | None = None) -> dict:
