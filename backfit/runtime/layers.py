@@ -120,16 +120,6 @@ class Linear(nn.Module):
         from backfit.runtime.kernels.linear import gemv_linear
         return gemv_linear(x, self.weight, self.scale, self.scheme, norm=(norm.weight, norm.eps))
 
-    def forward_weighted(self, x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
-        """self(norm(x)) / c, c = rsqrt(mean(x²) + eps) per row: self(x ⊙ norm.weight), the
-        norm's weight without its 1/rms, in one GEMV launch (where norm_folds(x)); for a
-        consumer that is scale-free in its input or applies c itself (model.attention_decode)."""
-        if not self.norm_folds(x):
-            raise ValueError(f"forward_weighted: no GEMV fold for x {list(x.shape)} on "
-                             f"{self.out_features}x{self.in_features} (check norm_folds first)")
-        from backfit.runtime.kernels.linear import gemv_linear
-        return gemv_linear(x, self.weight, self.scale, self.scheme, norm=(norm.weight, None))
-
     def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
         """x [.., in] bf16 or fp32 -> FP32 [.., out] = x·W^T in FP32 (router, compressors).
 

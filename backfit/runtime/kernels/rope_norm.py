@@ -40,40 +40,28 @@ def _rms_kernel(X, W, Y, N, stride_x, eps, HAS_W: tl.constexpr, BLOCK: tl.conste
 @triton.jit
 def _rope_kernel(X, Y, POS, F, W, V, D, stride_xn, eps, SIGN: tl.constexpr, R: tl.constexpr,
                  BV: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, HAS_W: tl.constexpr,
-                 DP: tl.constexpr, HEAD: tl.constexpr = True, QA=None, sa=0, qa_eps=0.0,
-                 KQ: tl.constexpr = 0):
+                 DP: tl.constexpr, HEAD: tl.constexpr = True):
     """Position n (program 0), vectors [vb·BV, +BV) of its V vectors of width D (program 1).
     NORM: each vector RMS-normalised first (· W), rounded to Y's dtype as _rms_kernel stores it;
     every input is rounded to Y's dtype before the rotation (FP32 x, bf16 y: torch's .to()).
-    HEAD False (in place, Y = X): the unrotated D - R lanes are neither read nor written.
-    KQ > 0 (NORM): x multiplied by c = rsqrt(mean(qa²) + qa_eps) of QA's row n (KQ wide, row
-    stride sa) first, the 1/rms of the scale-free q_norm (Linear.forward_weighted)."""
+    HEAD False (in place, Y = X): the unrotated D - R lanes are neither read nor written."""
     n, vb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     vv = vb * BV + tl.arange(0, BV)
     v_ok = vv < V
     row = (n * V + vv.to(tl.int64)) * D                                  # [BV] vector starts
     xrow = n * stride_xn + vv.to(tl.int64) * D                          # x rows may be strided
     inv = tl.full((BV,), 1.0, tl.float32)
-    c = 1.0                                                             # KQ: qa's 1/rms
-    if KQ > 0:
-        qa = tl.load(QA + n * sa + tl.arange(0, KQ)).to(tl.float32)
-        c = tl.math.rsqrt(tl.sum(qa * qa, axis=0) / KQ + qa_eps)
     if NORM:
         full = tl.arange(0, DP)
         xs = tl.load(X + xrow[:, None] + full[None, :], mask=v_ok[:, None] & (full[None, :] < D),
                      other=0.0).to(tl.float32)
-        if KQ > 0:
-            xs = xs * c
         inv = tl.math.rsqrt(tl.sum(xs * xs, axis=1) / D + eps)          # [BV]
     if HEAD:
         dd = tl.arange(0, BD)                                           # the unrotated head
         keep = v_ok[:, None] & (dd[None, :] < D - R)
         head = tl.load(X + xrow[:, None] + dd[None, :], mask=keep, other=0.0)
         if NORM:
-            head = head.to(tl.float32)
-            if KQ > 0:
-                head = head * c
-            head = head * inv[:, None]
+            head = head.to(tl.float32) * inv[:, None]
             if HAS_W:
                 head = head * tl.load(W + dd, mask=dd < D - R, other=0.0)[None, :]
         tl.store(Y + row[:, None] + dd[None, :], head.to(Y.dtype.element_ty), mask=keep)
@@ -88,8 +76,6 @@ def _rope_kernel(X, Y, POS, F, W, V, D, stride_xn, eps, SIGN: tl.constexpr, R: t
                  other=0.0).to(tl.float32)
     a, b = tl.split(tl.reshape(ab, (BV, R // 2, 2)))                    # even, odd lanes
     if NORM:
-        if KQ > 0:
-            a, b = a * c, b * c
         a, b = a * inv[:, None], b * inv[:, None]
         if HAS_W:
             a = a * tl.load(W + (D - R) + 2 * i)[None, :]
@@ -123,17 +109,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
          inverse: bool = False, norm: tuple | None = None,
-         out_dtype: torch.dtype | None = None, inplace: bool = False,
-         scale: tuple | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, inplace: bool = False) -> torch.Tensor:
     """x [n, ..., D] with pos [n] int, inv_freq [rope_dim/2] FP64 -> a new tensor like x (dtype
     out_dtype, default x.dtype; inputs rounded to it first) with the last rope_dim dims of every
     D-vector rotated (runtime.layers.Rotary.forward). norm = (weight [D] FP32 or None, eps):
     rms_norm of every D-vector first, in the same launch (= rope(rms_norm(x, weight, eps))).
     inplace: x (contiguous; no norm, no out_dtype) rotated in place, only its last rope_dim
-    lanes read and written; returns x (= rope(x), bit for bit, at R/D of the traffic).
-    scale = (qa [n, K] (K a power of 2, unit stride in K), eps), with norm: x[i] multiplied by
-    rsqrt(mean(qa[i]²) + eps) in FP32 first (the 1/rms of a scale-free RMSNorm before the
-    linear that made x; the per-vector norm then cancels it but for its eps)."""
+    lanes read and written; returns x (= rope(x), bit for bit, at R/D of the traffic)."""
     n, D = x.shape[0], x.shape[-1]
     if pos.shape != (n,) or rope_dim > D or rope_dim % 2 or rope_dim & (rope_dim - 1):
         raise ValueError(f"rope: x [n, ..., D>=r], pos [n], power-of-two r; got {list(x.shape)}, "
@@ -147,11 +129,6 @@ def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rope_dim: i
     if inplace and (norm is not None or out_dtype not in (None, x.dtype)
                     or not x.is_contiguous()):
         raise ValueError("rope: inplace takes a contiguous x, no norm, no other out_dtype")
-    qa, qa_eps = scale if scale is not None else (None, 0.0)
-    if qa is not None and (norm is None or qa.dim() != 2 or qa.shape[0] != n
-                           or qa.stride(1) != 1 or qa.shape[1] & (qa.shape[1] - 1)):
-        raise ValueError(f"rope: scale = (qa [n={n}, K a power of 2] unit stride in K, eps) goes "
-                         f"with norm; got {None if qa is None else list(qa.shape)}")
     if n and not x[0].is_contiguous():          # rows of x may be strided (fused projections)
         x = x.contiguous()
     y = x if inplace else torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
@@ -165,7 +142,5 @@ def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rope_dim: i
             SIGN=-1.0 if inverse else 1.0, R=rope_dim, BV=BV,
             BD=triton.next_power_of_2(max(D - rope_dim, 1)), NORM=norm is not None,
             HAS_W=weight is not None, DP=triton.next_power_of_2(D), HEAD=not inplace,
-            QA=qa if qa is not None else x, sa=qa.stride(0) if qa is not None else 0,
-            qa_eps=float(qa_eps), KQ=qa.shape[1] if qa is not None else 0,
             num_warps=4, enable_fp_fusion=False)
     return y

@@ -163,16 +163,13 @@ class Attention(nn.Module):
         from backfit.runtime.model.attention_torch import torch_core
         return torch_core(self, pre, batch, cache)
 
-    def _q_kv(self, q: torch.Tensor, kvx: torch.Tensor, pos: torch.Tensor, kv=None,
-              q_scale: tuple | None = None):
+    def _q_kv(self, q: torch.Tensor, kvx: torch.Tensor, pos: torch.Tensor, kv=None):
         """q [T, Hl, D] (wq_b's output) -> per-head RMS + RoPE; kvx [T, D] -> kv_norm + RoPE,
-        unless kv (made beside, KV_BESIDE) is given -> (q, kv) in q's dtype. q_scale = (qa, eps)
-        (kernel path): q is wq_b's output of the scale-free q_norm, its 1/rms applied first."""
+        unless kv (made beside, KV_BESIDE) is given -> (q, kv) in q's dtype."""
         if kernel_path(q):              # norm + RoPE in one launch each (kernels.rope_norm)
             from backfit.runtime.kernels.rope_norm import rope
             r = self.rope
-            q = rope(q, pos, r.inv_freq, r.rope_dim, norm=(None, self.eps),  # per-head RMS
-                     scale=q_scale)
+            q = rope(q, pos, r.inv_freq, r.rope_dim, norm=(None, self.eps))  # per-head RMS
             return q, (self._kv_rope(kvx, pos) if kv is None else kv)
         qf = q.float()
         q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)

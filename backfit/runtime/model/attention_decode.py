@@ -14,8 +14,7 @@ from backfit.runtime.kernels import kernel_path
 from backfit.runtime.model.compressor import HeadWeights
 from backfit.runtime.streams import beside
 
-__all__ = ["INDEX_ROPE_IN_SCORES", "KV_BESIDE", "Q_NORM_IN_WQ_B", "Q_NORM_SCALE_FREE",
-           "SIDE_STREAMS", "decode_step"]
+__all__ = ["INDEX_ROPE_IN_SCORES", "KV_BESIDE", "Q_NORM_IN_WQ_B", "SIDE_STREAMS", "decode_step"]
 
 # The paged decode step on CUDA (triton path): the compressor update and the CSA indexer chain
 # run on side streams beside the query path (runtime/streams.py); False: all in order.
@@ -28,7 +27,10 @@ KV_BESIDE = True
 # CSA indexer's qr is normed on its own side chain. Elsewhere q_norm's own launch, then wq_b. H200,
 # 43-layer TP-4 slice, bench_ab.py (2026-12-02, GPU time of the replay): batch 2 -74.9 us; batch 1
 # +39.2 us with the norm from the one loaded K tile in each of wq_b's 1,024 programs (the cross-warp
-# Σx² on every program's path; that form is deleted), +51.6 us with the first pass (the form kept)
+# Σx² on every program's path; that form is deleted), +51.6 us with the first pass (the form
+# kept). A scale-free form (wq_b on x ⊙ w, the 1/rms in the query's RMS + RoPE launch; code at
+# e2655d5) read -20.3 / -3.2 us at batch 1 on the H200 (2026-12-07): noise, for a q rounded
+# differently from the torch path's; removed.
 Q_NORM_IN_WQ_B = (2,)
 # The paged decode step on the triton path, up to this batch size: the CSA indexer's query RoPE
 # inside its score kernel (kernels.attention.indexer_scores q_rope), not a launch of its own
@@ -37,22 +39,12 @@ Q_NORM_IN_WQ_B = (2,)
 # batch 64 (each score program rotates its query again: 64 rows of them). (The main query's norm
 # + RoPE inside decode attention lost twice: docs/KERNELS.md "Attention".)
 INDEX_ROPE_IN_SCORES = 8
-# The paged decode step on the triton path, where wq_b (or the CSA indexer's wq_b) takes q_norm in
-# its GEMV launch (Linear.norm_folds): the scale-free q_norm there, x ⊙ w (Linear.forward_weighted:
-# no reduction before the weights' loads, unlike Q_NORM_IN_WQ_B's), its 1/rms applied by the
-# query's RMS + RoPE launch (rope_norm.rope scale=; the per-head RMS cancels it but for its eps)
-# and ignored by the indexer (its scores scale by it, a positive factor: the top-k is unchanged).
-# Off: it rounds q differently from the torch path (qa ⊙ w, not qa·c ⊙ w, before wq_b) for no
-# measured gain. H200, the slice as above: -20.3 and -3.2 us at batch 1 in two processes (noise
-# there: +-15 us), -10.4 / -6.9 at batch 8; predicted -145 to -170 us.
-Q_NORM_SCALE_FREE = False
 
 
 def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
     """The paged decode step on the triton backend: the compressor update, the CSA indexer
     chain and the kv store on side streams beside the query path where on CUDA (SIDE_STREAMS,
-    KV_BESIDE); q_norm scale-free in wq_b (Q_NORM_SCALE_FREE) or folded into it at
-    Q_NORM_IN_WQ_B's batch sizes."""
+    KV_BESIDE); q_norm folded into wq_b at Q_NORM_IN_WQ_B's batch sizes."""
     T, pos = x.shape[0], batch.positions
     Hl, D = attn.local_heads, attn.cfg.head_dim
     side = None                     # (events, sel) of the chains queued beside the q path
@@ -67,17 +59,15 @@ def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tens
     kv = kv_ready = None            # kv_ready: the event of the kv chain queued beside
     if KV_BESIDE and x.is_cuda and kernel_path(x):
         kv, kv_ready = beside(x.device, "kv", lambda: _kv_stored(attn, kvx, pos, cache))
-    free = Q_NORM_SCALE_FREE and attn.wq_b.norm_folds(qa)          # q_norm's 1/rms in the RoPE
-    fold = not free and T in Q_NORM_IN_WQ_B and attn.wq_b.norm_folds(qa)   # q_norm in wq_b
+    fold = T in Q_NORM_IN_WQ_B and attn.wq_b.norm_folds(qa)          # q_norm in wq_b
     indexed = attn.indexer is not None
-    qr = None if (fold or free) and (side is not None or not indexed) else attn.q_norm(qa)
+    qr = None if fold and (side is not None or not indexed) else attn.q_norm(qa)
     if side is not None and indexed:                              # from qa on, beside wq_b
         sel, ev = beside(x.device, "index", lambda: _decode_select(
             attn, qa, qr, wraw, icomp, pos, cache, x.dtype, proj))
         side = (side[0] + [ev], sel)
-    q = (attn.wq_b.forward_weighted(qa, attn.q_norm) if free else attn.wq_b.forward_normed(
-        qa, attn.q_norm) if fold else attn.wq_b(qr)).view(T, Hl, D)
-    q, kv = attn._q_kv(q, kvx, pos, kv, q_scale=(qa, attn.q_norm.eps) if free else None)
+    q = (attn.wq_b.forward_normed(qa, attn.q_norm) if fold else attn.wq_b(qr)).view(T, Hl, D)
+    q, kv = attn._q_kv(q, kvx, pos, kv)
     index = None
     if attn.indexer is not None and side is None:
         index = (*attn.indexer.queries(qr, wraw, pos), icomp)
@@ -108,18 +98,13 @@ def _comp_chain(attn, x, pos, cache):
 def _decode_select(attn, qa, qr, wraw, icomp, pos, cache, dtype, after=None) -> torch.Tensor:
     """The decode step's CSA indexer chain: queries, its compressor update, scores, top-k
     (after: an event to wait for first, the projections of its rows and weights). qa: wq_a's
-    output, qr = q_norm(qa) or None (made here). Q_NORM_SCALE_FREE where the indexer's wq_b
-    folds: the queries of the scale-free q_norm (Linear.forward_weighted), scores 1/c of the
-    normed queries' (c = rsqrt(mean(qa²) + eps) > 0 per row: relu and the top-k order keep).
-    Up to INDEX_ROPE_IN_SCORES tokens (kernel path): the score kernel rotates the queries."""
+    output, qr = q_norm(qa) or None (made here). Up to INDEX_ROPE_IN_SCORES tokens (kernel
+    path): the score kernel rotates the queries."""
     if after is not None:
         torch.cuda.current_stream(qa.device).wait_event(after)
     idx = attn.indexer
     raw = qa.shape[0] <= INDEX_ROPE_IN_SCORES and kernel_path(qa)
-    if Q_NORM_SCALE_FREE and idx.wq_b.norm_folds(qa):
-        qI, wI = idx.queries(qa, wraw, pos, rotate=not raw, norm=attn.q_norm)
-    else:
-        qI, wI = idx.queries(attn.q_norm(qa) if qr is None else qr, wraw, pos, rotate=not raw)
+    qI, wI = idx.queries(attn.q_norm(qa) if qr is None else qr, wraw, pos, rotate=not raw)
     attn._decode_compress(idx.compressor, "index", icomp,
                           wI if isinstance(wI, HeadWeights) else None, cache, pos, dtype)
     return attn._select(qI, wI, cache, pos, q_rope=(idx.rope.inv_freq, idx.rope.rope_dim)

@@ -63,15 +63,13 @@ def _run(model, backend: str, monkeypatch) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("experts,scale_free", [("int8", True), ("mx4", False)])
-def test_kernel_path_equals_torch_path(tiny_converted, tp1_process, monkeypatch, experts,
-                                       scale_free):
+@pytest.mark.parametrize("experts", ["int8", "mx4"])
+def test_kernel_path_equals_torch_path(tiny_converted, tp1_process, monkeypatch, experts):
     """... and with q_norm inside wq_b's GEMV at the decode steps (batch 2): a GEMV_TABLE row for
-    the tiny wq_b shape (4096 x 128), so window and HCA layers take the scale-free q_norm
-    (Q_NORM_SCALE_FREE, its 1/rms in the query's RoPE launch: int8) or
-    Q_NORM_IN_WQ_B's whole norm in the GEMV (mx4), and the CSA layers norm qr for their indexer.
-    Both expert schemes (mx4: the 4-bit decode GEMV and sorted kernels); BACKFIT_E2E_EXPERTS=int8
-    (or mx4) runs one."""
+    the tiny wq_b shape (4096 x 128) and attention_decode.Q_NORM_IN_WQ_B = (2,) as shipped, so
+    window and HCA layers take the fold and the CSA layers norm qr for their indexer. Both expert
+    schemes (mx4: the 4-bit decode GEMV and sorted kernels); BACKFIT_E2E_EXPERTS=int8 (or mx4)
+    runs one."""
     want_one = os.environ.get("BACKFIT_E2E_EXPERTS")
     if want_one and want_one != experts:
         pytest.skip(f"BACKFIT_E2E_EXPERTS={want_one}")
@@ -87,11 +85,9 @@ def test_kernel_path_equals_torch_path(tiny_converted, tp1_process, monkeypatch,
         ("int8", (4096, 4096), (128, 128), (2, 2), dict(variant="cuda", BN=8, BK=128,
                                                       num_warps=4, MAGIC=True, num_stages=1))])
     monkeypatch.setattr(attention_decode, "Q_NORM_IN_WQ_B", (2,))
-    monkeypatch.setattr(attention_decode, "Q_NORM_SCALE_FREE", scale_free)
     folds = []
-    name = "forward_weighted" if scale_free else "forward_normed"
-    real = getattr(attention.Linear, name)
-    monkeypatch.setattr(attention.Linear, name,
+    real = attention.Linear.forward_normed
+    monkeypatch.setattr(attention.Linear, "forward_normed",
                         lambda self, x, n: folds.append(self.norm_folds(x)) or real(self, x, n))
     model.prepare_kernels()                                    # fused projections, stacked experts
     assert model.layers[0].attn.fused_a is not None and model.layers[0].ffn.stacked

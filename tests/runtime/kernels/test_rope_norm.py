@@ -92,30 +92,6 @@ def test_rope_with_norm_equals_norm_then_rope(shape, weighted, dtype):
         m.rope(x, pos, rot.inv_freq, 64, norm=(torch.ones(3, device=DEV), 1e-6))
 
 
-def test_rope_norm_scale_is_the_scale_free_q_norms_missing_factor():
-    """rope(u, norm=(None, eps), scale=(qa, eps_q)) on u = wq_b(qa ⊙ w) (Linear.forward_weighted)
-    = the per-head RMS + RoPE of u·c, c = rsqrt(mean(qa²) + eps_q) per position: the per-head
-    RMS cancels c but for its eps, so the case makes eps matter (|u| ~ 1e-3) and fails without
-    scale. qa is a strided view (the fused wq_a|wkv output's q part)."""
-    m = kmod()
-    g = torch.Generator().manual_seed(8)
-    u = (torch.randn(3, 4, 512, generator=g) * 1e-3).bfloat16().to(DEV)
-    pos = torch.randint(0, 1 << 16, (3,), generator=g).to(DEV)
-    qa = (torch.randn(3, 160, generator=g) * 0.01).bfloat16().to(DEV)[:, :128]
-    rot = Rotary(64, 10000.0, None).to(DEV)
-    c = torch.rsqrt(qa.float().square().mean(-1) + 1e-6)                          # [3]
-    want = m.rope(u.float() * c[:, None, None], pos, rot.inv_freq, 64, norm=(None, 1e-6),
-                  out_dtype=torch.bfloat16)
-    got = m.rope(u, pos, rot.inv_freq, 64, norm=(None, 1e-6), scale=(qa, 1e-6))
-    assert got.dtype == torch.bfloat16 and _bf16_ulps(got, want) <= 1   # c's Σ order may differ
-    unscaled = m.rope(u, pos, rot.inv_freq, 64, norm=(None, 1e-6))
-    assert _bf16_ulps(unscaled, want) > 8
-    with pytest.raises(ValueError, match="scale"):
-        m.rope(u, pos, rot.inv_freq, 64, scale=(qa, 1e-6))                       # no norm
-    with pytest.raises(ValueError, match="scale"):
-        m.rope(u, pos, rot.inv_freq, 64, norm=(None, 1e-6), scale=(qa[:, :96], 1e-6))
-
-
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_inplace_equals_rope(inverse):
     """rope(x, inplace=True) rotates x's last R lanes in place, bit for bit as rope(x), and never

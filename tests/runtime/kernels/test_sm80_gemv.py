@@ -37,12 +37,10 @@ def _configs() -> list[tuple[str, dict, int]]:
             if key not in seen:
                 seen.add(key)
                 out += [(kind, c, mp) for mp in MPS]
-    # launch(norm=) (q_norm in wq_b's GEMV, whole or scale-free): the table's cuda rows of wq_b's
-    # K (1024)
+    # launch(norm=) (q_norm in wq_b's GEMV): the table's cuda rows of wq_b's K (1024)
     for e in gemv.GEMV_TABLE:
         if e[0] == "int8" and e[2] == (1024, 1024) and e[4]["variant"] == "cuda":
-            out += [("int8", dict(e[4], NORM=True), e[3][1]), ("int8", dict(e[4], XW=True),
-                                                               e[3][1])]
+            out.append(("int8", dict(e[4], NORM=True), e[3][1]))
     return out
 
 
@@ -69,9 +67,6 @@ def compile_all() -> list[dict]:
         if cfg.get("NORM"):
             types.update(NW="*fp32", eps="fp32")
             const.update(NORM=True)
-        if cfg.get("XW"):
-            types.update(NW="*fp32")
-            const.update(XW=True)
         r = _compile(fn, types, const, opts, ("N", "K", "stride_xm"))
         # the same source again (a cache hit) for the PTX: int -> float conversions
         sig = {a: types.get(a, "constexpr") for a in fn.arg_names}

@@ -42,17 +42,13 @@ def compile_all() -> list[dict]:
         out.append(_compile(rope_norm._rms_kernel, dict(X="*bf16", W="*fp32", Y="*bf16", N="i32",
                             stride_x="i32", eps="fp32"), dict(HAS_W=w, BLOCK=n),
                             dict(num_warps=8 if n >= 2048 else 4, num_stages=1), ("N", "stride_x")))
-    for d, v, norm, x_t, head, kq in ((512, 16, False, "*bf16", True, 0),
-                                      (512, 1, False, "*fp32", True, 0),
-                                      (128, 16, False, "*bf16", True, 0),
-                                      (512, 4, True, "*bf16", True, 0),
-                                      (512, 16, False, "*bf16", False, 0),    # in place
-                                      (512, 4, True, "*bf16", True, 1024)):   # scale (qa's rms)
+    for d, v, norm, x_t, head in ((512, 16, False, "*bf16", True), (512, 1, False, "*fp32", True),
+                                  (128, 16, False, "*bf16", True), (512, 4, True, "*bf16", True),
+                                  (512, 16, False, "*bf16", False)):      # in place (HEAD off)
         r = _compile(rope_norm._rope_kernel, dict(X=x_t, Y="*bf16", POS="*i64", F="*fp64",
-                     W="*fp32", V="i32", D="i32", stride_xn="i32", eps="fp32", QA="*bf16",
-                     sa="i32", qa_eps="fp32"),
+                     W="*fp32", V="i32", D="i32", stride_xn="i32", eps="fp32"),
                      dict(SIGN=1.0, R=64, BV=v, BD=triton.next_power_of_2(d - 64), NORM=norm,
-                          HAS_W=norm and not kq, DP=d, HEAD=head, KQ=kq),
+                          HAS_W=norm, DP=d, HEAD=head),
                      dict(num_warps=4, num_stages=1, enable_fp_fusion=False), ("D",))
         out.append(r)
     for m, overlap, d, bd in ((4, True, 512, 128), (128, False, 512, 32), (4, True, 128, 128)):
@@ -133,7 +129,7 @@ def compile_all() -> list[dict]:
 
 def test_small_kernels_compile_for_sm80():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 45
+    assert len(results) == 44
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name

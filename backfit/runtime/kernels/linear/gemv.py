@@ -55,7 +55,7 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
                  MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  V8: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                  STAGES: tl.constexpr = 1, GROUP_N: tl.constexpr = 0, NW=None, eps=0.0,
-                 NORM: tl.constexpr = False, XW: tl.constexpr = False):
+                 NORM: tl.constexpr = False):
     """Rows [pid·BN, +BN) of y [M, N] = x [M, K] @ W [N, K]^T over all K, all M (<= MP) rows.
     V8: 8-element column runs (x and an int8 W tile in one layout, no shared-memory layout
     change; 8 B int8 loads). PREFETCH (EVEN_K only): the next K step's weights are loaded
@@ -63,8 +63,7 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
     gemv_grouped): rows n read x's K inputs of group n // GROUP_N. NORM: x's rows RMS-normalised
     first, x·rsqrt(mean(x²) + eps)·NW rounded to bf16 (rope_norm._rms_kernel's ops; its Σx² in
     another order, from a first pass over K: the form that reduced the loaded tile of a one-step
-    K loop instead lost too, model.attention). XW: x·NW rounded to bf16, the RMSNorm without its
-    1/rms (no reduction, nothing before the weights' loads): y = RMSNorm(x) @ W^T · rms(x)."""
+    K loop instead lost too, model.attention)."""
     G: tl.constexpr = BK // 128
     pid = tl.program_id(0)
     X = X + _group_offset(pid, K, BN, GROUP_N)
@@ -117,9 +116,6 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
                 inv_m = tl.sum(tl.where(rm == m, inv, 0.0), axis=0)
                 nw = tl.load(NW + k0 + kofs, mask=k_ok, other=0.0)           # [G, 128] fp32
                 xf = (xf * inv_m * nw).to(tl.bfloat16).to(tl.float32)
-            elif XW:
-                nw = tl.load(NW + k0 + kofs, mask=k_ok, other=0.0)           # [G, 128] fp32
-                xf = (xf * nw).to(tl.bfloat16).to(tl.float32)
             part = tl.sum(wf * xf[None, :, :], axis=2)                       # [BN, G] group sums
             if QUANT:
                 part = part * s
@@ -272,7 +268,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, sche
     for scheme int8_g128 | bf16 | copy (bf16 weight); the semantics of gemm.linear's a16 path.
     config: overrides of gemv_config (variant, BN, BK, MAGIC, num_warps, num_stages, STAGES: the
     K loop's cp.async depth, 1 = none; cuda: V8, PREFETCH); BK is capped at K rounded up to a
-    power of two. norm: launch's (RMSNorm(x) first, in the launch; eps None: without its 1/rms)."""
+    power of two. norm: launch's (RMSNorm(x) first, in the launch)."""
     quant = check_linear("gemv", x, weight, scale, scheme, out_dtype)
     K = weight.shape[1]
     x2 = x.reshape(-1, K)
@@ -314,8 +310,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, q
     """gemv on checked arguments (check_linear; gemm.linear's route here): x2 [M, K] with unit
     stride in K, contiguous weight (and scale) -> [M, N]. group > 0: gemv_grouped's (x2 [M,
     N/group·K], each program's BN rows inside one group). norm = (weight [K] fp32, eps), cuda
-    variant only: y = RMSNorm(x2) @ W^T, the norm (layers.RMSNorm, bf16 out) in the launch; eps
-    None: y = (x2 ⊙ weight rounded to bf16) @ W^T, the norm without its 1/rms (scale-free)."""
+    variant only: y = RMSNorm(x2) @ W^T, the norm (layers.RMSNorm, bf16 out) in the launch."""
     M, (N, K) = x2.shape[0], weight.shape
     if M > GEMV_MAX_M:
         raise ValueError(f"gemv: at most {GEMV_MAX_M} rows, got {M} (use gemm.linear)")
@@ -345,8 +340,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, q
         raise ValueError(f"gemv: norm= needs the cuda variant, no group and an fp32 [{K}] weight "
                          f"on {x2.device}")
     if variant == "cuda":                # PREFETCH needs whole K steps (no masks)
-        nrm = {} if norm is None else dict(NW=norm[0], XW=True) if norm[1] is None else \
-            dict(NW=norm[0], eps=float(norm[1]), NORM=True)
+        nrm = {} if norm is None else dict(NW=norm[0], eps=float(norm[1]), NORM=True)
         _gemv_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), **const,
                            V8=bool(cfg.get("V8", False)),
                            PREFETCH=bool(cfg.get("PREFETCH", False)) and K % bk == 0, **opts,
