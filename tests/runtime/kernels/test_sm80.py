@@ -102,8 +102,9 @@ def compile_all() -> list[dict]:
     stypes = dict(H="*bf16", IDX="*i64", W2="*i8", S2="*u8", SH="*bf16", Y="*fp32", N="i32",
                   K="i32")
     for bn, bk, nw in ((4, 512, 1), (16, 512, 4)):
-        out.append(_compile(moe.SUM_KERNELS["base"], stypes,
-                            dict(TOPK=6, SHARED=True, BN=bn, BK=bk, STAGES=1),
+        out.append(_compile(common._down_sum_kernel, stypes,
+                            dict(ROWS=moe.SUM_ROWS["base"], TOPK=6, SHARED=True, BN=bn, BK=bk,
+                                 STAGES=1),
                             dict(num_warps=nw, num_stages=2), ("N", "K")))
     return out
 
@@ -132,4 +133,4 @@ def test_every_kernel_config_compiles_for_sm80_within_shared_memory():
 
 
 if __name__ == "__main__":
-    print(json.dumps(compile_all()))
+    print(json.dumps(compile_all(), default=str))

@@ -81,8 +81,9 @@ def compile_all() -> list[dict]:
     sum_types = dict(H="*bf16", IDX="*i64", W2="*u8", S2="*u8", SH="*bf16", Y="*fp32", N="i32",
                      K="i32")
     for bn, bk, nw in ((2, 512, 1), (8, 256, 2)):
-        out.append(compile_one(moe_mx4.SUM_KERNELS["word4d"], sum_types,
-                               dict(TOPK=6, SHARED=True, BN=bn, BK=bk, STAGES=1),
+        out.append(compile_one(moe._down_sum_kernel, sum_types,
+                               dict(ROWS=moe_mx4.SUM_ROWS["word4d"], TOPK=6, SHARED=True, BN=bn,
+                                    BK=bk, STAGES=1),
                                dict(num_warps=nw, num_stages=2), ("N", "K")))
     return out
 

@@ -57,27 +57,27 @@ def _pair_store(OUT, RW, p, N, rn, n_ok, r1, r3, GATED: tl.constexpr, LIMIT: tl.
 
 
 @triton.jit
-def _sum_program(N, BN: tl.constexpr):
-    """A summed down program (DOWN_SUM: token t, row block) -> (t int64, rn [BN], rn < N)."""
+def _down_sum_kernel(H, IDX, W2, S2, SH, Y, N, K, ROWS: tl.constexpr, TOPK: tl.constexpr,
+                     SHARED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     STAGES: tl.constexpr = 1):
+    """The down projection and the combine in one launch (a scheme's DOWN_SUM): program (token t,
+    rows [pid_n·BN, +BN)) -> Y[t, rows] = (SH[t] +) Σ_j bf16(h[t·TOPK + j] · W2_e(j)ᵀ), the row
+    sums by ROWS (a decode variant's rows function: its down launch's sums, bit for bit), added
+    in FP32 in j order with pair 0 starting the sum (pointwise._pair_acc's order: no 0 + r,
+    which would turn -0 into +0), then the shared expert's row: = the down launch and
+    pointwise.moe_combine."""
     t, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
-    return t, rn, rn < N
-
-
-@triton.jit
-def _sum_pair(tot, r, j: tl.constexpr):
-    """A token's running sum after its pair j: r rounded to bf16 (as _pair_store stores the
-    down's output), added in FP32 in j order; pair 0 starts the sum (pointwise._pair_acc's
-    order: no 0 + r, which would turn -0 into +0)."""
-    r = r.to(tl.bfloat16).to(tl.float32)
-    if j > 0:
-        r = tot + r
-    return r
-
-
-@triton.jit
-def _sum_store(Y, SH, t, N, rn, n_ok, tot, SHARED: tl.constexpr):
-    """Y[t, rn] = (SH[t, rn] +) tot in Y's dtype (pointwise._pair_acc's shared add)."""
+    n_ok = rn < N
+    tot = tl.zeros((BN,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        p = t * TOPK + j
+        e = tl.load(IDX + p).to(tl.int64)
+        r, _ = ROWS(H, p, W2, S2, W2, S2, e, rn, n_ok, N, K, False, BN, BK, STAGES)
+        r = r.to(tl.bfloat16).to(tl.float32)              # as _pair_store stores a pair's row
+        if j > 0:
+            r = tot + r
+        tot = r
     if SHARED:
         tot = tl.load(SH + t * N + rn, mask=n_ok, other=0.0).to(tl.float32) + tot
     tl.store(Y + t * N + rn, tot.to(Y.dtype.element_ty), mask=n_ok)
@@ -157,18 +157,19 @@ def down_sum_config(down_sum: dict | None, P: int, pairs: bool) -> dict | None:
     return {k: v for k, v in down_sum.items() if k != "max_pairs"}
 
 
-def launch_down_sum(kernels: dict, cfg: dict, h, ids, w2, s2, shared, y, k: int) -> None:
-    """The down projection and the combine as one launch (kernels[cfg["variant"]], a program per
-    (token, BN rows)): y [T, D] = (shared +) Σ_j bf16(pair t·k + j's down rows), FP32 sums."""
+def launch_down_sum(rows: dict, cfg: dict, h, ids, w2, s2, shared, y, k: int) -> None:
+    """The down projection and the combine as one launch (_down_sum_kernel with the rows function
+    rows[cfg["variant"]], a program per (token, BN rows)): y [T, D] = (shared +) Σ_j bf16(pair
+    t·k + j's down rows), FP32 sums."""
     cfg = dict(cfg)
     variant = cfg.pop("variant")
-    if variant not in kernels:
+    if variant not in rows:
         raise ValueError(f"fused_moe: no summed down for variant {variant!r}, expected one of "
-                         f"{sorted(kernels)}")
+                         f"{sorted(rows)}")
     (T, D), I = y.shape, h.shape[1]
     cfg["BK"] = fit_bk(I, cfg["BK"])
-    kernels[variant][(T, triton.cdiv(D, cfg["BN"]))](
-        h, ids, w2, s2, shared if shared is not None else h, y, D, I, TOPK=k,
+    _down_sum_kernel[(T, triton.cdiv(D, cfg["BN"]))](
+        h, ids, w2, s2, shared if shared is not None else h, y, D, I, ROWS=rows[variant], TOPK=k,
         SHARED=shared is not None, **cfg)
 
 
@@ -221,9 +222,10 @@ def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_ke
     DECODE_TABLE of the scheme, sorted_kernel with its extra constexprs for (gate/up, down);
     the pairs' outputs summed (+ shared, after shared_ready) in FP32 by one combine launch,
     stored in `dtype` (pairs: that launch left to the caller, a PairSum). down_tile: the
-    sorted down launch's own tile (_sorted_config). down_sum: (the scheme's summed-down kernels,
-    its DOWN_SUM tile or None): where down_sum_config applies, the down launch sums each token's
-    pairs itself (no combine launch; it waits for the shared expert first)."""
+    sorted down launch's own tile (_sorted_config). down_sum: (the scheme's decode rows
+    functions by variant, its DOWN_SUM tile or None): where down_sum_config applies, the down
+    launch sums each token's pairs itself (no combine launch; it waits for the shared expert
+    first)."""
     from backfit.runtime.kernels.pointwise import combine_later, moe_combine
     combine = combine_later if pairs else moe_combine
     E, I, K, D = dims

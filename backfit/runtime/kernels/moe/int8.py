@@ -18,7 +18,7 @@ from backfit.formats import MX_GROUP
 from backfit.runtime.kernels.common import dot_bf16
 from backfit.runtime.kernels.moe import common
 from backfit.runtime.kernels.moe.common import DECODE_PAIRS, _swiglu, run_moe
-from backfit.runtime.kernels.moe.int8_decode import SUM_KERNELS, _dequant_bf16, _dequant_mx, \
+from backfit.runtime.kernels.moe.int8_decode import SUM_ROWS, _dequant_bf16, _dequant_mx, \
     _moe_gemv_group_kernel, _moe_gemv_kernel
 
 __all__ = ["DECODE_TABLE", "DECODE_VARIANTS", "DOWN_SUM", "decode_config", "fused_moe_int8"]
@@ -110,7 +110,7 @@ DECODE_TABLE = ((6, 512, dict(variant="magic", BN=2, BK=1024, num_warps=2, num_s
                                     down=_DOWN)))
 DECODE_VARIANTS = ("base", "group", "magic", "fma", "prefetch")
 # The down launch summing each token's pairs (common.launch_down_sum: no combine launch): None
-# = off, else a tile of int8_decode.SUM_KERNELS' variants and "max_pairs" (as moe.mx4.DOWN_SUM).
+# = off, else a tile of int8_decode.SUM_ROWS' variants and "max_pairs" (as moe.mx4.DOWN_SUM).
 # Off: H200, 43-layer TP-4 slice, bench_ab.py (2026-12-07, GPU time of the replay, against the
 # base down + combine at batch 1): base BN 2 BK 512 on 1 warp -0.9 us, BN 4 +185.7, BN 8 on 2
 # warps +56.3.
@@ -156,6 +156,6 @@ def fused_moe_int8(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torc
                              f"got {t.dtype}{list(t.shape)}")
     return run_moe(x, idx, w, (w1, s1, w3, s3, w2, s2), (E, I, K, D), limit, path, config,
                    _GEMV, DECODE_TABLE, _moe_sorted_kernel, ({}, {}), shared, dtype,
-                   shared_ready, pairs=pairs, down_sum=(SUM_KERNELS, DOWN_SUM))
+                   shared_ready, pairs=pairs, down_sum=(SUM_ROWS, DOWN_SUM))
 
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backfit.runtime.kernels.moe.common import _pair_program, _pair_store, _sum_pair, \
-    _sum_program, _sum_store
+from backfit.runtime.kernels.moe.common import _pair_program, _pair_store
 
-__all__ = ["SUM_KERNELS"]
+__all__ = ["SUM_ROWS"]
 
 
 @triton.jit
@@ -97,22 +96,6 @@ def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
     p, e, arow, rn, n_ok = _pair_program(IDX, N, TOPK, GATED, BN)
     r1, r3 = _base_rows(A, arow, W1, S1, W3, S3, e, rn, n_ok, N, K, GATED, BN, BK, STAGES)
     _pair_store(OUT, RW, p, N, rn, n_ok, r1, r3, GATED, LIMIT)
-
-
-@triton.jit
-def _moe_down_sum_kernel(H, IDX, W2, S2, SH, Y, N, K, TOPK: tl.constexpr, SHARED: tl.constexpr,
-                         BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr = 1):
-    """The down projection and the combine in one launch (a scheme's DOWN_SUM, variant "base"):
-    program (token t, rows [pid_n·BN, +BN)) -> Y[t, rows] = (SH[t] +) Σ_j bf16(h[t·TOPK + j] ·
-    W2_e(j)ᵀ), FP32 sums in j order: bit for bit the base down launch and pointwise.moe_combine."""
-    t, rn, n_ok = _sum_program(N, BN)
-    tot = tl.zeros((BN,), dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        p = t * TOPK + j
-        e = tl.load(IDX + p).to(tl.int64)
-        r, _ = _base_rows(H, p, W2, S2, W2, S2, e, rn, n_ok, N, K, False, BN, BK, STAGES)
-        tot = _sum_pair(tot, r, j)
-    _sum_store(Y, SH, t, N, rn, n_ok, tot, SHARED)
 
 
 # Decode GEMV variants (config key "variant"; docs/KERNELS.md; bench_kernels.py --moe-decode-sweep)
@@ -220,4 +203,4 @@ def _moe_gemv_group_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: t
                 LIMIT)
 
 
-SUM_KERNELS = dict(base=_moe_down_sum_kernel)
+SUM_ROWS = dict(base=_base_rows)        # common._down_sum_kernel's ROWS by variant

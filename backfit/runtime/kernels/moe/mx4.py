@@ -35,7 +35,7 @@ from backfit.runtime.kernels.common import dot_bf16, interpreted
 from backfit.runtime.kernels.moe import common
 from backfit.runtime.kernels.moe.common import DECODE_PAIRS, _swiglu, align, fit_bk, \
     launch_decode, run_moe, sorted_config
-from backfit.runtime.kernels.moe.mx4_decode import GEMV_KERNELS, SUM_KERNELS, _TWO126, \
+from backfit.runtime.kernels.moe.mx4_decode import GEMV_KERNELS, SUM_ROWS, _TWO126, \
     _e2m1_hi, _e2m1_lo, _pow2
 
 __all__ = ["DECODE_TABLE", "DECODE_VARIANTS", "DOWN_SUM", "fused_moe_mx4", "mx4_linear_pairs"]
@@ -208,7 +208,7 @@ DECODE_TABLE = ((6, 512, dict(variant="word4d", BN=1, BK=2048, num_warps=1, num_
 DECODE_VARIANTS = ("base", "prefetch", "word", "word4d", "mma")
 # The down launch summing each token's pairs (common.launch_down_sum: no combine launch; a
 # program per (token, BN rows), the TOPK pairs in turn): None = off, else a tile of
-# mx4_decode.SUM_KERNELS' variants and "max_pairs" (decode launches of at most that many pairs;
+# mx4_decode.SUM_ROWS' variants and "max_pairs" (decode launches of at most that many pairs;
 # at tp 1 the decode Block leaves the sum to hc_post, so this applies at tp > 1). H200, 43-layer
 # TP-4 slice, bench_ab.py (2026-12-07, GPU time of the replay, against the mma down + combine):
 # word4d BN 2 BK 512 on 1 warp -32.5 / -43.6 us at batch 1 (two processes); BN 8 BK 256 +228.6;
@@ -254,7 +254,7 @@ def fused_moe_mx4(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch
                    _GEMV4, DECODE_TABLE, _mx4_sorted_kernel,
                    (dict(BY_SLOT=False), dict(BY_SLOT=True)), shared, dtype, shared_ready,
                    down_tile=False, pairs=pairs,            # mx4's tiles were not swept
-                   down_sum=(SUM_KERNELS, DOWN_SUM))
+                   down_sum=(SUM_ROWS, DOWN_SUM))
 
 
 def mx4_linear_pairs(a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, s: torch.Tensor,

@@ -19,10 +19,9 @@ import triton
 import triton.language as tl
 
 from backfit.runtime.kernels.common import dot_bf16
-from backfit.runtime.kernels.moe.common import _pair_program, _pair_store, _sum_pair, \
-    _sum_program, _sum_store
+from backfit.runtime.kernels.moe.common import _pair_program, _pair_store
 
-__all__ = ["GEMV_KERNELS", "SUM_KERNELS"]
+__all__ = ["GEMV_KERNELS", "SUM_ROWS"]
 
 
 @triton.jit
@@ -275,22 +274,6 @@ def _mx4_gemv_word4d_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: 
 
 
 @triton.jit
-def _mx4_down_sum_kernel(H, IDX, W2, S2, SH, Y, N, K, TOPK: tl.constexpr, SHARED: tl.constexpr,
-                         BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr = 1):
-    """The down projection and the combine in one launch (common.DOWN_SUM): program (token t,
-    rows [pid_n·BN, +BN)) -> Y[t, rows] = (SH[t] +) Σ_j bf16(h[t·TOPK + j] · W2_e(j)ᵀ), FP32
-    sums in j order: bit for bit the word4d down launch and pointwise.moe_combine."""
-    t, rn, n_ok = _sum_program(N, BN)
-    tot = tl.zeros((BN,), dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        p = t * TOPK + j
-        e = tl.load(IDX + p).to(tl.int64)
-        r, _ = _word4d_rows(H, p, W2, S2, W2, S2, e, rn, n_ok, N, K, False, BN, BK, STAGES)
-        tot = _sum_pair(tot, r, j)
-    _sum_store(Y, SH, t, N, rn, n_ok, tot, SHARED)
-
-
-@triton.jit
 def _pair_lanes(w, q: tl.constexpr, F32: tl.constexpr):
     """_nib_pair(w, q) -> [..., 2] (low lane, high lane) as BF16 (F32: FP32 of the same values;
     the interpreter flushes BF16 subnormals when it widens them)."""
@@ -383,4 +366,4 @@ def _mx4_gemv_mma_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK, GATED: tl.
 GEMV_KERNELS = dict(base=_mx4_gemv_kernel, prefetch=_mx4_gemv_prefetch_kernel,
                     word=_mx4_gemv_word_kernel, word4d=_mx4_gemv_word4d_kernel,
                     mma=_mx4_gemv_mma_kernel)
-SUM_KERNELS = dict(word4d=_mx4_down_sum_kernel)
+SUM_ROWS = dict(word4d=_word4d_rows)     # common._down_sum_kernel's ROWS by variant
