@@ -1,5 +1,6 @@
 """The fused MoE: routed experts (gate+up+SwiGLU, down with the routing weight, the top-k sum
-and the shared expert's add) in two launches plus a combine, for either expert scheme.
+and the shared expert's add) in two launches plus a combine, for either expert scheme (a
+scheme's DOWN_SUM: the down launch does the combine's sum too).
 
   common        what both schemes share: pair alignment, tile choices, the launch sequence
   int8          int8_mx32 stacks (INT8 codes + exponent byte per 32): sorted tensor-core kernel
