@@ -11,7 +11,9 @@ prefix). Each time (µs, median of 20 replays) is also shown as a fraction of th
 (the B·N·4 score bytes read once, at the copy bandwidth measured in the same run; these kernels
 are latency-bound, so it stays small). `bad`: rows of sel that differ from torch
 (kernels.ref.topk_select_ref, a stable torch.sort) - must be 0 for every variant.
-Usage: python benchmarks/kernels/bench_topk.py [--out bench_topk.json] [--quick]
+--rank: the scores pass's ranking of a live prefix (TOPK_RB x TOPK_RB_BJ blocks, RANK) at B 1
+and 8, N 256 / 1024 / 16384, n_valid 64-512 (the decode step's rows: n_valid = (p+1)//4).
+Usage: python benchmarks/kernels/bench_topk.py [--out bench_topk.json] [--quick | --rank]
 (the variants' reduction chunk is topk_select's `chunk`, TOPK_CHUNK by default)
 """
 
@@ -39,7 +41,19 @@ QUICK = ("fast w4", "fast w8", "fast w8 Cs1024", "fast w8 Cs1024 C1024", "fast w
          "fast w4 Cs1024")          # --quick: the fast-path candidates only
 
 
-def rows_for(quick: bool):
+# --rank: the scores pass's ranking of a live prefix (TOPK_RB, TOPK_RB_BJ; RB 0: [K, TOPK_BJ])
+RANK = [("K x 16", 0, 16), ("RB 64 x 64", 64, 64), ("RB 128 x 32", 128, 32),
+        ("RB 128 x 64", 128, 64), ("RB 128 x 128", 128, 128), ("RB 256 x 32", 256, 32),
+        ("RB 256 x 64", 256, 64)]
+
+
+def rows_for(quick: bool, rank: bool = False):
+    if rank:                    # the decode step's top-k: B 1 and 8, prefixes, short tables too
+        for B in (1, 8):
+            for N in (256, 1024, 16384):
+                for n_valid in sorted({min(v, N) for v in (64, 128, 256, 512)}):
+                    yield B, N, n_valid
+        return
     for B in (1, 8) if quick else (1, 8, 64):
         for N in (4096, 8192, 16384) if quick else (4096, 16384, 65536):
             for n_valid in sorted({v for v in (128, 512, 2048, 8192, N) if v <= N}):
@@ -51,22 +65,31 @@ def main() -> None:
     ap.add_argument("--out", default="bench_topk.json")
     ap.add_argument("--quick", action="store_true",
                     help="B 1, 8, N 4096, 8192, 16384, the fast-path candidates (QUICK) only")
+    ap.add_argument("--rank", action="store_true",
+                    help="the live-prefix ranking variants (RANK) at decode-like rows instead")
     args = ap.parse_args()
     variants = [v for v in VARIANTS if not args.quick or v[0] in QUICK]
+    if args.rank:               # as shipped but for the ranking
+        variants = [(name, True, True, indexer.TOPK_WARPS, indexer.TOPK_SCORES_CHUNK,
+                     indexer.TOPK_CHUNK, rb, bj) for name, rb, bj in RANK]
+    else:
+        variants = [v + (indexer.TOPK_RB, indexer.TOPK_RB_BJ) for v in variants]
     t0 = time.time()
     bw = copy_bandwidth()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    out, saved = [], (indexer.TOPK_WARPS, indexer.TOPK_MERGE, indexer.TOPK_SCORES_CHUNK)
+    out, saved = [], (indexer.TOPK_WARPS, indexer.TOPK_MERGE, indexer.TOPK_SCORES_CHUNK,
+                      indexer.TOPK_RB, indexer.TOPK_RB_BJ)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; top-{K}; µs per call (roofline fraction)")
     print(f"{'B':>3} {'N':>6} {'n_valid':>7} " + " ".join(f"{v[0]:>18}" for v in variants)
           + "  bad")
-    for B, N, n_valid in rows_for(args.quick):
+    for B, N, n_valid in rows_for(args.quick, args.rank):
         s = torch.randn(B, N, device="cuda", generator=gen)
         s[:, n_valid:] = float("-inf")
         want = ref.topk_select_ref(s, K)
         row, cells, bad = dict(B=B, N=N, n_valid=n_valid), [], 0
-        for name, fast, merge, warps, cs, chunk in variants:
-            indexer.TOPK_WARPS, indexer.TOPK_MERGE, indexer.TOPK_SCORES_CHUNK = warps, merge, cs
+        for name, fast, merge, warps, cs, chunk, rb, bj in variants:
+            (indexer.TOPK_WARPS, indexer.TOPK_MERGE, indexer.TOPK_SCORES_CHUNK, indexer.TOPK_RB,
+             indexer.TOPK_RB_BJ) = warps, merge, cs, rb, bj
             try:
                 sel = indexer.topk_select(s, K, chunk, fast=fast)
                 us = graph_time(lambda s=s, f=fast, c=chunk: indexer.topk_select(s, K, c, fast=f),
@@ -80,7 +103,8 @@ def main() -> None:
             frac = B * N * 4 / bw / (us * 1e-6)
             row[name] = dict(us=us, roofline=frac, bad_rows=n_bad)
             cells.append(f"{us:9.1f} ({frac:5.3f})")
-        indexer.TOPK_WARPS, indexer.TOPK_MERGE, indexer.TOPK_SCORES_CHUNK = saved
+        (indexer.TOPK_WARPS, indexer.TOPK_MERGE, indexer.TOPK_SCORES_CHUNK, indexer.TOPK_RB,
+         indexer.TOPK_RB_BJ) = saved
         out.append(row)
         print(f"{B:>3} {N:>6} {n_valid:>7} " + " ".join(f"{c:>18}" for c in cells)
               + f"  {bad}")

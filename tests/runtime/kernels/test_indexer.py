@@ -183,21 +183,24 @@ def want_chunk(keys: torch.Tensor, K: int, neg: int, merge: bool = False) -> tor
     return torch.cat((top, torch.full((K - len(top),), I64_MIN, dtype=torch.int64)))
 
 
-def run_pass(idx, src, scores: bool, K: int, C: int, merge: bool = False) -> torch.Tensor:
+def run_pass(idx, src, scores: bool, K: int, C: int, merge: bool = False,
+             rb: int = 0) -> torch.Tensor:
     """One non-FINAL pass -> OUT [B, n_chunks·K] int64 (prefilled with 7, which no path writes)."""
     B, N = src.shape
     n_chunks = -(-N // C)
     out = torch.full((B, n_chunks * K), 7, dtype=torch.int64, device=DEV)
     idx._topk_pass_kernel[(B, n_chunks)](src, out, out, N, n_chunks * K, K, idx._neg_inf_key(),
                                          K=K, C=C, BJ=4, SCORES=scores, FINAL=False,
-                                         MERGE=merge, LK=K.bit_length() - 1)
+                                         MERGE=merge, LK=K.bit_length() - 1,
+                                         RB=rb if scores else 0)
     return out
 
 
-def test_topk_pass_paths(idx):
+@pytest.mark.parametrize("rb", [0, 2, 4])
+def test_topk_pass_paths(idx, rb):
     """Empty chunks, <= K live (prefix and not), exactly K, live past K (full), then the keys
     pass: copy where only sub-chunk 0 is live, the full top-K or the merge where sub-chunk 1 is
-    too."""
+    too. rb: the scores pass ranks a live prefix in all K rows (0) or in RB-row blocks of it."""
     K, C, N, R = 8, 32, 64, 7
     gen = torch.Generator().manual_seed(5)
     s = torch.randn(R, N, generator=gen)
@@ -212,7 +215,7 @@ def test_topk_pass_paths(idx):
     s = torch.where(live, s, float("-inf"))
     neg = idx._neg_inf_key()
     keys = pack(s, torch.arange(N).expand(R, N))
-    out = run_pass(idx, s.to(DEV), True, K, C).cpu()
+    out = run_pass(idx, s.to(DEV), True, K, C, rb=rb).cpu()
     for b in range(R):
         for c in range(N // C):
             assert torch.equal(out[b, c * K:(c + 1) * K],
@@ -229,13 +232,16 @@ def test_topk_pass_paths(idx):
     assert (red[5, 1:] >> 32 > neg).all() and ((red[5] >> 32) > neg).sum() == K  # full top-K
 
 
-@pytest.mark.parametrize("N,k,chunk,merge,cs", [(150, 12, 32, True, 0), (150, 12, 32, False, 0),
-                                                (150, 12, 64, True, 32), (64, 16, 64, True, 0),
-                                                (5, 16, 64, True, 0), (60, 3, 8, True, 0),
-                                                (60, 1, 8, True, 0)])
-def test_topk_fast_rows_of_different_validity(idx, monkeypatch, N, k, chunk, merge, cs):
+@pytest.mark.parametrize("N,k,chunk,merge,cs,rb", [(150, 12, 32, True, 0, 128),
+                                                   (150, 12, 32, False, 0, 0),
+                                                   (150, 12, 64, True, 32, 4),
+                                                   (64, 16, 64, True, 0, 4),
+                                                   (5, 16, 64, True, 0, 128), (60, 3, 8, True, 0, 2),
+                                                   (60, 1, 8, True, 0, 0)])
+def test_topk_fast_rows_of_different_validity(idx, monkeypatch, N, k, chunk, merge, cs, rb):
     """Each row its own prefix (0, a few, exactly KP, KP+1, most, all) plus a tie-heavy row and a
-    non-prefix row: the fast path, the old path and torch agree exactly."""
+    non-prefix row: the fast path, the old path and torch agree exactly (rb: TOPK_RB, the live
+    prefix ranked in RB-row blocks, or in all KP rows at 0)."""
     gen = torch.Generator().manual_seed(N * k)
     KP = 1 << (k - 1).bit_length()
     n_valid = [0, 3, KP, KP + 1, N - 7, N]
@@ -248,6 +254,8 @@ def test_topk_fast_rows_of_different_validity(idx, monkeypatch, N, k, chunk, mer
     s = s.to(DEV)
     monkeypatch.setattr(idx, "TOPK_MERGE", merge)
     monkeypatch.setattr(idx, "TOPK_SCORES_CHUNK", cs)                 # 32: scores in 32s, then 64s
+    monkeypatch.setattr(idx, "TOPK_RB", rb)
+    monkeypatch.setattr(idx, "TOPK_RB_BJ", 4)
     with one_thread():
         want = ref.topk_select_ref(s, k)
         fast, old = idx.topk_select(s, k, chunk, fast=True), idx.topk_select(s, k, chunk,

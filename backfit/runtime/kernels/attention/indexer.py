@@ -57,6 +57,11 @@ TOPK_MERGE = True       # keys passes merge sorted sub-chunks (binary searches),
 # took 55 s to compile on a CPU and ~250 s in the 65K verify's first chunk on the H200's host
 TOPK_MERGE_WAYS = 16
 TOPK_SCORES_CHUNK = 1024
+# the scores pass's ranking of a chunk whose live keys lie in its first K (every decode chunk but
+# the longest contexts'): rows of RB live-prefix keys against BJ columns (_rank_rows); 0: all K
+# rows against TOPK_BJ columns. RB = 128 ranks a 512-token context's 128 keys in one block.
+TOPK_RB = 128
+TOPK_RB_BJ = 64
 
 
 @triton.jit
@@ -194,15 +199,54 @@ def _scatter_ranked(SEL, OUT, b, c, k, n_out, key, live, rank, NEG_INF_KEY, K: t
 
 
 @triton.jit
+def _rank_rows(IN, OUT, SEL, b, c, row, N, n_out, k, key, i, NEG_INF_KEY, K: tl.constexpr,
+               C: tl.constexpr, RB: tl.constexpr, BJ: tl.constexpr, FINAL: tl.constexpr):
+    """A scores chunk whose live keys all lie in its first K (key [C] its packed keys, i [C] the
+    offsets): each live key's rank = #live keys above it, counted over the live prefix [0, last)
+    only, in RB x BJ blocks (the decode step's prefix of (p+1)//4 keys: one block at p < 4·RB),
+    and scattered as _scatter_ranked does."""
+    live = key >> 32 > NEG_INF_KEY
+    last = tl.max(tl.where(live, i + 1, 0), axis=0)                     # live ones lie < last
+    cnt = tl.sum(live.to(tl.int32), axis=0)
+    for ib in range(0, last, RB):
+        r = ib + tl.arange(0, RB)
+        jr = c * C + r
+        kr = _pack(tl.load(IN + row + jr, mask=(r < last) & (jr < N), other=float("-inf")), jr)
+        lr = kr >> 32 > NEG_INF_KEY                                     # [RB]
+        rank = tl.zeros([RB], dtype=tl.int32)
+        for jb in range(0, last, BJ):
+            jj = jb + tl.arange(0, BJ)
+            jc = c * C + jj
+            kj = _pack(tl.load(IN + row + jc, mask=(jj < last) & (jc < N),
+                               other=float("-inf")), jc)                # [BJ]
+            above = (kj[None, :] > kr[:, None]) & (kj >> 32 > NEG_INF_KEY)[None, :]
+            rank += tl.sum(above.to(tl.int32), axis=1)
+        if FINAL:
+            tl.store(SEL + b.to(tl.int64) * k + rank, _unpack(kr, NEG_INF_KEY),
+                     mask=lr & (rank < k))
+        else:
+            tl.store(OUT + b.to(tl.int64) * n_out + c * K + rank, kr, mask=lr & (rank < K))
+    o = tl.arange(0, K)
+    if FINAL:
+        tl.store(SEL + b.to(tl.int64) * k + o, tl.full([K], -1, tl.int32),
+                 mask=(o >= cnt) & (o < k))
+    else:
+        tl.store(OUT + b.to(tl.int64) * n_out + c * K + o,
+                 tl.full([K], -9223372036854775807 - 1, tl.int64), mask=o >= cnt)
+
+
+@triton.jit
 def _topk_pass_kernel(IN, OUT, SEL, N, n_out, k, NEG_INF_KEY, K: tl.constexpr, C: tl.constexpr,
                       BJ: tl.constexpr, SCORES: tl.constexpr, FINAL: tl.constexpr,
-                      MERGE: tl.constexpr = False, LK: tl.constexpr = 0):
+                      MERGE: tl.constexpr = False, LK: tl.constexpr = 0, RB: tl.constexpr = 0):
     """Program (b, chunk) of one pass over IN[b, chunk·C, +C) (SCORES: FP32 scores, else packed
     keys whose K-wide sub-chunks are sorted, live first): its top K packed keys -> OUT[b, chunk]
     (FINAL, one chunk: their j -> SEL[b, :k], -1 past the live ones). Live = score > -inf.
     MERGE (keys pass, K = 2^LK): a chunk with live keys past its first sub-chunk is merged, not
     sorted: each live key's rank = Σ over the C/K sorted sub-chunks of the keys above it there
-    (a binary search in each), and the live keys of rank < K are scattered to their rank."""
+    (a binary search in each), and the live keys of rank < K are scattered to their rank.
+    RB > 0 (scores pass): a chunk whose live keys lie in its first K is ranked by _rank_rows
+    (RB x BJ blocks of the live prefix only), else by [K, BJ] blocks (all K rows)."""
     b, c = tl.program_id(0), tl.program_id(1)
     row = b.to(tl.int64) * N
     i = tl.arange(0, C)
@@ -214,7 +258,10 @@ def _topk_pass_kernel(IN, OUT, SEL, N, n_out, k, NEG_INF_KEY, K: tl.constexpr, C
         key = tl.load(IN + row + j, mask=j < N, other=-9223372036854775807 - 1)
     tail = tl.sum(((key >> 32 > NEG_INF_KEY) & (i >= K)).to(tl.int32), axis=0)
     o = tl.arange(0, K)
-    if tail == 0:                                 # every live key is in the first K: no sort
+    if tail == 0 and SCORES and RB > 0:          # every live key is in the first K: no sort
+        _rank_rows(IN, OUT, SEL, b, c, row, N, n_out, k, key, i, NEG_INF_KEY, K, C, RB, BJ,
+                   FINAL)
+    elif tail == 0:
         jo = c * C + o
         if SCORES:
             sh = tl.load(IN + row + jo, mask=jo < N, other=float("-inf"))
@@ -362,10 +409,11 @@ def _topk_fast(scores: torch.Tensor, k: int, KP: int, C: int) -> torch.Tensor:
         out = sel if final else torch.empty(B, n_chunks * KP, dtype=torch.int64,
                                             device=scores.device)
         merge = TOPK_MERGE and not first and CC // KP <= TOPK_MERGE_WAYS
+        rb = min(TOPK_RB, KP) if first else 0       # BJ: the scores pass's ranking columns
         _topk_pass_kernel[(B, n_chunks)](src, out, sel, n, n_chunks * KP, k, _NEG_INF_KEY,
-                                         K=KP, C=CC, BJ=min(TOPK_BJ, KP), SCORES=first,
-                                         FINAL=final, MERGE=merge,
-                                         LK=KP.bit_length() - 1, num_warps=TOPK_WARPS)
+                                         K=KP, C=CC, BJ=min(TOPK_RB_BJ if rb else TOPK_BJ, KP),
+                                         SCORES=first, FINAL=final, MERGE=merge,
+                                         LK=KP.bit_length() - 1, RB=rb, num_warps=TOPK_WARPS)
         if final:
             return sel
         src, n, first = out, n_chunks * KP, False
