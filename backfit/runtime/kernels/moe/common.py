@@ -240,8 +240,11 @@ def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_ke
     P = T * k
     x = x.contiguous()
     rw = w.reshape(-1).float().contiguous()                                  # [P]
-    out = torch.empty(P, D, dtype=torch.bfloat16, device=x.device)
+    # the pairs' outputs [P, D], summed by the combine (not made where the down launch sums)
+    def new_out() -> torch.Tensor:
+        return torch.empty(P, D, dtype=torch.bfloat16, device=x.device)
     if P == 0:
+        out = new_out()
         if shared_ready is not None:
             torch.cuda.current_stream(x.device).wait_event(shared_ready)
         return combine(out, k, shared, dtype)
@@ -261,6 +264,7 @@ def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_ke
             y = torch.empty(T, D, dtype=dtype, device=x.device)
             launch_down_sum(down_sum[0], c_sum, h, ids, w2, s2, shared, y, k)
             return y
+        out = new_out()
         launch_decode(gemv, P, D, I, c2, (h, ids, rw, w2, s2, w2, s2, out, D, I, k),
                        GATED=False, LIMIT=lim)
     elif path == "sorted":
@@ -268,6 +272,7 @@ def run_moe(x, idx, w, stacks, dims, limit, path, config, gemv, table, sorted_ke
         sorted_ids, block_e = align(idx, E, cfg["BM"])
         nb = block_e.numel()
         h = torch.empty(nb * cfg["BM"], I, dtype=torch.bfloat16, device=x.device)
+        out = new_out()
         f32 = interpreted()
         sorted_kernel[(nb, triton.cdiv(I, cfg["BN"]))](
             x, sorted_ids, block_e, rw, w1, s1, w3, s3, h, I, K, k, P, E, GATED=True,
