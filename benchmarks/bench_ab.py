@@ -3,6 +3,7 @@ layers by default, triton kernels, CUDA graphs), on the lent GPU:
 
     python3 benchmarks/bench_ab.py --switch backfit.runtime.model.attention_decode:KV_BESIDE=False \
         [--switch module:NAME=value ...] [--switch module:NAME=@module:NAME] [--batches 1,8]
+        [--switch "module:NAME=value;module:OTHER=value"]  (set together: one B)
         [--ctx 512] [--rounds 4] [--out ab.json] [--layers 4] [--tp-shard 1] [--experts int8|mx4]
 
 Step-level figures move ±5 % between processes on the lent machine (2026-12-01: the same code
@@ -56,6 +57,11 @@ def parse_switch(spec: str) -> tuple[object, str, object]:
                          f"=@module:NAME ({e})")
 
 
+def parse_switches(spec: str) -> list[tuple[object, str, object]]:
+    """'a;b;...': parse_switch of each part, set together as one B."""
+    return [parse_switch(part) for part in spec.split(";")]
+
+
 def timed(r, graphs, mk, n: int, gpu: bool) -> tuple[float, float | None]:
     """bench_decode's step ms (forward + sync, median; n reps) and, on CUDA, the median GPU ms
     of n replays."""
@@ -91,7 +97,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="small dims on CPU (dry run)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    switches = [parse_switch(s) for s in a.switch]
+    switches = [parse_switches(s) for s in a.switch]
     dev = "cpu" if a.tiny else "cuda"
     batches = [int(x) for x in a.batches.split(",")]
     raw = bd.raw_config(a.layers, a.tiny)
@@ -100,10 +106,17 @@ def main() -> None:
     bd.use_backend(r, "torch" if a.tiny else "triton")
     gpu = dev == "cuda"
     rows = []
-    for m, name, value in switches:
-        shipped = getattr(m, name)
+    for sw in switches:                         # one or more (module, NAME, value) set together
+        shipped = [getattr(m, n) for m, n, _ in sw]
+        name = ";".join(n for _, n, _ in sw)
+        value = tuple(v for *_, v in sw) if len(sw) > 1 else sw[0][2]
+        ship = tuple(shipped) if len(sw) > 1 else shipped[0]
+
+        def put(b: bool, sw=sw, shipped=shipped) -> None:       # B's values, else A's
+            for (m, n, v), old in zip(sw, shipped):
+                setattr(m, n, v if b else old)
         graphs_a = bd.capture_graphs(r)
-        setattr(m, name, value)
+        put(True)
         try:
             graphs_b = bd.capture_graphs(r)
             for B in batches:
@@ -111,10 +124,10 @@ def main() -> None:
                 res = {"A": [], "B": []}
                 for _ in range(a.rounds):
                     for tag, g in (("A", graphs_a), ("B", graphs_b)):
-                        setattr(m, name, shipped if tag == "A" else value)   # eager steps too
+                        put(tag == "B")                                      # eager steps too
                         res[tag].append(timed(r, g, mk, a.steps, gpu))
-                row = dict(switch=f"{m.__name__}:{name}", shipped=repr(shipped),
-                           value=repr(value), batch=B, ctx=a.ctx)
+                row = dict(switch=";".join(f"{m.__name__}:{n}" for m, n, _ in sw),
+                           shipped=repr(ship), value=repr(value), batch=B, ctx=a.ctx)
                 for tag in ("A", "B"):
                     row[f"step_ms_{tag}"] = statistics.median(s for s, _ in res[tag])
                     gs = [g for _, g in res[tag] if g is not None]
@@ -126,12 +139,12 @@ def main() -> None:
                 gpu_txt = ("" if row["gpu_ms_A"] is None else
                            f"  GPU {row['gpu_ms_A']:.4f} -> {row['gpu_ms_B']:.4f} ms "
                            f"({row['gpu_delta_ms'] * 1e3:+.1f} us)")
-                print(f"{name}={value!r} (shipped {shipped!r}) batch {B} ctx {a.ctx}: step "
+                print(f"{name}={value!r} (shipped {ship!r}) batch {B} ctx {a.ctx}: step "
                       f"{row['step_ms_A']:.4f} -> {row['step_ms_B']:.4f} ms "
                       f"({row['step_delta_ms'] * 1e3:+.1f} us){gpu_txt}", flush=True)
             del graphs_b
         finally:
-            setattr(m, name, shipped)
+            put(False)
         del graphs_a
         if gpu:
             torch.cuda.empty_cache()

@@ -189,3 +189,6 @@ def test_bench_ab_switch_takes_a_literal_or_another_modules_object():
                 "backfit.runtime.kernels.mhc.decode:FOLD=dict("):
         with pytest.raises(SystemExit, match="--switch"):
             bench_ab.parse_switch(bad)
+    both = bench_ab.parse_switches("backfit.runtime.kernels.mhc.decode:FOLD={};"
+                                   "backfit.runtime.kernels.attention.decode:MAX_SPLIT=1")
+    assert [(n, v) for _, n, v in both] == [("FOLD", {}), ("MAX_SPLIT", 1)]
