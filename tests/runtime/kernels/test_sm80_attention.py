@@ -1,8 +1,7 @@
 """The attention and indexer kernels compile for sm_80 on this CPU machine within 99 KB of shared
 memory, with BF16 mma.sync only where a dot is meant and no FP8/FP4 (as test_sm80.py does for
 the linear and MoE kernels, whose _compile helper this reuses), decode and chunked-prefill
-(PREFILL) variants, one split with the output's inverse RoPE in its epilogue (OR), and the
-indexer's scores with its query's RoPE inside (QR).
+(PREFILL) variants, and the indexer's scores with its query's RoPE inside (QR).
 Real dims: D 512, 16-head blocks, indexer 64 heads x 128, top-512 in 2048-wide chunks. Compiled
 in a subprocess without TRITON_INTERPRET.
 """
@@ -29,19 +28,19 @@ def compile_all() -> list[dict]:
                  ENT="*bf16", ESC="*fp32", TABLES="*i32", SEL="*i32", SINK="*fp32",
                  SEQ="*i32", START="*i32", O="*fp32",
                  PO="*fp32", PM="*fp32", PL="*fp32", H="i32", R="i32", stride_tb="i32",
-                 n_sel="i32", CHUNK="i32", scale="fp32", ROT="*bf16", OF="*fp64")
-    for mode, split, int8, prefill, rope in ((0, 1, False, False, 0), (1, 1, True, False, 0),
-                                             (2, 1, False, False, 0), (1, 8, False, False, 0),
-                                             (2, 20, True, False, 0), (2, 1, True, True, 0),
-                                             (1, 1, False, True, 0), (2, 1, False, False, 64)):
+                 n_sel="i32", CHUNK="i32", scale="fp32")
+    for mode, split, int8, prefill in ((0, 1, False, False), (1, 1, True, False),
+                                       (2, 1, False, False), (1, 8, False, False),
+                                       (2, 20, True, False), (2, 1, True, True),
+                                       (1, 1, False, True)):
         cfg = attention.decode_config(1 if split > 1 else 64, 64, 640, 108, split, prefill)
         opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
         cfg.pop("CHUNK")
         t = dict(types, RING="*i8", ENT="*i8") if int8 else types
         out.append(_compile(attention._decode_kernel, t, dict(
             cfg, W=128, RATIO=128 if mode == 1 else 4, PB=1 if mode == 1 else 32, MODE=mode,
-            INT8=int8, D=512, DP=512, F32=False, EXACT=False, DT=tl.bfloat16, PREFILL=prefill,
-            OR=rope), opts, ("H", "CHUNK")))
+            INT8=int8, D=512, DP=512, F32=False, EXACT=False, DT=tl.bfloat16, PREFILL=prefill),
+            opts, ("H", "CHUNK")))
     out.append(_compile(attention._merge_kernel, dict(PO="*fp32", PM="*fp32", PL="*fp32",
                         SINK="*fp32", O="*fp32", H="i32"), dict(D=512, DP=512, SPLIT=20, SP=32),
                         dict(num_warps=4, num_stages=1), ("H",)))
@@ -66,7 +65,7 @@ def compile_all() -> list[dict]:
 
 def test_attention_and_indexer_kernels_compile_for_sm80_within_shared_memory():
     results = compile_in_subprocess(__file__)
-    assert len(results) == 15
+    assert len(results) == 14
     for r in results:
         name = f"{r['kernel']} {r['config']}"
         assert r["cubin"] > 0, name
@@ -80,8 +79,6 @@ def test_attention_and_indexer_kernels_compile_for_sm80_within_shared_memory():
             assert not r["fma_f32"], f"{name}: FP32 FMA contraction in the de-rotation"
         if r["kernel"] == "_score_kernel":           # q_rope: its products rounded alone (mul.rn)
             assert (r["mul_rn_f32"] > 0) == (r["config"]["QR"] > 0), name
-        if r["kernel"] == "_decode_kernel":          # out rope: the same (_out_rope)
-            assert (r["mul_rn_f32"] > 0) == (r["config"]["OR"] > 0), name
 
 
 if __name__ == "__main__":

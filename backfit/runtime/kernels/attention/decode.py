@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from backfit.runtime.kernels.common import interpreted
 
@@ -81,43 +80,13 @@ def _load_kv(base, rows, ok, SC, dd, d_ok, D: tl.constexpr, INT8: tl.constexpr,
 
 
 @triton.jit
-def _out_rope(O, ROT, OF, o, b64, hh, dd, h_ok, p, H, D: tl.constexpr, OR: tl.constexpr,
-              DT: tl.constexpr, F32: tl.constexpr):
-    """o [BH, DP] FP32 (just stored at O) -> ROT [BH, D] DT = rope_norm.rope(o, p, OF, OR,
-    inverse=True, out_dtype=DT) bit for bit: inputs rounded to DT, the last OR lanes' pairs (2i,
-    2i+1) rotated by -p·OF[i] (FP64 angle, FP32 cos / sin), each product rounded alone (mul.rn,
-    as that launch runs without FMA contraction). A lane's pair partner (lane ^ 1) is read back
-    from O after a CTA barrier."""
-    ok = h_ok[:, None] & (dd < D)[None, :]
-    row = (b64 * H + hh[:, None]) * D
-    tl.debug_barrier()                                  # every lane's o stored at O
-    x = o.to(DT).to(tl.float32)
-    y = tl.load(O + row + (dd ^ 1)[None, :], mask=ok, other=0.0).to(DT).to(tl.float32)
-    rot = dd >= D - OR
-    ang = p.to(tl.float64) * tl.load(OF + tl.where(rot, (dd - (D - OR)) // 2, 0), mask=rot,
-                                     other=0.0)                         # [DP] FP64
-    cos = tl.cos(ang).to(tl.float32)[None, :]
-    sin = -tl.sin(ang).to(tl.float32)[None, :]                          # inverse: by -p·f
-    if F32:                                     # interpreter: numpy rounds each op
-        xc, ys = x * cos, y * sin
-    else:
-        xc, ys = libdevice.mul_rn(x, cos), libdevice.mul_rn(y, sin)
-    # even lane: a·cos - b·sin (x = a, y = b); odd lane: a·sin + b·cos (y = a, x = b)
-    r = tl.where((dd % 2 == 0)[None, :], xc - ys, ys + xc)
-    tl.store(ROT + row + dd[None, :], tl.where(rot[None, :], r, x).to(DT), mask=ok)
-
-
-@triton.jit
 def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SEQ, START,
                    O, PO, PM, PL, H, R, stride_tb, n_sel, CHUNK, scale,
                    W: tl.constexpr, RATIO: tl.constexpr, PB: tl.constexpr, MODE: tl.constexpr,
                    INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
                    BN: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr,
-                   EXACT: tl.constexpr, DT: tl.constexpr, PREFILL: tl.constexpr = False,
-                   ROT=None, OF=None, OR: tl.constexpr = 0):
+                   EXACT: tl.constexpr, DT: tl.constexpr, PREFILL: tl.constexpr = False):
     """Program (query b, head block, split): keys [split·CHUNK, +CHUNK) of window ++ compressed.
-    OR > 0 (decode, one split): o also de-rotated by _out_rope into ROT (DT), as the rope launch
-    of decode_attention's out_rope would.
 
     Decode: query b is sequence b's one token. PREFILL: query b belongs to sequence SEQ[b] whose
     chunk starts at START[b] and at row b - (p - START[b]) of q/kv; window positions >= START[b]
@@ -187,8 +156,6 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SE
         o = acc * a[:, None] / (l_i * a + tl.exp(sink - M))[:, None]
         tl.store(O + (b64 * H + hh[:, None]) * D + dd[None, :], o,
                  mask=h_ok[:, None] & d_ok[None, :])
-        if OR > 0:
-            _out_rope(O, ROT, OF, o, b64, hh, dd, h_ok, p, H, D, OR, DT, F32)
     else:
         row = (b64 * H + hh) * SPLIT + sp                                # [BH] in [B, H, SPLIT]
         tl.store(PM + row, m_i, mask=h_ok)
@@ -262,9 +229,6 @@ MERGE_PAIRS = 64      # _merge_rope_kernel: rotation pairs per program (D = 512:
 # decode + merge 31.0 / 33.7 us at ctx 512 / 32K (the merge 19.5 us of it in the step's trace);
 # capped at 16 (-> 10 splits of 64 keys, SP 16) 20.5 / 21.1 us; window / HCA rows within noise
 MAX_SPLIT = 16
-# decode with out_rope and one split: the inverse RoPE in the attention kernel's epilogue
-# (_out_rope), not a rope launch after it. False: that launch.
-OUT_ROPE_IN_DECODE = True
 
 
 # _decode_kernel's tile: BH heads x BN keys a step (prefill: 16 keys), warps, stages. H100, the
@@ -361,14 +325,6 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
     po = torch.empty(B, H, S, D, dtype=torch.float32, device=dev) if S > 1 else o
     pm = torch.empty(B, H, S, dtype=torch.float32, device=dev) if S > 1 else o
     pl = torch.empty_like(pm) if S > 1 else o
-    if out_rope is not None:
-        f, r, dt = out_rope
-        if seq is not None or f.dtype != torch.float64 or f.shape != (r // 2,) or r % 2 \
-                or r > D or D & (D - 1):
-            raise ValueError(f"decode_attention: out_rope = (FP64 inv_freq [r/2], even r <= D, "
-                             f"dtype), decode only, D a power of 2; got r={r}, D={D}")
-    fold = out_rope is not None and S == 1 and OUT_ROPE_IN_DECODE and dt == q.dtype
-    rot = torch.empty(B, H, D, dtype=dt, device=dev) if out_rope is not None else None
     dummy = ring_scale if int8 else sink
     ent = entries if entries is not None else ring
     grid = (B, triton.cdiv(H, cfg["BH"]), S)
@@ -383,15 +339,19 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
         W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D,
         DP=triton.next_power_of_2(D), BH=cfg["BH"], BN=cfg["BN"], SPLIT=S, F32=interpreted(),
         EXACT=q.dtype == torch.float32, DT=_TL[q.dtype], PREFILL=seq is not None,
-        ROT=rot if fold else o, OF=f if fold else sink, OR=r if fold else 0,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
-    if fold:
-        return rot
+    if out_rope is not None:
+        f, r, dt = out_rope
+        if seq is not None or f.dtype != torch.float64 or f.shape != (r // 2,) or r % 2 \
+                or r > D or D & (D - 1):
+            raise ValueError(f"decode_attention: out_rope = (FP64 inv_freq [r/2], even r <= D, "
+                             f"dtype), decode only, D a power of 2; got r={r}, D={D}")
     if out_rope is not None and S == 1:             # no merge launch: the rope kernel's own
         from backfit.runtime.kernels.rope_norm import rope
         return rope(o, pos, f, r, inverse=True, out_dtype=dt)
     if out_rope is not None:
+        rot = torch.empty(B, H, D, dtype=dt, device=dev)
         dh = min(D // 2, MERGE_PAIRS)                # D a power of 2: dh divides D / 2
         _merge_rope_kernel[(B, H, D // 2 // dh)](
             po, pm, pl, sink.float().contiguous(), pos.to(dev).contiguous(), f.contiguous(),
