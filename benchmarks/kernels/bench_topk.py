@@ -43,8 +43,8 @@ QUICK = ("fast w4", "fast w8", "fast w8 Cs1024", "fast w8 Cs1024 C1024", "fast w
 
 # --rank: the scores pass's ranking of a live prefix (TOPK_RB, TOPK_RB_BJ; RB 0: [K, TOPK_BJ])
 RANK = [("K x 16", 0, 16), ("RB 64 x 64", 64, 64), ("RB 128 x 32", 128, 32),
-        ("RB 128 x 64", 128, 64), ("RB 128 x 128", 128, 128), ("RB 256 x 32", 256, 32),
-        ("RB 256 x 64", 256, 64)]
+        ("RB 128 x 64", 128, 64), ("RB 128 x 128", 128, 128), ("RB 256 x 64", 256, 64),
+        ("RB 512 x 64", 512, 64)]
 
 
 def rows_for(quick: bool, rank: bool = False):

@@ -189,10 +189,10 @@ def run_pass(idx, src, scores: bool, K: int, C: int, merge: bool = False,
     B, N = src.shape
     n_chunks = -(-N // C)
     out = torch.full((B, n_chunks * K), 7, dtype=torch.int64, device=DEV)
-    idx._topk_pass_kernel[(B, n_chunks)](src, out, out, N, n_chunks * K, K, idx._neg_inf_key(),
-                                         K=K, C=C, BJ=4, SCORES=scores, FINAL=False,
-                                         MERGE=merge, LK=K.bit_length() - 1,
-                                         RB=rb if scores else 0)
+    rows = K // rb if scores and rb else 1                      # rank programs a chunk
+    idx._topk_pass_kernel[(B, n_chunks, rows)](
+        src, out, out, N, n_chunks * K, K, idx._neg_inf_key(), K=K, C=C, BJ=4, SCORES=scores,
+        FINAL=False, MERGE=merge, LK=K.bit_length() - 1, RB=rb if scores else 0)
     return out
 
 

@@ -57,9 +57,10 @@ TOPK_MERGE = True       # keys passes merge sorted sub-chunks (binary searches),
 # took 55 s to compile on a CPU and ~250 s in the 65K verify's first chunk on the H200's host
 TOPK_MERGE_WAYS = 16
 TOPK_SCORES_CHUNK = 1024
-# the scores pass's ranking of a chunk whose live keys lie in its first K (every decode chunk but
-# the longest contexts'): rows of RB live-prefix keys against BJ columns (_rank_rows); 0: all K
-# rows against TOPK_BJ columns. RB = 128 ranks a 512-token context's 128 keys in one block.
+# the scores pass's ranking of a chunk whose live keys lie in its first K (a decode step's up to
+# context 2,048): K // RB programs a chunk, each RB rows of the live prefix against BJ columns
+# at a time (_rank_rows); 0: one program, all K rows against TOPK_BJ columns. RB = 128: a
+# 512-token context's 128 keys in one program's block, 2,048 tokens' 512 in 4 side by side.
 TOPK_RB = 128
 TOPK_RB_BJ = 64
 
@@ -199,19 +200,21 @@ def _scatter_ranked(SEL, OUT, b, c, k, n_out, key, live, rank, NEG_INF_KEY, K: t
 
 
 @triton.jit
-def _rank_rows(IN, OUT, SEL, b, c, row, N, n_out, k, key, i, NEG_INF_KEY, K: tl.constexpr,
+def _rank_rows(IN, OUT, SEL, b, c, row, N, n_out, k, key, i, NEG_INF_KEY, r, K: tl.constexpr,
                C: tl.constexpr, RB: tl.constexpr, BJ: tl.constexpr, FINAL: tl.constexpr):
     """A scores chunk whose live keys all lie in its first K (key [C] its packed keys, i [C] the
-    offsets): each live key's rank = #live keys above it, counted over the live prefix [0, last)
-    only, in RB x BJ blocks (the decode step's prefix of (p+1)//4 keys: one block at p < 4·RB),
-    and scattered as _scatter_ranked does."""
+    offsets), row program r of K // RB: the live keys of rows [r·RB, +RB) get their rank = #live
+    keys above them, counted over the live prefix [0, last) only in RB x BJ blocks, and are
+    scattered as _scatter_ranked does (ranks are unique: the programs write disjoint slots);
+    program 0 writes the empty fill. The decode step's prefix of (p+1)//4 keys: one block at
+    p < 4·RB, and K // RB programs side by side, not one walking them all."""
     live = key >> 32 > NEG_INF_KEY
     last = tl.max(tl.where(live, i + 1, 0), axis=0)                     # live ones lie < last
     cnt = tl.sum(live.to(tl.int32), axis=0)
-    for ib in range(0, last, RB):
-        r = ib + tl.arange(0, RB)
-        jr = c * C + r
-        kr = _pack(tl.load(IN + row + jr, mask=(r < last) & (jr < N), other=float("-inf")), jr)
+    if r * RB < last:
+        ri = r * RB + tl.arange(0, RB)
+        jr = c * C + ri
+        kr = _pack(tl.load(IN + row + jr, mask=(ri < last) & (jr < N), other=float("-inf")), jr)
         lr = kr >> 32 > NEG_INF_KEY                                     # [RB]
         rank = tl.zeros([RB], dtype=tl.int32)
         for jb in range(0, last, BJ):
@@ -227,12 +230,13 @@ def _rank_rows(IN, OUT, SEL, b, c, row, N, n_out, k, key, i, NEG_INF_KEY, K: tl.
         else:
             tl.store(OUT + b.to(tl.int64) * n_out + c * K + rank, kr, mask=lr & (rank < K))
     o = tl.arange(0, K)
-    if FINAL:
-        tl.store(SEL + b.to(tl.int64) * k + o, tl.full([K], -1, tl.int32),
-                 mask=(o >= cnt) & (o < k))
-    else:
-        tl.store(OUT + b.to(tl.int64) * n_out + c * K + o,
-                 tl.full([K], -9223372036854775807 - 1, tl.int64), mask=o >= cnt)
+    if r == 0:
+        if FINAL:
+            tl.store(SEL + b.to(tl.int64) * k + o, tl.full([K], -1, tl.int32),
+                     mask=(o >= cnt) & (o < k))
+        else:
+            tl.store(OUT + b.to(tl.int64) * n_out + c * K + o,
+                     tl.full([K], -9223372036854775807 - 1, tl.int64), mask=o >= cnt)
 
 
 @triton.jit
@@ -245,9 +249,11 @@ def _topk_pass_kernel(IN, OUT, SEL, N, n_out, k, NEG_INF_KEY, K: tl.constexpr, C
     MERGE (keys pass, K = 2^LK): a chunk with live keys past its first sub-chunk is merged, not
     sorted: each live key's rank = Σ over the C/K sorted sub-chunks of the keys above it there
     (a binary search in each), and the live keys of rank < K are scattered to their rank.
-    RB > 0 (scores pass): a chunk whose live keys lie in its first K is ranked by _rank_rows
-    (RB x BJ blocks of the live prefix only), else by [K, BJ] blocks (all K rows)."""
-    b, c = tl.program_id(0), tl.program_id(1)
+    RB > 0 (scores pass; grid (B, chunks, K // RB)): a chunk whose live keys lie in its first K
+    is ranked by _rank_rows, RB rows a program (RB x BJ blocks of the live prefix only); any
+    other chunk by its program 0 alone. RB 0: one program a chunk, [K, BJ] blocks (all K
+    rows)."""
+    b, c, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = b.to(tl.int64) * N
     i = tl.arange(0, C)
     j = c * C + i
@@ -259,8 +265,10 @@ def _topk_pass_kernel(IN, OUT, SEL, N, n_out, k, NEG_INF_KEY, K: tl.constexpr, C
     tail = tl.sum(((key >> 32 > NEG_INF_KEY) & (i >= K)).to(tl.int32), axis=0)
     o = tl.arange(0, K)
     if tail == 0 and SCORES and RB > 0:          # every live key is in the first K: no sort
-        _rank_rows(IN, OUT, SEL, b, c, row, N, n_out, k, key, i, NEG_INF_KEY, K, C, RB, BJ,
+        _rank_rows(IN, OUT, SEL, b, c, row, N, n_out, k, key, i, NEG_INF_KEY, r, K, C, RB, BJ,
                    FINAL)
+    elif r > 0:                                   # the other row programs: nothing to do
+        pass
     elif tail == 0:
         jo = c * C + o
         if SCORES:
@@ -410,7 +418,8 @@ def _topk_fast(scores: torch.Tensor, k: int, KP: int, C: int) -> torch.Tensor:
                                             device=scores.device)
         merge = TOPK_MERGE and not first and CC // KP <= TOPK_MERGE_WAYS
         rb = min(TOPK_RB, KP) if first else 0       # BJ: the scores pass's ranking columns
-        _topk_pass_kernel[(B, n_chunks)](src, out, sel, n, n_chunks * KP, k, _NEG_INF_KEY,
+        _topk_pass_kernel[(B, n_chunks, KP // rb if rb else 1)](
+                                         src, out, sel, n, n_chunks * KP, k, _NEG_INF_KEY,
                                          K=KP, C=CC, BJ=min(TOPK_RB_BJ if rb else TOPK_BJ, KP),
                                          SCORES=first, FINAL=final, MERGE=merge,
                                          LK=KP.bit_length() - 1, RB=rb, num_warps=TOPK_WARPS)
