@@ -61,8 +61,11 @@ TOPK_SCORES_CHUNK = 1024
 # context 2,048): K // RB programs a chunk, each RB rows of the live prefix against BJ columns
 # at a time (_rank_rows); 0: one program, all K rows against TOPK_BJ columns. RB = 128: a
 # 512-token context's 128 keys in one program's block, 2,048 tokens' 512 in 4 side by side.
+# H100, 43-layer TP-4 slice, mx4, bench_ab.py (2026-12-07, GPU time of the replay): RB 0 against
+# 128 x 64 +136.1 / +136.8 us at batch 1 / 8 (context 512), +563.3 us at batch 1 (context 2,048);
+# BJ 32 against 64 -46.7 us there. bench_topk.py --rank: docs/KERNELS.md "Attention".
 TOPK_RB = 128
-TOPK_RB_BJ = 64
+TOPK_RB_BJ = 32
 
 
 @triton.jit
