@@ -236,8 +236,8 @@ def test_topk_pass_paths(idx, rb):
                                                    (150, 12, 32, False, 0, 0),
                                                    (150, 12, 64, True, 32, 4),
                                                    (64, 16, 64, True, 0, 4),
-                                                   (5, 16, 64, True, 0, 128), (60, 3, 8, True, 0, 2),
-                                                   (60, 1, 8, True, 0, 0)])
+                                                   (5, 16, 64, True, 0, 128),
+                                                   (60, 3, 8, True, 0, 2), (60, 1, 8, True, 0, 0)])
 def test_topk_fast_rows_of_different_validity(idx, monkeypatch, N, k, chunk, merge, cs, rb):
     """Each row its own prefix (0, a few, exactly KP, KP+1, most, all) plus a tie-heavy row and a
     non-prefix row: the fast path, the old path and torch agree exactly (rb: TOPK_RB, the live

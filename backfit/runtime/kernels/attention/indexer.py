@@ -13,9 +13,10 @@ table[b, j // PB], row j % PB of the pool keys [NB, PB, 128] (act dtype, never i
                   chunk is left.
                   TOPK_FAST (the default): one kernel per pass, _topk_pass_kernel, that skips the
                   bitonic top-k when every live key (score > -inf) of its chunk lies in the
-                  chunk's first K: the scores pass then ranks those K by comparison counts and
-                  scatters them (an empty chunk stores only the empty fill), a reduction pass
-                  copies its first, already sorted, sub-chunk. Decode and prefill scores are
+                  chunk's first K: the scores pass then ranks the live prefix by comparison
+                  counts, K/TOPK_RB programs a chunk side by side, and scatters it (an empty
+                  chunk stores only the empty fill), a reduction pass copies its first,
+                  already sorted, sub-chunk. Decode and prefill scores are
                   -inf past a prefix (j >= (p+1)//4), so only the chunk holding the boundary is
                   ranked; any other input still takes the full top-k (checked from the data, no
                   assumption). Full reduction chunks (long contexts) are merged, not sorted
@@ -422,10 +423,9 @@ def _topk_fast(scores: torch.Tensor, k: int, KP: int, C: int) -> torch.Tensor:
         merge = TOPK_MERGE and not first and CC // KP <= TOPK_MERGE_WAYS
         rb = min(TOPK_RB, KP) if first else 0       # BJ: the scores pass's ranking columns
         _topk_pass_kernel[(B, n_chunks, KP // rb if rb else 1)](
-                                         src, out, sel, n, n_chunks * KP, k, _NEG_INF_KEY,
-                                         K=KP, C=CC, BJ=min(TOPK_RB_BJ if rb else TOPK_BJ, KP),
-                                         SCORES=first, FINAL=final, MERGE=merge,
-                                         LK=KP.bit_length() - 1, RB=rb, num_warps=TOPK_WARPS)
+            src, out, sel, n, n_chunks * KP, k, _NEG_INF_KEY, K=KP, C=CC,
+            BJ=min(TOPK_RB_BJ if rb else TOPK_BJ, KP), SCORES=first, FINAL=final, MERGE=merge,
+            LK=KP.bit_length() - 1, RB=rb, num_warps=TOPK_WARPS)
         if final:
             return sel
         src, n, first = out, n_chunks * KP, False
