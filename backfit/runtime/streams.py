@@ -7,8 +7,9 @@ Users (triton path on CUDA only; the torch path and CPU never fork):
                   the combine joins it (kernels.moe.int8.fused_moe shared_ready)
   model.attention the decode step's FP32 projections and compressor update ("comp", HCA /
                   CSA) and the CSA indexer chain ("index", after those projections: queries,
-                  its compressor, scores, top-k) beside the query path (wq_a|wkv, q_norm,
-                  wq_b, RoPE); decode attention joins both. Every layer: the token's kv
+                  scores, top-k; its compressor update beside the queries on "icomp") beside
+                  the query path (wq_a|wkv, q_norm, wq_b, RoPE); decode attention joins both.
+                  Every layer: the token's kv
                   (kv_norm + RoPE + ring store, "kv") beside q_norm / wq_b / the query RoPE
   kernels.mhc.decode  the Sinkhorn of hc_pre (post, M: read only by the hc_post after the
                   sub-layer) beside the critical u + RMSNorm launch; hc_post joins it
@@ -51,7 +52,7 @@ def stream_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 [>= n] counters of the current stream, for kernels whose last-arriving
     program finishes the work (cache_ops' fused compressor, kernels.router); every launch leaves
     them 0 again. One set per stream: the CSA layer's two compressor updates run on the side
-    streams "comp" and "index" at once, and shared counters would mix their counts (a row
+    streams "comp" and "icomp" at once, and shared counters would mix their counts (a row
     finished before all its programs, or never). A larger n adds a larger buffer; the smaller
     ones stay alive, as CUDA graphs captured earlier hold their addresses."""
     bufs = _COUNTERS.setdefault((device, stream_key(device)), [])

@@ -1,8 +1,9 @@
-"""The decode step's indexer fold on a GPU (marker gpu), end to end on the tiny model: the CSA
-indexer's query RoPE inside its score kernel (attention_decode.INDEX_ROPE_IN_SCORES) against a
-twin runner with it off. The score kernel's rotation equals the rope launch's bit for bit
-(tests/runtime/kernels/test_indexer.py), so the whole step's logits must be equal, and the fold
-must really run."""
+"""The decode step's indexer fold and stream placement on a GPU (marker gpu), end to end on the
+tiny model, each against a twin runner with it off: the CSA indexer's query RoPE inside its
+score kernel (attention_decode.INDEX_ROPE_IN_SCORES; its rotation equals the rope launch's bit
+for bit, tests/runtime/kernels/test_indexer.py) and the indexer's compressor update on a side
+stream of its own (INDEX_COMPRESS_BESIDE: the same launches in another order). The whole step's
+logits must be equal, and the switch must really act."""
 
 import importlib
 
@@ -43,3 +44,35 @@ def test_decode_fold_matches_the_unfolded_step(tiny_converted, tp1_process, monk
             rel = ((got - want).norm() / want.norm()).item()
             assert torch.equal(got, want), (n, k, prefill, rel)
     assert any(rotated) and not all(rotated)             # the fold ran, and only where on
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_index_compress_beside_matches_the_chain_in_order(tiny_converted, tp1_process,
+                                                           monkeypatch):
+    from backfit.runtime import kernels as kpkg
+    from backfit.runtime.runner import ModelRunner, RunnerConfig
+    if kpkg._backend not in (None, "triton"):
+        pytest.skip("this process already runs the torch backend")
+    dec = importlib.import_module("backfit.runtime.model.attention_decode")
+    names, real = [], dec.beside
+    monkeypatch.setattr(dec, "beside", lambda dev, name, fn: names.append(name) or real(
+        dev, name, fn))
+    conv = tiny_converted(1, "int8")
+    rc = RunnerConfig(str(conv), device="cuda", kernels="triton", max_num_seqs=4,
+                      max_model_len=256, block_size=16, num_blocks=72, enforce_eager=True)
+    on, off = ModelRunner(rc), ModelRunner(rc)
+
+    def forward(runner, step, beside: bool) -> torch.Tensor:
+        monkeypatch.setattr(dec, "INDEX_COMPRESS_BESIDE", beside)
+        return runner.forward(step).logits.float()
+    g = torch.Generator().manual_seed(7)
+    for n in (1, 3):
+        for k, (prefill, step) in enumerate(prefill_then_decode(n, g)):
+            n0 = names.count("icomp")
+            got = forward(on, step, True)
+            ran = names.count("icomp") > n0
+            want = forward(off, step, False)
+            assert torch.equal(got, want), (n, k, prefill)
+            assert prefill or ran, (n, k)                    # the side stream really ran
+    assert names.count("icomp") and "index" in names

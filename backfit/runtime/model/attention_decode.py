@@ -14,7 +14,8 @@ from backfit.runtime.kernels import kernel_path
 from backfit.runtime.model.compressor import HeadWeights
 from backfit.runtime.streams import beside
 
-__all__ = ["INDEX_ROPE_IN_SCORES", "KV_BESIDE", "Q_NORM_IN_WQ_B", "SIDE_STREAMS", "decode_step"]
+__all__ = ["INDEX_COMPRESS_BESIDE", "INDEX_ROPE_IN_SCORES", "KV_BESIDE", "Q_NORM_IN_WQ_B",
+           "SIDE_STREAMS", "decode_step"]
 
 # The paged decode step on CUDA (triton path): the compressor update and the CSA indexer chain
 # run on side streams beside the query path (runtime/streams.py); False: all in order.
@@ -39,6 +40,10 @@ Q_NORM_IN_WQ_B = (2,)
 # batch 64 (each score program rotates its query again: 64 rows of them). (The main query's norm
 # + RoPE inside decode attention lost twice: docs/KERNELS.md "Attention".)
 INDEX_ROPE_IN_SCORES = 8
+# The paged decode step on CUDA (triton path): the CSA indexer's compressor update on a side stream
+# of its own ("icomp") beside the indexer's q_norm and wq_b (it reads the FP32 projections only);
+# the scores wait for both. False: on the indexer chain, after wq_b.
+INDEX_COMPRESS_BESIDE = True
 
 
 def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
@@ -96,16 +101,26 @@ def _comp_chain(attn, x, pos, cache):
 
 
 def _decode_select(attn, qa, qr, wraw, icomp, pos, cache, dtype, after=None) -> torch.Tensor:
-    """The decode step's CSA indexer chain: queries, its compressor update, scores, top-k
-    (after: an event to wait for first, the projections of its rows and weights). qa: wq_a's
-    output, qr = q_norm(qa) or None (made here). Up to INDEX_ROPE_IN_SCORES tokens (kernel
-    path): the score kernel rotates the queries."""
+    """The decode step's CSA indexer chain: queries, its compressor update (INDEX_COMPRESS_BESIDE:
+    on the "icomp" stream beside them), scores, top-k (after: an event to wait for first, the
+    projections of its rows and weights). qa: wq_a's output, qr = q_norm(qa) or None (made
+    here). Up to INDEX_ROPE_IN_SCORES tokens (kernel path): the score kernel rotates the
+    queries."""
     if after is not None:
         torch.cuda.current_stream(qa.device).wait_event(after)
     idx = attn.indexer
     raw = qa.shape[0] <= INDEX_ROPE_IN_SCORES and kernel_path(qa)
+
+    def compress() -> None:         # reads icomp and wraw (the projections) only
+        attn._decode_compress(idx.compressor, "index", icomp,
+                              wraw if isinstance(wraw, HeadWeights) else None, cache, pos, dtype)
+    ready = None
+    if INDEX_COMPRESS_BESIDE and qa.is_cuda and kernel_path(qa):
+        _, ready = beside(qa.device, "icomp", compress)
     qI, wI = idx.queries(attn.q_norm(qa) if qr is None else qr, wraw, pos, rotate=not raw)
-    attn._decode_compress(idx.compressor, "index", icomp,
-                          wI if isinstance(wI, HeadWeights) else None, cache, pos, dtype)
+    if ready is None:
+        compress()
+    else:                           # the scores read the pool it updated, and its head weights
+        torch.cuda.current_stream(qa.device).wait_event(ready)
     return attn._select(qI, wI, cache, pos, q_rope=(idx.rope.inv_freq, idx.rope.rope_dim)
                         if raw else None)
