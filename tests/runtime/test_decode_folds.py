@@ -17,22 +17,28 @@ def test_switch_is_a_batch_size():
     assert type(mod.INDEX_ROPE_IN_SCORES) is int and mod.INDEX_ROPE_IN_SCORES >= 0
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_decode_fold_matches_the_unfolded_step(tiny_converted, tp1_process, monkeypatch):
+def twin_runners(tiny_converted):
+    """Two eager triton runners on the tiny int8 conversion (one with the switch under test on,
+    one off), fed the same steps; skips where this process already runs the torch backend."""
     from backfit.runtime import kernels as kpkg
-    from backfit.runtime.kernels import attention as katt      # model.attention's import
     from backfit.runtime.runner import ModelRunner, RunnerConfig
     if kpkg._backend not in (None, "triton"):
         pytest.skip("this process already runs the torch backend")
+    rc = RunnerConfig(str(tiny_converted(1, "int8")), device="cuda", kernels="triton",
+                      max_num_seqs=4, max_model_len=256, block_size=16, num_blocks=72,
+                      enforce_eager=True)
+    return ModelRunner(rc), ModelRunner(rc)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_decode_fold_matches_the_unfolded_step(tiny_converted, tp1_process, monkeypatch):
+    from backfit.runtime.kernels import attention as katt      # model.attention's import
+    on, off = twin_runners(tiny_converted)
     dec = importlib.import_module("backfit.runtime.model.attention_decode")
     rotated, real = [], katt.indexer_scores
     monkeypatch.setattr(katt, "indexer_scores", lambda *a, q_rope=None, **k: rotated.append(
         q_rope is not None) or real(*a, q_rope=q_rope, **k))
-    conv = tiny_converted(1, "int8")
-    rc = RunnerConfig(str(conv), device="cuda", kernels="triton", max_num_seqs=4,
-                      max_model_len=256, block_size=16, num_blocks=72, enforce_eager=True)
-    on, off = ModelRunner(rc), ModelRunner(rc)
 
     def forward(runner, step, batch: int) -> torch.Tensor:
         monkeypatch.setattr(dec, "INDEX_ROPE_IN_SCORES", batch)
@@ -50,18 +56,11 @@ def test_decode_fold_matches_the_unfolded_step(tiny_converted, tp1_process, monk
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_index_compress_beside_matches_the_chain_in_order(tiny_converted, tp1_process,
                                                            monkeypatch):
-    from backfit.runtime import kernels as kpkg
-    from backfit.runtime.runner import ModelRunner, RunnerConfig
-    if kpkg._backend not in (None, "triton"):
-        pytest.skip("this process already runs the torch backend")
+    on, off = twin_runners(tiny_converted)
     dec = importlib.import_module("backfit.runtime.model.attention_decode")
     names, real = [], dec.beside
     monkeypatch.setattr(dec, "beside", lambda dev, name, fn: names.append(name) or real(
         dev, name, fn))
-    conv = tiny_converted(1, "int8")
-    rc = RunnerConfig(str(conv), device="cuda", kernels="triton", max_num_seqs=4,
-                      max_model_len=256, block_size=16, num_blocks=72, enforce_eager=True)
-    on, off = ModelRunner(rc), ModelRunner(rc)
 
     def forward(runner, step, beside: bool) -> torch.Tensor:
         monkeypatch.setattr(dec, "INDEX_COMPRESS_BESIDE", beside)
