@@ -178,6 +178,26 @@ def test_chunked_prefill_sweep(attn, mode, ratio, int8):
             assert rel(attn.sparse_attention(**c, **extra, split=split), want) < TOL, split
 
 
+@pytest.mark.parametrize("live", [True, False])
+def test_splits_of_live_keys_or_of_capacity_cover_every_key(attn, monkeypatch, live):
+    """LIVE_SPLIT cuts each row's own keys (window ++ live entries) into the splits; off, the
+    host's chunks of the pools' capacity do. Both attend to every key, for rows from position 0
+    to past the window, 16-key tiles (up to 5 of them) and forced splits of 2 to 5 (empty
+    splits included)."""
+    monkeypatch.setattr(attn, "LIVE_SPLIT", live)
+    monkeypatch.setitem(attn.DECODE_TILE, "BN", 16)
+    gen, rnd = torch.Generator().manual_seed(13), random.Random(13)   # positions 0 to 150
+    with one_thread():
+        for mode, k, splits in (("csa", 64, (2, 3, 5)), ("hca", 12, (2, 4))):
+            c = case(gen, rnd, 6, mode, False, ratio=4, k=k)
+            want = ref.decode_attention_ref(**c)
+            n_keys = W + (c["sel"].shape[1] if mode == "csa" else
+                          c["tables"].shape[1] * (BLOCK // 4))  # as decode_attention sizes it
+            for split in splits:
+                assert attn.decode_config(6, 8, n_keys, 4, split)["SPLIT"] == split   # they run
+                assert rel(attn.decode_attention(**c, split=split), want) < TOL, (mode, split)
+
+
 @pytest.mark.parametrize("B,n_keys", [(1, 640), (1, 128 + 256), (2, 640), (8, 640), (1, 20000)])
 def test_decode_split_is_capped_and_covers_the_keys(attn, B, n_keys):
     """The split count stays <= MAX_SPLIT (the CSA layer's 640 keys at batch 1 had 20 splits, a

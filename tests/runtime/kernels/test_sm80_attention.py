@@ -39,7 +39,8 @@ def compile_all() -> list[dict]:
         t = dict(types, RING="*i8", ENT="*i8") if int8 else types
         out.append(_compile(attention._decode_kernel, t, dict(
             cfg, W=128, RATIO=128 if mode == 1 else 4, PB=1 if mode == 1 else 32, MODE=mode,
-            INT8=int8, D=512, DP=512, F32=False, EXACT=False, DT=tl.bfloat16, PREFILL=prefill),
+            INT8=int8, D=512, DP=512, F32=False, EXACT=False, DT=tl.bfloat16, PREFILL=prefill,
+            LIVE=attention.LIVE_SPLIT),
             opts, ("H", "CHUNK")))
     out.append(_compile(attention._merge_kernel, dict(PO="*fp32", PM="*fp32", PL="*fp32",
                         SINK="*fp32", O="*fp32", H="i32"), dict(D=512, DP=512, SPLIT=20, SP=32),

@@ -85,8 +85,11 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SE
                    W: tl.constexpr, RATIO: tl.constexpr, PB: tl.constexpr, MODE: tl.constexpr,
                    INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
                    BN: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr,
-                   EXACT: tl.constexpr, DT: tl.constexpr, PREFILL: tl.constexpr = False):
-    """Program (query b, head block, split): keys [split·CHUNK, +CHUNK) of window ++ compressed.
+                   EXACT: tl.constexpr, DT: tl.constexpr, PREFILL: tl.constexpr = False,
+                   LIVE: tl.constexpr = False):
+    """Program (query b, head block, split): keys [split·CHUNK, +CHUNK) of window ++ compressed;
+    LIVE: CHUNK from query b's own key count (its live keys in SPLIT even parts of whole tiles)
+    instead of the host's, sized on the pools' capacity.
 
     Decode: query b is sequence b's one token. PREFILL: query b belongs to sequence SEQ[b] whose
     chunk starts at START[b] and at row b - (p - START[b]) of q/kv; window positions >= START[b]
@@ -114,6 +117,8 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SE
         NC = tl.minimum(n_sel, (p + 1) // RATIO)                        # (-1 past them: skipped)
     else:
         NC = 0
+    if LIVE:                    # the live keys in SPLIT parts of whole BN tiles
+        CHUNK = tl.cdiv(tl.cdiv(NW + NC, BN), SPLIT) * BN
     k0 = sp * CHUNK
     k1 = tl.minimum(k0 + CHUNK, NW + NC)
     m_i = tl.full((BH,), -1e30, tl.float32)
@@ -229,6 +234,11 @@ MERGE_PAIRS = 64      # _merge_rope_kernel: rotation pairs per program (D = 512:
 # decode + merge 31.0 / 33.7 us at ctx 512 / 32K (the merge 19.5 us of it in the step's trace);
 # capped at 16 (-> 10 splits of 64 keys, SP 16) 20.5 / 21.1 us; window / HCA rows within noise
 MAX_SPLIT = 16
+# Each query's keys cut into SPLIT parts by its live count, not by the pools' capacity: a CSA row
+# at context 512 has 128 window keys and 128 live selected entries of the 512 slots, 8 tiles that
+# the capacity's chunks of 64 keys gave to 4 programs (2 tiles each, 11.1 µs on the H100 trace of
+# the TP-4 slice, 2026-12-07; one-tile window / HCA programs 5.9); False: the host's chunks.
+LIVE_SPLIT = True
 
 
 # _decode_kernel's tile: BH heads x BN keys a step (prefill: 16 keys), warps, stages. H100, the
@@ -339,7 +349,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
         W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D,
         DP=triton.next_power_of_2(D), BH=cfg["BH"], BN=cfg["BN"], SPLIT=S, F32=interpreted(),
         EXACT=q.dtype == torch.float32, DT=_TL[q.dtype], PREFILL=seq is not None,
-        num_warps=cfg["num_warps"],
+        LIVE=LIVE_SPLIT, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if out_rope is not None:
         f, r, dt = out_rope
