@@ -4,11 +4,13 @@ most of its kernels fill a few SMs for 2-10 µs, so two chains overlap almost fo
 
 Users (triton path on CUDA only; the torch path and CPU never fork):
   model.moe       the shared expert (3 launches) beside the router and the routed launches;
-                  the combine joins it (kernels.moe.int8.fused_moe shared_ready)
+                  the combine joins it (kernels.moe.int8.fused_moe shared_ready); the router
+                  is launched first (mark / after=: the side chain waits for its input only)
   model.attention the decode step's FP32 projections and compressor update ("comp", HCA /
                   CSA) and the CSA indexer chain ("index", after those projections: queries,
                   scores, top-k; its compressor update beside the queries on "icomp") beside
-                  the query path (wq_a|wkv, q_norm, wq_b, RoPE); decode attention joins both.
+                  the query path (wq_a|wkv, q_norm, wq_b, RoPE; wq_a|wkv launched before
+                  "comp", by mark / after=); decode attention joins both.
                   Every layer: the token's kv
                   (kv_norm + RoPE + ring store, "kv") beside q_norm / wq_b / the query RoPE
   kernels.mhc.decode  the Sinkhorn of hc_pre (post, M: read only by the hc_post after the
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["beside", "fork", "side_stream", "stream_counters", "stream_key"]
+__all__ = ["beside", "fork", "mark", "side_stream", "stream_counters", "stream_key"]
 
 _SIDE: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
@@ -61,18 +63,36 @@ def stream_counters(device: torch.device, n: int) -> torch.Tensor:
     return bufs[-1]
 
 
-def fork(device: torch.device, name: str) -> torch.cuda.Stream:
-    """side_stream(device, name), made to wait for everything queued on the current stream."""
+def mark(device: torch.device) -> torch.cuda.Event:
+    """An event recorded on the current stream now: a side chain queued later with
+    beside(..., after=mark) waits for what the current stream had queued here only, so the
+    critical launch queued in between is launched first (a CUDA graph launches the nodes that
+    become ready together in the order they were captured: the first grabs the SMs)."""
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    return ev
+
+
+def fork(device: torch.device, name: str, after: torch.cuda.Event | None = None
+         ) -> torch.cuda.Stream:
+    """side_stream(device, name), made to wait for everything queued on the current stream
+    (after: for what it had queued when that mark() was taken. What it queued since must not
+    read a block a side chain allocated: freed, that block goes back to its side stream, and
+    this fork no longer orders the side chain's reuse of it after that read; the launches
+    between mark and fork in the model read main's own tensors and weights only)."""
     side = side_stream(device, name)
-    side.wait_stream(torch.cuda.current_stream(device))
+    if after is None:
+        side.wait_stream(torch.cuda.current_stream(device))
+    else:
+        side.wait_event(after)
     return side
 
 
-def beside(device: torch.device, name: str, fn):
-    """fn() queued on the side stream `name` after everything the current stream has queued ->
-    (its result, an event recorded after it). The caller waits for the event before it reads the
-    result or anything fn wrote (the rules above)."""
-    side = fork(device, name)
+def beside(device: torch.device, name: str, fn, after: torch.cuda.Event | None = None):
+    """fn() queued on the side stream `name` after everything the current stream has queued (or
+    after the mark `after`) -> (its result, an event recorded after it). The caller waits for
+    the event before it reads the result or anything fn wrote (the rules above)."""
+    side = fork(device, name, after)
     with torch.cuda.stream(side):
         out = fn()
         done = torch.cuda.Event()

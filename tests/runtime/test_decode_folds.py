@@ -59,8 +59,8 @@ def test_index_compress_beside_matches_the_chain_in_order(tiny_converted, tp1_pr
     on, off = twin_runners(tiny_converted)
     dec = importlib.import_module("backfit.runtime.model.attention_decode")
     names, real = [], dec.beside
-    monkeypatch.setattr(dec, "beside", lambda dev, name, fn: names.append(name) or real(
-        dev, name, fn))
+    monkeypatch.setattr(dec, "beside", lambda dev, name, fn, after=None: names.append(name)
+                        or real(dev, name, fn, after))
 
     def forward(runner, step, beside: bool) -> torch.Tensor:
         monkeypatch.setattr(dec, "INDEX_COMPRESS_BESIDE", beside)

@@ -1,8 +1,10 @@
 """Side streams of the decode step (runtime/streams.py) change no bit, on a GPU (marker gpu):
 twin eager runners on the triton kernels, one with every side stream on (the compressor update,
-the CSA indexer chain (its compressor update beside its queries; tests/runtime/
-test_decode_folds.py holds that switch alone) and the kv chain (norm, RoPE, ring store) beside
-the query path, the shared expert, the Sinkhorn), one with all of them off (everything in order
+the CSA indexer chain (its compressor update beside its queries, forked after the FP32
+projections;
+tests/runtime/test_decode_folds.py holds that switch alone) and the kv chain (norm, RoPE, ring
+store) beside the query path, wq_a|wkv and the router launched before the side chains that
+start with them, the shared expert, the Sinkhorn), one with all of them off (everything in order
 on one stream), fed the same prefill and decode steps. The graphed path runs with them on and
 is held to the eager one by tests/runtime/test_graphs.py."""
 
@@ -13,7 +15,9 @@ from support import prefill_then_decode
 SWITCHES = (("backfit.runtime.model.attention_decode", "SIDE_STREAMS"),
             ("backfit.runtime.model.attention_decode", "KV_BESIDE"),
             ("backfit.runtime.model.attention_decode", "INDEX_COMPRESS_BESIDE"),
+            ("backfit.runtime.model.attention_decode", "QUERY_FIRST"),
             ("backfit.runtime.model.moe", "SHARED_STREAM"),
+            ("backfit.runtime.model.moe", "ROUTER_FIRST"),
             ("backfit.runtime.kernels.mhc.decode", "SINKHORN_STREAM"))
 
 

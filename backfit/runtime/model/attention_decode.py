@@ -12,10 +12,10 @@ import torch
 from backfit.runtime.batch import ForwardBatch
 from backfit.runtime.kernels import kernel_path
 from backfit.runtime.model.compressor import HeadWeights
-from backfit.runtime.streams import beside
+from backfit.runtime.streams import beside, mark
 
-__all__ = ["INDEX_COMPRESS_BESIDE", "INDEX_ROPE_IN_SCORES", "KV_BESIDE", "Q_NORM_IN_WQ_B",
-           "SIDE_STREAMS", "decode_step"]
+__all__ = ["INDEX_COMPRESS_BESIDE", "INDEX_ROPE_IN_SCORES", "KV_BESIDE", "QUERY_FIRST",
+           "Q_NORM_IN_WQ_B", "SIDE_STREAMS", "decode_step"]
 
 # The paged decode step on CUDA (triton path): the compressor update and the CSA indexer chain
 # run on side streams beside the query path (runtime/streams.py); False: all in order.
@@ -41,9 +41,17 @@ Q_NORM_IN_WQ_B = (2,)
 # + RoPE inside decode attention lost twice: docs/KERNELS.md "Attention".)
 INDEX_ROPE_IN_SCORES = 8
 # The paged decode step on CUDA (triton path): the CSA indexer's compressor update on a side stream
-# of its own ("icomp") beside the indexer's q_norm and wq_b (it reads the FP32 projections only);
-# the scores wait for both. False: on the indexer chain, after wq_b.
+# of its own ("icomp") beside the indexer's q_norm and wq_b (it reads the FP32 projections only),
+# forked from "comp" right after them and launched before the compressor's own update (which only
+# decode attention reads, later); the scores wait for both. False: on the indexer chain, after
+# wq_b.
 INDEX_COMPRESS_BESIDE = True
+# The paged decode step on CUDA (SIDE_STREAMS, a layer with a compressor): the query path's wq_a|wkv
+# queued before the "comp" chain, which waits for the layer's input only (streams.mark). Both read
+# ~34 MB at TP 4 (12.6 and 21.1) as soon as the hc_pre before them ends; the one launched first
+# takes the SMs, and the "comp" projections, queued first, held wq_a|wkv back ~5-9 µs a layer
+# (the H100 trace of the slice, 2026-12-07). False: the "comp" chain queued first.
+QUERY_FIRST = True
 
 
 def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
@@ -55,9 +63,13 @@ def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tens
     side = None                     # (events, sel) of the chains queued beside the q path
     if SIDE_STREAMS and attn.compressor is not None and x.is_cuda \
             and kernel_path(x):    # the FP32 projections + the compressor on "comp"
-        (comp, icomp, wraw, proj), ev = beside(x.device, "comp", lambda: _comp_chain(
-            attn, x, pos, cache))
-        qa, kvx = attn._project_a(x)
+        start = mark(x.device) if QUERY_FIRST else None
+        if start is not None:                                     # the critical launch first
+            qa, kvx = attn._project_a(x)
+        (comp, icomp, wraw, proj, iready), ev = beside(x.device, "comp", lambda: _comp_chain(
+            attn, x, pos, cache), after=start)
+        if start is None:
+            qa, kvx = attn._project_a(x)
         side = ([ev], None)
     else:
         qa, kvx, comp, icomp, wraw = attn._project(x, pos, True)
@@ -69,7 +81,7 @@ def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tens
     qr = None if fold and (side is not None or not indexed) else attn.q_norm(qa)
     if side is not None and indexed:                              # from qa on, beside wq_b
         sel, ev = beside(x.device, "index", lambda: _decode_select(
-            attn, qa, qr, wraw, icomp, pos, cache, x.dtype, proj))
+            attn, qa, qr, wraw, icomp, pos, cache, x.dtype, proj, iready))
         side = (side[0] + [ev], sel)
     q = (attn.wq_b.forward_normed(qa, attn.q_norm) if fold else attn.wq_b(qr)).view(T, Hl, D)
     q, kv = attn._q_kv(q, kvx, pos, kv)
@@ -90,36 +102,41 @@ def _kv_stored(attn, kvx: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tenso
 
 
 def _comp_chain(attn, x, pos, cache):
-    """The "comp" side chain of the decode step: the FP32 projections, then the compressor
-    update -> (comp, icomp, wraw, an event after the projections: the indexer chain's
-    start)."""
+    """The "comp" side chain of the decode step: the FP32 projections, (CSA, INDEX_COMPRESS_BESIDE)
+    the indexer's compressor update forked on "icomp", then the compressor update -> (comp,
+    icomp, wraw, an event after the projections: the indexer chain's start, the "icomp" event
+    or None)."""
     comp, icomp, wraw = attn._project_f32(x, pos, True)
     proj = torch.cuda.Event()
     proj.record()
+    iready = None
+    if attn.indexer is not None and INDEX_COMPRESS_BESIDE:       # the scores wait for it first
+        _, iready = beside(x.device, "icomp", lambda: _index_compress(attn, icomp, wraw, cache,
+                                                                     pos, x.dtype))
     attn._decode_compress(attn.compressor, "comp", comp, None, cache, pos, x.dtype)
-    return comp, icomp, wraw, proj
+    return comp, icomp, wraw, proj, iready
 
 
-def _decode_select(attn, qa, qr, wraw, icomp, pos, cache, dtype, after=None) -> torch.Tensor:
-    """The decode step's CSA indexer chain: queries, its compressor update (INDEX_COMPRESS_BESIDE:
-    on the "icomp" stream beside them), scores, top-k (after: an event to wait for first, the
-    projections of its rows and weights). qa: wq_a's output, qr = q_norm(qa) or None (made
-    here). Up to INDEX_ROPE_IN_SCORES tokens (kernel path): the score kernel rotates the
-    queries."""
+def _index_compress(attn, icomp, wraw, cache, pos, dtype) -> None:
+    """The CSA indexer's compressor update of a decode step: reads the projections only."""
+    attn._decode_compress(attn.indexer.compressor, "index", icomp,
+                          wraw if isinstance(wraw, HeadWeights) else None, cache, pos, dtype)
+
+
+def _decode_select(attn, qa, qr, wraw, icomp, pos, cache, dtype, after=None, ready=None
+                   ) -> torch.Tensor:
+    """The decode step's CSA indexer chain: queries, its compressor update (ready: the event of
+    that update, queued beside by _comp_chain; None: here, after the queries), scores, top-k
+    (after: an event to wait for first, the projections of its rows and weights). qa: wq_a's
+    output, qr = q_norm(qa) or None (made here). Up to INDEX_ROPE_IN_SCORES tokens (kernel
+    path): the score kernel rotates the queries."""
     if after is not None:
         torch.cuda.current_stream(qa.device).wait_event(after)
     idx = attn.indexer
     raw = qa.shape[0] <= INDEX_ROPE_IN_SCORES and kernel_path(qa)
-
-    def compress() -> None:         # reads icomp and wraw (the projections) only
-        attn._decode_compress(idx.compressor, "index", icomp,
-                              wraw if isinstance(wraw, HeadWeights) else None, cache, pos, dtype)
-    ready = None
-    if INDEX_COMPRESS_BESIDE and qa.is_cuda and kernel_path(qa):
-        _, ready = beside(qa.device, "icomp", compress)
     qI, wI = idx.queries(attn.q_norm(qa) if qr is None else qr, wraw, pos, rotate=not raw)
-    if ready is None:
-        compress()
+    if ready is None:               # reads icomp and wraw (the projections) only
+        _index_compress(attn, icomp, wraw, cache, pos, dtype)
     else:                           # the scores read the pool it updated, and its head weights
         torch.cuda.current_stream(qa.device).wait_event(ready)
     return attn._select(qI, wI, cache, pos, q_rope=(idx.rope.inv_freq, idx.rope.rope_dim)

@@ -26,16 +26,21 @@ from backfit.runtime.distributed import all_reduce, get_tp_info
 from backfit.runtime.kernels import get_kernel_backend, kernel_path
 from backfit.runtime.layers import ColumnParallelLinear, Linear, RowParallelLinear
 
-__all__ = ["Expert", "Gate", "MoE", "SHARED_STREAM"]
+__all__ = ["Expert", "Gate", "MoE", "ROUTER_FIRST", "SHARED_STREAM"]
 
 SHARED_STREAM = True        # triton path on CUDA: the shared expert on a side stream
+# With it: the router queued before the shared expert's launches, which wait for x only
+# (streams.mark): the router, on the critical path, is launched first (else ~1 µs after the
+# hc_pre before it, behind the shared gate|up; the H100 trace of the TP-4 slice, 2026-12-07)
+ROUTER_FIRST = True
 
 
-def _shared_on_side(expert: nn.Module, x: torch.Tensor):
-    """expert(x) on the "moe" side stream (runtime/streams.py) -> (output, event after it); the
-    combine waits for the event, and `out` is read on the main stream only after that."""
+def _shared_on_side(expert: nn.Module, x: torch.Tensor, after=None):
+    """expert(x) on the "moe" side stream (runtime/streams.py; after: a streams.mark to wait
+    for instead of all the current stream queued) -> (output, event after it); the combine
+    waits for the event, and `out` is read on the main stream only after that."""
     from backfit.runtime.streams import beside
-    return beside(x.device, "moe", lambda: expert(x))
+    return beside(x.device, "moe", lambda: expert(x), after=after)
 
 
 class Expert(nn.Module):
@@ -158,11 +163,18 @@ class MoE(nn.Module):
         if get_kernel_backend() == "triton" and x.dtype == torch.bfloat16 and self.prepare_kernels():
             from backfit.runtime.kernels.moe import fused_moe
             tp1 = get_tp_info().size == 1                             # FP32 for the all-reduce
-            if SHARED_STREAM and x.is_cuda:
+            side = SHARED_STREAM and x.is_cuda
+            if side and ROUTER_FIRST:                    # the router launched first
+                from backfit.runtime.streams import mark
+                start = mark(x.device)
+                idx, w = self.gate.route(x, tokens)
+                shared, ready = _shared_on_side(self.shared_experts, x, after=start)
+            elif side:
                 shared, ready = _shared_on_side(self.shared_experts, x)
+                idx, w = self.gate.route(x, tokens)
             else:
                 shared, ready = self.shared_experts(x), None
-            idx, w = self.gate.route(x, tokens)
+                idx, w = self.gate.route(x, tokens)
             y = fused_moe(x, idx, w, *self.stacked, self.shared_experts.limit, shared=shared,
                           dtype=x.dtype if tp1 else torch.float32, shared_ready=ready,
                           pairs=pairs and tp1)
