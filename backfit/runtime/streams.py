@@ -66,8 +66,9 @@ def stream_counters(device: torch.device, n: int) -> torch.Tensor:
 def mark(device: torch.device) -> torch.cuda.Event:
     """An event recorded on the current stream now: a side chain queued later with
     beside(..., after=mark) waits for what the current stream had queued here only, so the
-    critical launch queued in between is launched first (a CUDA graph launches the nodes that
-    become ready together in the order they were captured: the first grabs the SMs)."""
+    critical launch queued in between is launched first (in a replayed CUDA graph the nodes that
+    become ready together start in the order they were captured, the step's trace shows, and
+    the first takes the SMs)."""
     ev = torch.cuda.Event()
     ev.record(torch.cuda.current_stream(device))
     return ev
