@@ -46,12 +46,16 @@ INDEX_ROPE_IN_SCORES = 8
 # decode attention reads, later); the scores wait for both. False: on the indexer chain, after
 # wq_b.
 INDEX_COMPRESS_BESIDE = True
-# The paged decode step on CUDA (SIDE_STREAMS, a layer with a compressor): the query path's wq_a|wkv
-# queued before the "comp" chain, which waits for the layer's input only (streams.mark). Both read
-# ~34 MB at TP 4 (12.6 and 21.1) as soon as the hc_pre before them ends; the one launched first
-# takes the SMs, and the "comp" projections, queued first, held wq_a|wkv back ~5-9 µs a layer
-# (the H100 trace of the slice, 2026-12-07). False: the "comp" chain queued first.
-QUERY_FIRST = True
+# The paged decode step on CUDA, at these batch sizes: the query path's launches queued before the
+# side chains that start with them, which wait for their inputs only (streams.mark): wq_a|wkv
+# before the "comp" chain (SIDE_STREAMS, a layer with a compressor), q_norm before the "kv" chain
+# (KV_BESIDE). wq_a|wkv and the "comp" projections read ~34 MB at TP 4 (12.6 and 21.1) as soon as
+# the hc_pre before them ends; the one launched first takes the SMs, and the "comp" projections,
+# queued first, held wq_a|wkv back ~5-9 µs a layer (the H100 trace of the slice, 2026-12-07).
+# H100, 43-layer TP-4 slice, bench_ab.py (2026-12-07, GPU time of the replay, three processes):
+# batch 1 -29.3 / -40.5 / -40.8 us, batch 8 +36.1 / -1.8 / +60.9 us. Elsewhere the side chains
+# are queued first.
+QUERY_FIRST = (1,)
 
 
 def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
@@ -63,7 +67,7 @@ def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tens
     side = None                     # (events, sel) of the chains queued beside the q path
     if SIDE_STREAMS and attn.compressor is not None and x.is_cuda \
             and kernel_path(x):    # the FP32 projections + the compressor on "comp"
-        start = mark(x.device) if QUERY_FIRST else None
+        start = mark(x.device) if T in QUERY_FIRST else None
         if start is not None:                                     # the critical launch first
             qa, kvx = attn._project_a(x)
         (comp, icomp, wraw, proj, iready), ev = beside(x.device, "comp", lambda: _comp_chain(
@@ -74,11 +78,16 @@ def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tens
     else:
         qa, kvx, comp, icomp, wraw = attn._project(x, pos, True)
     kv = kv_ready = None            # kv_ready: the event of the kv chain queued beside
-    if KV_BESIDE and x.is_cuda and kernel_path(x):
+    kv_side = KV_BESIDE and x.is_cuda and kernel_path(x)
+    projected = mark(x.device) if kv_side and T in QUERY_FIRST else None  # qa, kvx queued
+    if kv_side and projected is None:
         kv, kv_ready = beside(x.device, "kv", lambda: _kv_stored(attn, kvx, pos, cache))
     fold = T in Q_NORM_IN_WQ_B and attn.wq_b.norm_folds(qa)          # q_norm in wq_b
     indexed = attn.indexer is not None
     qr = None if fold and (side is not None or not indexed) else attn.q_norm(qa)
+    if projected is not None:       # the kv chain after the query's q_norm (QUERY_FIRST)
+        kv, kv_ready = beside(x.device, "kv", lambda: _kv_stored(attn, kvx, pos, cache),
+                              after=projected)
     if side is not None and indexed:                              # from qa on, beside wq_b
         sel, ev = beside(x.device, "index", lambda: _decode_select(
             attn, qa, qr, wraw, icomp, pos, cache, x.dtype, proj, iready))

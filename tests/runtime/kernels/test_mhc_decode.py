@@ -183,7 +183,7 @@ def test_pre_async_equals_pre(mods, T, d):
                                           part=p)
             assert (wait is None) == (DEV == "cpu")
             if wait is not None:
-                torch.cuda.current_stream().wait_event(wait[0])
+                dec.join(wait)
             assert torch.equal(got[0], want_u), norm is None
             assert all(torch.equal(a, b) for a, b in zip(got[1:], want[1:])), norm is None
 
@@ -368,7 +368,7 @@ def test_post_mix_runs_the_next_pre_in_its_last_programs(mods, T, d, bd_u, k, mo
     got = dec.hc_pre_async(out, fn, scale, base, ITERS, HC_EPS, NORM_EPS, norm=(w, RMS_EPS),
                            part=part, u=u)
     if got[3] is not None:
-        torch.cuda.current_stream().wait_event(got[3][0])
+        dec.join(got[3])
     assert launches == ["_collapse_norm_kernel"], launches       # post + M only
     assert got[0] is u and torch.equal(got[1], post_w) and torch.equal(got[2], M_w)
 

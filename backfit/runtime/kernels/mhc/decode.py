@@ -53,13 +53,18 @@ from backfit.runtime.kernels.pointwise import _pair_acc
 from backfit.runtime.streams import stream_counters
 
 __all__ = ["COLLAPSE", "COLLAPSE_U", "DECODE_FUSED", "FOLD", "FOLD_MAX_T", "NextPre",
-           "POST_COMBINE", "PRE_FOLD", "SINKHORN_STREAM", "collapse_config", "hc_head", "hc_post",
-           "hc_pre", "hc_pre_async", "post_bd"]
+           "POST_COMBINE", "PRE_FOLD", "SINKHORN_LAST", "SINKHORN_STREAM", "collapse_config",
+           "hc_head", "hc_post", "hc_pre", "hc_pre_async", "join", "post_bd"]
 
 DECODE_FUSED = True     # False: the model's decode path falls back to mhc's 4 launches
 POST_COMBINE = True     # the decode Block's MoE combine summed inside its hc_post (False: its
                         # own launch, pointwise.moe_combine)
 SINKHORN_STREAM = True  # hc_pre_async on CUDA: post / M on a side stream (False: in order)
+# With it: the Sinkhorn launch queued by the hc_post that joins it (after the sub-layer's
+# launches), still waiting for PART only (streams.mark): the sub-layer's first launch, on the
+# critical path, goes first (queued first, the Sinkhorn's one program started before the router
+# or wq_a|wkv and delayed them ~0.7 µs: the H100 trace of the TP-4 slice, 2026-12-07)
+SINKHORN_LAST = True
 # the decode Block's hc_pre ("attn": a layer's first, "ffn": its second) whose critical launch
 # the hc_post before it runs in its last programs (hc_post(pre=)); the others: their own launch
 PRE_FOLD = ("attn", "ffn")
@@ -321,9 +326,11 @@ def hc_pre_async(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     the sub-layer needs next, and post + M (the 20-pass Sinkhorn chain, ~4-5 µs of latency at
     T = 1) on the "mhc" side stream (runtime/streams.py) when SINKHORN_STREAM and X is on
     CUDA; only the hc_post after the sub-layer reads post / M: hc_post(..., wait=pending)
-    joins there. Each output comes from the same ops as hc_pre's (bit for bit). Elsewhere
-    (CPU, the interpreter) the two launches run in order and pending is None. u: the first
-    launch's output already made by hc_post(pre=) (with part): only post + M are launched."""
+    joins there (join(pending) elsewhere; with SINKHORN_LAST pending holds the Sinkhorn's
+    launch, which the join queues). Each output comes from the same ops as hc_pre's (bit for
+    bit). Elsewhere (CPU, the interpreter) the two launches run in order and pending is None.
+    u: the first launch's output already made by hc_post(pre=) (with part): only post + M are
+    launched."""
     core.check_pre(X, fn, scale, base, iters)
     X = X.contiguous()
     T, S, d = X.shape
@@ -336,21 +343,38 @@ def hc_pre_async(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
             torch.empty(T, S, dtype=torch.float32, device=X.device),
             torch.empty(T, S, S, dtype=torch.float32, device=X.device))
     args = (X, fn, scale, base, int(iters), hc_eps, norm_eps)
-    side = None
+    start = None
     if SINKHORN_STREAM and X.is_cuda and T:
-        from backfit.runtime.streams import fork
-        side = fork(X.device, "mhc")                            # PART is queued: fork here
+        from backfit.runtime.streams import fork, mark
+        start = mark(X.device)                                  # PART is queued
     if u is None:
         cu = collapse_config(T, COLLAPSE_U)
         _collapse_norm(*args, False, norm, part, cu["warps"], cu["bd"], outs=outs)  # gates + u
-    if side is None:
+    if start is None:
         _collapse_norm(*args, True, None, part, None, None, uout=False, outs=outs)
         return (*outs, None)
-    with torch.cuda.stream(side):
-        _collapse_norm(*args, True, None, part, None, None, uout=False, outs=outs)
-        done = torch.cuda.Event()
-        done.record(side)
-    return (*outs, (done, part))              # part, post, M stay referenced until the join
+
+    def sinkhorn():             # on "mhc" after PART; part, post, M referenced until the join
+        with torch.cuda.stream(fork(X.device, "mhc", after=start)):
+            _collapse_norm(*args, True, None, part, None, None, uout=False, outs=outs)
+            done = torch.cuda.Event()
+            done.record()
+        return done, part
+    return (*outs, _Deferred(sinkhorn) if SINKHORN_LAST else sinkhorn())
+
+
+class _Deferred(NamedTuple):
+    """hc_pre_async's pending with SINKHORN_LAST: the Sinkhorn's launch, queued by join."""
+    launch: object
+
+
+def join(pending, device: torch.device | None = None) -> None:
+    """The current stream (of `device`) waits for hc_pre_async's pending (post and M written),
+    queuing its deferred Sinkhorn launch first (SINKHORN_LAST); None: nothing to wait for."""
+    if isinstance(pending, _Deferred):
+        pending = pending.launch()
+    if pending is not None:
+        torch.cuda.current_stream(device).wait_event(pending[0])
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -385,12 +409,12 @@ def hc_post(f, X: torch.Tensor, post: torch.Tensor, M: torch.Tensor,
     f: [T, d], or a pointwise.PairSum (the MoE's pairs, summed here as moe_combine would; at
     tp > 1 one FP32 "pair", the all-reduced MoE output, rounded here as its .to(bf16) would).
     bd: d block (default post_bd). wait: hc_pre_async's pending (post / M from the side
-    stream): the current stream waits for it first. pre (with next_fn, a NextPre of the next
+    stream; join): the current stream waits for it first. pre (with next_fn, a NextPre of the next
     hc_pre with its RMSNorm): -> (out, PART, u), u = what that hc_pre's critical launch gives
     at d block bd_u (hc_pre_async(..., u=u) skips that launch); bd_u, warps: FOLD's defaults;
     past FOLD_MAX_T tokens u is None (the caller's hc_pre_async makes it)."""
     if wait is not None:
-        torch.cuda.current_stream(X.device).wait_event(wait[0])
+        join(wait, X.device)
     # a pointwise.PairSum (a NamedTuple; tested as a tuple, not by class: the tests re-import
     # kernel modules, and a re-imported pointwise makes a PairSum class of its own)
     pairs = f if isinstance(f, tuple) else None
