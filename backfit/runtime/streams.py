@@ -9,12 +9,13 @@ Users (triton path on CUDA only; the torch path and CPU never fork):
   model.attention the decode step's FP32 projections and compressor update ("comp", HCA /
                   CSA) and the CSA indexer chain ("index", after those projections: queries,
                   scores, top-k; its compressor update beside the queries on "icomp") beside
-                  the query path (wq_a|wkv, q_norm, wq_b, RoPE; wq_a|wkv launched before
-                  "comp", by mark / after=); decode attention joins both.
-                  Every layer: the token's kv
-                  (kv_norm + RoPE + ring store, "kv") beside q_norm / wq_b / the query RoPE
+                  the query path (wq_a|wkv, q_norm, wq_b, RoPE; at batch 1 wq_a|wkv launched
+                  before "comp", by mark / after=); decode attention joins both. Every layer:
+                  the token's kv (kv_norm + RoPE + ring store, "kv") beside q_norm / wq_b /
+                  the query RoPE (at batch 1 launched after q_norm)
   kernels.mhc.decode  the Sinkhorn of hc_pre (post, M: read only by the hc_post after the
-                  sub-layer) beside the critical u + RMSNorm launch; hc_post joins it
+                  sub-layer) beside the critical u + RMSNorm launch; hc_post queues it (after
+                  the sub-layer's launches, waiting for PART alone) and joins it
 Rules that keep the caching allocator safe without record_stream (which graph capture does not
 track): fork with side.wait_stream(main) AFTER the side chain's inputs are queued; every tensor
 the side chain reads or writes that main allocated stays referenced until main has waited on
@@ -78,9 +79,9 @@ def fork(device: torch.device, name: str, after: torch.cuda.Event | None = None
          ) -> torch.cuda.Stream:
     """side_stream(device, name), made to wait for everything queued on the current stream
     (after: for what it had queued when that mark() was taken. What it queued since must not
-    read a block a side chain allocated: freed, that block goes back to its side stream, and
-    this fork no longer orders the side chain's reuse of it after that read; the launches
-    between mark and fork in the model read main's own tensors and weights only)."""
+    read a block that this side stream allocated: freed, the block goes back to this stream,
+    and this fork no longer orders its reuse after that read. The launches between mark and
+    fork in the model read no block of the stream they fork)."""
     side = side_stream(device, name)
     if after is None:
         side.wait_stream(torch.cuda.current_stream(device))
