@@ -12,7 +12,12 @@ stream's kernel that overlaps it is not on the path). The path is cut into layer
 --per-layer-th --marker kernel (mHC's post_mix: two a decode layer, the attention's and the
 MoE's hc_post), after --skip markers; a layer's launches are those from one cut to the next.
 Prints each layer's launches and µs (span, and busy: the sum of its kernels' durations), then
-the median, min and max over the layers, and the kernels of the median layer.
+the median, min and max over the layers, and the kernels of the median layer. For each of
+those, its wait (its start less the previous one's end) and, where the wait passes --late µs,
+the kernels off the path that started after the previous one did and before it: launched
+ahead of it, they can hold its SMs or its launch slot (in a replayed graph the nodes that
+become ready together start in capture order), and the walk may have taken one of them for
+its dependency while the true one ended earlier.
 """
 
 from __future__ import annotations
@@ -69,6 +74,19 @@ def layers(path, marker: str, per: int, skip: int = 0) -> list[list[tuple[float,
     return [path[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
+def ahead(ev: list[tuple[float, float, str]], path: list[tuple[float, float, str]]
+          ) -> list[tuple[float, list[tuple[float, float, str]]]]:
+    """For each kernel of path: (its wait after the previous one ended, in µs (0 for the
+    first), the kernels of ev off the path that started after the previous one did and
+    before it)."""
+    on = {id(e) for e in path}
+    out = [(0.0, [])]
+    for prev, cur in zip(path, path[1:]):
+        out.append((cur[0] - prev[1],
+                    [e for e in ev if prev[0] <= e[0] < cur[0] and id(e) not in on]))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("trace")
@@ -76,6 +94,8 @@ def main() -> None:
     ap.add_argument("--marker", default="_post_mix_kernel")
     ap.add_argument("--per-layer", type=int, default=2)
     ap.add_argument("--skip", type=int, default=0)
+    ap.add_argument("--late", type=float, default=1.0,
+                    help="µs of wait past which the kernels started in it are named")
     a = ap.parse_args()
     ev = read_section(Path(a.trace).read_text(), a.section)
     path = critical_path(ev)
@@ -95,9 +115,10 @@ def main() -> None:
         print(f"{what:9s} a layer: median {statistics.median(v):.1f}, min {min(v):.1f}, "
               f"max {max(v):.1f}")
     med = sorted(range(len(rows)), key=lambda i: rows[i][1])[len(rows) // 2]
-    print(f"layer {med} (the median span), its kernels:")
-    for s, e, name in ls[med]:
-        print(f"  {e - s:6.1f}  {name[:80]}")
+    print(f"layer {med} (the median span), its kernels (µs: duration, wait before it):")
+    for (s, e, name), (wait, gap) in zip(ls[med], ahead(ev, ls[med])):
+        late = ", ".join(f"{n[:30]} {b - a:.1f}" for a, b, n in gap) if wait > a.late else ""
+        print(f"  {e - s:6.1f} {wait:5.1f}  {name[:60]}" + (f"  (ahead: {late})" if late else ""))
 
 
 if __name__ == "__main__":

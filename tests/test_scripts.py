@@ -145,6 +145,10 @@ def test_critical_path_walks_back_through_the_last_finished_kernel(tmp_path):
     assert path[:4] == ["_post_mix_kernel", "_a16_kernel", "_decode_kernel", "_post_mix_kernel"]
     ls = cp.layers(cp.critical_path(ev), "_post_mix_kernel", 2)
     assert [len(x) for x in ls] == [5, 3]
+    waits = cp.ahead(ev, ls[0])      # off the path, started after the previous one: ahead of it
+    assert [round(w, 1) for w, _ in waits] == [0.0, 0.6, 0.4, 0.4, 0.4]
+    assert [[n for _, _, n in g] for _, g in waits] == [
+        [], ["_gemv_kernel"], [], [], ["_swiglu_kernel"]]
 
 
 def test_bench_persistent_chain_matches_torch_launched_and_persistent(monkeypatch):
