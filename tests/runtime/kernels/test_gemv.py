@@ -119,9 +119,13 @@ def test_deterministic_and_zero_rows(gv):
 
 
 def test_every_table_config_runs(gv):
-    """Each GEMV_TABLE config (the H200 winners) on a small shape of its kind (BK capped at K)."""
+    """Each GEMV_TABLE config (the H200 winners) and each bf16 candidate of the cuda variant
+    (what bench_gemv.py sweeps for the FP32 projections) on a small shape of its kind (BK
+    capped at K; N 20 leaves a partial row block at BN 8)."""
     gen = torch.Generator().manual_seed(11)
     cfgs = {(e[0], tuple(sorted(e[4].items()))) for e in gv.GEMV_TABLE}
+    cfgs |= {("bf16", tuple(sorted(c.items()))) for c in gv.GEMV_CANDIDATES["bf16"]
+             if c["variant"] == "cuda" and c.get("STAGES", 1) == 1 and not c.get("PREFETCH")}
     assert cfgs
     with one_thread():
         for kind, items in sorted(cfgs):
