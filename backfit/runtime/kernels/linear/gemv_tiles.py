@@ -95,10 +95,12 @@ GEMV_CANDIDATES = {
              dict(variant=_F, BN=1, BK=4096, num_warps=8),
              dict(variant=_F, BN=8, BK=256, num_warps=4),
              dict(variant=_C, BN=1, BK=2048, num_warps=8, PREFETCH=True),        # not yet timed
-             # fewer programs for the CSA layer's 2,576-row FP32 projection, so that its grid
-             # fits the SMs in one wave and a later small launch finds a slot (not yet timed)
-             dict(variant=_C, BN=2, BK=4096, num_warps=8),
+             # fewer programs for the CSA layer's 2,576-row FP32 projection, so that a later small
+             # launch need not wait for its last blocks' dispatch (sm_80 ptxas: 64 registers, 4
+             # blocks an SM, 644 programs in 1.2 waves of an H100's 528; 168 registers, 3 an SM,
+             # 322 programs in one wave of 396); not yet timed
              dict(variant=_C, BN=4, BK=4096, num_warps=8),
+             dict(variant=_C, BN=8, BK=4096, num_warps=4),
              *(dict(variant=v, BN=bn, BK=bk, num_warps=4, STAGES=st)         # (as above)
                for v, bn, bk, st in ((_C, 1, 1024, 3), (_C, 1, 512, 4), (_C, 2, 512, 4),
                                      (_F, 1, 512, 4), (_F, 1, 1024, 3)))],
