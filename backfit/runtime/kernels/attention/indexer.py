@@ -191,16 +191,30 @@ def _scatter_ranked(SEL, OUT, b, c, k, n_out, key, live, rank, NEG_INF_KEY, K: t
     """The live keys of a chunk to their ranks (unique, < K kept), the other K slots empty
     (slots [#live, K)): FINAL -> their j in SEL[b, :k] (-1 empty), else the keys in OUT[b,
     chunk c] (the smallest int64 empty)."""
-    o = tl.arange(0, K)
-    cnt = tl.sum(live.to(tl.int32), axis=0)
+    _store_ranked(SEL, OUT, b, c, k, n_out, key, live, rank, NEG_INF_KEY, K, FINAL)
+    _store_empty(SEL, OUT, b, c, k, n_out, tl.sum(live.to(tl.int32), axis=0), K, FINAL)
+
+
+@triton.jit
+def _store_ranked(SEL, OUT, b, c, k, n_out, key, live, rank, NEG_INF_KEY, K: tl.constexpr,
+                  FINAL: tl.constexpr):
+    """_scatter_ranked's first half, for live keys of any shape (a row block's too)."""
     if FINAL:
         tl.store(SEL + b.to(tl.int64) * k + rank, _unpack(key, NEG_INF_KEY), mask=live & (rank < k))
+    else:
+        tl.store(OUT + b.to(tl.int64) * n_out + c * K + rank, key, mask=live & (rank < K))
+
+
+@triton.jit
+def _store_empty(SEL, OUT, b, c, k, n_out, cnt, K: tl.constexpr, FINAL: tl.constexpr):
+    """_scatter_ranked's second half: slots [cnt, K) of chunk c empty."""
+    o = tl.arange(0, K)
+    if FINAL:
         tl.store(SEL + b.to(tl.int64) * k + o, tl.full([K], -1, tl.int32),
                  mask=(o >= cnt) & (o < k))
     else:
-        out = OUT + b.to(tl.int64) * n_out + c * K
-        tl.store(out + rank, key, mask=live & (rank < K))
-        tl.store(out + o, tl.full([K], -9223372036854775807 - 1, tl.int64), mask=o >= cnt)
+        tl.store(OUT + b.to(tl.int64) * n_out + c * K + o,
+                 tl.full([K], -9223372036854775807 - 1, tl.int64), mask=o >= cnt)
 
 
 @triton.jit
@@ -228,19 +242,9 @@ def _rank_rows(IN, OUT, SEL, b, c, row, N, n_out, k, key, i, NEG_INF_KEY, r, K: 
                                other=float("-inf")), jc)                # [BJ]
             above = (kj[None, :] > kr[:, None]) & (kj >> 32 > NEG_INF_KEY)[None, :]
             rank += tl.sum(above.to(tl.int32), axis=1)
-        if FINAL:
-            tl.store(SEL + b.to(tl.int64) * k + rank, _unpack(kr, NEG_INF_KEY),
-                     mask=lr & (rank < k))
-        else:
-            tl.store(OUT + b.to(tl.int64) * n_out + c * K + rank, kr, mask=lr & (rank < K))
-    o = tl.arange(0, K)
+        _store_ranked(SEL, OUT, b, c, k, n_out, kr, lr, rank, NEG_INF_KEY, K, FINAL)
     if r == 0:
-        if FINAL:
-            tl.store(SEL + b.to(tl.int64) * k + o, tl.full([K], -1, tl.int32),
-                     mask=(o >= cnt) & (o < k))
-        else:
-            tl.store(OUT + b.to(tl.int64) * n_out + c * K + o,
-                     tl.full([K], -9223372036854775807 - 1, tl.int64), mask=o >= cnt)
+        _store_empty(SEL, OUT, b, c, k, n_out, cnt, K, FINAL)
 
 
 @triton.jit
