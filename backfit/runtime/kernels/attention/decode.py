@@ -10,9 +10,11 @@ int8 pools: q_int8 · scale (FP32, one per vector), rounded to the act dtype as 
 Scores s = (q·k)·D^-0.5 in FP32 (BF16 MMA: q and k are BF16 values, so every product is exact);
 p·V with p split into two BF16 halves (hi + lo, ~16 mantissa bits); online softmax with the
 sink only in the denominator: o = Σ e^(s-M) k / (Σ e^(s-M) + e^(sink-M)).
-Split-KV (small batches): each program handles one key range and writes (m, l, acc); a second
-kernel merges the splits and adds the sink (decode_attention's out_rope: and applies the inverse
-RoPE of the output path, storing the act dtype). With one split the first kernel finishes alone.
+Split-KV (small batches): each program handles one key range and writes (m, l, acc); the merge
+(kernels.attention.merge) adds the sink (decode_attention's out_rope: and applies the inverse
+RoPE of the output path, storing the act dtype), in a launch of its own or, out_rope with the
+whole grid on the SMs at once, in the same launch once every split has stored (MERGE_IN_DECODE).
+With one split the first kernel finishes alone.
 sparse_attention: the same kernel (PREFILL) for T queries of chunks (chunked prefill, mixed
 batches): query t of sequence seq[t] sees ring positions before its chunk's start and the
 chunk's own kv rows in flight (attention_torch.attend's keys), its HCA entries or CSA selection.
@@ -24,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from backfit.runtime.kernels.common import interpreted
+from backfit.runtime.kernels.attention import merge
+from backfit.runtime.kernels.common import interpreted, num_sms
+from backfit.runtime.streams import stream_counters
 
 __all__ = ["decode_attention", "sparse_attention", "decode_config"]
 
@@ -86,14 +90,22 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SE
                    INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
                    BN: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr,
                    EXACT: tl.constexpr, DT: tl.constexpr, PREFILL: tl.constexpr = False,
-                   LIVE: tl.constexpr = False):
+                   LIVE: tl.constexpr = False, CNT=None, F=None, OR=None, RR: tl.constexpr = 0,
+                   MP: tl.constexpr = 1, MERGE: tl.constexpr = 0):
     """Program (query b, head block, split): keys [split·CHUNK, +CHUNK) of window ++ compressed;
     LIVE: CHUNK from query b's own key count (its live keys in SPLIT even parts of whole tiles)
     instead of the host's, sized on the pools' capacity.
 
     Decode: query b is sequence b's one token. PREFILL: query b belongs to sequence SEQ[b] whose
     chunk starts at START[b] and at row b - (p - START[b]) of q/kv; window positions >= START[b]
-    come from kv (in flight), earlier ones from the ring."""
+    come from kv (in flight), earlier ones from the ring.
+    MERGE (split KV, decode): the splits of (b, head block) merged in this launch into OR as the
+    merge launch would (merge._merge_part; RR: its rotated lanes, MP: its pairs a part). Each
+    split counts its arrival in CNT[b, head block] (acq_rel); the last to arrive moves the count
+    to the next multiple of 64 (so the count needs no reset, whatever SPLIT the next launch
+    has). 1: each split merges part sp once the count has moved (a spin: the host launches it
+    only when the whole grid fits the SMs at once). 2: the last to arrive merges every part (the
+    interpreter, which runs programs one after another)."""
     b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hh = hb * BH + tl.arange(0, BH)
     h_ok = hh < H
@@ -166,70 +178,32 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SE
         tl.store(PM + row, m_i, mask=h_ok)
         tl.store(PL + row, l_i, mask=h_ok)
         tl.store(PO + row[:, None] * D + dd[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
+        if MERGE > 0:
+            tl.debug_barrier()                                  # every thread's partials stored
+            gate = CNT + b * tl.num_programs(1) + hb
+            old = tl.atomic_add(gate, 1, sem="acq_rel", scope="gpu")
+            base = old & -64                                    # this launch's epoch
+            last = (old & 63) == SPLIT - 1
+            if last:                                            # all stored: the next epoch
+                tl.atomic_add(gate, 64 - SPLIT, sem="release", scope="gpu")
+            if MERGE == 1:
+                cur = base + last.to(tl.int32) * 64
+                while cur == base:
+                    cur = tl.atomic_add(gate, 0, sem="acquire", scope="gpu") & -64
+                merge._merge_part(PO, PM, PL, SINK, POS, F, OR, b, hb, sp, H, D, RR, SPLIT, BH,
+                                  MP)
+            elif last:
+                for part in range(0, SPLIT):
+                    merge._merge_part(PO, PM, PL, SINK, POS, F, OR, b, hb, part, H, D, RR,
+                                      SPLIT, BH, MP)
 
 
-@triton.jit
-def _merge_kernel(PO, PM, PL, SINK, O, H, D: tl.constexpr, DP: tl.constexpr,
-                  SPLIT: tl.constexpr, SP: tl.constexpr):
-    """(b, h): o = Σ_s e^(m_s-M) acc_s / (Σ_s e^(m_s-M) l_s + e^(sink-M)), M = max(m_s, sink)."""
-    b, h = tl.program_id(0), tl.program_id(1)
-    row = (b.to(tl.int64) * H + h) * SPLIT
-    ss = tl.arange(0, SP)
-    s_ok = ss < SPLIT
-    dd = tl.arange(0, DP)
-    m = tl.load(PM + row + ss, mask=s_ok, other=-1e30)
-    l = tl.load(PL + row + ss, mask=s_ok, other=0.0)
-    acc = tl.load(PO + (row + ss[:, None]) * D + dd[None, :],
-                  mask=s_ok[:, None] & (dd < D)[None, :],
-                  other=0.0)                                            # [SP, DP]
-    sink = tl.load(SINK + h)
-    M = tl.maximum(tl.max(m, axis=0), sink)
-    a = tl.exp(m - M)
-    o = tl.sum(acc * a[:, None], axis=0) / (tl.sum(l * a, axis=0) + tl.exp(sink - M))
-    tl.store(O + (b.to(tl.int64) * H + h) * D + dd, o, mask=dd < D)
-
-
-@triton.jit
-def _merge_rope_kernel(PO, PM, PL, SINK, POS, F, O, H, D: tl.constexpr, R: tl.constexpr,
-                       SPLIT: tl.constexpr, SP: tl.constexpr, DH: tl.constexpr):
-    """_merge_kernel, then the inverse RoPE of _output (rope_norm._rope_kernel, SIGN -1) on the
-    merged o, stored in O's dtype: o is merged as even / odd lanes so the rotation pairs (2i,
-    2i+1) sit in registers; lanes before D - R are only rounded. Program (b, h, pair block):
-    DH pairs of the D/2 (a [SP, DH] tile per lane parity: at 20+ splits, the CSA layer's, a
-    whole head's [SP, D/2] spilled). Launched with FMA contraction off, as the rope kernel
-    (every product and sum rounded as torch does)."""
-    b, h = tl.program_id(0), tl.program_id(1)
-    row = (b.to(tl.int64) * H + h) * SPLIT
-    ss = tl.arange(0, SP)
-    s_ok = ss < SPLIT
-    i = tl.program_id(2) * DH + tl.arange(0, DH)                       # pair index
-    m = tl.load(PM + row + ss, mask=s_ok, other=-1e30)
-    l = tl.load(PL + row + ss, mask=s_ok, other=0.0)
-    base = PO + (row + ss[:, None]) * D + 2 * i[None, :]
-    acc_e = tl.load(base, mask=s_ok[:, None], other=0.0)                # [SP, DH] lanes 2i
-    acc_o = tl.load(base + 1, mask=s_ok[:, None], other=0.0)            # lanes 2i + 1
-    sink = tl.load(SINK + h)
-    M = tl.maximum(tl.max(m, axis=0), sink)
-    a = tl.exp(m - M)
-    den = tl.sum(l * a, axis=0) + tl.exp(sink - M)
-    oe = tl.sum(acc_e * a[:, None], axis=0) / den
-    oo = tl.sum(acc_o * a[:, None], axis=0) / den
-    oe = oe.to(O.dtype.element_ty).to(tl.float32)                       # rope's rounded inputs
-    oo = oo.to(O.dtype.element_ty).to(tl.float32)
-    rot = i >= (D - R) // 2                                             # pairs of the last R dims
-    j = tl.where(rot, i - (D - R) // 2, 0)
-    ang = tl.load(POS + b).to(tl.float64) * tl.load(F + j, mask=rot, other=0.0)
-    cos = tl.where(rot, tl.cos(ang).to(tl.float32), 1.0)
-    sin = tl.where(rot, -tl.sin(ang).to(tl.float32), 0.0)              # inverse: by -pos·f
-    re = oe * cos - oo * sin
-    ro = oe * sin + oo * cos
-    out = O + (b.to(tl.int64) * H + h) * D + 2 * i
-    tl.store(out, tl.where(rot, re, oe).to(O.dtype.element_ty))
-    tl.store(out + 1, tl.where(rot, ro, oo).to(O.dtype.element_ty))
-
-
-MERGE_PAIRS = 64      # _merge_rope_kernel: rotation pairs per program (D = 512: 4 programs a head)
-# most KV splits a decode program row gets: the merge's [SP, DH] tiles at SP = next_pow2(split).
+MERGE_PAIRS = 64      # merge._merge_rope_kernel: pairs per program (D = 512: 4 programs a head)
+# The split-KV merge + output de-rotation inside the decode launch (_decode_kernel's MERGE) where
+# the whole grid fits the SMs at once (batch 1 and 8 of a TP-4 rank); False: its own launch.
+# Not yet timed on a GPU: off until the slice's A/B (bench_ab.py) says it wins.
+MERGE_IN_DECODE = False
+# most KV splits a decode program row gets (each merged lane sums SPLIT partials).
 # H200 (bench_attention.py --merge, batch 1, 2026-12-01): the CSA layer's 20 splits (SP 32) cost
 # decode + merge 31.0 / 33.7 us at ctx 512 / 32K (the merge 19.5 us of it in the step's trace);
 # capped at 16 (-> 10 splits of 64 keys, SP 16) 20.5 / 21.1 us; window / HCA rows within noise
@@ -274,7 +248,8 @@ def decode_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode="wi
     -> o [B, H, D] FP32 (the torch path's attend output). out_rope = (inv_freq FP64 [r/2], r,
     dtype): o de-rotated by its position and rounded to dtype instead, = rope_norm.rope(o, pos,
     inv_freq, r, inverse=True, out_dtype=dtype) (Attention.post's first step); with split KV
-    it runs inside the merge launch (one launch fewer), else as that rope launch."""
+    it runs inside the merge (one launch fewer; the merge itself inside this launch where
+    MERGE_IN_DECODE says), else as that rope launch."""
     return sparse_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode, entries,
                             entry_scale, tables, ratio, sel, split=split, out_rope=out_rope)
 
@@ -329,46 +304,53 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
     o = torch.empty(B, H, D, dtype=torch.float32, device=dev)
     if B == 0:
         return o
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+    sms = num_sms(dev)
     cfg = decode_config(B, H, window + n_comp, sms, split, seq is not None)
-    S = cfg["SPLIT"]
-    po = torch.empty(B, H, S, D, dtype=torch.float32, device=dev) if S > 1 else o
-    pm = torch.empty(B, H, S, dtype=torch.float32, device=dev) if S > 1 else o
-    pl = torch.empty_like(pm) if S > 1 else o
-    dummy = ring_scale if int8 else sink
-    ent = entries if entries is not None else ring
-    grid = (B, triton.cdiv(H, cfg["BH"]), S)
-    _decode_kernel[grid](
-        q.contiguous(), kv.contiguous(), ring, dummy, slots.to(dev, torch.int32).contiguous(),
-        pos.to(dev).contiguous(), ent, entry_scale if int8 and entries is not None
-        else dummy, tables if tables is not None else slots, sel if sel is not None else slots,
-        sink.float().contiguous(), slots if seq is None else seq.to(dev, torch.int32).contiguous(),
-        slots if start is None else start.to(dev, torch.int32).contiguous(),
-        o, po, pm, pl, H, ring.shape[1],
-        tables.shape[1] if tables is not None else 0, n_sel, cfg["CHUNK"], D ** -0.5,
-        W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D,
-        DP=triton.next_power_of_2(D), BH=cfg["BH"], BN=cfg["BN"], SPLIT=S, F32=interpreted(),
-        EXACT=q.dtype == torch.float32, DT=_TL[q.dtype], PREFILL=seq is not None,
-        LIVE=LIVE_SPLIT, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+    S, BH = cfg["SPLIT"], cfg["BH"]
     if out_rope is not None:
         f, r, dt = out_rope
         if seq is not None or f.dtype != torch.float64 or f.shape != (r // 2,) or r % 2 \
                 or r > D or D & (D - 1):
             raise ValueError(f"decode_attention: out_rope = (FP64 inv_freq [r/2], even r <= D, "
                              f"dtype), decode only, D a power of 2; got r={r}, D={D}")
+    po = torch.empty(B, H, S, D, dtype=torch.float32, device=dev) if S > 1 else o
+    pm = torch.empty(B, H, S, dtype=torch.float32, device=dev) if S > 1 else o
+    pl = torch.empty_like(pm) if S > 1 else o
+    grid = (B, triton.cdiv(H, BH), S)
+    rot = None if out_rope is None or S == 1 else torch.empty(B, H, D, dtype=dt, device=dev)
+    merged = {}                     # the merge in this launch (MERGE_IN_DECODE; < 64 splits)
+    if rot is not None and MERGE_IN_DECODE and S < 64 and (interpreted()
+                                                          or B * grid[1] * S <= sms):
+        merged = dict(CNT=stream_counters(dev, B * grid[1], "epoch"), F=f.contiguous(), OR=rot,
+                      RR=r, MP=merge.merge_pairs(S, BH, D, S), MERGE=2 if interpreted() else 1)
+    dummy = ring_scale if int8 else sink
+    ent = entries if entries is not None else ring
+    sink = sink.float().contiguous()
+    pos = pos.to(dev).contiguous()
+    _decode_kernel[grid](
+        q.contiguous(), kv.contiguous(), ring, dummy, slots.to(dev, torch.int32).contiguous(),
+        pos, ent, entry_scale if int8 and entries is not None
+        else dummy, tables if tables is not None else slots, sel if sel is not None else slots,
+        sink, slots if seq is None else seq.to(dev, torch.int32).contiguous(),
+        slots if start is None else start.to(dev, torch.int32).contiguous(),
+        o, po, pm, pl, H, ring.shape[1],
+        tables.shape[1] if tables is not None else 0, n_sel, cfg["CHUNK"], D ** -0.5,
+        W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D,
+        DP=triton.next_power_of_2(D), BH=BH, BN=cfg["BN"], SPLIT=S, F32=interpreted(),
+        EXACT=q.dtype == torch.float32, DT=_TL[q.dtype], PREFILL=seq is not None,
+        LIVE=LIVE_SPLIT, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        enable_fp_fusion=out_rope is None, **merged)
     if out_rope is not None and S == 1:             # no merge launch: the rope kernel's own
         from backfit.runtime.kernels.rope_norm import rope
         return rope(o, pos, f, r, inverse=True, out_dtype=dt)
-    if out_rope is not None:
-        rot = torch.empty(B, H, D, dtype=dt, device=dev)
-        dh = min(D // 2, MERGE_PAIRS)                # D a power of 2: dh divides D / 2
-        _merge_rope_kernel[(B, H, D // 2 // dh)](
-            po, pm, pl, sink.float().contiguous(), pos.to(dev).contiguous(), f.contiguous(),
-            rot, H, D=D, R=r, SPLIT=S, SP=triton.next_power_of_2(S), DH=dh,
+    if rot is not None and not merged:
+        mp = min(BH * D // 2, MERGE_PAIRS)
+        merge._merge_rope_kernel[(B, grid[1], BH * D // 2 // mp)](
+            po, pm, pl, sink, pos, f.contiguous(), rot, H, D=D, R=r, SPLIT=S, BH=BH, MP=mp,
             enable_fp_fusion=False)
+    if rot is not None:
         return rot
     if S > 1:
-        _merge_kernel[(B, H)](po, pm, pl, sink.float().contiguous(), o, H, D=D,
-                              DP=triton.next_power_of_2(D), SPLIT=S, SP=triton.next_power_of_2(S))
+        merge._merge_kernel[(B, H)](po, pm, pl, sink, o, H, D=D, SPLIT=S,
+                                    DP=triton.next_power_of_2(D // 2))
     return o
