@@ -178,6 +178,29 @@ class FusedProjection:
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16):
         return self.joint(x, out_dtype).split(self.sizes, dim=-1)
 
+    def norm_folds(self, x: torch.Tensor) -> bool:
+        """Whether normed(x, norm) runs as one launch (kernels.linear.gemv's cuda variant
+        takes the joint shape at x's rows: kernels.linear.norm_fold)."""
+        from backfit.runtime.kernels.linear import GEMV_MAX_M, norm_fold
+        M = x.numel() // x.shape[-1]
+        return x.dtype == torch.bfloat16 and 0 < M <= GEMV_MAX_M and norm_fold(
+            M, *self.weight.shape, self.scheme == "int8_g128")
+
+    def normed(self, x: torch.Tensor, norm: "RMSNorm") -> tuple:
+        """(*self(x), norm(first member's output)) in one launch where norm_folds(x): the
+        launch's last program runs the RMSNorm (rope_norm's ops, the same bits); else the
+        norm's own launch after it."""
+        if not self.norm_folds(x):
+            out = self(x)
+            return (*out, norm(out[0]))
+        if norm.weight.shape != (self.sizes[0],):
+            raise ValueError(f"FusedProjection.normed: a norm of the first member's "
+                             f"{self.sizes[0]} outputs, got {list(norm.weight.shape)}")
+        from backfit.runtime.kernels.linear import gemv_linear
+        y, yn = gemv_linear(x, self.weight, self.scale, self.scheme,
+                            out_norm=(norm.weight, norm.eps))
+        return (*y.split(self.sizes, dim=-1), yn)
+
 
 class ColumnParallelLinear(Linear):
     """Output dim split across ranks: y_local = x @ W_r^T, [.., out/tp]; no communication."""

@@ -75,3 +75,33 @@ def test_index_compress_beside_matches_the_chain_in_order(tiny_converted, tp1_pr
             assert torch.equal(got, want), (n, k, prefill)
             assert prefill or ran, (n, k)                    # the side stream really ran
     assert names.count("icomp") and "index" in names
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_q_norm_in_wq_a_matches_its_own_launch(tiny_converted, tp1_process, monkeypatch):
+    """Q_NORM_IN_WQ_A: q_norm run by the wq_a|wkv launch's last program (a GEMV_TABLE row for the
+    tiny model's joint shape, on the cuda variant, added here) gives the step's logits of q_norm's
+    own launch bit for bit at batch 1 and 2, and really folds (fewer rms_norm launches)."""
+    from backfit.runtime.kernels.linear import gemv
+    from backfit.runtime.kernels import rope_norm
+    on, off = twin_runners(tiny_converted)
+    attn = on.model.layers[0].attn
+    N, K = attn.wq_a.out_features + attn.wkv.out_features, attn.wq_a.in_features
+    monkeypatch.setattr(gemv, "GEMV_TABLE", [("int8", (N, N), (K, K), (1, 2),
+                                              dict(variant="cuda", BN=4, BK=128, num_warps=4))]
+                        + gemv.GEMV_TABLE)
+    dec = importlib.import_module("backfit.runtime.model.attention_decode")
+    norms, real = [], rope_norm.rms_norm
+    monkeypatch.setattr(rope_norm, "rms_norm", lambda *a, **k: norms.append(1) or real(*a, **k))
+
+    def forward(runner, step, sizes) -> tuple[torch.Tensor, int]:
+        monkeypatch.setattr(dec, "Q_NORM_IN_WQ_A", sizes)
+        n0 = len(norms)
+        return runner.forward(step).logits.float(), len(norms) - n0
+    g = torch.Generator().manual_seed(9)
+    for n in (1, 2):
+        for k, (prefill, step) in enumerate(prefill_then_decode(n, g)):
+            (got, n_on), (want, n_off) = forward(on, step, (1, 2)), forward(off, step, ())
+            assert torch.equal(got, want), (n, k, prefill)
+            assert prefill or n_on < n_off, (n, k, n_on, n_off)      # the fold really ran

@@ -91,19 +91,27 @@ class Attention(nn.Module):
                     self.indexer.weights_proj]
         self.fused_f32 = FusedProjection.fuse(f32) if f32 else None
 
-    def _project(self, x: torch.Tensor, pos: torch.Tensor, decode_step: bool = False):
+    def _project(self, x: torch.Tensor, pos: torch.Tensor, decode_step: bool = False,
+                 q_norm: bool = False):
         """x [T, d] -> wq_a x, wkv x (act dtype), compressor (c, z), indexer compressor (c, z)
         and weights_proj x (bf16-rounded, FP32), the last three None where the layer has none.
         decode_step (the paged kernels' decode step follows) with fused projections and
         compressor.FUSED_DECODE: (c, z) are ProjectedRows (z without its ape row) and the weights
-        a HeadWeights, both formed inside the decode step's compressor kernels."""
-        return (*self._project_a(x), *self._project_f32(x, pos, decode_step))
+        a HeadWeights, both formed inside the decode step's compressor kernels. q_norm: the
+        third item is _project_a's q_norm(wq_a x) or None."""
+        return (*self._project_a(x, q_norm), *self._project_f32(x, pos, decode_step))
 
-    def _project_a(self, x: torch.Tensor):
-        """x [T, d] -> (wq_a x, wkv x), act dtype (one fused launch on the kernel path)."""
+    def _project_a(self, x: torch.Tensor, q_norm: bool = False):
+        """x [T, d] -> (wq_a x, wkv x), act dtype (one fused launch on the kernel path); q_norm:
+        -> (wq_a x, wkv x, q_norm(wq_a x)), the norm inside that launch where it folds
+        (FusedProjection.normed), else None for the caller's own q_norm launch."""
         if kernel_path(x) and x.dtype == torch.bfloat16 and self.fused_a is not None:
-            return self.fused_a(x)
-        return self.wq_a(x), self.wkv(x)
+            if q_norm and self.fused_a.norm_folds(x):
+                return self.fused_a.normed(x, self.q_norm)
+            out = self.fused_a(x)
+        else:
+            out = self.wq_a(x), self.wkv(x)
+        return (*out, None) if q_norm else out
 
     def _project_f32(self, x: torch.Tensor, pos: torch.Tensor, decode_step: bool = False):
         """x [T, d] -> _project's compressor rows, indexer compressor rows, weights_proj x."""

@@ -15,7 +15,7 @@ from backfit.runtime.model.compressor import HeadWeights
 from backfit.runtime.streams import beside, mark
 
 __all__ = ["INDEX_COMPRESS_BESIDE", "INDEX_ROPE_IN_SCORES", "KV_BESIDE", "QUERY_FIRST",
-           "Q_NORM_IN_WQ_B", "SIDE_STREAMS", "decode_step"]
+           "Q_NORM_IN_WQ_A", "Q_NORM_IN_WQ_B", "SIDE_STREAMS", "decode_step"]
 
 # The paged decode step on CUDA (triton path): the compressor update and the CSA indexer chain
 # run on side streams beside the query path (runtime/streams.py); False: all in order.
@@ -33,6 +33,12 @@ KV_BESIDE = True
 # e2655d5) read -20.3 / -3.2 us at batch 1 on the H200 (2026-12-07): noise, for a q rounded
 # differently from the torch path's; removed.
 Q_NORM_IN_WQ_B = (2,)
+# The paged decode step on the triton path, at these batch sizes: q_norm run by the last program
+# of the wq_a|wkv launch (FusedProjection.normed, where kernels.linear.gemv's cuda variant takes
+# that shape: a TP-4 rank at batch 1-2), not a launch of its own that waits for SMs behind the
+# "comp" projection (4.0 µs in the CSA layer's trace, 2026-12-07); the same bits (rope_norm's
+# ops); before Q_NORM_IN_WQ_B. Not yet timed on a GPU: off until the slice's A/B says it wins.
+Q_NORM_IN_WQ_A = ()
 # The paged decode step on the triton path, up to this batch size: the CSA indexer's query RoPE
 # inside its score kernel (kernels.attention.indexer_scores q_rope), not a launch of its own
 # before it; 0: off. H200, 43-layer TP-4 slice, mx4 experts, bench_ab.py (2026-12-07, GPU time of
@@ -69,22 +75,23 @@ def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tens
             and kernel_path(x):    # the FP32 projections + the compressor on "comp"
         start = mark(x.device) if T in QUERY_FIRST else None
         if start is not None:                                     # the critical launch first
-            qa, kvx = attn._project_a(x)
+            qa, kvx, qr = _project_q(attn, x, T)
         (comp, icomp, wraw, proj, iready), ev = beside(x.device, "comp", lambda: _comp_chain(
             attn, x, pos, cache), after=start)
         if start is None:
-            qa, kvx = attn._project_a(x)
+            qa, kvx, qr = _project_q(attn, x, T)
         side = ([ev], None)
     else:
-        qa, kvx, comp, icomp, wraw = attn._project(x, pos, True)
+        qa, kvx, qr, comp, icomp, wraw = attn._project(x, pos, True, q_norm=T in Q_NORM_IN_WQ_A)
     kv = kv_ready = None            # kv_ready: the event of the kv chain queued beside
     kv_side = KV_BESIDE and x.is_cuda and kernel_path(x)
     projected = mark(x.device) if kv_side and T in QUERY_FIRST else None  # qa, kvx queued
     if kv_side and projected is None:
         kv, kv_ready = beside(x.device, "kv", lambda: _kv_stored(attn, kvx, pos, cache))
-    fold = T in Q_NORM_IN_WQ_B and attn.wq_b.norm_folds(qa)          # q_norm in wq_b
+    fold = qr is None and T in Q_NORM_IN_WQ_B and attn.wq_b.norm_folds(qa)  # q_norm in wq_b
     indexed = attn.indexer is not None
-    qr = None if fold and (side is not None or not indexed) else attn.q_norm(qa)
+    if qr is None and not (fold and (side is not None or not indexed)):
+        qr = attn.q_norm(qa)
     if projected is not None:       # the kv chain after the query's q_norm (QUERY_FIRST)
         kv, kv_ready = beside(x.device, "kv", lambda: _kv_stored(attn, kvx, pos, cache),
                               after=projected)
@@ -99,6 +106,14 @@ def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tens
         index = (*attn.indexer.queries(qr, wraw, pos), icomp)
     o = attn._kernels(q, kv, pos, batch, cache, comp, index, side, kv_ready)
     return attn.post(o, pos, x.dtype)
+
+
+def _project_q(attn, x: torch.Tensor, T: int) -> tuple:
+    """(wq_a x, wkv x, q_norm(wq_a x) where it runs in that launch (Q_NORM_IN_WQ_A), else
+    None)."""
+    if T in Q_NORM_IN_WQ_A:
+        return attn._project_a(x, q_norm=True)
+    return (*attn._project_a(x), None)
 
 
 def _kv_stored(attn, kvx: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:

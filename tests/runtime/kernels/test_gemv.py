@@ -280,3 +280,75 @@ def test_linear_forward_normed_folds_where_the_table_says(gv, monkeypatch):
         assert not calls
         want = lin(norm(x))
         assert calls and rel(y, want) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("quant", [True, False], ids=["int8_g128", "bf16"])
+def test_out_norm_equals_the_norm_launch_after(gv, quant):
+    """launch(out_norm=): the launch's last program RMS-normalises y's first n outputs, equal bit
+    for bit to rope_norm.rms_norm of them (its ops on one tile, the same 4 warps), y unchanged,
+    the arrival counter left 0; 10 programs (BN 4) and 1, 2, 5 rows; on a GPU also wq_a|wkv of
+    DeepSeek-V4-Flash (q_norm of 1,024 of 1,536 rows, K 4,096) at the table's M = 1 and 2 tiles.
+    Bad arguments: one-line errors."""
+    from backfit.runtime.streams import stream_counters
+    rn = kernel_module("rope_norm", "_rms_kernel", INTERPRET)
+    gen = torch.Generator().manual_seed(21)
+    runs = [(40, 24, 256, dict(BN=4, BK=256, num_warps=4), (1, 2, 5))]
+    if not INTERPRET:
+        runs += [(1536, 1024, 4096, gv.gemv_config(m, 1536, 4096, quant), (m,)) for m in (1, 2)]
+    for N, n, k, cfg, ms in runs:
+        w, s, _ = weights(N, k, quant, gen)
+        if not quant:
+            cfg = {a: b for a, b in cfg.items() if a != "MAGIC"}
+        nw = (torch.rand(n, generator=gen) + 0.5).to(DEV)
+        with one_thread():
+            for m in ms:
+                x = (torch.randn(m, k, generator=gen) * 2).bfloat16().to(DEV)
+                y, yn = gv.launch(x, w, s, quant, torch.bfloat16, config=cfg,
+                                  out_norm=(nw, 1e-6))
+                assert torch.equal(y, gv.launch(x, w, s, quant, torch.bfloat16, config=cfg))
+                assert yn.shape == (m, n)
+                assert torch.equal(yn, rn.rms_norm(y[:, :n], nw, 1e-6)), (N, m, cfg)
+                assert not stream_counters(torch.device(DEV), 1)[:1].any()
+    x = x[:1]
+    with pytest.raises(ValueError, match="out_norm= needs"):
+        gv.launch(x, w, s, quant, torch.bfloat16, config=dict(variant="fma", BN=2, BK=128),
+                  out_norm=(nw, 1e-6))
+    with pytest.raises(ValueError, match="out_norm= needs"):
+        gv.launch(x, w, s, quant, torch.float32, config=cfg, out_norm=(nw, 1e-6))
+    with pytest.raises(ValueError, match="out_norm= needs"):
+        gv.launch(x, w, s, quant, torch.bfloat16, config=cfg,
+                  out_norm=(torch.ones(N + 1, device=DEV), 1e-6))
+
+
+def test_fused_projection_normed_folds_where_the_table_says(gv, monkeypatch):
+    """FusedProjection.normed: (*members' outputs, norm(first member's)) in one _gemv_kernel
+    launch (no norm launch) at a GEMV_TABLE shape of the cuda variant, equal to the two launches
+    bit for bit; without a row, the norm's own launch."""
+    import backfit.runtime.kernels as pkg
+    from backfit.runtime.layers import FusedProjection, Linear, RMSNorm
+    rn = kernel_module("rope_norm", "_rms_kernel", INTERPRET)
+    gen = torch.Generator().manual_seed(8)
+    a, b = Linear(256, 24), Linear(256, 16)
+    for lin in (a, b):
+        q, s, _ = weights(lin.out_features, 256, True, gen)
+        lin.load("int8_g128", q, s)
+    norm = RMSNorm(24, 1e-6)
+    norm.weight = (torch.rand(24, generator=gen) + 0.5).to(DEV)
+    fused = FusedProjection.fuse([a, b])
+    x = torch.randn(1, 256, generator=gen).bfloat16().to(DEV)
+    monkeypatch.setattr(pkg, "_backend", "triton")
+    monkeypatch.setattr(pkg, "_ANY_DEVICE", True)
+    monkeypatch.setattr(gv, "GEMV_TABLE", [("int8", (40, 40), (256, 256), (1, 1),
+                                            dict(variant="cuda", BN=4, BK=256))])
+    assert fused.norm_folds(x) and not fused.norm_folds(torch.cat([x, x]))   # M = 2: no row
+    calls, real = [], rn.rms_norm
+    monkeypatch.setattr(rn, "rms_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with one_thread():
+        qa, kv, qr = fused.normed(x, norm)
+        assert not calls
+        want = fused.normed(torch.cat([x, x]), norm)                 # no row: the norm launch
+        assert calls
+    assert torch.equal(qa, want[0][:1]) and torch.equal(kv, want[1][:1])
+    assert torch.equal(qr, want[2][:1])
+    with pytest.raises(ValueError, match="first member"):
+        fused.normed(x, RMSNorm(16, 1e-6))

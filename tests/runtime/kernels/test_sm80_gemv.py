@@ -41,6 +41,10 @@ def _configs() -> list[tuple[str, dict, int]]:
     for e in gemv.GEMV_TABLE:
         if e[0] == "int8" and e[2] == (1024, 1024) and e[4]["variant"] == "cuda":
             out.append(("int8", dict(e[4], NORM=True), e[3][1]))
+    # launch(out_norm=) (q_norm in wq_a|wkv's GEMV): the table's cuda rows of its shape
+    for e in gemv.GEMV_TABLE:
+        if e[0] == "int8" and e[1] == (1536, 1536) and e[4]["variant"] == "cuda":
+            out.append(("int8", dict(e[4], ONORM=True), e[3][1]))
     return out
 
 
@@ -67,6 +71,9 @@ def compile_all() -> list[dict]:
         if cfg.get("NORM"):
             types.update(NW="*fp32", eps="fp32")
             const.update(NORM=True)
+        if cfg.get("ONORM"):
+            types.update(ONW="*fp32", ONY="*bf16", CNT="*i32", on_n="i32", on_eps="fp32")
+            const.update(ONORM=True, ONB=1024)
         r = _compile(fn, types, const, opts, ("N", "K", "stride_xm"))
         # the same source again (a cache hit) for the PTX: int -> float conversions
         sig = {a: types.get(a, "constexpr") for a in fn.arg_names}
@@ -96,7 +103,8 @@ def test_gemv_compiles_for_sm80():
             # (STAGES > 1 puts it there on purpose: cp.async buffers, bounded above)
             assert r["shared"] <= 2048, f"{name}: {r['shared']} B shared (a layout change?)"
         if r["config"]["QUANT"] and r["config"]["MAGIC"]:   # (norm: mean(x²) = Σ / float(K))
-            assert r["i2f"] == int(r["config"].get("NORM", 0)), f"{name}: MAGIC still converts"
+            norms = int(r["config"].get("NORM", 0)) + int(r["config"].get("ONORM", 0))
+            assert r["i2f"] == norms, f"{name}: MAGIC still converts"
         elif r["config"]["QUANT"]:
             assert r["i2f"] > 0, f"{name}: no int8 -> fp32 cvt found (the check is blind)"
 

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from backfit.formats import INT8_GROUP
 from backfit.runtime.kernels.linear.gemv_tiles import GEMV_CANDIDATES, GEMV_TABLE
+from backfit.runtime.streams import stream_counters
 
 __all__ = ["GEMV_CANDIDATES", "GEMV_MAX_M", "GEMV_TABLE", "check_linear", "gemv", "gemv_config",
            "gemv_grouped", "gemv_lookup", "launch", "norm_fold"]
@@ -55,7 +56,8 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
                  MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  V8: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                  STAGES: tl.constexpr = 1, GROUP_N: tl.constexpr = 0, NW=None, eps=0.0,
-                 NORM: tl.constexpr = False):
+                 NORM: tl.constexpr = False, ONW=None, ONY=None, CNT=None, on_n=0, on_eps=0.0,
+                 ONORM: tl.constexpr = False, ONB: tl.constexpr = 16):
     """Rows [pid·BN, +BN) of y [M, N] = x [M, K] @ W [N, K]^T over all K, all M (<= MP) rows.
     V8: 8-element column runs (x and an int8 W tile in one layout, no shared-memory layout
     change; 8 B int8 loads). PREFETCH (EVEN_K only): the next K step's weights are loaded
@@ -63,7 +65,9 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
     gemv_grouped): rows n read x's K inputs of group n // GROUP_N. NORM: x's rows RMS-normalised
     first, x·rsqrt(mean(x²) + eps)·NW rounded to bf16 (rope_norm._rms_kernel's ops; its Σx² in
     another order, from a first pass over K: the form that reduced the loaded tile of a one-step
-    K loop instead lost too, model.attention)."""
+    K loop instead lost too, model.attention). ONORM: the last program to arrive (CNT, acq_rel;
+    reset to 0) RMS-normalises the first on_n (<= ONB) outputs of each row of y into ONY [M,
+    on_n] with weight ONW, as rope_norm._rms_kernel does (its ops on one [ONB] tile)."""
     G: tl.constexpr = BK // 128
     pid = tl.program_id(0)
     X = X + _group_offset(pid, K, BN, GROUP_N)
@@ -123,6 +127,19 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
             acc = tl.where(rm[:, None] == m, acc + part[None, :], acc)       # row m of [MP, BN]
     mask = (rm < M)[:, None] & n_ok[None, :]
     tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+    if ONORM:
+        tl.debug_barrier()                                  # every thread's y stored
+        if tl.atomic_add(CNT, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            tl.store(CNT, 0)                                # ready for the next launch
+            c = tl.arange(0, ONB)
+            for m in tl.static_range(MP):
+                ok = (c < on_n) & (tl.full([ONB], m, tl.int32) < M)
+                xo = tl.load(Y + m * N + c, mask=ok, other=0.0,
+                             cache_modifier=".cg").to(tl.float32)     # other programs' rows
+                inv_o = tl.math.rsqrt(tl.sum(xo * xo, axis=0) / on_n + on_eps)
+                yo = xo * inv_o
+                yo = yo * tl.load(ONW + c, mask=ok, other=0.0)
+                tl.store(ONY + m * on_n + c, yo.to(ONY.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -263,18 +280,22 @@ def check_linear(who: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.T
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scheme: str,
          config: dict | None = None, out_dtype: torch.dtype = torch.bfloat16,
-         norm: tuple | None = None) -> torch.Tensor:
+         norm: tuple | None = None, out_norm: tuple | None = None):
     """x [..., K] bf16 (M = prod(...) <= GEMV_MAX_M rows) @ weight [N, K]^T -> [..., N] out_dtype,
     for scheme int8_g128 | bf16 | copy (bf16 weight); the semantics of gemm.linear's a16 path.
     config: overrides of gemv_config (variant, BN, BK, MAGIC, num_warps, num_stages, STAGES: the
     K loop's cp.async depth, 1 = none; cuda: V8, PREFETCH); BK is capped at K rounded up to a
-    power of two. norm: launch's (RMSNorm(x) first, in the launch)."""
+    power of two. norm: launch's (RMSNorm(x) first, in the launch). out_norm: launch's; then
+    -> (y, RMSNorm of y's first n outputs [..., n])."""
     quant = check_linear("gemv", x, weight, scale, scheme, out_dtype)
     K = weight.shape[1]
     x2 = x.reshape(-1, K)
-    return launch(x2 if x2.stride(1) == 1 else x2.contiguous(), weight.contiguous(),
-                  scale.contiguous() if quant else None, quant, out_dtype,
-                  config, norm=norm).reshape(*x.shape[:-1], weight.shape[0])
+    out = launch(x2 if x2.stride(1) == 1 else x2.contiguous(), weight.contiguous(),
+                 scale.contiguous() if quant else None, quant, out_dtype,
+                 config, norm=norm, out_norm=out_norm)
+    if out_norm is None:
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out[0].reshape(*x.shape[:-1], weight.shape[0]), out[1].reshape(*x.shape[:-1], -1)
 
 
 def gemv_grouped(x: torch.Tensor, weight: torch.Tensor, group: int,
@@ -306,19 +327,33 @@ def norm_fold(M: int, N: int, K: int, quant: bool) -> bool:
 
 def launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, quant: bool,
            out_dtype: torch.dtype, config: dict | None = None, group: int = 0,
-           norm: tuple | None = None) -> torch.Tensor:
+           norm: tuple | None = None, out_norm: tuple | None = None):
     """gemv on checked arguments (check_linear; gemm.linear's route here): x2 [M, K] with unit
     stride in K, contiguous weight (and scale) -> [M, N]. group > 0: gemv_grouped's (x2 [M,
     N/group·K], each program's BN rows inside one group). norm = (weight [K] fp32, eps), cuda
-    variant only: y = RMSNorm(x2) @ W^T, the norm (layers.RMSNorm, bf16 out) in the launch."""
+    variant only: y = RMSNorm(x2) @ W^T, the norm (layers.RMSNorm, bf16 out) in the launch.
+    out_norm = (weight [n] fp32, eps), n <= N, cuda variant, bf16 y: -> (y, RMSNorm(y[:, :n])
+    [M, n] bf16), the norm run by the launch's last program (an attention's q_norm after its
+    wq_a|wkv)."""
     M, (N, K) = x2.shape[0], weight.shape
     if M > GEMV_MAX_M:
         raise ValueError(f"gemv: at most {GEMV_MAX_M} rows, got {M} (use gemm.linear)")
     y = torch.empty(M, N, dtype=out_dtype, device=x2.device)
-    if M == 0 or N == 0:
-        return y
     cfg = {**gemv_config(M, N, K, quant), **(config or {})}
     variant = cfg.get("variant", "cuda")
+    onorm = {}
+    if out_norm is not None:
+        w, eps = out_norm
+        n = w.shape[0] if w.dim() == 1 else -1
+        if variant != "cuda" or group or w.dtype != torch.float32 or not 0 < n <= N \
+                or out_dtype != torch.bfloat16 or w.device != x2.device:
+            raise ValueError(f"gemv: out_norm= needs the cuda variant, no group, bf16 output and "
+                             f"an fp32 [n <= {N}] weight on {x2.device}")
+        ony = torch.empty(M, n, dtype=out_dtype, device=x2.device)
+        onorm = dict(ONW=w.contiguous(), ONY=ony, CNT=stream_counters(x2.device, 1), on_n=n,
+                     on_eps=float(eps), ONORM=True, ONB=triton.next_power_of_2(n))
+    if M == 0 or N == 0:
+        return y if out_norm is None else (y, ony)
     opts = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1))
     grid = (triton.cdiv(N, cfg["BN"]),)
     s_arg = scale if quant else weight
@@ -344,7 +379,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, q
         _gemv_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), **const,
                            V8=bool(cfg.get("V8", False)),
                            PREFETCH=bool(cfg.get("PREFETCH", False)) and K % bk == 0, **opts,
-                           **nrm)
+                           **nrm, **onorm)
     else:
         _gemv_fma_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), **const, **opts)
-    return y
+    return y if out_norm is None else (y, ony)
