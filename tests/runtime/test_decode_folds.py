@@ -105,3 +105,35 @@ def test_q_norm_in_wq_a_matches_its_own_launch(tiny_converted, tp1_process, monk
             (got, n_on), (want, n_off) = forward(on, step, (1, 2)), forward(off, step, ())
             assert torch.equal(got, want), (n, k, prefill)
             assert prefill or n_on < n_off, (n, k, n_on, n_off)      # the fold really ran
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_joint_wq_b_matches_the_two_launches(tiny_converted, tp1_process, monkeypatch):
+    """WQ_B_JOINT: a CSA layer's wq_b and its indexer's as one launch (rows of one weight, the
+    indexer chain forked after it) give the step of the two launches: the same greedy tokens and
+    logits within the linears' FP32 summation order (their tiles differ by shape), and the joint
+    launch really runs at batch 1 only."""
+    from backfit.runtime.layers import FusedProjection
+    on, off = twin_runners(tiny_converted)
+    dec = importlib.import_module("backfit.runtime.model.attention_decode")
+    joints = {id(layer.attn.fused_b) for layer in on.model.layers} - {id(None)}
+    assert joints                                                    # CSA layers fused their wq_b
+    calls, real = [], FusedProjection.__call__
+    monkeypatch.setattr(FusedProjection, "__call__", lambda self, x, *a: calls.append(
+        id(self) in joints) or real(self, x, *a))
+
+    def forward(runner, step, sizes) -> torch.Tensor:
+        monkeypatch.setattr(dec, "WQ_B_JOINT", sizes)
+        return runner.forward(step).logits.float()
+    g = torch.Generator().manual_seed(11)
+    for n in (1, 2):
+        for k, (prefill, step) in enumerate(prefill_then_decode(n, g)):
+            n0 = sum(calls)
+            got = forward(on, step, (1,))
+            joined = sum(calls) - n0
+            want = forward(off, step, ())
+            rel = ((got - want).norm() / want.norm()).item()
+            assert rel < 1e-2 and torch.equal(got.argmax(-1), want.argmax(-1)), (n, k, rel)
+            if not prefill:
+                assert (joined > 0) == (n == 1), (n, k, joined)

@@ -75,14 +75,18 @@ class Attention(nn.Module):
         self.compressor = (Compressor(d, D, ratio, ratio == 4, cfg.rms_norm_eps, self.rope)
                            if ratio else None)
         self.indexer = Indexer(cfg, self.rope) if ratio == 4 else None
-        self.fused_a = self.fused_f32 = None          # FusedProjection (prepare_kernels)
+        self.fused_a = self.fused_f32 = self.fused_b = None   # FusedProjection (prepare_kernels)
 
     def prepare_kernels(self) -> None:
         """Post-load step of the triton path: the projections of x as two launches, wq_a|wkv
-        (act dtype) and the compressors' wkv|wgate with the indexer's weights_proj (FP32 out)."""
+        (act dtype) and the compressors' wkv|wgate with the indexer's weights_proj (FP32 out);
+        a CSA layer's wq_b with the indexer's (both read q_norm's output: attention_decode.
+        WQ_B_JOINT)."""
         if self.fused_a is not None:
             return
         self.fused_a = FusedProjection.fuse([self.wq_a, self.wkv])
+        if self.indexer is not None:
+            self.fused_b = FusedProjection.fuse([self.wq_b, self.indexer.wq_b])
         f32 = []
         if self.compressor is not None:
             f32 += [self.compressor.wkv, self.compressor.wgate]

@@ -15,7 +15,7 @@ from backfit.runtime.model.compressor import HeadWeights
 from backfit.runtime.streams import beside, mark
 
 __all__ = ["INDEX_COMPRESS_BESIDE", "INDEX_ROPE_IN_SCORES", "KV_BESIDE", "QUERY_FIRST",
-           "Q_NORM_IN_WQ_A", "Q_NORM_IN_WQ_B", "SIDE_STREAMS", "decode_step"]
+           "Q_NORM_IN_WQ_A", "Q_NORM_IN_WQ_B", "SIDE_STREAMS", "WQ_B_JOINT", "decode_step"]
 
 # The paged decode step on CUDA (triton path): the compressor update and the CSA indexer chain
 # run on side streams beside the query path (runtime/streams.py); False: all in order.
@@ -39,6 +39,12 @@ Q_NORM_IN_WQ_B = (2,)
 # "comp" projection (4.0 µs in the CSA layer's trace, 2026-12-07); the same bits (rope_norm's
 # ops); before Q_NORM_IN_WQ_B. Not yet timed on a GPU: off until the slice's A/B says it wins.
 Q_NORM_IN_WQ_A = ()
+# The paged decode step on the triton path, at these batch sizes: a CSA layer's wq_b and its
+# indexer's wq_b (both read q_norm's output) as ONE launch on the query path (Attention.fused_b,
+# 8,192 + 2,048 rows at TP 4), the indexer chain forked after it; elsewhere the indexer's wq_b
+# heads its side chain, beside the main one (9.1 µs on the CSA layer's critical path in the H100
+# trace, 2026-12-07, for 2 MB). Not yet timed on a GPU: off until the slice's A/B says it wins.
+WQ_B_JOINT = ()
 # The paged decode step on the triton path, up to this batch size: the CSA indexer's query RoPE
 # inside its score kernel (kernels.attention.indexer_scores q_rope), not a launch of its own
 # before it; 0: off. H200, 43-layer TP-4 slice, mx4 experts, bench_ab.py (2026-12-07, GPU time of
@@ -95,11 +101,18 @@ def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tens
     if projected is not None:       # the kv chain after the query's q_norm (QUERY_FIRST)
         kv, kv_ready = beside(x.device, "kv", lambda: _kv_stored(attn, kvx, pos, cache),
                               after=projected)
+    joint = side is not None and indexed and not fold and T in WQ_B_JOINT \
+        and attn.fused_b is not None
+    q = qi = None
+    if joint:                                       # both wq_b in one launch, then the indexer
+        q, qi = attn.fused_b(qr)
     if side is not None and indexed:                              # from qa on, beside wq_b
         sel, ev = beside(x.device, "index", lambda: _decode_select(
-            attn, qa, qr, wraw, icomp, pos, cache, x.dtype, proj, iready))
+            attn, qa, qr, wraw, icomp, pos, cache, x.dtype, proj, iready, qi))
         side = (side[0] + [ev], sel)
-    q = (attn.wq_b.forward_normed(qa, attn.q_norm) if fold else attn.wq_b(qr)).view(T, Hl, D)
+    if q is None:
+        q = attn.wq_b.forward_normed(qa, attn.q_norm) if fold else attn.wq_b(qr)
+    q = q.view(T, Hl, D)
     q, kv = attn._q_kv(q, kvx, pos, kv)
     index = None
     if attn.indexer is not None and side is None:
@@ -147,18 +160,20 @@ def _index_compress(attn, icomp, wraw, cache, pos, dtype) -> None:
                           wraw if isinstance(wraw, HeadWeights) else None, cache, pos, dtype)
 
 
-def _decode_select(attn, qa, qr, wraw, icomp, pos, cache, dtype, after=None, ready=None
-                   ) -> torch.Tensor:
+def _decode_select(attn, qa, qr, wraw, icomp, pos, cache, dtype, after=None, ready=None,
+                   qi=None) -> torch.Tensor:
     """The decode step's CSA indexer chain: queries, its compressor update (ready: the event of
     that update, queued beside by _comp_chain; None: here, after the queries), scores, top-k
     (after: an event to wait for first, the projections of its rows and weights). qa: wq_a's
-    output, qr = q_norm(qa) or None (made here). Up to INDEX_ROPE_IN_SCORES tokens (kernel
-    path): the score kernel rotates the queries."""
+    output, qr = q_norm(qa) or None (made here); qi: the indexer's wq_b(qr) already made
+    (WQ_B_JOINT). Up to INDEX_ROPE_IN_SCORES tokens (kernel path): the score kernel rotates the
+    queries."""
     if after is not None:
         torch.cuda.current_stream(qa.device).wait_event(after)
     idx = attn.indexer
     raw = qa.shape[0] <= INDEX_ROPE_IN_SCORES and kernel_path(qa)
-    qI, wI = idx.queries(attn.q_norm(qa) if qr is None else qr, wraw, pos, rotate=not raw)
+    qI, wI = idx.queries(attn.q_norm(qa) if qr is None else qr, wraw, pos, rotate=not raw,
+                         q=qi)
     if ready is None:               # reads icomp and wraw (the projections) only
         _index_compress(attn, icomp, wraw, cache, pos, dtype)
     else:                           # the scores read the pool it updated, and its head weights
