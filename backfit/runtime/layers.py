@@ -105,12 +105,9 @@ class Linear(nn.Module):
         """Whether forward_normed(x, norm) runs as one launch: kernel path, bf16 x, int8_g128 /
         bf16 weight, at a shape kernels.linear.gemv takes on its cuda variant
         (kernels.linear.gemv.norm_fold)."""
-        if not (kernel_path(x) and x.dtype == torch.bfloat16 and self.scheme in _KERNEL_SCHEMES
-                and self.weight.dtype in (torch.int8, torch.bfloat16)):
-            return False
-        from backfit.runtime.kernels.linear import GEMV_MAX_M, norm_fold
-        M = x.numel() // x.shape[-1]
-        return 0 < M <= GEMV_MAX_M and norm_fold(M, *self.weight.shape, self.scheme == "int8_g128")
+        return kernel_path(x) and self.scheme in _KERNEL_SCHEMES \
+            and self.weight.dtype in (torch.int8, torch.bfloat16) \
+            and _gemv_norm_folds(x, self.weight, self.scheme)
 
     def forward_normed(self, x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
         """self(norm(x)): one GEMV launch with the RMSNorm inside where norm_folds(x), else the
@@ -134,6 +131,15 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}"
+
+
+def _gemv_norm_folds(x: torch.Tensor, weight: torch.Tensor, scheme: str) -> bool:
+    """bf16 x of 1..GEMV_MAX_M rows at a weight shape that kernels.linear.gemv takes on its cuda
+    variant (norm_fold): where a RMSNorm of its input or output can run in the GEMV launch."""
+    from backfit.runtime.kernels.linear import GEMV_MAX_M, norm_fold
+    M = x.numel() // x.shape[-1]
+    return x.dtype == torch.bfloat16 and 0 < M <= GEMV_MAX_M \
+        and norm_fold(M, *weight.shape, scheme == "int8_g128")
 
 
 class FusedProjection:
@@ -181,10 +187,7 @@ class FusedProjection:
     def norm_folds(self, x: torch.Tensor) -> bool:
         """Whether normed(x, norm) runs as one launch (kernels.linear.gemv's cuda variant
         takes the joint shape at x's rows: kernels.linear.norm_fold)."""
-        from backfit.runtime.kernels.linear import GEMV_MAX_M, norm_fold
-        M = x.numel() // x.shape[-1]
-        return x.dtype == torch.bfloat16 and 0 < M <= GEMV_MAX_M and norm_fold(
-            M, *self.weight.shape, self.scheme == "int8_g128")
+        return _gemv_norm_folds(x, self.weight, self.scheme)
 
     def normed(self, x: torch.Tensor, norm: "RMSNorm") -> tuple:
         """(*self(x), norm(first member's output)) in one launch where norm_folds(x): the

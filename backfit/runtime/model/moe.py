@@ -164,16 +164,16 @@ class MoE(nn.Module):
             from backfit.runtime.kernels.moe import fused_moe
             tp1 = get_tp_info().size == 1                             # FP32 for the all-reduce
             side = SHARED_STREAM and x.is_cuda
+            start = None
             if side and ROUTER_FIRST:                    # the router launched first
                 from backfit.runtime.streams import mark
                 start = mark(x.device)
                 idx, w = self.gate.route(x, tokens)
+            if side:
                 shared, ready = _shared_on_side(self.shared_experts, x, after=start)
-            elif side:
-                shared, ready = _shared_on_side(self.shared_experts, x)
-                idx, w = self.gate.route(x, tokens)
             else:
                 shared, ready = self.shared_experts(x), None
+            if start is None:
                 idx, w = self.gate.route(x, tokens)
             y = fused_moe(x, idx, w, *self.stacked, self.shared_experts.limit, shared=shared,
                           dtype=x.dtype if tp1 else torch.float32, shared_ready=ready,

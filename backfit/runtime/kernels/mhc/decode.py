@@ -327,10 +327,10 @@ def hc_pre_async(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     T = 1) on the "mhc" side stream (runtime/streams.py) when SINKHORN_STREAM and X is on
     CUDA; only the hc_post after the sub-layer reads post / M: hc_post(..., wait=pending)
     joins there (join(pending) elsewhere; with SINKHORN_LAST pending holds the Sinkhorn's
-    launch, which the join queues: post and M stay unwritten until it). Each output comes from the same ops as hc_pre's (bit for
-    bit). Elsewhere (CPU, the interpreter) the two launches run in order and pending is None.
-    u: the first launch's output already made by hc_post(pre=) (with part): only post + M are
-    launched."""
+    launch, which the join queues: post and M stay unwritten until it). Each output comes from
+    the same ops as hc_pre's (bit for bit). Elsewhere (CPU, the interpreter) the two launches
+    run in order and pending is None. u: the first launch's output already made by
+    hc_post(pre=) (with part): only post + M are launched."""
     core.check_pre(X, fn, scale, base, iters)
     X = X.contiguous()
     T, S, d = X.shape
