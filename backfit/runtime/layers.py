@@ -117,6 +117,23 @@ class Linear(nn.Module):
         from backfit.runtime.kernels.linear import gemv_linear
         return gemv_linear(x, self.weight, self.scale, self.scheme, norm=(norm.weight, norm.eps))
 
+    def rope_folds(self, x: torch.Tensor, D: int) -> bool:
+        """Whether forward_roped(x, ..) runs as one launch: norm_folds' conditions at a tile
+        that can rotate output heads of D (kernels.linear.gemv.rope_fold)."""
+        from backfit.runtime.kernels.linear import rope_fold
+        M = x.numel() // max(x.shape[-1], 1)
+        return self.norm_folds(x) and rope_fold(M, *self.weight.shape,
+                                                self.scheme == "int8_g128", D)
+
+    def forward_roped(self, x: torch.Tensor, pos: torch.Tensor, rope: "Rotary", D: int,
+                      eps: float) -> torch.Tensor:
+        """self(x) [T, N] as heads [T, N/D, D], each RMS-normalised (no weight) then rotated by
+        rope at pos [T] (the query of model.attention), in ONE GEMV launch: each head's last
+        program runs rope_norm.rope's ops, the same bits. Only where rope_folds(x, D)."""
+        from backfit.runtime.kernels.linear import gemv_linear
+        return gemv_linear(x.reshape(-1, x.shape[-1]), self.weight, self.scale, self.scheme,
+                           out_rope=(pos, rope.inv_freq, rope.rope_dim, D, eps))[1]
+
     def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
         """x [.., in] bf16 or fp32 -> FP32 [.., out] = x·W^T in FP32 (router, compressors).
 

@@ -1,4 +1,4 @@
-"""The decode step's indexer fold and stream placement on a GPU (marker gpu), end to end on the
+"""The decode step's folds and stream placement on a GPU (marker gpu), end to end on the
 tiny model, each against a twin runner with it off: the CSA indexer's query RoPE inside its
 score kernel (attention_decode.INDEX_ROPE_IN_SCORES; its rotation equals the rope launch's bit
 for bit, tests/runtime/kernels/test_indexer.py) and the indexer's compressor update on a side
@@ -137,3 +137,34 @@ def test_joint_wq_b_matches_the_two_launches(tiny_converted, tp1_process, monkey
             assert rel < 1e-2 and torch.equal(got.argmax(-1), want.argmax(-1)), (n, k, rel)
             if not prefill:
                 assert (joined > 0) == (n == 1), (n, k, joined)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_q_rope_in_wq_b_matches_its_own_launch(tiny_converted, tp1_process, monkeypatch):
+    """Q_ROPE_IN_WQ_B: the query's per-head RMS + RoPE run by the last program of each head in
+    wq_b's launch (a GEMV_TABLE row for the tiny model's wq_b shape, on the cuda variant, added
+    here) gives the step's logits of the rope launch bit for bit at batch 1 and 2, and really
+    folds (fewer rope launches)."""
+    from backfit.runtime.kernels.linear import gemv
+    from backfit.runtime.kernels import rope_norm
+    on, off = twin_runners(tiny_converted)
+    attn = on.model.layers[0].attn
+    N, K = attn.wq_b.out_features, attn.wq_b.in_features
+    monkeypatch.setattr(gemv, "GEMV_TABLE", [("int8", (N, N), (K, K), (1, 2),
+                                              dict(variant="cuda", BN=4, BK=128, num_warps=4))]
+                        + gemv.GEMV_TABLE)
+    dec = importlib.import_module("backfit.runtime.model.attention_decode")
+    ropes, real = [], rope_norm.rope
+    monkeypatch.setattr(rope_norm, "rope", lambda *a, **k: ropes.append(1) or real(*a, **k))
+
+    def forward(runner, step, sizes) -> tuple[torch.Tensor, int]:
+        monkeypatch.setattr(dec, "Q_ROPE_IN_WQ_B", sizes)
+        n0 = len(ropes)
+        return runner.forward(step).logits.float(), len(ropes) - n0
+    g = torch.Generator().manual_seed(13)
+    for n in (1, 2):
+        for k, (prefill, step) in enumerate(prefill_then_decode(n, g)):
+            (got, n_on), (want, n_off) = forward(on, step, (1, 2)), forward(off, step, ())
+            assert torch.equal(got, want), (n, k, prefill)
+            assert prefill or n_on < n_off, (n, k, n_on, n_off)      # the fold really ran

@@ -175,13 +175,16 @@ class Attention(nn.Module):
         from backfit.runtime.model.attention_torch import torch_core
         return torch_core(self, pre, batch, cache)
 
-    def _q_kv(self, q: torch.Tensor, kvx: torch.Tensor, pos: torch.Tensor, kv=None):
-        """q [T, Hl, D] (wq_b's output) -> per-head RMS + RoPE; kvx [T, D] -> kv_norm + RoPE,
-        unless kv (made beside, KV_BESIDE) is given -> (q, kv) in q's dtype."""
+    def _q_kv(self, q: torch.Tensor, kvx: torch.Tensor, pos: torch.Tensor, kv=None,
+              roped: bool = False):
+        """q [T, Hl, D] (wq_b's output) -> per-head RMS + RoPE (roped: q has had them, in wq_b's
+        launch); kvx [T, D] -> kv_norm + RoPE, unless kv (made beside, KV_BESIDE) is given ->
+        (q, kv) in q's dtype."""
         if kernel_path(q):              # norm + RoPE in one launch each (kernels.rope_norm)
             from backfit.runtime.kernels.rope_norm import rope
             r = self.rope
-            q = rope(q, pos, r.inv_freq, r.rope_dim, norm=(None, self.eps))  # per-head RMS
+            if not roped:
+                q = rope(q, pos, r.inv_freq, r.rope_dim, norm=(None, self.eps))  # per-head RMS
             return q, (self._kv_rope(kvx, pos) if kv is None else kv)
         qf = q.float()
         q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)

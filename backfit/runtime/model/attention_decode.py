@@ -15,7 +15,8 @@ from backfit.runtime.model.compressor import HeadWeights
 from backfit.runtime.streams import beside, mark
 
 __all__ = ["INDEX_COMPRESS_BESIDE", "INDEX_ROPE_IN_SCORES", "KV_BESIDE", "QUERY_FIRST",
-           "Q_NORM_IN_WQ_A", "Q_NORM_IN_WQ_B", "SIDE_STREAMS", "WQ_B_JOINT", "decode_step"]
+           "Q_NORM_IN_WQ_A", "Q_NORM_IN_WQ_B", "Q_ROPE_IN_WQ_B", "SIDE_STREAMS", "WQ_B_JOINT",
+           "decode_step"]
 
 # The paged decode step on CUDA (triton path): the compressor update and the CSA indexer chain
 # run on side streams beside the query path (runtime/streams.py); False: all in order.
@@ -45,6 +46,14 @@ Q_NORM_IN_WQ_A = ()
 # heads its side chain, beside the main one (9.1 µs on the CSA layer's critical path in the H100
 # trace, 2026-12-07, for 2 MB). Not yet timed on a GPU: off until the slice's A/B says it wins.
 WQ_B_JOINT = ()
+# The paged decode step on the triton path, at these batch sizes: the query's per-head RMS +
+# RoPE run by the last program of each head in wq_b's GEMV (Linear.forward_roped, where
+# kernels.linear.gemv's table takes wq_b's shape on a 4-warp tile whose BN divides the head: a
+# TP-4 rank at batch 1-2), not a launch of its own after it (3.4 µs + 0.4 µs of wait on the
+# window / HCA layer's critical path in the H100 trace, 2026-12-07); the same bits (rope_norm's
+# _rope_vectors, FMA-free). Not with Q_NORM_IN_WQ_B's fold. Not yet timed on a GPU: off until the
+# slice's A/B says it wins.
+Q_ROPE_IN_WQ_B = ()
 # The paged decode step on the triton path, up to this batch size: the CSA indexer's query RoPE
 # inside its score kernel (kernels.attention.indexer_scores q_rope), not a launch of its own
 # before it; 0: off. H200, 43-layer TP-4 slice, mx4 experts, bench_ab.py (2026-12-07, GPU time of
@@ -73,7 +82,8 @@ QUERY_FIRST = (1,)
 def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
     """The paged decode step on the triton backend: the compressor update, the CSA indexer
     chain and the kv store on side streams beside the query path where on CUDA (SIDE_STREAMS,
-    KV_BESIDE); q_norm folded into wq_b at Q_NORM_IN_WQ_B's batch sizes."""
+    KV_BESIDE); q_norm folded into wq_b at Q_NORM_IN_WQ_B's batch sizes, the query's RMS + RoPE
+    at Q_ROPE_IN_WQ_B's."""
     T, pos = x.shape[0], batch.positions
     Hl, D = attn.local_heads, attn.cfg.head_dim
     side = None                     # (events, sel) of the chains queued beside the q path
@@ -110,10 +120,13 @@ def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tens
         sel, ev = beside(x.device, "index", lambda: _decode_select(
             attn, qa, qr, wraw, icomp, pos, cache, x.dtype, proj, iready, qi))
         side = (side[0] + [ev], sel)
-    if q is None:
+    roped = q is None and not fold and T in Q_ROPE_IN_WQ_B and attn.wq_b.rope_folds(qr, D)
+    if roped:                       # the query's per-head RMS + RoPE by wq_b's last programs
+        q = attn.wq_b.forward_roped(qr, pos, attn.rope, D, attn.eps)
+    elif q is None:
         q = attn.wq_b.forward_normed(qa, attn.q_norm) if fold else attn.wq_b(qr)
     q = q.view(T, Hl, D)
-    q, kv = attn._q_kv(q, kvx, pos, kv)
+    q, kv = attn._q_kv(q, kvx, pos, kv, roped=roped)
     index = None
     if attn.indexer is not None and side is None:
         index = (*attn.indexer.queries(qr, wraw, pos), icomp)

@@ -310,14 +310,61 @@ def test_out_norm_equals_the_norm_launch_after(gv, quant):
                 assert torch.equal(yn, rn.rms_norm(y[:, :n], nw, 1e-6)), (N, m, cfg)
                 assert not stream_counters(torch.device(DEV), 1)[:1].any()
     x = x[:1]
-    with pytest.raises(ValueError, match="out_norm= needs"):
+    with pytest.raises(ValueError, match="out_norm= / out_rope= need"):
         gv.launch(x, w, s, quant, torch.bfloat16, config=dict(variant="fma", BN=2, BK=128),
                   out_norm=(nw, 1e-6))
-    with pytest.raises(ValueError, match="out_norm= needs"):
+    with pytest.raises(ValueError, match="out_norm= / out_rope= need"):
         gv.launch(x, w, s, quant, torch.float32, config=cfg, out_norm=(nw, 1e-6))
     with pytest.raises(ValueError, match="out_norm= needs"):
         gv.launch(x, w, s, quant, torch.bfloat16, config=cfg,
                   out_norm=(torch.ones(N + 1, device=DEV), 1e-6))
+
+
+@pytest.mark.parametrize("quant", [True, False], ids=["int8_g128", "bf16"])
+def test_out_rope_equals_the_rope_launch_after(gv, quant):
+    """launch(out_rope=): each head's last program writes the per-head RMS + RoPE of its y rows,
+    equal bit for bit to rope_norm.rope(y, norm=(None, eps)) after the launch (its
+    _rope_vectors on the same tile, FMA-free on a GPU), y unchanged, the head counters left 0;
+    heads of 64 with 16 rotated lanes, 2 and 8 programs a head, 1-5 rows at distinct positions;
+    on a GPU also wq_b of DeepSeek-V4-Flash at TP 4 (16 heads of 512, K 1,024) at the table's
+    M = 1 and 2 tiles. Bad arguments: one-line errors."""
+    from backfit.runtime.streams import stream_counters
+    rn = kernel_module("rope_norm", "_rms_kernel", INTERPRET)
+    gen = torch.Generator().manual_seed(23)
+    runs = [(256, 64, 16, 128, dict(BN=8, BK=128, num_warps=4), (1, 2, 5)),
+            (128, 64, 16, 256, dict(BN=32, BK=256, num_warps=4), (3,))]
+    if not INTERPRET:
+        runs += [(8192, 512, 64, 1024, gv.gemv_config(m, 8192, 1024, quant), (m,))
+                 for m in (1, 2)]
+    f = lambda r: (1.0 / 10000.0 ** (torch.arange(0, r, 2, dtype=torch.float64) / r)).to(DEV)
+    for N, D, R, k, cfg, ms in runs:
+        w, s, _ = weights(N, k, quant, gen)
+        if not quant:
+            cfg = {a: b for a, b in cfg.items() if a != "MAGIC"}
+        with one_thread():
+            for m in ms:
+                x = (torch.randn(m, k, generator=gen) * 2).bfloat16().to(DEV)
+                pos = torch.randint(0, 70000, (m,), generator=gen).to(DEV)
+                y, q = gv.launch(x, w, s, quant, torch.bfloat16, config=cfg,
+                                 out_rope=(pos, f(R), R, D, 1e-6))
+                assert torch.equal(y, gv.launch(x, w, s, quant, torch.bfloat16, config=cfg))
+                want = rn.rope(y.view(m, N // D, D), pos, f(R), R, norm=(None, 1e-6))
+                assert q.shape == (m, N // D, D) and torch.equal(q, want), (N, m, cfg)
+                assert not stream_counters(torch.device(DEV), N // D)[:N // D].any()
+    x, pos, cfg = x[:1], pos[:1], dict(BN=8, BK=128, num_warps=4)
+    for bad, what in (((pos, f(16), 16, 48, 1e-6), "D=48"),           # 48 does not divide 128
+                      ((pos, f(16), 16, 4, 1e-6), "D=4"),              # BN 8 does not divide 4
+                      ((pos, f(16), 12, 64, 1e-6), "R=12"),
+                      ((pos.repeat(2), f(16), 16, 64, 1e-6), "pos [2]"),
+                      ((pos, f(16).float(), 16, 64, 1e-6), "fp64")):
+        with pytest.raises(ValueError, match="out_rope= needs"):
+            gv.launch(x, w, s, quant, torch.bfloat16, config=cfg, out_rope=bad)
+    with pytest.raises(ValueError, match="out_rope= needs"):
+        gv.launch(x, w, s, quant, torch.bfloat16, config={**cfg, "num_warps": 8},
+                  out_rope=(pos, f(16), 16, 64, 1e-6))
+    with pytest.raises(ValueError, match="not both"):
+        gv.launch(x, w, s, quant, torch.bfloat16, config=cfg, out_rope=(pos, f(16), 16, 64, 1e-6),
+                  out_norm=(torch.ones(8, device=DEV), 1e-6))
 
 
 def test_fused_projection_normed_folds_where_the_table_says(gv, monkeypatch):
@@ -352,3 +399,32 @@ def test_fused_projection_normed_folds_where_the_table_says(gv, monkeypatch):
     assert torch.equal(qr, want[2][:1])
     with pytest.raises(ValueError, match="first member"):
         fused.normed(x, RMSNorm(16, 1e-6))
+
+
+def test_linear_forward_roped_folds_where_the_table_says(gv, monkeypatch):
+    """Linear.forward_roped: the query heads' RMS + RoPE in the GEMV launch where rope_folds (a
+    GEMV_TABLE row of the cuda variant on 4 warps whose BN divides the head), equal bit for bit
+    to the launch then rope_norm.rope; no row, 8 warps or a BN that splits a head: no fold."""
+    import backfit.runtime.kernels as pkg
+    from backfit.runtime.layers import Linear, Rotary
+    rn = kernel_module("rope_norm", "_rms_kernel", INTERPRET)
+    gen = torch.Generator().manual_seed(12)
+    lin, rot = Linear(128, 4 * 32), Rotary(16, 10000.0)
+    q, s, _ = weights(128, 128, True, gen)
+    lin.load("int8_g128", q, s)
+    rot = rot.to(DEV)
+    x = torch.randn(1, 128, generator=gen).bfloat16().to(DEV)
+    pos = torch.tensor([4097], device=DEV)
+    monkeypatch.setattr(pkg, "_backend", "triton")
+    monkeypatch.setattr(pkg, "_ANY_DEVICE", True)
+    row = lambda **c: [("int8", (128, 128), (128, 128), (1, 1),
+                        dict(dict(variant="cuda", BN=8, BK=128, num_warps=4), **c))]
+    monkeypatch.setattr(gv, "GEMV_TABLE", row())
+    assert lin.rope_folds(x, 32) and not lin.rope_folds(torch.cat([x, x]), 32)   # M = 2: no row
+    with one_thread():
+        got = lin.forward_roped(x, pos, rot, 32, 1e-6)
+        want = rn.rope(lin(x).view(1, 4, 32), pos, rot.inv_freq, 16, norm=(None, 1e-6))
+    assert got.shape == (1, 4, 32) and torch.equal(got, want)
+    for bad in (row(num_warps=8), row(BN=64), row(variant="fma", BN=1)):
+        monkeypatch.setattr(gv, "GEMV_TABLE", bad)
+        assert not lin.rope_folds(x, 32), bad
