@@ -1,8 +1,7 @@
 """Small-M linear y = x @ W^T (M <= GEMV_MAX_M decode rows), in Triton, SM80-safe.
 
-The a16 path of kernels.linear.gemm pads M to a BM = 16 MMA tile and splits K over programs with an
-FP32
-workspace and an atomic counter; at batch 1 its launches sit on a ~6-7 µs floor. Here
+The a16 path of kernels.linear.gemm pads M to a BM = 16 MMA tile and splits K over programs with
+an FP32 workspace and an atomic counter; at batch 1 its launches sit on a ~6-7 µs floor. Here
 one program = BN weight rows x the whole K x all M rows: no split-K, no workspace, no atomics,
 each weight byte read once from DRAM (x, M·K·2 B, is re-read from L2 by every program):
   y[m, n] = Σ_g s[n, g] · Σ_{k in g} q[n, k] · x[m, k]    (int8_g128; FP32, as the a16 kernel)
@@ -11,9 +10,9 @@ Two variants (config key "variant"):
         load) turned into FP32 once; for each of the M rows (unrolled, MP = M padded to a power
         of two) the group sums Σ w·x times the group scale. MAGIC: int8 -> FP32 as
         bits(1.5·2^23) + q - 1.5·2^23 (exact, no I2F). V8, PREFETCH: see _gemv_kernel.
-  fma   CUDA cores, no reduction inside the K loop: per-thread FP32 accumulators [BN, G, 128] for
-        each row (up to 8), FMAs of (q·s in FP32, the reference's dequantized weight) times x,
-        one cross-thread sum per row at the end; x and W tiles in one register layout.
+  fma   (gemv_fma.py) CUDA cores, no reduction inside the K loop: per-thread FP32 accumulators
+        [BN, G, 128] for each row (up to 8), FMAs of (q·s in FP32, the reference's dequantized
+        weight) times x, one cross-thread sum per row at the end; x and W tiles in one layout.
 (A third, tensor-core variant, acc[BN, 16] += W[BN, 128] · x[16, 128]^T per scale group, no split-K,
 ran 1.5-4x slower than the a16 path on the H200 at every shape and M = 1..8: removed.)
 Products of a BF16 x with an int8 q or a BF16 w are exact in FP32, so only the FP32 summation
@@ -148,8 +147,8 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
             vv = h + tl.arange(0, RBV)                      # row 0 of the tile: head h
             for m in tl.static_range(MP):
                 ok = (tl.arange(0, RBV) == 0) & (tl.full([RBV], m, tl.int32) < M)
-                _rope_vectors(Y, ROY, RPOS, RF, RF, tl.minimum(m, M - 1), vv, ok, N // rd, rd, N, r_eps, 1.0, RR,
-                              RBV, RBD, True, False, RDP, True, RN, True)
+                _rope_vectors(Y, ROY, RPOS, RF, RF, tl.minimum(m, M - 1), vv, ok, N // rd, rd,
+                              N, r_eps, 1.0, RR, RBV, RBD, True, False, RDP, True, RN, True)
 
 
 def gemv_lookup(M: int, N: int, K: int, quant: bool, grouped: bool = False) -> dict | None:

@@ -22,7 +22,8 @@ def _group_offset(pid, K, BN: tl.constexpr, GROUP_N: tl.constexpr):
 
 @triton.jit
 def _fma_row(acc, wf, x_ptr, k_ok, EVEN_K: tl.constexpr):
-    """acc [BN, G, 128] + wf · x_row (x_ptr, k_ok [G, 128]): per-element FP32 FMAs, no reduction."""
+    """acc [BN, G, 128] + wf · x_row (x_ptr, k_ok [G, 128]): per-element FP32 FMAs, no
+    reduction."""
     if EVEN_K:
         xm = tl.load(x_ptr)
     else:
