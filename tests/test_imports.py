@@ -75,7 +75,7 @@ RULES = [
     Rule("the model reaches a kernel room through its package, not a room's module",
          ("runtime/model/*", "runtime/layers.py", "runtime/cache/*", "runtime/batch.py"),
          must_not=tuple(f"backfit.runtime.kernels.{room}.{mod}" for room, mods in (
-             ("linear", ("gemm", "gemv", "gemv_tiles")),
+             ("linear", ("gemm", "gemv", "gemv_fma", "gemv_tiles")),
              ("moe", ("common", "int8", "int8_decode", "mx4", "mx4_decode")),
              ("attention", ("decode", "prefill", "prefill_cd", "tiles", "indexer")),
              ("mhc", ("core", "decode", "tile")), ("cache", ("decode", "prefill")))

@@ -168,3 +168,30 @@ def test_q_rope_in_wq_b_matches_its_own_launch(tiny_converted, tp1_process, monk
             (got, n_on), (want, n_off) = forward(on, step, (1, 2)), forward(off, step, ())
             assert torch.equal(got, want), (n, k, prefill)
             assert prefill or n_on < n_off, (n, k, n_on, n_off)      # the fold really ran
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_l2_prefetch_changes_no_logit(tiny_converted, tp1_process, monkeypatch):
+    """model.prefetch.L2_PREFETCH: the weights prefetched into L2 on the "l2" stream at its three
+    points leave the step's logits bit for bit as without, at batch 1 and 2, and every point
+    really launches at a decode step (3 a layer but the first layer's "q")."""
+    from backfit.runtime.kernels import prefetch as kpf
+    on, off = twin_runners(tiny_converted)
+    pf = importlib.import_module("backfit.runtime.model.prefetch")
+    calls, real = [], kpf.l2_prefetch
+    monkeypatch.setattr(kpf, "l2_prefetch", lambda ts, *a, **k: calls.append(len(ts))
+                        or real(ts, *a, **k))
+
+    def forward(runner, step, points) -> tuple[torch.Tensor, int]:
+        monkeypatch.setattr(pf, "L2_PREFETCH", points)
+        n0 = len(calls)
+        return runner.forward(step).logits.float(), len(calls) - n0
+    L = len(on.model.layers)
+    g = torch.Generator().manual_seed(15)
+    for n in (1, 2):
+        for k, (prefill, step) in enumerate(prefill_then_decode(n, g)):
+            got, n_on = forward(on, step, ("o", "ffn", "q"))
+            want, n_off = forward(off, step, ())
+            assert torch.equal(got, want), (n, k, prefill)
+            assert n_off == 0 and (prefill or n_on == 3 * L - 1), (n, k, n_on)

@@ -11,6 +11,7 @@ import torch
 
 from backfit.runtime.batch import ForwardBatch
 from backfit.runtime.kernels import kernel_path
+from backfit.runtime.model import prefetch
 from backfit.runtime.model.compressor import HeadWeights
 from backfit.runtime.streams import beside, mark
 
@@ -126,12 +127,15 @@ def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tens
     elif q is None:
         q = attn.wq_b.forward_normed(qa, attn.q_norm) if fold else attn.wq_b(qr)
     q = q.view(T, Hl, D)
+    l2 = prefetch.start("o", x, prefetch.attn_out_weights(attn))  # wo_a, wo_b beside the core
     q, kv = attn._q_kv(q, kvx, pos, kv, roped=roped)
     index = None
     if attn.indexer is not None and side is None:
         index = (*attn.indexer.queries(qr, wraw, pos), icomp)
     o = attn._kernels(q, kv, pos, batch, cache, comp, index, side, kv_ready)
-    return attn.post(o, pos, x.dtype)
+    out = attn.post(o, pos, x.dtype)
+    prefetch.join(x, l2)
+    return out
 
 
 def _project_q(attn, x: torch.Tensor, T: int) -> tuple:
