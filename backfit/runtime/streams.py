@@ -13,6 +13,9 @@ Users (triton path on CUDA only; the torch path and CPU never fork):
                   before "comp", by mark / after=); decode attention joins both. Every layer:
                   the token's kv (kv_norm + RoPE + ring store, "kv") beside q_norm / wq_b /
                   the query RoPE (at batch 1 launched after q_norm)
+  model.prefetch  L2 prefetches of the next GEMVs' weights ("l2") beside the launches that read
+                  almost nothing (decode attention, hc_post + hc_pre); joined after the GEMV
+                  that reads them is queued (off as shipped, L2_PREFETCH)
   kernels.mhc.decode  the Sinkhorn of hc_pre (post, M: read only by the hc_post after the
                   sub-layer) beside the critical u + RMSNorm launch; hc_post queues it (after
                   the sub-layer's launches, waiting for PART alone) and joins it
