@@ -31,8 +31,7 @@ import triton.language as tl
 
 from backfit.formats import INT8_GROUP
 from backfit.runtime.kernels.common import interpreted
-from backfit.runtime.kernels.linear.gemv_fma import _MAGIC_F, _MAGIC_I, _gemv_fma_kernel, \
-    _group_offset
+from backfit.runtime.kernels.linear.gemv_fma import _gemv_fma_kernel, _tile, _to_f32
 from backfit.runtime.kernels.linear.gemv_tiles import GEMV_CANDIDATES, GEMV_TABLE
 from backfit.runtime.kernels.rope_norm import _rope_vectors
 from backfit.runtime.streams import stream_counters
@@ -69,16 +68,7 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
     norm=(None, r_eps): its _rope_vectors on the same [RBV, RDP] tile, RN: FMA-free)."""
     G: tl.constexpr = BK // 128
     pid = tl.program_id(0)
-    X = X + _group_offset(pid, K, BN, GROUP_N)
-    rn = pid * BN + tl.arange(0, BN)
-    n_ok = rn < N
-    rn_c = tl.minimum(rn, N - 1).to(tl.int64)    # rows past N re-read row N-1: unmasked loads
-    rg = tl.arange(0, G)
-    rc = tl.arange(0, 128)
-    if V8:
-        rc = (rc // 8) * 8 + rc % 8              # = rc, but contiguity 8 for the axis analysis
-    kofs = rg[:, None] * 128 + rc[None, :]                                   # [G, 128]
-    w_ptr = W + rn_c[:, None, None] * K + kofs[None, :, :]                   # [BN, G, 128]
+    X, rn, n_ok, rn_c, rg, kofs, w_ptr = _tile(X, W, pid, N, K, BN, BK, GROUP_N, V8)
     rm = tl.arange(0, MP)
     acc = tl.zeros((MP, BN), dtype=tl.float32)
     inv = tl.zeros((MP,), dtype=tl.float32)            # NORM: each row's rsqrt(mean(x²) + eps)
@@ -100,10 +90,7 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
             q = tl.load(w_ptr + k0)
         else:
             q = tl.load(w_ptr + k0, mask=k_ok[None, :, :], other=0)
-        if MAGIC:                        # 1.5·2^23 + q (|q| <= 127) is exact; minus it: q exact
-            wf = (q.to(tl.int32) + _MAGIC_I).to(tl.float32, bitcast=True) - _MAGIC_F
-        else:
-            wf = q.to(tl.float32)                                            # [BN, G, 128]
+        wf = _to_f32(q, MAGIC)                                               # [BN, G, 128]
         if QUANT:                        # K % 128 == 0: groups past K masked, scale 0
             g_ok = (k0 // 128 + rg) < K // 128
             s = tl.load(S + rn_c[:, None] * (K // 128) + k0 // 128 + rg[None, :],

@@ -21,6 +21,35 @@ def _group_offset(pid, K, BN: tl.constexpr, GROUP_N: tl.constexpr):
 
 
 @triton.jit
+def _tile(X, W, pid, N, K, BN: tl.constexpr, BK: tl.constexpr, GROUP_N: tl.constexpr,
+          V8: tl.constexpr):
+    """Program pid's tile, both variants: (X at its rows' inputs (GROUP_N), rn [BN] its rows,
+    n_ok, rn_c (rows past N re-read row N-1: unmasked loads), rg [G], kofs [G, 128] the K
+    offsets of a step, w_ptr [BN, G, 128] at step 0). V8: the 128 columns as 8-element runs
+    (= rc, but contiguity 8 for the axis analysis)."""
+    G: tl.constexpr = BK // 128
+    X = X + _group_offset(pid, K, BN, GROUP_N)
+    rn = pid * BN + tl.arange(0, BN)
+    n_ok = rn < N
+    rn_c = tl.minimum(rn, N - 1).to(tl.int64)
+    rg = tl.arange(0, G)
+    rc = tl.arange(0, 128)
+    if V8:
+        rc = (rc // 8) * 8 + rc % 8
+    kofs = rg[:, None] * 128 + rc[None, :]                                   # [G, 128]
+    return X, rn, n_ok, rn_c, rg, kofs, W + rn_c[:, None, None] * K + kofs[None, :, :]
+
+
+@triton.jit
+def _to_f32(q, MAGIC: tl.constexpr):
+    """An int8 (or bf16) weight tile in FP32. MAGIC: 1.5·2^23 + q (|q| <= 127) is exact, minus
+    it q exact, without an int -> float conversion."""
+    if MAGIC:
+        return (q.to(tl.int32) + _MAGIC_I).to(tl.float32, bitcast=True) - _MAGIC_F
+    return q.to(tl.float32)
+
+
+@triton.jit
 def _fma_row(acc, wf, x_ptr, k_ok, EVEN_K: tl.constexpr):
     """acc [BN, G, 128] + wf · x_row (x_ptr, k_ok [G, 128]): per-element FP32 FMAs, no
     reduction."""
@@ -47,16 +76,8 @@ def _gemv_fma_kernel(X, W, S, Y, M, N, K, stride_xm,
     once after the K loop: no shuffles, barriers or layout changes inside it. The 128 columns
     are 8-element runs (8 B int8 / 16 B bf16 loads) so x and W tiles share one layout."""
     G: tl.constexpr = BK // 128
-    pid = tl.program_id(0)
-    X = X + _group_offset(pid, K, BN, GROUP_N)
-    rn = pid * BN + tl.arange(0, BN)
-    n_ok = rn < N
-    rn_c = tl.minimum(rn, N - 1).to(tl.int64)    # rows past N re-read row N-1: unmasked loads
-    rg = tl.arange(0, G)
-    rc = tl.arange(0, 128)
-    rc = (rc // 8) * 8 + rc % 8                  # = rc, but contiguity 8 for the axis analysis
-    kofs = rg[:, None] * 128 + rc[None, :]                                   # [G, 128]
-    w_ptr = W + rn_c[:, None, None] * K + kofs[None, :, :]                   # [BN, G, 128]
+    X, rn, n_ok, rn_c, rg, kofs, w_ptr = _tile(X, W, tl.program_id(0), N, K, BN, BK, GROUP_N,
+                                               True)
     x_ptr = X + kofs
     a0 = tl.zeros((BN, G, 128), dtype=tl.float32)
     a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0   # rows >= MP: dead, dropped
@@ -66,10 +87,7 @@ def _gemv_fma_kernel(X, W, S, Y, M, N, K, stride_xm,
             q = tl.load(w_ptr + k0)
         else:
             q = tl.load(w_ptr + k0, mask=k_ok[None, :, :], other=0)
-        if MAGIC:                        # 1.5·2^23 + q (|q| <= 127) is exact; minus it: q exact
-            wf = (q.to(tl.int32) + _MAGIC_I).to(tl.float32, bitcast=True) - _MAGIC_F
-        else:
-            wf = q.to(tl.float32)                                            # [BN, G, 128]
+        wf = _to_f32(q, MAGIC)                                               # [BN, G, 128]
         if QUANT:                        # q·s in FP32: the reference's dequantized weight
             g_ok = (k0 // 128 + rg) < K // 128
             sc = tl.load(S + rn_c[:, None] * (K // 128) + k0 // 128 + rg[None, :],
