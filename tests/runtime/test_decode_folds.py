@@ -77,34 +77,56 @@ def test_index_compress_beside_matches_the_chain_in_order(tiny_converted, tp1_pr
     assert names.count("icomp") and "index" in names
 
 
+def fold_against_own_launch(tiny_converted, monkeypatch, rows, switch: str, launch: str,
+                            seed: int) -> None:
+    """A GEMV fold of attention_decode (switch) against its own rope_norm launch (launch), the
+    tiny model's GEMV shape (rows(attn) -> (N, K)) given a GEMV_TABLE row of the cuda variant:
+    the step's logits bit for bit at batch 1 and 2, and fewer `launch` calls (it really folds)."""
+    from backfit.runtime.kernels.linear import gemv
+    from backfit.runtime.kernels import rope_norm
+    on, off = twin_runners(tiny_converted)
+    N, K = rows(on.model.layers[0].attn)
+    monkeypatch.setattr(gemv, "GEMV_TABLE", [("int8", (N, N), (K, K), (1, 2),
+                                              dict(variant="cuda", BN=4, BK=128, num_warps=4))]
+                        + gemv.GEMV_TABLE)
+    dec = importlib.import_module("backfit.runtime.model.attention_decode")
+    calls, real = [], getattr(rope_norm, launch)
+    monkeypatch.setattr(rope_norm, launch, lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def forward(runner, step, sizes) -> tuple[torch.Tensor, int]:
+        monkeypatch.setattr(dec, switch, sizes)
+        n0 = len(calls)
+        return runner.forward(step).logits.float(), len(calls) - n0
+    g = torch.Generator().manual_seed(seed)
+    for n in (1, 2):
+        for k, (prefill, step) in enumerate(prefill_then_decode(n, g)):
+            (got, n_on), (want, n_off) = forward(on, step, (1, 2)), forward(off, step, ())
+            assert torch.equal(got, want), (n, k, prefill)
+            assert prefill or n_on < n_off, (n, k, n_on, n_off)      # the fold really ran
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_q_norm_in_wq_a_matches_its_own_launch(tiny_converted, tp1_process, monkeypatch):
     """Q_NORM_IN_WQ_A: q_norm run by the wq_a|wkv launch's last program (a GEMV_TABLE row for the
     tiny model's joint shape, on the cuda variant, added here) gives the step's logits of q_norm's
     own launch bit for bit at batch 1 and 2, and really folds (fewer rms_norm launches)."""
-    from backfit.runtime.kernels.linear import gemv
-    from backfit.runtime.kernels import rope_norm
-    on, off = twin_runners(tiny_converted)
-    attn = on.model.layers[0].attn
-    N, K = attn.wq_a.out_features + attn.wkv.out_features, attn.wq_a.in_features
-    monkeypatch.setattr(gemv, "GEMV_TABLE", [("int8", (N, N), (K, K), (1, 2),
-                                              dict(variant="cuda", BN=4, BK=128, num_warps=4))]
-                        + gemv.GEMV_TABLE)
-    dec = importlib.import_module("backfit.runtime.model.attention_decode")
-    norms, real = [], rope_norm.rms_norm
-    monkeypatch.setattr(rope_norm, "rms_norm", lambda *a, **k: norms.append(1) or real(*a, **k))
+    fold_against_own_launch(tiny_converted, monkeypatch, lambda attn: (
+        attn.wq_a.out_features + attn.wkv.out_features, attn.wq_a.in_features),
+        "Q_NORM_IN_WQ_A", "rms_norm", 9)
 
-    def forward(runner, step, sizes) -> tuple[torch.Tensor, int]:
-        monkeypatch.setattr(dec, "Q_NORM_IN_WQ_A", sizes)
-        n0 = len(norms)
-        return runner.forward(step).logits.float(), len(norms) - n0
-    g = torch.Generator().manual_seed(9)
-    for n in (1, 2):
-        for k, (prefill, step) in enumerate(prefill_then_decode(n, g)):
-            (got, n_on), (want, n_off) = forward(on, step, (1, 2)), forward(off, step, ())
-            assert torch.equal(got, want), (n, k, prefill)
-            assert prefill or n_on < n_off, (n, k, n_on, n_off)      # the fold really ran
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_q_rope_in_wq_b_matches_its_own_launch(tiny_converted, tp1_process, monkeypatch):
+    """Q_ROPE_IN_WQ_B: the query's per-head RMS + RoPE run by the last program of each head in
+    wq_b's launch (a GEMV_TABLE row for the tiny model's wq_b shape, on the cuda variant, added
+    here) gives the step's logits of the rope launch bit for bit at batch 1 and 2, and really
+    folds (fewer rope launches). Q_NORM_IN_WQ_B's fold off: it takes batch 2 otherwise."""
+    dec = importlib.import_module("backfit.runtime.model.attention_decode")
+    monkeypatch.setattr(dec, "Q_NORM_IN_WQ_B", ())
+    fold_against_own_launch(tiny_converted, monkeypatch, lambda attn: (
+        attn.wq_b.out_features, attn.wq_b.in_features), "Q_ROPE_IN_WQ_B", "rope", 13)
 
 
 @pytest.mark.gpu
@@ -137,37 +159,6 @@ def test_joint_wq_b_matches_the_two_launches(tiny_converted, tp1_process, monkey
             assert rel < 1e-2 and torch.equal(got.argmax(-1), want.argmax(-1)), (n, k, rel)
             if not prefill:
                 assert (joined > 0) == (n == 1), (n, k, joined)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_q_rope_in_wq_b_matches_its_own_launch(tiny_converted, tp1_process, monkeypatch):
-    """Q_ROPE_IN_WQ_B: the query's per-head RMS + RoPE run by the last program of each head in
-    wq_b's launch (a GEMV_TABLE row for the tiny model's wq_b shape, on the cuda variant, added
-    here) gives the step's logits of the rope launch bit for bit at batch 1 and 2, and really
-    folds (fewer rope launches)."""
-    from backfit.runtime.kernels.linear import gemv
-    from backfit.runtime.kernels import rope_norm
-    on, off = twin_runners(tiny_converted)
-    attn = on.model.layers[0].attn
-    N, K = attn.wq_b.out_features, attn.wq_b.in_features
-    monkeypatch.setattr(gemv, "GEMV_TABLE", [("int8", (N, N), (K, K), (1, 2),
-                                              dict(variant="cuda", BN=4, BK=128, num_warps=4))]
-                        + gemv.GEMV_TABLE)
-    dec = importlib.import_module("backfit.runtime.model.attention_decode")
-    ropes, real = [], rope_norm.rope
-    monkeypatch.setattr(rope_norm, "rope", lambda *a, **k: ropes.append(1) or real(*a, **k))
-
-    def forward(runner, step, sizes) -> tuple[torch.Tensor, int]:
-        monkeypatch.setattr(dec, "Q_ROPE_IN_WQ_B", sizes)
-        n0 = len(ropes)
-        return runner.forward(step).logits.float(), len(ropes) - n0
-    g = torch.Generator().manual_seed(13)
-    for n in (1, 2):
-        for k, (prefill, step) in enumerate(prefill_then_decode(n, g)):
-            (got, n_on), (want, n_off) = forward(on, step, (1, 2)), forward(off, step, ())
-            assert torch.equal(got, want), (n, k, prefill)
-            assert prefill or n_on < n_off, (n, k, n_on, n_off)      # the fold really ran
 
 
 @pytest.mark.gpu
