@@ -164,15 +164,17 @@ def test_joint_wq_b_matches_the_two_launches(tiny_converted, tp1_process, monkey
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_l2_prefetch_changes_no_logit(tiny_converted, tp1_process, monkeypatch):
-    """model.prefetch.L2_PREFETCH: the weights prefetched into L2 on the "l2" stream at its three
+    """model.prefetch.L2_PREFETCH: the weights prefetched into L2 on the "l2" stream at its four
     points leave the step's logits bit for bit as without, at batch 1 and 2, and every point
-    really launches at a decode step (3 a layer but the first layer's "q")."""
+    really launches at a decode step (4 a layer but the first layer's "q")."""
     from backfit.runtime.kernels import prefetch as kpf
     on, off = twin_runners(tiny_converted)
     pf = importlib.import_module("backfit.runtime.model.prefetch")
-    calls, real = [], kpf.l2_prefetch
+    calls, real, real_rows = [], kpf.l2_prefetch, kpf.l2_prefetch_rows
     monkeypatch.setattr(kpf, "l2_prefetch", lambda ts, *a, **k: calls.append(len(ts))
                         or real(ts, *a, **k))
+    monkeypatch.setattr(kpf, "l2_prefetch_rows", lambda ts, ids, *a, **k: calls.append(
+        len(ts)) or real_rows(ts, ids, *a, **k))
 
     def forward(runner, step, points) -> tuple[torch.Tensor, int]:
         monkeypatch.setattr(pf, "L2_PREFETCH", points)
@@ -182,7 +184,7 @@ def test_l2_prefetch_changes_no_logit(tiny_converted, tp1_process, monkeypatch):
     g = torch.Generator().manual_seed(15)
     for n in (1, 2):
         for k, (prefill, step) in enumerate(prefill_then_decode(n, g)):
-            got, n_on = forward(on, step, ("o", "ffn", "q"))
+            got, n_on = forward(on, step, ("o", "ffn", "down", "q"))
             want, n_off = forward(off, step, ())
             assert torch.equal(got, want), (n, k, prefill)
-            assert n_off == 0 and (prefill or n_on == 3 * L - 1), (n, k, n_on)
+            assert n_off == 0 and (prefill or n_on == 4 * L - 1), (n, k, n_on)

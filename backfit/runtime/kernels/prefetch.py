@@ -10,7 +10,9 @@ H100, 40 MB on the A100: one sub-layer's weights at TP 4 fit). A hint only: the 
 is the same whatever happens to it, so there is nothing to check numerically.
 
 Program p prefetches sectors p·LINES, (p + P)·LINES, ... of each range; lanes past a range's
-end prefetch its last sector again (no address outside a tensor). The interpreter has no
+end prefetch its last sector again (no address outside a tensor). `l2_prefetch_rows(stacks,
+ids)`: the rows of [E, ...] stacks that device-side ids name (the routed experts' down
+projections, beside their gate/up launch). The interpreter has no
 inline PTX: off CUDA the call does nothing.
 """
 
@@ -20,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_TENSORS", "PREFETCH_PROGRAMS", "SECTOR", "l2_prefetch"]
+__all__ = ["MAX_TENSORS", "PREFETCH_PROGRAMS", "SECTOR", "l2_prefetch", "l2_prefetch_rows"]
 
 MAX_TENSORS = 6
 # programs of a prefetch launch (4 warps each, LINES sectors a step): enough in-flight requests to
@@ -41,6 +43,30 @@ def _prefetch_range(A, n, SECTOR: tl.constexpr, LINES: tl.constexpr):
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
                                   [A + s.to(tl.int64) * SECTOR], dtype=tl.int32,
                                   is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows(A, row_bytes, IDS, n_ids, E, SECTOR: tl.constexpr, LINES: tl.constexpr):
+    """This program's sectors of rows IDS[0 .. n_ids) (clamped to [0, E)) of the [E, row_bytes]
+    bytes at A; a row's last sector starts inside it (sectors = cdiv(row_bytes, SECTOR))."""
+    pid, P = tl.program_id(0), tl.num_programs(0)
+    per = tl.cdiv(row_bytes, SECTOR)
+    last = n_ids * per - 1
+    for s0 in range(pid * LINES, last + 1, P * LINES):
+        s = tl.minimum(s0 + tl.arange(0, LINES), last)
+        e = tl.minimum(tl.maximum(tl.load(IDS + s // per), 0), E - 1).to(tl.int64)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                  [A + e * row_bytes + (s % per).to(tl.int64) * SECTOR],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _l2_prefetch_rows_kernel(A0, r0, A1, r1, IDS, n_ids, E, R: tl.constexpr,
+                             SECTOR: tl.constexpr, LINES: tl.constexpr):
+    """Rows IDS of the stacks (A0, r0 bytes a row) and, R = 2, (A1, r1)."""
+    _prefetch_rows(A0, r0, IDS, n_ids, E, SECTOR, LINES)
+    if R > 1:
+        _prefetch_rows(A1, r1, IDS, n_ids, E, SECTOR, LINES)
 
 
 @triton.jit
@@ -83,3 +109,24 @@ def l2_prefetch(tensors: list[torch.Tensor], programs: int | None = None,
         args += [t.reshape(-1).view(torch.uint8), t.numel() * t.element_size()]
     _l2_prefetch_kernel[(programs or PREFETCH_PROGRAMS,)](*args, R=len(ts), SECTOR=sector,
                                                           LINES=_LINES, num_warps=4)
+
+
+def l2_prefetch_rows(stacks: list[torch.Tensor], ids: torch.Tensor,
+                     programs: int | None = None) -> None:
+    """Queue one launch that prefetches rows ids (int64, any shape, values in [0, E); read on
+    the device: the routed experts of a decode step) of one or two contiguous stacks [E, ...]
+    (an expert's weight and its scales) into L2. Off CUDA: nothing."""
+    if not 1 <= len(stacks) <= 2 or ids.dtype != torch.int64 or any(
+            not t.is_contiguous() or t.dim() < 2 or t.shape[0] != stacks[0].shape[0]
+            or t.device != ids.device for t in stacks):
+        raise ValueError(f"l2_prefetch_rows: one or two contiguous [E, ...] stacks with the "
+                         f"same E and int64 ids on their device, got "
+                         f"{[(list(t.shape), t.device) for t in stacks]}, ids {ids.dtype}")
+    if ids.device.type != "cuda" or not ids.numel():
+        return
+    args = []
+    for t in stacks + stacks[:1] * (2 - len(stacks)):
+        args += [t.view(-1).view(torch.uint8), t[0].numel() * t.element_size()]
+    _l2_prefetch_rows_kernel[(programs or PREFETCH_PROGRAMS,)](
+        *args, ids.reshape(-1), ids.numel(), stacks[0].shape[0], R=len(stacks), SECTOR=SECTOR,
+        LINES=_LINES, num_warps=4)

@@ -6,6 +6,10 @@ those weights. Triton path on CUDA, decode batches up to L2_MAX_T rows; a layer'
          attention and the merge (model.attention_decode); joined after wo_b is queued
   "ffn"  after the attention sub-layer (wo_b) is queued: the router and the shared expert
          (≈ 5 MB) during the hc_post + hc_pre launch (model.block); joined after the MoE's
+  "down" after the router is queued: the routed experts' down projections (w2 and its scales
+         of the ids the router wrote, ≈ 6.4 MB at TP 4 with 4-bit experts) beside their gate/up
+         launch, which reads at ~1.3 TB/s (model.moe); joined after the MoE's launches; up to
+         DOWN_MAX_T rows (8 rows' ≈ 40 experts would not fit L2)
   "q"    after the MoE's launches are queued: the NEXT layer's wq_a|wkv and wq_b (21 MB) during
          the last hc_post + the next hc_pre (model.block, the weights from Transformer.hidden's
          carry); joined after that layer's attention is queued
@@ -23,11 +27,12 @@ import torch
 from backfit.runtime.kernels import kernel_path
 from backfit.runtime.streams import beside
 
-__all__ = ["L2_MAX_T", "L2_PREFETCH", "attn_in_weights", "attn_out_weights", "ffn_in_weights",
-           "join", "start"]
+__all__ = ["DOWN_MAX_T", "L2_MAX_T", "L2_PREFETCH", "attn_in_weights", "attn_out_weights",
+           "ffn_in_weights", "join", "start", "start_rows"]
 
-L2_PREFETCH: tuple = ()         # the points above that run ("o", "ffn", "q"); () = none
+L2_PREFETCH: tuple = ()         # the points above that run ("o", "ffn", "down", "q"); () = none
 L2_MAX_T = 8                    # decode batches up to this many rows
+DOWN_MAX_T = 2                  # "down": up to this many rows
 
 
 def start(point: str, x: torch.Tensor, tensors: list) -> torch.cuda.Event | None:
@@ -39,6 +44,17 @@ def start(point: str, x: torch.Tensor, tensors: list) -> torch.cuda.Event | None
         return None
     from backfit.runtime.kernels.prefetch import l2_prefetch
     return beside(x.device, "l2", lambda: l2_prefetch(tensors))[1]
+
+
+def start_rows(point: str, x: torch.Tensor, stacks: list, ids: torch.Tensor
+               ) -> torch.cuda.Event | None:
+    """start's for rows `ids` (device-side, int64) of [E, ...] stacks (kernels.prefetch.
+    l2_prefetch_rows), up to DOWN_MAX_T rows of x."""
+    if point not in L2_PREFETCH or not x.is_cuda or x.shape[0] > DOWN_MAX_T \
+            or not kernel_path(x):
+        return None
+    from backfit.runtime.kernels.prefetch import l2_prefetch_rows
+    return beside(x.device, "l2", lambda: l2_prefetch_rows(stacks, ids))[1]
 
 
 def join(x: torch.Tensor, ev: torch.cuda.Event | None) -> None:
