@@ -100,6 +100,7 @@ def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tens
         side = ([ev], None)
     else:
         qa, kvx, qr, comp, icomp, wraw = attn._project(x, pos, True, q_norm=T in Q_NORM_IN_WQ_A)
+    l2 = prefetch.start("o", x, prefetch.attn_out_weights(attn))  # wo_a, wo_b from here on
     kv = kv_ready = None            # kv_ready: the event of the kv chain queued beside
     kv_side = KV_BESIDE and x.is_cuda and kernel_path(x)
     projected = mark(x.device) if kv_side and T in QUERY_FIRST else None  # qa, kvx queued
@@ -127,7 +128,6 @@ def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tens
     elif q is None:
         q = attn.wq_b.forward_normed(qa, attn.q_norm) if fold else attn.wq_b(qr)
     q = q.view(T, Hl, D)
-    l2 = prefetch.start("o", x, prefetch.attn_out_weights(attn))  # wo_a, wo_b beside the core
     q, kv = attn._q_kv(q, kvx, pos, kv, roped=roped)
     index = None
     if attn.indexer is not None and side is None:

@@ -2,8 +2,9 @@
 (runtime/streams.py) beside the launches that read almost nothing, before the GEMVs that read
 those weights. Triton path on CUDA, decode batches up to L2_MAX_T rows; a layer's points:
 
-  "o"    after wq_b is queued: wo_a and wo_b (24 MB at TP 4) during the query RoPE, decode
-         attention and the merge (model.attention_decode); joined after wo_b is queued
+  "o"    after wq_a|wkv is queued: wo_a and wo_b (24 MB at TP 4) during q_norm, wq_b (8.4 MB in
+         ~6 µs: 40 % of copy bandwidth), the query RoPE, decode attention and the merge
+         (model.attention_decode, ≈ 20 µs); joined after wo_b is queued
   "ffn"  after the attention sub-layer (wo_b) is queued: the router and the shared expert
          (≈ 5 MB) during the hc_post + hc_pre launch (model.block); joined after the MoE's
   "down" after the router is queued: the routed experts' down projections (w2 and its scales
