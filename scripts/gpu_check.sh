@@ -194,7 +194,7 @@ for s in "${steps[@]}"; do
                 || ! grep -q " passed" "$OUT/untimed_tests.log"; then      # (or cut off)
             M="$D:QUERY_FIRST=(1,)"; echo "== the A/B without MERGE_IN_DECODE"
         fi
-        run_step untimed_ab "${AB_S:-240}" $PY benchmarks/bench_ab.py --layers 43 --tp-shard 4 \
+        run_step untimed_ab "${AB_S:-260}" $PY benchmarks/bench_ab.py --layers 43 --tp-shard 4 \
             --experts "${SLICE_EXPERTS:-mx4}" --batches 1,8 --out "$OUT/untimed_ab.json" \
             --switch "$PF" --switch "$P=('o',)" --switch "$P=('q',)" --switch "$P=('down',)" \
             --switch "$PF;$K:SECTOR=128" --switch "$PF;$K:PREFETCH_PROGRAMS=132" \
@@ -203,7 +203,7 @@ for s in "${steps[@]}"; do
             --switch backfit.runtime.kernels.linear.gemv:GEMV_TABLE=@ab_tables:CSA_PROJ_BN4 \
             --switch "$M" --switch "$M;$FOLDS" --switch "$M;$FOLDS;$PF"
         d=$(mktemp -d)
-        run_step untimed_verify "${VERIFY_S:-170}" bash -c "
+        run_step untimed_verify "${VERIFY_S:-150}" bash -c "
             $PY scripts/make_tiny_checkpoint.py $d/orig --small-vocab >/dev/null || exit 1
             $PY -m backfit.cli convert $d/orig $d/conv --tp 1 --quiet || exit 1
             V='verify $d/orig $d/conv --device cuda --kernels triton --activations bfloat16
