@@ -197,10 +197,9 @@ for s in "${steps[@]}"; do
         run_step untimed_ab "${AB_S:-260}" $PY benchmarks/bench_ab.py --layers 43 --tp-shard 4 \
             --experts "${SLICE_EXPERTS:-mx4}" --batches 1,8 --out "$OUT/untimed_ab.json" \
             --switch "$PF" --switch "$P=('o',)" --switch "$P=('q',)" --switch "$P=('down',)" \
-            --switch "$PF;$K:SECTOR=128" --switch "$PF;$K:PREFETCH_PROGRAMS=132" \
+            --switch "$PF;$K:SECTOR=128" \
             --switch "$D:Q_NORM_IN_WQ_A=(1, 2)" --switch "$D:Q_ROPE_IN_WQ_B=(1, 2)" \
             --switch "$D:WQ_B_JOINT=(1,)" \
-            --switch backfit.runtime.kernels.linear.gemv:GEMV_TABLE=@ab_tables:CSA_PROJ_BN4 \
             --switch "$M" --switch "$M;$FOLDS" --switch "$M;$FOLDS;$PF"
         d=$(mktemp -d)
         run_step untimed_verify "${VERIFY_S:-150}" bash -c "

@@ -98,8 +98,9 @@ def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tens
         if start is None:
             qa, kvx, qr = _project_q(attn, x, T)
         side = ([ev], None)
-    else:
-        qa, kvx, qr, comp, icomp, wraw = attn._project(x, pos, True, q_norm=T in Q_NORM_IN_WQ_A)
+    else:                           # in order: wq_a|wkv (+ q_norm), then the FP32 projections
+        qa, kvx, qr = _project_q(attn, x, T)
+        comp, icomp, wraw = attn._project_f32(x, pos, True)
     l2 = prefetch.start("o", x, prefetch.attn_out_weights(attn))  # wo_a, wo_b from here on
     kv = kv_ready = None            # kv_ready: the event of the kv chain queued beside
     kv_side = KV_BESIDE and x.is_cuda and kernel_path(x)
