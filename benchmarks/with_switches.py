@@ -1,12 +1,11 @@
 """Run a backfit CLI command with runtime switches set first (bench_ab.py's --switch syntax), so
-a check such as `backfit verify` can run a configuration that is not shipped yet:
+a check such as `backfit verify` can run a configuration that is not shipped yet (a switch an
+A/B is about to flip):
 
     python3 benchmarks/with_switches.py \
-        --switch backfit.runtime.kernels.attention.decode:MERGE_IN_DECODE=True \
-        --switch "backfit.runtime.model.prefetch:L2_PREFETCH=('o', 'down')" \
+        --switch backfit.runtime.kernels.attention.decode:MAX_SPLIT=32 \
+        --switch "backfit.runtime.model.attention_decode:QUERY_FIRST=(1, 8)" \
         -- verify ORIG CONVERTED --device cuda --kernels triton --chunk 1
-
-(scripts/gpu_check.sh's "untimed" step verifies the switches built but not yet timed this way).
 """
 
 from __future__ import annotations

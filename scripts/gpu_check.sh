@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check in one call on the lent machine (run from the repository root):
 #
-#   bash scripts/gpu_check.sh [tests] [smoke] [verify] [bench] [engine] [untimed] [ab] [sweep] [sweeps]
+#   bash scripts/gpu_check.sh [tests] [smoke] [verify] [bench] [engine] [ab] [sweep] [sweeps]
 #                             [prefill] [prefix] [profile] [tp2] [spec] [vision] [slice]
 #                                       (no argument = tests smoke verify bench)
 #
@@ -27,9 +27,6 @@
 #   engine scripts/bench_engine.py --real-dims 4 (random model at the real dims, the real
 #          tokenizer, CUDA graphs) at concurrency 1 and 8, async scheduling off then on, one
 #          process ($OUT/engine.json)
-#   untimed the switches built but not yet timed (PERFORMANCE.md, tenth and eleventh rounds):
-#          their GPU tests, one A/B of each on the 43-layer TP-4 slice (bench_ab.py, mx4), decode
-#          verifies with all of them on (benchmarks/with_switches.py) and as shipped (~560 s)
 #   ab     benchmarks/bench_ab.py: each switch of $AB_SWITCHES (default: the 2026-12-01 KV_BESIDE and
 #          MAX_SPLIT, and SIDE_STREAMS) off / at its old value against as shipped, in one process
 #   sweep  benchmarks/kernels/bench_kernels.py --moe-decode-sweep (fused-MoE decode variants and tiles)
@@ -175,42 +172,6 @@ for s in "${steps[@]}"; do
         run_step engine "${ENGINE_S:-360}" $PY scripts/bench_engine.py --real-dims 4 \
             --device cuda --concurrency 1,8 --prompt-len 128 --output-len 256 \
             --async-scheduling both --json "$OUT/engine.json" ;;
-    untimed)
-        # the switches built but not yet timed (docs/PERFORMANCE.md, tenth and eleventh rounds):
-        # their GPU tests (a merge spin that never releases fails here, before it can hang the
-        # A/B: then the A/B runs without MERGE_IN_DECODE), one A/B on the 43-layer TP-4 slice of
-        # each and of all together, then decode verifies (chunks of 1) with all on and as shipped
-        D=backfit.runtime.model.attention_decode
-        P=backfit.runtime.model.prefetch:L2_PREFETCH
-        K=backfit.runtime.kernels.prefetch
-        PF="$P=('o', 'ffn', 'down', 'q')"
-        FOLDS="$D:Q_NORM_IN_WQ_A=(1, 2);$D:Q_ROPE_IN_WQ_B=(1, 2);$D:WQ_B_JOINT=(1,)"
-        run_step untimed_tests "${TESTS_S:-140}" $PY -m pytest -q -p no:cacheprovider -n 4 \
-            tests/runtime/kernels/test_attention.py tests/runtime/kernels/test_gemv.py \
-            tests/runtime/kernels/test_prefetch.py tests/runtime/test_decode_folds.py -k \
-            "merge_in or out_rope or out_norm or normed or roped or q_norm_in or q_rope_in or joint or prefetch"
-        M="backfit.runtime.kernels.attention.decode:MERGE_IN_DECODE=True"
-        if grep -Eq "failed|error" "$OUT/untimed_tests.log" \
-                || ! grep -q " passed" "$OUT/untimed_tests.log"; then      # (or cut off)
-            M="$D:QUERY_FIRST=(1,)"; echo "== the A/B without MERGE_IN_DECODE"
-        fi
-        run_step untimed_ab "${AB_S:-260}" $PY benchmarks/bench_ab.py --layers 43 --tp-shard 4 \
-            --experts "${SLICE_EXPERTS:-mx4}" --batches 1,8 --out "$OUT/untimed_ab.json" \
-            --switch "$PF" --switch "$P=('o',)" --switch "$P=('q',)" --switch "$P=('down',)" \
-            --switch "$PF;$K:SECTOR=128" \
-            --switch "$D:Q_NORM_IN_WQ_A=(1, 2)" --switch "$D:Q_ROPE_IN_WQ_B=(1, 2)" \
-            --switch "$D:WQ_B_JOINT=(1,)" \
-            --switch "$M" --switch "$M;$FOLDS" --switch "$M;$FOLDS;$PF"
-        d=$(mktemp -d)
-        run_step untimed_verify "${VERIFY_S:-150}" bash -c "
-            $PY scripts/make_tiny_checkpoint.py $d/orig --small-vocab >/dev/null || exit 1
-            $PY -m backfit.cli convert $d/orig $d/conv --tp 1 --quiet || exit 1
-            V='verify $d/orig $d/conv --device cuda --kernels triton --activations bfloat16
-               --chunk 1 --max-positions 256'
-            st=0
-            $PY benchmarks/with_switches.py --switch '$M' --switch \"$PF\" -- \$V || st=1
-            $PY -m backfit.cli \$V || st=1
-            exit \$st" ;;
     ab)
         sw=()
         for x in ${AB_SWITCHES:-backfit.runtime.model.attention_decode:KV_BESIDE=False \

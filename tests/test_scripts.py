@@ -198,24 +198,20 @@ def test_bench_ab_switch_takes_a_literal_or_another_modules_object():
     assert [(n, v) for _, n, v in both] == [("FOLD", {}), ("MAX_SPLIT", 1)]
 
 
-def test_ab_tables_change_one_row_to_a_compiled_candidate():
-    """benchmarks/ab_tables: each table is GEMV_TABLE with the one named row changed, to a
-    GEMV_CANDIDATES config (compiled for sm_80 by test_sm80_gemv.py); bench_ab.py takes it by
-    name; a row the table lacks is a KeyError."""
-    import pytest
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import ab_tables
-    import bench_ab
-    from backfit.runtime.kernels.linear import gemv
-    cands = [dict(c, num_stages=1) for c in gemv.GEMV_CANDIDATES["bf16"]]
-    for name in ("CSA_PROJ_BN4", "CSA_PROJ_BN8"):
-        table = getattr(ab_tables, name)
-        changed = [(a, b) for a, b in zip(table, gemv.GEMV_TABLE) if a != b]
-        assert len(table) == len(gemv.GEMV_TABLE) and len(changed) == 1, name
-        (k, n, _, m, cfg), _ = changed[0]
-        assert (k, n, m) == ab_tables.CSA_PROJ and cfg in cands, (name, cfg)
-        _, _, value = bench_ab.parse_switch(
-            f"backfit.runtime.kernels.linear.gemv:GEMV_TABLE=@ab_tables:{name}")
-        assert value is table
-    with pytest.raises(KeyError, match="no row"):
-        ab_tables.with_row(("bf16", (1, 1), (1, 1)), {})
+def test_with_switches_sets_them_then_runs_the_command():
+    """benchmarks/with_switches.py: each --switch set (and said on stderr) before the backfit
+    command after `--` runs; no `--` or a switch that names nothing: a one-line error."""
+    import os
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    script = [sys.executable, str(root / "benchmarks" / "with_switches.py")]
+    run = subprocess.run(script + ["--switch", "backfit.runtime.kernels.attention.decode:"
+                                   "MAX_SPLIT=3", "--", "--help"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "decode.MAX_SPLIT = 3" in run.stderr and "Usage: backfit" in run.stdout
+    for bad in (["--switch", "backfit.runtime.kernels.attention.decode:MAX_SPLIT=3"],
+                ["--switch", "backfit.runtime.kernels.attention.decode:NO_SUCH=1", "--"]):
+        run = subprocess.run(script + bad, capture_output=True, text=True, env=env, timeout=120)
+        assert run.returncode != 0 and "--switch" in run.stderr, run.stderr[-2000:]

@@ -105,9 +105,12 @@ class Linear(nn.Module):
         """Whether forward_normed(x, norm) runs as one launch: kernel path, bf16 x, int8_g128 /
         bf16 weight, at a shape kernels.linear.gemv takes on its cuda variant
         (kernels.linear.gemv.norm_fold)."""
-        return kernel_path(x) and self.scheme in _KERNEL_SCHEMES \
-            and self.weight.dtype in (torch.int8, torch.bfloat16) \
-            and _gemv_norm_folds(x, self.weight, self.scheme)
+        if not (kernel_path(x) and x.dtype == torch.bfloat16 and self.scheme in _KERNEL_SCHEMES
+                and self.weight.dtype in (torch.int8, torch.bfloat16)):
+            return False
+        from backfit.runtime.kernels.linear import GEMV_MAX_M, norm_fold
+        M = x.numel() // x.shape[-1]
+        return 0 < M <= GEMV_MAX_M and norm_fold(M, *self.weight.shape, self.scheme == "int8_g128")
 
     def forward_normed(self, x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
         """self(norm(x)): one GEMV launch with the RMSNorm inside where norm_folds(x), else the
@@ -116,23 +119,6 @@ class Linear(nn.Module):
             return self(norm(x))
         from backfit.runtime.kernels.linear import gemv_linear
         return gemv_linear(x, self.weight, self.scale, self.scheme, norm=(norm.weight, norm.eps))
-
-    def rope_folds(self, x: torch.Tensor, D: int) -> bool:
-        """Whether forward_roped(x, ..) runs as one launch: norm_folds' conditions at a tile
-        that can rotate output heads of D (kernels.linear.gemv.rope_fold)."""
-        from backfit.runtime.kernels.linear import rope_fold
-        M = x.numel() // max(x.shape[-1], 1)
-        return self.norm_folds(x) and rope_fold(M, *self.weight.shape,
-                                                self.scheme == "int8_g128", D)
-
-    def forward_roped(self, x: torch.Tensor, pos: torch.Tensor, rope: "Rotary", D: int,
-                      eps: float) -> torch.Tensor:
-        """self(x) [T, N] as heads [T, N/D, D], each RMS-normalised (no weight) then rotated by
-        rope at pos [T] (the query of model.attention), in ONE GEMV launch: each head's last
-        program runs rope_norm.rope's ops, the same bits. Only where rope_folds(x, D)."""
-        from backfit.runtime.kernels.linear import gemv_linear
-        return gemv_linear(x.reshape(-1, x.shape[-1]), self.weight, self.scale, self.scheme,
-                           out_rope=(pos, rope.inv_freq, rope.rope_dim, D, eps))[1]
 
     def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
         """x [.., in] bf16 or fp32 -> FP32 [.., out] = x·W^T in FP32 (router, compressors).
@@ -148,15 +134,6 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}"
-
-
-def _gemv_norm_folds(x: torch.Tensor, weight: torch.Tensor, scheme: str) -> bool:
-    """bf16 x of 1..GEMV_MAX_M rows at a weight shape that kernels.linear.gemv takes on its cuda
-    variant (norm_fold): where a RMSNorm of its input or output can run in the GEMV launch."""
-    from backfit.runtime.kernels.linear import GEMV_MAX_M, norm_fold
-    M = x.numel() // x.shape[-1]
-    return x.dtype == torch.bfloat16 and 0 < M <= GEMV_MAX_M \
-        and norm_fold(M, *weight.shape, scheme == "int8_g128")
 
 
 class FusedProjection:
@@ -200,26 +177,6 @@ class FusedProjection:
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16):
         return self.joint(x, out_dtype).split(self.sizes, dim=-1)
-
-    def norm_folds(self, x: torch.Tensor) -> bool:
-        """Whether normed(x, norm) runs as one launch (kernels.linear.gemv's cuda variant
-        takes the joint shape at x's rows: kernels.linear.norm_fold)."""
-        return _gemv_norm_folds(x, self.weight, self.scheme)
-
-    def normed(self, x: torch.Tensor, norm: "RMSNorm") -> tuple:
-        """(*self(x), norm(first member's output)) in one launch where norm_folds(x): the
-        launch's last program runs the RMSNorm (rope_norm's ops, the same bits); else the
-        norm's own launch after it."""
-        if not self.norm_folds(x):
-            out = self(x)
-            return (*out, norm(out[0]))
-        if norm.weight.shape != (self.sizes[0],):
-            raise ValueError(f"FusedProjection.normed: a norm of the first member's "
-                             f"{self.sizes[0]} outputs, got {list(norm.weight.shape)}")
-        from backfit.runtime.kernels.linear import gemv_linear
-        y, yn = gemv_linear(x, self.weight, self.scale, self.scheme,
-                            out_norm=(norm.weight, norm.eps))
-        return (*y.split(self.sizes, dim=-1), yn)
 
 
 class ColumnParallelLinear(Linear):

@@ -13,9 +13,6 @@ Users (triton path on CUDA only; the torch path and CPU never fork):
                   before "comp", by mark / after=); decode attention joins both. Every layer:
                   the token's kv (kv_norm + RoPE + ring store, "kv") beside q_norm / wq_b /
                   the query RoPE (at batch 1 launched after q_norm)
-  model.prefetch  L2 prefetches of the next GEMVs' weights ("l2") beside the launches that read
-                  almost nothing (decode attention, hc_post + hc_pre); joined after the GEMV
-                  that reads them is queued (off as shipped, L2_PREFETCH)
   kernels.mhc.decode  the Sinkhorn of hc_pre (post, M: read only by the hc_post after the
                   sub-layer) beside the critical u + RMSNorm launch; hc_post queues it (after
                   the sub-layer's launches, waiting for PART alone) and joins it
@@ -51,18 +48,17 @@ def stream_key(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
-_COUNTERS: dict = {}     # (device, stream, pool) -> [int32 zeros]: arrival counters
+_COUNTERS: dict = {}     # (device, stream) -> [int32 zeros]: last-arriving-program counters
 
 
-def stream_counters(device: torch.device, n: int, pool: str = "zero") -> torch.Tensor:
+def stream_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 [>= n] counters of the current stream, for kernels whose last-arriving
     program finishes the work (cache_ops' fused compressor, kernels.router); every launch leaves
     them 0 again. One set per stream: the CSA layer's two compressor updates run on the side
     streams "comp" and "icomp" at once, and shared counters would mix their counts (a row
     finished before all its programs, or never). A larger n adds a larger buffer; the smaller
-    ones stay alive, as CUDA graphs captured earlier hold their addresses. pool "epoch": a set
-    of its own, which launches leave at a multiple of 64 instead (decode attention's merge)."""
-    bufs = _COUNTERS.setdefault((device, stream_key(device), pool), [])
+    ones stay alive, as CUDA graphs captured earlier hold their addresses."""
+    bufs = _COUNTERS.setdefault((device, stream_key(device)), [])
     if not bufs or bufs[-1].numel() < n:
         bufs.append(torch.zeros(max(n, 256), dtype=torch.int32, device=device))
     return bufs[-1]

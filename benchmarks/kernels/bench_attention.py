@@ -10,8 +10,7 @@ disjoint slots and blocks (so the working set exceeds L2), against the bytes the
 and the copy bandwidth measured in the same run (read + write of a 2 GiB copy).
 Usage: python benchmarks/kernels/bench_attention.py [--out bench_attention.json]
        python benchmarks/kernels/bench_attention.py --merge --contexts 512,32768 --batches 1,8  (the
-       decode step's merge + inverse RoPE: split count x attention.MERGE_PAIRS, and "decode":
-       the merge inside the decode launch, attention.MERGE_IN_DECODE)
+       decode step's merge + inverse RoPE launch: split count x attention.MERGE_PAIRS)
 """
 
 from __future__ import annotations
@@ -71,8 +70,7 @@ def attention_case(mode, L, B, int8, bw):
 
 def merge_case(mode, L, B, split, pairs):
     """decode_attention with out_rope (the decode step's call: split KV, merge + inverse RoPE in
-    one launch) at one split count and attention.MERGE_PAIRS (pairs "decode": the merge inside
-    the decode launch where the grid fits, MERGE_IN_DECODE) -> µs a call (graph replays)."""
+    one launch) at one split count and attention.MERGE_PAIRS -> µs a call (graph replays)."""
     from backfit.runtime.kernels.attention import decode as A
     ratio = {"window": 0, "hca": 128, "csa": 4}[mode]
     nblk = (L + BLOCK - 1) // BLOCK
@@ -91,15 +89,13 @@ def merge_case(mode, L, B, split, pairs):
     pos = torch.full((B,), L - 1, dtype=torch.int64, device="cuda")
     sink = torch.randn(H, device="cuda")
     f = 1.0 / 10000 ** (torch.arange(0, 64, 2, dtype=torch.float64, device="cuda") / 64)
-    old = A.MERGE_PAIRS, A.MERGE_IN_DECODE
-    A.MERGE_IN_DECODE = pairs == "decode"
-    A.MERGE_PAIRS = old[0] if pairs == "decode" else pairs
+    old, A.MERGE_PAIRS = A.MERGE_PAIRS, pairs
     try:
         t = graph_time(lambda: decode_attention(q, kv, pos, sink, ring, None, slots, W, mode,
                                                 ent, None, tabs, ratio, sel, split=split,
                                                 out_rope=(f, 64, torch.bfloat16)))
     finally:
-        A.MERGE_PAIRS, A.MERGE_IN_DECODE = old
+        A.MERGE_PAIRS = old
     return dict(kind="merge", mode=mode, context=L, batch=B, split=split, pairs=pairs,
                 us=t * 1e6)
 
@@ -111,13 +107,13 @@ def merge_sweep(contexts, batches):
         for L in contexts:
             for B in batches:
                 for split in (None, 1, 2, 4, 8, 16):
-                    for pairs in (16, 64, 256, "decode"):
+                    for pairs in (16, 64, 256):
                         if split == 1 and pairs != 64:
                             continue                # one split: no merge launch
                         rows.append(merge_case(mode, L, B, split, pairs))
                         r = rows[-1]
                         print(f"merge {mode:6s} L {L:6d} B {B:2d} split {str(split):4s} "
-                              f"pairs {pairs!s:6s}: {r['us']:7.1f} us", flush=True)
+                              f"pairs {pairs:3d}: {r['us']:7.1f} us", flush=True)
     return rows
 
 
@@ -151,7 +147,7 @@ def main():
     ap.add_argument("--contexts", default="1024,8192,65536")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--merge", action="store_true",
-                    help="only the decode merge sweep (split count x MERGE_PAIRS / in decode)")
+                    help="only the decode merge sweep (split count x MERGE_PAIRS)")
     a = ap.parse_args()
     torch.manual_seed(0)
     if a.merge:

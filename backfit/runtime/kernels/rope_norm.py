@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 __all__ = ["rms_norm", "rope"]
 
@@ -39,66 +38,6 @@ def _rms_kernel(X, W, Y, N, stride_x, eps, HAS_W: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def _mul(a, b, RN: tl.constexpr):
-    """a·b rounded on its own, never contracted with a following add into an FMA, also inside a
-    kernel compiled with contraction on (RN: libdevice's mul.rn, as kernels.cache.decode's RoPE;
-    else the product itself, for the interpreter and for _rope_kernel, which compiles without
-    contraction)."""
-    if RN:
-        return libdevice.mul_rn(a, b)
-    return a * b
-
-
-@triton.jit
-def _rope_vectors(X, Y, POS, F, W, n, vv, v_ok, V, D, stride_xn, eps, SIGN: tl.constexpr,
-                  R: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
-                  HAS_W: tl.constexpr, DP: tl.constexpr, HEAD: tl.constexpr, RN: tl.constexpr,
-                  CG: tl.constexpr):
-    """Vectors vv [BV] (those of v_ok) of position n: X's at n·stride_xn + vv·D, Y's at (n·V +
-    vv)·D (the body of _rope_kernel; kernels.linear.gemv's out_rope runs it on its own output,
-    CG: loaded from L2, other programs stored it). RN: see _mul."""
-    row = (n * V + vv.to(tl.int64)) * D                                  # [BV] vector starts
-    xrow = n * stride_xn + vv.to(tl.int64) * D                          # x rows may be strided
-    inv = tl.full((BV,), 1.0, tl.float32)
-    if NORM:
-        full = tl.arange(0, DP)
-        xs = tl.load(X + xrow[:, None] + full[None, :], mask=v_ok[:, None] & (full[None, :] < D),
-                     other=0.0, cache_modifier=".cg" if CG else "").to(tl.float32)
-        inv = tl.math.rsqrt(tl.sum(_mul(xs, xs, RN), axis=1) / D + eps)  # [BV]
-    if HEAD:
-        dd = tl.arange(0, BD)                                           # the unrotated head
-        keep = v_ok[:, None] & (dd[None, :] < D - R)
-        head = tl.load(X + xrow[:, None] + dd[None, :], mask=keep, other=0.0,
-                       cache_modifier=".cg" if CG else "")
-        if NORM:
-            head = head.to(tl.float32) * inv[:, None]
-            if HAS_W:
-                head = head * tl.load(W + dd, mask=dd < D - R, other=0.0)[None, :]
-        tl.store(Y + row[:, None] + dd[None, :], head.to(Y.dtype.element_ty), mask=keep)
-    i = tl.arange(0, R // 2)
-    ang = tl.load(POS + n).to(tl.float64) * tl.load(F + i)              # [R/2] FP64
-    cos = tl.broadcast_to(tl.cos(ang).to(tl.float32)[None, :], (BV, R // 2))
-    sin = tl.broadcast_to((tl.sin(ang).to(tl.float32) * SIGN)[None, :], (BV, R // 2))
-    # the rotated lanes as one contiguous [BV, R] load and store (pairs split / joined in
-    # registers): two stride-2 loads and stores cost as much as the whole vector (2026-12-02)
-    rr = tl.arange(0, R)
-    ab = tl.load(X + xrow[:, None] + (D - R) + rr[None, :], mask=v_ok[:, None], other=0.0,
-                 cache_modifier=".cg" if CG else "").to(tl.float32)
-    a, b = tl.split(tl.reshape(ab, (BV, R // 2, 2)))                    # even, odd lanes
-    if NORM:
-        a, b = a * inv[:, None], b * inv[:, None]
-        if HAS_W:
-            a = a * tl.load(W + (D - R) + 2 * i)[None, :]
-            b = b * tl.load(W + (D - R) + 2 * i + 1)[None, :]
-    a = a.to(Y.dtype.element_ty).to(tl.float32)                         # the rounded inputs
-    b = b.to(Y.dtype.element_ty).to(tl.float32)
-    ra = _mul(a, cos, RN) - _mul(b, sin, RN)
-    rb = _mul(a, sin, RN) + _mul(b, cos, RN)
-    out = tl.reshape(tl.join(ra.to(Y.dtype.element_ty), rb.to(Y.dtype.element_ty)), (BV, R))
-    tl.store(Y + row[:, None] + (D - R) + rr[None, :], out, mask=v_ok[:, None])
-
-
-@triton.jit
 def _rope_kernel(X, Y, POS, F, W, V, D, stride_xn, eps, SIGN: tl.constexpr, R: tl.constexpr,
                  BV: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, HAS_W: tl.constexpr,
                  DP: tl.constexpr, HEAD: tl.constexpr = True):
@@ -108,8 +47,45 @@ def _rope_kernel(X, Y, POS, F, W, V, D, stride_xn, eps, SIGN: tl.constexpr, R: t
     HEAD False (in place, Y = X): the unrotated D - R lanes are neither read nor written."""
     n, vb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     vv = vb * BV + tl.arange(0, BV)
-    _rope_vectors(X, Y, POS, F, W, n, vv, vv < V, V, D, stride_xn, eps, SIGN, R, BV, BD, NORM,
-                  HAS_W, DP, HEAD, False, False)
+    v_ok = vv < V
+    row = (n * V + vv.to(tl.int64)) * D                                  # [BV] vector starts
+    xrow = n * stride_xn + vv.to(tl.int64) * D                          # x rows may be strided
+    inv = tl.full((BV,), 1.0, tl.float32)
+    if NORM:
+        full = tl.arange(0, DP)
+        xs = tl.load(X + xrow[:, None] + full[None, :], mask=v_ok[:, None] & (full[None, :] < D),
+                     other=0.0).to(tl.float32)
+        inv = tl.math.rsqrt(tl.sum(xs * xs, axis=1) / D + eps)          # [BV]
+    if HEAD:
+        dd = tl.arange(0, BD)                                           # the unrotated head
+        keep = v_ok[:, None] & (dd[None, :] < D - R)
+        head = tl.load(X + xrow[:, None] + dd[None, :], mask=keep, other=0.0)
+        if NORM:
+            head = head.to(tl.float32) * inv[:, None]
+            if HAS_W:
+                head = head * tl.load(W + dd, mask=dd < D - R, other=0.0)[None, :]
+        tl.store(Y + row[:, None] + dd[None, :], head.to(Y.dtype.element_ty), mask=keep)
+    i = tl.arange(0, R // 2)
+    ang = tl.load(POS + n).to(tl.float64) * tl.load(F + i)              # [R/2] FP64
+    cos = tl.cos(ang).to(tl.float32)
+    sin = tl.sin(ang).to(tl.float32) * SIGN
+    # the rotated lanes as one contiguous [BV, R] load and store (pairs split / joined in
+    # registers): two stride-2 loads and stores cost as much as the whole vector (2026-12-02)
+    rr = tl.arange(0, R)
+    ab = tl.load(X + xrow[:, None] + (D - R) + rr[None, :], mask=v_ok[:, None],
+                 other=0.0).to(tl.float32)
+    a, b = tl.split(tl.reshape(ab, (BV, R // 2, 2)))                    # even, odd lanes
+    if NORM:
+        a, b = a * inv[:, None], b * inv[:, None]
+        if HAS_W:
+            a = a * tl.load(W + (D - R) + 2 * i)[None, :]
+            b = b * tl.load(W + (D - R) + 2 * i + 1)[None, :]
+    a = a.to(Y.dtype.element_ty).to(tl.float32)                         # the rounded inputs
+    b = b.to(Y.dtype.element_ty).to(tl.float32)
+    ra = a * cos[None, :] - b * sin[None, :]
+    rb = a * sin[None, :] + b * cos[None, :]
+    out = tl.reshape(tl.join(ra.to(Y.dtype.element_ty), rb.to(Y.dtype.element_ty)), (BV, R))
+    tl.store(Y + row[:, None] + (D - R) + rr[None, :], out, mask=v_ok[:, None])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -75,18 +75,14 @@ class Attention(nn.Module):
         self.compressor = (Compressor(d, D, ratio, ratio == 4, cfg.rms_norm_eps, self.rope)
                            if ratio else None)
         self.indexer = Indexer(cfg, self.rope) if ratio == 4 else None
-        self.fused_a = self.fused_f32 = self.fused_b = None   # FusedProjection (prepare_kernels)
+        self.fused_a = self.fused_f32 = None          # FusedProjection (prepare_kernels)
 
     def prepare_kernels(self) -> None:
         """Post-load step of the triton path: the projections of x as two launches, wq_a|wkv
-        (act dtype) and the compressors' wkv|wgate with the indexer's weights_proj (FP32 out);
-        a CSA layer's wq_b with the indexer's (both read q_norm's output: attention_decode.
-        WQ_B_JOINT)."""
+        (act dtype) and the compressors' wkv|wgate with the indexer's weights_proj (FP32 out)."""
         if self.fused_a is not None:
             return
         self.fused_a = FusedProjection.fuse([self.wq_a, self.wkv])
-        if self.indexer is not None:
-            self.fused_b = FusedProjection.fuse([self.wq_b, self.indexer.wq_b])
         f32 = []
         if self.compressor is not None:
             f32 += [self.compressor.wkv, self.compressor.wgate]
@@ -95,27 +91,19 @@ class Attention(nn.Module):
                     self.indexer.weights_proj]
         self.fused_f32 = FusedProjection.fuse(f32) if f32 else None
 
-    def _project(self, x: torch.Tensor, pos: torch.Tensor, decode_step: bool = False,
-                 q_norm: bool = False):
+    def _project(self, x: torch.Tensor, pos: torch.Tensor, decode_step: bool = False):
         """x [T, d] -> wq_a x, wkv x (act dtype), compressor (c, z), indexer compressor (c, z)
         and weights_proj x (bf16-rounded, FP32), the last three None where the layer has none.
         decode_step (the paged kernels' decode step follows) with fused projections and
         compressor.FUSED_DECODE: (c, z) are ProjectedRows (z without its ape row) and the weights
-        a HeadWeights, both formed inside the decode step's compressor kernels. q_norm: the
-        third item is _project_a's q_norm(wq_a x) or None."""
-        return (*self._project_a(x, q_norm), *self._project_f32(x, pos, decode_step))
+        a HeadWeights, both formed inside the decode step's compressor kernels."""
+        return (*self._project_a(x), *self._project_f32(x, pos, decode_step))
 
-    def _project_a(self, x: torch.Tensor, q_norm: bool = False):
-        """x [T, d] -> (wq_a x, wkv x), act dtype (one fused launch on the kernel path); q_norm:
-        -> (wq_a x, wkv x, q_norm(wq_a x)), the norm inside that launch where it folds
-        (FusedProjection.normed), else None for the caller's own q_norm launch."""
+    def _project_a(self, x: torch.Tensor):
+        """x [T, d] -> (wq_a x, wkv x), act dtype (one fused launch on the kernel path)."""
         if kernel_path(x) and x.dtype == torch.bfloat16 and self.fused_a is not None:
-            if q_norm and self.fused_a.norm_folds(x):
-                return self.fused_a.normed(x, self.q_norm)
-            out = self.fused_a(x)
-        else:
-            out = self.wq_a(x), self.wkv(x)
-        return (*out, None) if q_norm else out
+            return self.fused_a(x)
+        return self.wq_a(x), self.wkv(x)
 
     def _project_f32(self, x: torch.Tensor, pos: torch.Tensor, decode_step: bool = False):
         """x [T, d] -> _project's compressor rows, indexer compressor rows, weights_proj x."""
@@ -175,16 +163,13 @@ class Attention(nn.Module):
         from backfit.runtime.model.attention_torch import torch_core
         return torch_core(self, pre, batch, cache)
 
-    def _q_kv(self, q: torch.Tensor, kvx: torch.Tensor, pos: torch.Tensor, kv=None,
-              roped: bool = False):
-        """q [T, Hl, D] (wq_b's output) -> per-head RMS + RoPE (roped: q has had them, in wq_b's
-        launch); kvx [T, D] -> kv_norm + RoPE, unless kv (made beside, KV_BESIDE) is given ->
-        (q, kv) in q's dtype."""
+    def _q_kv(self, q: torch.Tensor, kvx: torch.Tensor, pos: torch.Tensor, kv=None):
+        """q [T, Hl, D] (wq_b's output) -> per-head RMS + RoPE; kvx [T, D] -> kv_norm + RoPE,
+        unless kv (made beside, KV_BESIDE) is given -> (q, kv) in q's dtype."""
         if kernel_path(q):              # norm + RoPE in one launch each (kernels.rope_norm)
             from backfit.runtime.kernels.rope_norm import rope
             r = self.rope
-            if not roped:
-                q = rope(q, pos, r.inv_freq, r.rope_dim, norm=(None, self.eps))  # per-head RMS
+            q = rope(q, pos, r.inv_freq, r.rope_dim, norm=(None, self.eps))  # per-head RMS
             return q, (self._kv_rope(kvx, pos) if kv is None else kv)
         qf = q.float()
         q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)

@@ -11,13 +11,11 @@ import torch
 
 from backfit.runtime.batch import ForwardBatch
 from backfit.runtime.kernels import kernel_path
-from backfit.runtime.model import prefetch
 from backfit.runtime.model.compressor import HeadWeights
 from backfit.runtime.streams import beside, mark
 
 __all__ = ["INDEX_COMPRESS_BESIDE", "INDEX_ROPE_IN_SCORES", "KV_BESIDE", "QUERY_FIRST",
-           "Q_NORM_IN_WQ_A", "Q_NORM_IN_WQ_B", "Q_ROPE_IN_WQ_B", "SIDE_STREAMS", "WQ_B_JOINT",
-           "decode_step"]
+           "Q_NORM_IN_WQ_B", "SIDE_STREAMS", "decode_step"]
 
 # The paged decode step on CUDA (triton path): the compressor update and the CSA indexer chain
 # run on side streams beside the query path (runtime/streams.py); False: all in order.
@@ -35,26 +33,6 @@ KV_BESIDE = True
 # e2655d5) read -20.3 / -3.2 us at batch 1 on the H200 (2026-12-07): noise, for a q rounded
 # differently from the torch path's; removed.
 Q_NORM_IN_WQ_B = (2,)
-# The paged decode step on the triton path, at these batch sizes: q_norm run by the last program
-# of the wq_a|wkv launch (FusedProjection.normed, where kernels.linear.gemv's cuda variant takes
-# that shape: a TP-4 rank at batch 1-2), not a launch of its own that waits for SMs behind the
-# "comp" projection (4.0 µs in the CSA layer's trace, 2026-12-07); the same bits (rope_norm's
-# ops); before Q_NORM_IN_WQ_B. Not yet timed on a GPU: off until the slice's A/B says it wins.
-Q_NORM_IN_WQ_A = ()
-# The paged decode step on the triton path, at these batch sizes: a CSA layer's wq_b and its
-# indexer's wq_b (both read q_norm's output) as ONE launch on the query path (Attention.fused_b,
-# 8,192 + 2,048 rows at TP 4), the indexer chain forked after it; elsewhere the indexer's wq_b
-# heads its side chain, beside the main one (9.1 µs on the CSA layer's critical path in the H100
-# trace, 2026-12-07, for 2 MB). Not yet timed on a GPU: off until the slice's A/B says it wins.
-WQ_B_JOINT = ()
-# The paged decode step on the triton path, at these batch sizes: the query's per-head RMS +
-# RoPE run by the last program of each head in wq_b's GEMV (Linear.forward_roped, where
-# kernels.linear.gemv's table takes wq_b's shape on a 4-warp tile whose BN divides the head: a
-# TP-4 rank at batch 1-2), not a launch of its own after it (3.4 µs + 0.4 µs of wait on the
-# window / HCA layer's critical path in the H100 trace, 2026-12-07); the same bits (rope_norm's
-# _rope_vectors, FMA-free). Not with Q_NORM_IN_WQ_B's fold. Not yet timed on a GPU: off until the
-# slice's A/B says it wins.
-Q_ROPE_IN_WQ_B = ()
 # The paged decode step on the triton path, up to this batch size: the CSA indexer's query RoPE
 # inside its score kernel (kernels.attention.indexer_scores q_rope), not a launch of its own
 # before it; 0: off. H200, 43-layer TP-4 slice, mx4 experts, bench_ab.py (2026-12-07, GPU time of
@@ -83,8 +61,7 @@ QUERY_FIRST = (1,)
 def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
     """The paged decode step on the triton backend: the compressor update, the CSA indexer
     chain and the kv store on side streams beside the query path where on CUDA (SIDE_STREAMS,
-    KV_BESIDE); q_norm folded into wq_b at Q_NORM_IN_WQ_B's batch sizes, the query's RMS + RoPE
-    at Q_ROPE_IN_WQ_B's."""
+    KV_BESIDE); q_norm folded into wq_b at Q_NORM_IN_WQ_B's batch sizes."""
     T, pos = x.shape[0], batch.positions
     Hl, D = attn.local_heads, attn.cfg.head_dim
     side = None                     # (events, sel) of the chains queued beside the q path
@@ -92,59 +69,36 @@ def decode_step(attn, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tens
             and kernel_path(x):    # the FP32 projections + the compressor on "comp"
         start = mark(x.device) if T in QUERY_FIRST else None
         if start is not None:                                     # the critical launch first
-            qa, kvx, qr = _project_q(attn, x, T)
+            qa, kvx = attn._project_a(x)
         (comp, icomp, wraw, proj, iready), ev = beside(x.device, "comp", lambda: _comp_chain(
             attn, x, pos, cache), after=start)
         if start is None:
-            qa, kvx, qr = _project_q(attn, x, T)
+            qa, kvx = attn._project_a(x)
         side = ([ev], None)
-    else:                           # in order: wq_a|wkv (+ q_norm), then the FP32 projections
-        qa, kvx, qr = _project_q(attn, x, T)
-        comp, icomp, wraw = attn._project_f32(x, pos, True)
-    l2 = prefetch.start("o", x, prefetch.attn_out_weights(attn))  # wo_a, wo_b from here on
+    else:
+        qa, kvx, comp, icomp, wraw = attn._project(x, pos, True)
     kv = kv_ready = None            # kv_ready: the event of the kv chain queued beside
     kv_side = KV_BESIDE and x.is_cuda and kernel_path(x)
     projected = mark(x.device) if kv_side and T in QUERY_FIRST else None  # qa, kvx queued
     if kv_side and projected is None:
         kv, kv_ready = beside(x.device, "kv", lambda: _kv_stored(attn, kvx, pos, cache))
-    fold = qr is None and T in Q_NORM_IN_WQ_B and attn.wq_b.norm_folds(qa)  # q_norm in wq_b
+    fold = T in Q_NORM_IN_WQ_B and attn.wq_b.norm_folds(qa)          # q_norm in wq_b
     indexed = attn.indexer is not None
-    if qr is None and not (fold and (side is not None or not indexed)):
-        qr = attn.q_norm(qa)
+    qr = None if fold and (side is not None or not indexed) else attn.q_norm(qa)
     if projected is not None:       # the kv chain after the query's q_norm (QUERY_FIRST)
         kv, kv_ready = beside(x.device, "kv", lambda: _kv_stored(attn, kvx, pos, cache),
                               after=projected)
-    joint = side is not None and indexed and not fold and T in WQ_B_JOINT \
-        and attn.fused_b is not None
-    q = qi = None
-    if joint:                                       # both wq_b in one launch, then the indexer
-        q, qi = attn.fused_b(qr)
     if side is not None and indexed:                              # from qa on, beside wq_b
         sel, ev = beside(x.device, "index", lambda: _decode_select(
-            attn, qa, qr, wraw, icomp, pos, cache, x.dtype, proj, iready, qi))
+            attn, qa, qr, wraw, icomp, pos, cache, x.dtype, proj, iready))
         side = (side[0] + [ev], sel)
-    roped = q is None and not fold and T in Q_ROPE_IN_WQ_B and attn.wq_b.rope_folds(qr, D)
-    if roped:                       # the query's per-head RMS + RoPE by wq_b's last programs
-        q = attn.wq_b.forward_roped(qr, pos, attn.rope, D, attn.eps)
-    elif q is None:
-        q = attn.wq_b.forward_normed(qa, attn.q_norm) if fold else attn.wq_b(qr)
-    q = q.view(T, Hl, D)
-    q, kv = attn._q_kv(q, kvx, pos, kv, roped=roped)
+    q = (attn.wq_b.forward_normed(qa, attn.q_norm) if fold else attn.wq_b(qr)).view(T, Hl, D)
+    q, kv = attn._q_kv(q, kvx, pos, kv)
     index = None
     if attn.indexer is not None and side is None:
         index = (*attn.indexer.queries(qr, wraw, pos), icomp)
     o = attn._kernels(q, kv, pos, batch, cache, comp, index, side, kv_ready)
-    out = attn.post(o, pos, x.dtype)
-    prefetch.join(x, l2)
-    return out
-
-
-def _project_q(attn, x: torch.Tensor, T: int) -> tuple:
-    """(wq_a x, wkv x, q_norm(wq_a x) where it runs in that launch (Q_NORM_IN_WQ_A), else
-    None)."""
-    if T in Q_NORM_IN_WQ_A:
-        return attn._project_a(x, q_norm=True)
-    return (*attn._project_a(x), None)
+    return attn.post(o, pos, x.dtype)
 
 
 def _kv_stored(attn, kvx: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
@@ -178,20 +132,18 @@ def _index_compress(attn, icomp, wraw, cache, pos, dtype) -> None:
                           wraw if isinstance(wraw, HeadWeights) else None, cache, pos, dtype)
 
 
-def _decode_select(attn, qa, qr, wraw, icomp, pos, cache, dtype, after=None, ready=None,
-                   qi=None) -> torch.Tensor:
+def _decode_select(attn, qa, qr, wraw, icomp, pos, cache, dtype, after=None, ready=None
+                   ) -> torch.Tensor:
     """The decode step's CSA indexer chain: queries, its compressor update (ready: the event of
     that update, queued beside by _comp_chain; None: here, after the queries), scores, top-k
     (after: an event to wait for first, the projections of its rows and weights). qa: wq_a's
-    output, qr = q_norm(qa) or None (made here); qi: the indexer's wq_b(qr) already made
-    (WQ_B_JOINT). Up to INDEX_ROPE_IN_SCORES tokens (kernel path): the score kernel rotates the
-    queries."""
+    output, qr = q_norm(qa) or None (made here). Up to INDEX_ROPE_IN_SCORES tokens (kernel
+    path): the score kernel rotates the queries."""
     if after is not None:
         torch.cuda.current_stream(qa.device).wait_event(after)
     idx = attn.indexer
     raw = qa.shape[0] <= INDEX_ROPE_IN_SCORES and kernel_path(qa)
-    qI, wI = idx.queries(attn.q_norm(qa) if qr is None else qr, wraw, pos, rotate=not raw,
-                         q=qi)
+    qI, wI = idx.queries(attn.q_norm(qa) if qr is None else qr, wraw, pos, rotate=not raw)
     if ready is None:               # reads icomp and wraw (the projections) only
         _index_compress(attn, icomp, wraw, cache, pos, dtype)
     else:                           # the scores read the pool it updated, and its head weights

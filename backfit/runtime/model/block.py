@@ -12,7 +12,6 @@ from torch import nn
 from backfit.config import ModelConfig
 from backfit.runtime.batch import ForwardBatch
 from backfit.runtime.layers import RMSNorm
-from backfit.runtime.model import prefetch
 from backfit.runtime.model.attention import Attention
 from backfit.runtime.model.hyper import add_hc_buffers, decode_kernels, hc_post, hc_pre
 from backfit.runtime.model.moe import MoE
@@ -45,9 +44,8 @@ class Block(nn.Module):
         hc: Transformer.hidden's carry on the mhc_decode path: {"part": this layer's hc_attn
         partials or None, "u": its attention input made by the previous layer's last hc_post
         (mhc_decode.PRE_FOLD) or None, "next_fn": the fn whose partials the last hc_post
-        computes or None, "next_pre": the next Block's pre_args("attn") or None, "next_l2":
-        the weights of its attention to prefetch (model.prefetch "q") or None}; "part" and "u"
-        are replaced by those of the next layer, "l2" set to that prefetch's event."""
+        computes or None, "next_pre": the next Block's pre_args("attn") or None}; "part" and
+        "u" are replaced by those of the next layer."""
         if (k := decode_kernels(X)) is not None:
             return self._forward_decode(k, X, batch, cache, hc if hc is not None else {})
         post, M, pre = self.attn_in(X, batch.positions)
@@ -87,18 +85,11 @@ class Block(nn.Module):
                                   getattr(self, f"hc_{which}_base"), c.hc_sinkhorn_iters, c.hc_eps,
                                   c.rms_norm_eps, norm=(norm.weight, norm.eps), part=part, u=u)
         u, post, M, wait = pre("attn", X, self.attn_norm, hc.get("part"), hc.get("u"))
-        o = self.attn(u, batch, cache)
-        prefetch.join(X, hc.pop("l2", None))       # the previous layer's "q" prefetch
-        l2 = prefetch.start("ffn", X, prefetch.ffn_in_weights(self.ffn))
-        X, part, *u = k.hc_post(o, X, post, M, next_fn=self.hc_ffn_fn, wait=wait,
-                                pre=self.pre_args(k, "ffn"))               # u = ffn_norm(u)
+        X, part, *u = k.hc_post(self.attn(u, batch, cache), X, post, M, next_fn=self.hc_ffn_fn,
+                                wait=wait, pre=self.pre_args(k, "ffn"))    # u = ffn_norm(u)
         u, post, M, wait = pre("ffn", X, self.ffn_norm, part, u[0] if u else None)
-        y = self.ffn(u, batch.tokens, pairs=k.POST_COMBINE)
-        prefetch.join(X, l2)
-        if hc.get("next_l2"):                      # the next layer's wq_a|wkv, wq_b
-            hc["l2"] = prefetch.start("q", X, hc["next_l2"])
-        out = k.hc_post(y, X, post, M, next_fn=hc.get("next_fn"), wait=wait,
-                        pre=hc.get("next_pre"))
+        out = k.hc_post(self.ffn(u, batch.tokens, pairs=k.POST_COMBINE), X, post, M,
+                        next_fn=hc.get("next_fn"), wait=wait, pre=hc.get("next_pre"))
         if hc.get("next_fn") is None:
             hc["part"] = hc["u"] = None
             return out

@@ -242,15 +242,12 @@ class Indexer(nn.Module):
         # 128^-0.5 (q·k scale) · 64^-0.5 (average over the GLOBAL head count)
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
 
-    def queries(self, qr: torch.Tensor, w: torch.Tensor, pos: torch.Tensor, rotate: bool = True,
-                q: torch.Tensor | None = None):
+    def queries(self, qr: torch.Tensor, w: torch.Tensor, pos: torch.Tensor, rotate: bool = True):
         """qr [T, q_lora], w = weights_proj(x) [T, Hl] -> qI [T, Hl, 128] (rotated; FP32, on the
         kernel path the act dtype: kernels.attention.indexer reads it so, no cast launches), head
         weights [T, Hl] FP32 (w a HeadWeights: itself, formed on use). rotate False (kernel
-        path): qI as wq_b made it, for indexer_scores(q_rope=) to rotate. q: wq_b(qr) already
-        made (the attention's joint wq_b launch)."""
-        qI = (self.wq_b(qr) if q is None else q).view(qr.shape[0], self.local_heads,
-                                                       self.head_dim)
+        path): qI as wq_b made it, for indexer_scores(q_rope=) to rotate."""
+        qI = self.wq_b(qr).view(qr.shape[0], self.local_heads, self.head_dim)
         if rotate or not kernel_path(qI):
             qI = self.rope(qI, pos)
         if not kernel_path(qI):

@@ -25,7 +25,6 @@ from backfit.config import ModelConfig
 from backfit.runtime.distributed import all_reduce, get_tp_info
 from backfit.runtime.kernels import get_kernel_backend, kernel_path
 from backfit.runtime.layers import ColumnParallelLinear, Linear, RowParallelLinear
-from backfit.runtime.model import prefetch
 
 __all__ = ["Expert", "Gate", "MoE", "ROUTER_FIRST", "SHARED_STREAM"]
 
@@ -176,11 +175,9 @@ class MoE(nn.Module):
                 shared, ready = self.shared_experts(x), None
             if start is None:
                 idx, w = self.gate.route(x, tokens)
-            l2 = prefetch.start_rows("down", x, list(self.stacked[4:]), idx)  # w2 beside gate/up
             y = fused_moe(x, idx, w, *self.stacked, self.shared_experts.limit, shared=shared,
                           dtype=x.dtype if tp1 else torch.float32, shared_ready=ready,
                           pairs=pairs and tp1)
-            prefetch.join(x, l2)
             if tp1:
                 return y
             if pairs:                   # the FP32 sum's rounding to x.dtype inside hc_post

@@ -20,7 +20,6 @@ from torch import nn
 from backfit.config import ModelConfig
 from backfit.runtime.batch import ForwardBatch
 from backfit.runtime.layers import ParallelHead, RMSNorm, VocabParallelEmbedding
-from backfit.runtime.model import prefetch
 from backfit.runtime.model.block import Block
 from backfit.runtime.model.draft import build_drafter
 from backfit.runtime.model.hyper import add_hc_buffers, decode_kernels, hc_head
@@ -93,8 +92,6 @@ class Transformer(nn.Module):
                 nxt = self.layers[i + 1] if i + 1 < n else None
                 hc["next_fn"] = nxt.hc_attn_fn if nxt is not None else self.hc_head_fn
                 hc["next_pre"] = nxt.pre_args(k, "attn") if nxt is not None else None
-                hc["next_l2"] = prefetch.attn_in_weights(nxt.attn) \
-                    if nxt is not None and "q" in prefetch.L2_PREFETCH else None
             X = layer(X, batch, bound.layer(i), hc=hc)
             if i in self.tap_layers:
                 taps.append(X.float().mean(1).to(X.dtype))             # [T, d]

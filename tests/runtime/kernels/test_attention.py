@@ -122,7 +122,6 @@ def test_out_rope_equals_the_rope_launch_after(attn, monkeypatch, pairs):
     from backfit.runtime.layers import yarn_inv_freq
     gen, rnd = torch.Generator().manual_seed(11), random.Random(5)
     f = yarn_inv_freq(16, 10000.0, None).to(DEV)
-    monkeypatch.setattr(attn, "MERGE_IN_DECODE", False)
     fused, calls = attn.merge._merge_rope_kernel, []
 
     class Spy:                                   # counts the fused merge's launches
@@ -149,46 +148,6 @@ def test_out_rope_equals_the_rope_launch_after(attn, monkeypatch, pairs):
                 assert int(ulp.max()) <= 1 and float((ulp > 0).float().mean()) < 0.01, (B, split)
     with pytest.raises(ValueError, match="out_rope"):
         attn.decode_attention(**c, split=2, out_rope=(f.float(), 16, torch.bfloat16))
-
-
-@pytest.mark.parametrize("mode,ratio,int8", [("hca", 8, True), ("csa", 4, False),
-                                            ("csa", 4, True)])
-def test_merge_in_decode_equals_its_own_launch(attn, monkeypatch, mode, ratio, int8):
-    """MERGE_IN_DECODE: the splits merged and de-rotated inside the decode launch equal the merge
-    launch bit for bit (the same partials, each lane summed in split order), with no merge
-    launch, and the arrival counters are left at a multiple of 64 (the next launch's epoch).
-    H = 20: a partial second head block; 16-key tiles (2 to 5 splits). Interpreter: the last
-    program to arrive merges; GPU: every split merges its part after the others arrive, also at
-    TP-4 dims (16 heads x 512, batch 8, automatic splits) 50 times over."""
-    from backfit.runtime.layers import yarn_inv_freq
-    from backfit.runtime.streams import stream_counters
-    real, calls = attn.merge._merge_rope_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return real[grid]
-    monkeypatch.setattr(attn.merge, "_merge_rope_kernel", Spy())
-    monkeypatch.setitem(attn.DECODE_TILE, "BN", 16)
-    gen, rnd = torch.Generator().manual_seed(17), random.Random(17)
-    f = yarn_inv_freq(16, 10000.0, None).to(DEV)
-    runs = [(B, split, 20, 64, 1) for B, split in ((1, 2), (3, 5), (2, None))]
-    if not INTERPRET:
-        runs.append((8, None, 16, 512, 50))
-    with one_thread():
-        for B, split, H, D, reps in runs:
-            c = case(gen, rnd, B, mode, int8, ratio=max(ratio, 4), H=H, D=D, k=40)
-            rope = (f, 16, torch.bfloat16)
-            monkeypatch.setattr(attn, "MERGE_IN_DECODE", False)
-            n = len(calls)
-            want = attn.decode_attention(**c, split=split, out_rope=rope)
-            assert len(calls) == n + 1, (B, split)
-            monkeypatch.setattr(attn, "MERGE_IN_DECODE", True)
-            for _ in range(reps):
-                got = attn.decode_attention(**c, split=split, out_rope=rope)
-                assert torch.equal(got, want), (mode, B, split, D)
-            assert len(calls) == n + 1, (B, split)                    # no merge launch
-            assert not (stream_counters(torch.device(DEV), 1, "epoch") % 64).any()
 
 
 @pytest.mark.parametrize("mode,ratio,int8", [("window", 0, True), ("hca", 8, False),

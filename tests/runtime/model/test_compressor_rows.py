@@ -95,7 +95,7 @@ def test_forward_asks_for_the_deferred_forms_on_the_paged_decode_step(
     attn, _ = _csa_attention(monkeypatch)
     asked = []
 
-    def project(x, pos, decode_step=False, q_norm=False):
+    def project(x, pos, decode_step=False):
         asked.append(decode_step)
         raise _Stop
     monkeypatch.setattr(attn, "_project", project)

@@ -12,9 +12,8 @@ p·V with p split into two BF16 halves (hi + lo, ~16 mantissa bits); online soft
 sink only in the denominator: o = Σ e^(s-M) k / (Σ e^(s-M) + e^(sink-M)).
 Split-KV (small batches): each program handles one key range and writes (m, l, acc); the merge
 (kernels.attention.merge) adds the sink (decode_attention's out_rope: and applies the inverse
-RoPE of the output path, storing the act dtype), in a launch of its own or, out_rope with the
-whole grid on the SMs at once, in the same launch once every split has stored (MERGE_IN_DECODE).
-With one split the first kernel finishes alone.
+RoPE of the output path, storing the act dtype) in a launch of its own. With one split the
+first kernel finishes alone.
 sparse_attention: the same kernel (PREFILL) for T queries of chunks (chunked prefill, mixed
 batches): query t of sequence seq[t] sees ring positions before its chunk's start and the
 chunk's own kv rows in flight (attention_torch.attend's keys), its HCA entries or CSA selection.
@@ -28,7 +27,6 @@ import triton.language as tl
 
 from backfit.runtime.kernels.attention import merge
 from backfit.runtime.kernels.common import interpreted, num_sms
-from backfit.runtime.streams import stream_counters
 
 __all__ = ["decode_attention", "sparse_attention", "decode_config"]
 
@@ -90,22 +88,14 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SE
                    INT8: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
                    BN: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr,
                    EXACT: tl.constexpr, DT: tl.constexpr, PREFILL: tl.constexpr = False,
-                   LIVE: tl.constexpr = False, CNT=None, F=None, OR=None, RR: tl.constexpr = 0,
-                   MP: tl.constexpr = 1, MERGE: tl.constexpr = 0):
+                   LIVE: tl.constexpr = False):
     """Program (query b, head block, split): keys [split·CHUNK, +CHUNK) of window ++ compressed;
     LIVE: CHUNK from query b's own key count (its live keys in SPLIT even parts of whole tiles)
     instead of the host's, sized on the pools' capacity.
 
     Decode: query b is sequence b's one token. PREFILL: query b belongs to sequence SEQ[b] whose
     chunk starts at START[b] and at row b - (p - START[b]) of q/kv; window positions >= START[b]
-    come from kv (in flight), earlier ones from the ring.
-    MERGE (split KV, decode): the splits of (b, head block) merged in this launch into OR as the
-    merge launch would (merge._merge_part; RR: its rotated lanes, MP: its pairs a part). Each
-    split counts its arrival in CNT[b, head block] (acq_rel); the last to arrive moves the count
-    to the next multiple of 64 (so the count needs no reset, whatever SPLIT the next launch
-    has). 1: each split merges part sp once the count has moved (a spin: the host launches it
-    only when the whole grid fits the SMs at once). 2: the last to arrive merges every part (the
-    interpreter, which runs programs one after another)."""
+    come from kv (in flight), earlier ones from the ring."""
     b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hh = hb * BH + tl.arange(0, BH)
     h_ok = hh < H
@@ -178,31 +168,9 @@ def _decode_kernel(Q, KV, RING, RSC, SLOTS, POS, ENT, ESC, TABLES, SEL, SINK, SE
         tl.store(PM + row, m_i, mask=h_ok)
         tl.store(PL + row, l_i, mask=h_ok)
         tl.store(PO + row[:, None] * D + dd[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
-        if MERGE > 0:
-            tl.debug_barrier()                                  # every thread's partials stored
-            gate = CNT + b * tl.num_programs(1) + hb
-            old = tl.atomic_add(gate, 1, sem="acq_rel", scope="gpu")
-            base = old & -64                                    # this launch's epoch
-            last = (old & 63) == SPLIT - 1
-            if last:                                            # all stored: the next epoch
-                tl.atomic_add(gate, 64 - SPLIT, sem="release", scope="gpu")
-            if MERGE == 1:
-                cur = base + last.to(tl.int32) * 64
-                while cur == base:
-                    cur = tl.atomic_add(gate, 0, sem="acquire", scope="gpu") & -64
-                merge._merge_part(PO, PM, PL, SINK, POS, F, OR, b, hb, sp, H, D, RR, SPLIT, BH,
-                                  MP)
-            elif last:
-                for part in range(0, SPLIT):
-                    merge._merge_part(PO, PM, PL, SINK, POS, F, OR, b, hb, part, H, D, RR,
-                                      SPLIT, BH, MP)
 
 
 MERGE_PAIRS = 64      # merge._merge_rope_kernel: pairs per program (D = 512: 4 programs a head)
-# The split-KV merge + output de-rotation inside the decode launch (_decode_kernel's MERGE) where
-# the whole grid fits the SMs at once (batch 1 and 8 of a TP-4 rank); False: its own launch.
-# Not yet timed on a GPU: off until the slice's A/B (bench_ab.py) says it wins.
-MERGE_IN_DECODE = False
 # most KV splits a decode program row gets (each merged lane sums SPLIT partials).
 # H200 (bench_attention.py --merge, batch 1, 2026-12-01): the CSA layer's 20 splits (SP 32) cost
 # decode + merge 31.0 / 33.7 us at ctx 512 / 32K (the merge 19.5 us of it in the step's trace);
@@ -248,8 +216,7 @@ def decode_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode="wi
     -> o [B, H, D] FP32 (the torch path's attend output). out_rope = (inv_freq FP64 [r/2], r,
     dtype): o de-rotated by its position and rounded to dtype instead, = rope_norm.rope(o, pos,
     inv_freq, r, inverse=True, out_dtype=dtype) (Attention.post's first step); with split KV
-    it runs inside the merge (one launch fewer; the merge itself inside this launch where
-    MERGE_IN_DECODE says), else as that rope launch."""
+    it runs inside the merge (one launch fewer), else as that rope launch."""
     return sparse_attention(q, kv, pos, sink, ring, ring_scale, slots, window, mode, entries,
                             entry_scale, tables, ratio, sel, split=split, out_rope=out_rope)
 
@@ -318,11 +285,6 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
     pl = torch.empty_like(pm) if S > 1 else o
     grid = (B, triton.cdiv(H, BH), S)
     rot = None if out_rope is None or S == 1 else torch.empty(B, H, D, dtype=dt, device=dev)
-    merged = {}                     # the merge in this launch (MERGE_IN_DECODE; < 64 splits)
-    if rot is not None and MERGE_IN_DECODE and S < 64 and (interpreted()
-                                                          or B * grid[1] * S <= sms):
-        merged = dict(CNT=stream_counters(dev, B * grid[1], "epoch"), F=f.contiguous(), OR=rot,
-                      RR=r, MP=merge.merge_pairs(S, BH, D, S), MERGE=2 if interpreted() else 1)
     dummy = ring_scale if int8 else sink
     ent = entries if entries is not None else ring
     sink = sink.float().contiguous()
@@ -338,17 +300,15 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, sink:
         W=window, RATIO=max(ratio, 1), PB=PB, MODE=MODES[mode], INT8=int8, D=D,
         DP=triton.next_power_of_2(D), BH=BH, BN=cfg["BN"], SPLIT=S, F32=interpreted(),
         EXACT=q.dtype == torch.float32, DT=_TL[q.dtype], PREFILL=seq is not None,
-        LIVE=LIVE_SPLIT, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        enable_fp_fusion=out_rope is None, **merged)
+        LIVE=LIVE_SPLIT, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if out_rope is not None and S == 1:             # no merge launch: the rope kernel's own
         from backfit.runtime.kernels.rope_norm import rope
         return rope(o, pos, f, r, inverse=True, out_dtype=dt)
-    if rot is not None and not merged:
+    if rot is not None:
         mp = min(BH * D // 2, MERGE_PAIRS)
         merge._merge_rope_kernel[(B, grid[1], BH * D // 2 // mp)](
             po, pm, pl, sink, pos, f.contiguous(), rot, H, D=D, R=r, SPLIT=S, BH=BH, MP=mp,
             enable_fp_fusion=False)
-    if rot is not None:
         return rot
     if S > 1:
         merge._merge_kernel[(B, H)](po, pm, pl, sink, o, H, D=D, SPLIT=S,

@@ -4,8 +4,7 @@ Split s of query row (b, h) left m_s (its running max), l_s (Σ e^(s-m_s)) and a
 k, [D] FP32) in PM / PL / PO at row (b·H + h)·SPLIT + s. The merge with the sink (only in the
 denominator):
   o = Σ_s e^(m_s-M) acc_s / (Σ_s e^(m_s-M) l_s + e^(sink-M)),  M = max(max_s m_s, sink),
-summed in split order, one lane a pair (2i, 2i+1): the same bits whatever the tile, so the merge
-launch and decode's own merge (decode_attention's MERGE_IN_DECODE) agree bit for bit.
+summed in split order, one lane a pair (2i, 2i+1): the same bits whatever the tile.
 _merge_part adds the output path's inverse RoPE (rope_norm._rope_kernel, SIGN -1) on the last
 R lanes of each head and stores the act dtype. Its callers compile without FMA contraction:
 every product and sum rounded as torch's rope does.
@@ -16,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["merge_pairs"]
+__all__ = []
 
 
 @triton.jit
@@ -89,9 +88,3 @@ def _merge_kernel(PO, PM, PL, SINK, O, H, D: tl.constexpr, SPLIT: tl.constexpr,
     out = O + (b * H + h) * D + 2 * i
     tl.store(out, oe, mask=ok)
     tl.store(out + 1, oo, mask=ok)
-
-
-def merge_pairs(split: int, bh: int, d: int, parts: int) -> int:
-    """Pairs a merge part takes so that `parts` parts cover a head block's bh·d/2 (a power of 2:
-    the lanes of one tl.arange)."""
-    return triton.next_power_of_2(triton.cdiv(bh * d // 2, parts))

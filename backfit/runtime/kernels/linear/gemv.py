@@ -30,14 +30,11 @@ import triton
 import triton.language as tl
 
 from backfit.formats import INT8_GROUP
-from backfit.runtime.kernels.common import interpreted
 from backfit.runtime.kernels.linear.gemv_fma import _gemv_fma_kernel, _tile, _to_f32
 from backfit.runtime.kernels.linear.gemv_tiles import GEMV_CANDIDATES, GEMV_TABLE
-from backfit.runtime.kernels.rope_norm import _rope_vectors
-from backfit.runtime.streams import stream_counters
 
 __all__ = ["GEMV_CANDIDATES", "GEMV_MAX_M", "GEMV_TABLE", "check_linear", "gemv", "gemv_config",
-           "gemv_grouped", "gemv_lookup", "launch", "norm_fold", "rope_fold"]
+           "gemv_grouped", "gemv_lookup", "launch", "norm_fold"]
 
 GEMV_MAX_M = 8                 # rows handled in one program (M <= 8: decode at small batch)
 
@@ -48,11 +45,7 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
                  MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  V8: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                  STAGES: tl.constexpr = 1, GROUP_N: tl.constexpr = 0, NW=None, eps=0.0,
-                 NORM: tl.constexpr = False, ONW=None, ONY=None, CNT=None, on_n=0, on_eps=0.0,
-                 ONORM: tl.constexpr = False, ONB: tl.constexpr = 16, ROY=None, RPOS=None,
-                 RF=None, rd=1, r_eps=0.0, OROPE: tl.constexpr = False, RR: tl.constexpr = 2,
-                 RBV: tl.constexpr = 1, RBD: tl.constexpr = 1, RDP: tl.constexpr = 1,
-                 RN: tl.constexpr = False):
+                 NORM: tl.constexpr = False):
     """Rows [pid·BN, +BN) of y [M, N] = x [M, K] @ W [N, K]^T over all K, all M (<= MP) rows.
     V8: 8-element column runs (x and an int8 W tile in one layout, no shared-memory layout
     change; 8 B int8 loads). PREFETCH (EVEN_K only): the next K step's weights are loaded
@@ -60,12 +53,7 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
     gemv_grouped): rows n read x's K inputs of group n // GROUP_N. NORM: x's rows RMS-normalised
     first, x·rsqrt(mean(x²) + eps)·NW rounded to bf16 (rope_norm._rms_kernel's ops; its Σx² in
     another order, from a first pass over K: the form that reduced the loaded tile of a one-step
-    K loop instead lost too, model.attention). ONORM: the last program to arrive (CNT, acq_rel;
-    reset to 0) RMS-normalises the first on_n (<= ONB) outputs of each row of y into ONY [M,
-    on_n] with weight ONW, as rope_norm._rms_kernel does (its ops on one [ONB] tile). OROPE:
-    the last program of each head h (y's outputs [h·rd, +rd), BN dividing rd; counter CNT[h])
-    writes ROY[m, h] = RoPE(RMS(y[m, h])) for each row m at position RPOS[m] (rope_norm.rope's
-    norm=(None, r_eps): its _rope_vectors on the same [RBV, RDP] tile, RN: FMA-free)."""
+    K loop instead lost too, model.attention)."""
     G: tl.constexpr = BK // 128
     pid = tl.program_id(0)
     X, rn, n_ok, rn_c, rg, kofs, w_ptr = _tile(X, W, pid, N, K, BN, BK, GROUP_N, V8)
@@ -113,29 +101,6 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
             acc = tl.where(rm[:, None] == m, acc + part[None, :], acc)       # row m of [MP, BN]
     mask = (rm < M)[:, None] & n_ok[None, :]
     tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
-    if ONORM:
-        tl.debug_barrier()                                  # every thread's y stored
-        if tl.atomic_add(CNT, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-            tl.store(CNT, 0)                                # ready for the next launch
-            c = tl.arange(0, ONB)
-            for m in tl.static_range(MP):
-                ok = (c < on_n) & (tl.full([ONB], m, tl.int32) < M)
-                xo = tl.load(Y + m * N + c, mask=ok, other=0.0,
-                             cache_modifier=".cg").to(tl.float32)     # other programs' rows
-                inv_o = tl.math.rsqrt(tl.sum(xo * xo, axis=0) / on_n + on_eps)
-                yo = xo * inv_o
-                yo = yo * tl.load(ONW + c, mask=ok, other=0.0)
-                tl.store(ONY + m * on_n + c, yo.to(ONY.dtype.element_ty), mask=ok)
-    if OROPE:
-        tl.debug_barrier()                                  # every thread's y stored
-        h = (pid * BN) // rd                                # this program's head
-        if tl.atomic_add(CNT + h, 1, sem="acq_rel", scope="gpu") == rd // BN - 1:
-            tl.store(CNT + h, 0)                            # ready for the next launch
-            vv = h + tl.arange(0, RBV)                      # row 0 of the tile: head h
-            for m in tl.static_range(MP):
-                ok = (tl.arange(0, RBV) == 0) & (tl.full([RBV], m, tl.int32) < M)
-                _rope_vectors(Y, ROY, RPOS, RF, RF, tl.minimum(m, M - 1), vv, ok, N // rd, rd,
-                              N, r_eps, 1.0, RR, RBV, RBD, True, False, RDP, True, RN, True)
 
 
 def gemv_lookup(M: int, N: int, K: int, quant: bool, grouped: bool = False) -> dict | None:
@@ -197,25 +162,18 @@ def check_linear(who: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.T
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scheme: str,
          config: dict | None = None, out_dtype: torch.dtype = torch.bfloat16,
-         norm: tuple | None = None, out_norm: tuple | None = None,
-         out_rope: tuple | None = None):
+         norm: tuple | None = None) -> torch.Tensor:
     """x [..., K] bf16 (M = prod(...) <= GEMV_MAX_M rows) @ weight [N, K]^T -> [..., N] out_dtype,
     for scheme int8_g128 | bf16 | copy (bf16 weight); the semantics of gemm.linear's a16 path.
     config: overrides of gemv_config (variant, BN, BK, MAGIC, num_warps, num_stages, STAGES: the
     K loop's cp.async depth, 1 = none; cuda: V8, PREFETCH); BK is capped at K rounded up to a
-    power of two. norm: launch's (RMSNorm(x) first, in the launch). out_norm: launch's; then
-    -> (y, RMSNorm of y's first n outputs [..., n]). out_rope: launch's; then -> (y, the
-    per-head RMS + RoPE of y [..., N/D, D])."""
+    power of two. norm: launch's (RMSNorm(x) first, in the launch)."""
     quant = check_linear("gemv", x, weight, scale, scheme, out_dtype)
     K = weight.shape[1]
     x2 = x.reshape(-1, K)
-    out = launch(x2 if x2.stride(1) == 1 else x2.contiguous(), weight.contiguous(),
-                 scale.contiguous() if quant else None, quant, out_dtype,
-                 config, norm=norm, out_norm=out_norm, out_rope=out_rope)
-    if out_norm is None and out_rope is None:
-        return out.reshape(*x.shape[:-1], weight.shape[0])
-    lead = x.shape[:-1]
-    return out[0].reshape(*lead, weight.shape[0]), out[1].reshape(*lead, *out[1].shape[1:])
+    return launch(x2 if x2.stride(1) == 1 else x2.contiguous(), weight.contiguous(),
+                  scale.contiguous() if quant else None, quant, out_dtype,
+                  config, norm=norm).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def gemv_grouped(x: torch.Tensor, weight: torch.Tensor, group: int,
@@ -245,71 +203,21 @@ def norm_fold(M: int, N: int, K: int, quant: bool) -> bool:
     return cfg is not None and cfg.get("variant", "cuda") == "cuda"
 
 
-def rope_fold(M: int, N: int, K: int, quant: bool, D: int) -> bool:
-    """Whether gemv takes this shape on a tile that can run the per-head RMS + RoPE of its
-    output heads of D in the launch (launch(out_rope=): the cuda variant on 4 warps, BN | D)."""
-    cfg = gemv_lookup(M, N, K, quant)
-    return cfg is not None and cfg.get("variant", "cuda") == "cuda" \
-        and cfg.get("num_warps", 4) == 4 and D > 0 and N % D == 0 and D % cfg["BN"] == 0
-
-
-def _epilogue(x2: torch.Tensor, N: int, cfg: dict, group: int, out_dtype: torch.dtype,
-              out_norm: tuple | None, out_rope: tuple | None) -> tuple[dict, torch.Tensor | None]:
-    """The kernel arguments of launch's out_norm / out_rope (checked) and the extra output
-    they fill, or ({}, None)."""
-    M, dev = x2.shape[0], x2.device
-    if out_norm is None and out_rope is None:
-        return {}, None
-    if out_norm is not None and out_rope is not None:
-        raise ValueError("gemv: out_norm= or out_rope=, not both")
-    if cfg.get("variant", "cuda") != "cuda" or group or out_dtype != torch.bfloat16:
-        raise ValueError("gemv: out_norm= / out_rope= need the cuda variant, no group and a bf16 "
-                         "output")
-    if out_norm is not None:
-        w, eps = out_norm
-        n = w.shape[0] if w.dim() == 1 else -1
-        if w.dtype != torch.float32 or not 0 < n <= N or w.device != dev:
-            raise ValueError(f"gemv: out_norm= needs an fp32 [n <= {N}] weight on {dev}")
-        ony = torch.empty(M, n, dtype=out_dtype, device=dev)
-        return dict(ONW=w.contiguous(), ONY=ony, CNT=stream_counters(dev, 1), on_n=n,
-                    on_eps=float(eps), ONORM=True, ONB=triton.next_power_of_2(n)), ony
-    pos, inv_freq, R, D, eps = out_rope
-    if D <= 0 or N % D or D % cfg["BN"] or cfg.get("num_warps", 4) != 4 or not 2 <= R <= D \
-            or R & (R - 1) or tuple(pos.shape) != (M,) or pos.device != dev \
-            or inv_freq.dtype != torch.float64 or tuple(inv_freq.shape) != (R // 2,):
-        raise ValueError(f"gemv: out_rope= needs heads of D | {N} outputs (BN {cfg['BN']} | D), "
-                         f"4 warps, a power-of-two R <= D, pos [{M}] and an fp64 [R/2] inv_freq "
-                         f"on {dev}; got D={D}, R={R}, pos {list(pos.shape)}")
-    roy = torch.empty(M, N // D, D, dtype=out_dtype, device=dev)
-    return dict(ROY=roy, RPOS=pos.contiguous(), RF=inv_freq.contiguous(), rd=D,
-                r_eps=float(eps), CNT=stream_counters(dev, N // D), OROPE=True, RR=R,
-                RBV=min(4, triton.next_power_of_2(N // D)),   # rope()'s normed tile: same bits
-                RBD=triton.next_power_of_2(max(D - R, 1)), RDP=triton.next_power_of_2(D),
-                RN=not interpreted()), roy
-
-
 def launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, quant: bool,
            out_dtype: torch.dtype, config: dict | None = None, group: int = 0,
-           norm: tuple | None = None, out_norm: tuple | None = None,
-           out_rope: tuple | None = None):
+           norm: tuple | None = None) -> torch.Tensor:
     """gemv on checked arguments (check_linear; gemm.linear's route here): x2 [M, K] with unit
     stride in K, contiguous weight (and scale) -> [M, N]. group > 0: gemv_grouped's (x2 [M,
     N/group·K], each program's BN rows inside one group). norm = (weight [K] fp32, eps), cuda
-    variant only: y = RMSNorm(x2) @ W^T, the norm (layers.RMSNorm, bf16 out) in the launch.
-    out_norm = (weight [n] fp32, eps), n <= N, cuda variant, bf16 y: -> (y, RMSNorm(y[:, :n])
-    [M, n] bf16), the norm run by the launch's last program (an attention's q_norm after its
-    wq_a|wkv). out_rope = (pos [M] int64, inv_freq [R/2] fp64, R, D, eps), cuda variant on 4
-    warps, BN dividing D, D dividing N, bf16 y: -> (y, rope_norm.rope(y viewed [M, N/D, D], pos,
-    inv_freq, R, norm=(None, eps))), each head's by its last program (wq_b's query heads)."""
+    variant only: y = RMSNorm(x2) @ W^T, the norm (layers.RMSNorm, bf16 out) in the launch."""
     M, (N, K) = x2.shape[0], weight.shape
     if M > GEMV_MAX_M:
         raise ValueError(f"gemv: at most {GEMV_MAX_M} rows, got {M} (use gemm.linear)")
     y = torch.empty(M, N, dtype=out_dtype, device=x2.device)
+    if M == 0 or N == 0:
+        return y
     cfg = {**gemv_config(M, N, K, quant), **(config or {})}
     variant = cfg.get("variant", "cuda")
-    ep, extra = _epilogue(x2, N, cfg, group, out_dtype, out_norm, out_rope)
-    if M == 0 or N == 0:
-        return y if extra is None else (y, extra)
     opts = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1))
     grid = (triton.cdiv(N, cfg["BN"]),)
     s_arg = scale if quant else weight
@@ -335,7 +243,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, q
         _gemv_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), **const,
                            V8=bool(cfg.get("V8", False)),
                            PREFETCH=bool(cfg.get("PREFETCH", False)) and K % bk == 0, **opts,
-                           **nrm, **ep)
+                           **nrm)
     else:
         _gemv_fma_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), **const, **opts)
-    return y if extra is None else (y, extra)
+    return y

@@ -51,9 +51,6 @@ GEMV_TABLE: list[tuple[str, tuple[int, int], tuple[int, int], tuple[int, int], d
     # by head: 2,576 rows; `bench_gemv.py --tp 4 --only "compressor CSA"`, H100, 2026-12-06)
     ("bf16", (2576, 2576), (4096, 4096), (1, 1), _cfg("cuda", 1, 4096, 8)),  # M=1 9.29 vs 13.89
     ("bf16", (2576, 2576), (4096, 4096), (2, 2), _cfg("fma", 1, 1024, 4)),  # M=2 10.14 vs 12.57
-    # a CSA layer's wq_b with the indexer's as one launch (attention_decode.WQ_B_JOINT): the wq_b
-    # tile above, not timed at this shape
-    ("int8", (10240, 10240), (1024, 1024), (1, 1), _cfg("cuda", 8, 1024, 4, True)),
     # shared w2, M=1 2.62 vs 5.41, M=2 3.21 vs 5.46
     ("int8", (4096, 4096), (512, 512), (1, 1), _cfg("cuda", 4, 2048, 4, True)),
     ("int8", (4096, 4096), (512, 512), (2, 2), _cfg("cuda", 4, 1024, 4, False)),
