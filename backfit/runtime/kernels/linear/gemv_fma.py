@@ -11,6 +11,7 @@ import triton.language as tl
 _MAGIC_I = tl.constexpr(0x4B400000)            # bits of 1.5·2^23
 _MAGIC_F = tl.constexpr(12582912.0)            # 1.5·2^23
 
+
 @triton.jit
 def _group_offset(pid, K, BN: tl.constexpr, GROUP_N: tl.constexpr):
     """The x offset of program pid's rows: group (pid·BN) // GROUP_N's K inputs (0 ungrouped)."""
