@@ -6,8 +6,8 @@ denominator):
   o = Σ_s e^(m_s-M) acc_s / (Σ_s e^(m_s-M) l_s + e^(sink-M)),  M = max(max_s m_s, sink),
 summed in split order, one lane a pair (2i, 2i+1): the same bits whatever the tile.
 _merge_part adds the output path's inverse RoPE (rope_norm._rope_kernel, SIGN -1) on the last
-R lanes of each head and stores the act dtype. Its callers compile without FMA contraction:
-every product and sum rounded as torch's rope does.
+R lanes of each head and stores the act dtype. Its launch (_merge_rope_kernel) compiles without
+FMA contraction: every product and sum rounded as torch's rope does.
 """
 
 from __future__ import annotations
