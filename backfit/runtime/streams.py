@@ -28,34 +28,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["beside", "capture_stream", "fork", "mark", "side_stream", "stream_counters",
-           "stream_key"]
+__all__ = ["beside", "fork", "mark", "side_stream", "stream_counters", "stream_key"]
 
-# Stream priorities of a captured step, by stream name ("capture": the stream a graph is
-# captured on, which carries the critical query / MoE path; the others are the side chains
-# above). Lower is sooner: of the kernels ready at once, the block scheduler dispatches a
-# higher-priority one's blocks before a lower one's pending blocks (it never preempts resident
-# ones). A captured kernel node keeps the priority of the stream it was captured on, and torch
-# instantiates its graphs with cudaGraphInstantiateFlagUseNodePriority, so replays keep them
-# whatever stream launches them. Names absent: 0, the default (the least urgent). torch maps a
-# value past the device's range to its end (-5 .. 0 on sm_80 / sm_90).
-PRIORITY: dict[str, int] = {}
-
-_SIDE: dict[tuple[torch.device, str, int], torch.cuda.Stream] = {}
+_SIDE: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
 
 def side_stream(device: torch.device, name: str) -> torch.cuda.Stream:
-    """The side stream `name` of `device` at PRIORITY[name] (one per name and priority,
-    created on first use)."""
-    key = (torch.device(device), name, PRIORITY.get(name, 0))
+    """The side stream `name` of `device` (one per name, created on first use)."""
+    key = (torch.device(device), name)
     if key not in _SIDE:
-        _SIDE[key] = torch.cuda.Stream(key[0], priority=key[2])
+        _SIDE[key] = torch.cuda.Stream(key[0])
     return _SIDE[key]
-
-
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream CUDA graphs capture a step on: side_stream(device, "capture")."""
-    return side_stream(device, "capture")
 
 
 def stream_key(device: torch.device) -> int:

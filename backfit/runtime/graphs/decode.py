@@ -31,7 +31,6 @@ import torch
 
 from backfit.runtime.batch import ForwardBatch, fill_placeholders_
 from backfit.runtime.cache.budget import capture_sizes
-from backfit.runtime.streams import capture_stream
 
 __all__ = ["pad_decode_inputs", "DecodeGraphs", "capture_mode", "warm_up", "capture_graph",
            "mismatch"]
@@ -60,12 +59,10 @@ def warm_up(fn, dev: torch.device) -> None:
 
 def capture_graph(fn, pool, what: str, fix: str):
     """fn() captured into a new graph drawing on `pool` (None: a new one) -> (graph, fn's
-    result), on streams.capture_stream (its kernels keep that stream's priority); a failed
-    capture raises naming `what` and the flag that avoids it (`fix`)."""
+    result); a failed capture raises naming `what` and the flag that avoids it (`fix`)."""
     g = torch.cuda.CUDAGraph()
-    stream = capture_stream(torch.device("cuda", torch.cuda.current_device()))
     try:
-        with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode=capture_mode()):
+        with torch.cuda.graph(g, pool=pool, capture_error_mode=capture_mode()):
             out = fn()
     except RuntimeError as e:
         raise RuntimeError(f"CUDA-graph capture of {what} failed: {e}; {fix}") from e
