@@ -1,5 +1,6 @@
 """Helpers every kernel room shares: the BF16 dot with its interpreter fallback, whether Triton
-runs interpreted, and the SM count that sizes persistent and split-K grids."""
+runs interpreted, the SM count that sizes persistent and split-K grids, and the int8 -> FP32
+magic constants of the CUDA-core GEMVs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["dot_bf16", "interpreted", "num_sms"]
+__all__ = ["MAGIC_F", "MAGIC_I", "dot_bf16", "interpreted", "num_sms"]
+
+# An int8 code q to FP32 without I2F (16/clk/SM on sm_80): bits(1.5·2^23) + q is the float
+# 1.5·2^23 + q for |q| < 2^22, and minus 1.5·2^23 it is q, exactly (linear.gemv_fma and
+# moe.int8_decode)
+MAGIC_I = tl.constexpr(0x4B400000)             # bits of 1.5·2^23
+MAGIC_F = tl.constexpr(12582912.0)             # 1.5·2^23
 
 
 @triton.jit

@@ -8,8 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_MAGIC_I = tl.constexpr(0x4B400000)            # bits of 1.5·2^23
-_MAGIC_F = tl.constexpr(12582912.0)            # 1.5·2^23
+from backfit.runtime.kernels.common import MAGIC_F, MAGIC_I
 
 
 @triton.jit
@@ -46,7 +45,7 @@ def _to_f32(q, MAGIC: tl.constexpr):
     """An int8 (or bf16) weight tile in FP32. MAGIC: 1.5·2^23 + q (|q| <= 127) is exact, minus
     it q exact, without an int -> float conversion."""
     if MAGIC:
-        return (q.to(tl.int32) + _MAGIC_I).to(tl.float32, bitcast=True) - _MAGIC_F
+        return (q.to(tl.int32) + MAGIC_I).to(tl.float32, bitcast=True) - MAGIC_F
     return q.to(tl.float32)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from backfit.runtime.kernels.common import MAGIC_F, MAGIC_I
 from backfit.runtime.kernels.moe.common import _pair_program, _pair_store
 
 __all__ = ["SUM_ROWS"]
@@ -116,8 +117,6 @@ def _moe_gemv_kernel(A, IDX, RW, W1, S1, W3, S3, OUT, N, K, TOPK,
 # tl.dot or for a loop that asks: with a plain range (STAGES = 1) every K step of these CUDA-core
 # GEMVs waits for its own loads, and bytes in flight are bounded by the resident programs
 # (the sm_80 PTX of the launch option num_stages = 3 alone has no cp.async). Same math.
-_MAGIC_I = tl.constexpr(0x4B400000)            # bits of 1.5·2^23
-_MAGIC_F = tl.constexpr(12582912.0)            # 1.5·2^23
 
 
 @triton.jit
@@ -135,12 +134,12 @@ def _acc_tile(acc, q, s, a, MODE: tl.constexpr):
     if MODE == 0:
         acc += tl.sum(q.to(tl.float32) * a, axis=2) * _pow2_mx(s)
     else:
-        qf = (q.to(tl.int32) + _MAGIC_I).to(tl.float32, bitcast=True)          # 1.5·2^23 + q
+        qf = (q.to(tl.int32) + MAGIC_I).to(tl.float32, bitcast=True)          # 1.5·2^23 + q
         if MODE == 1:
-            acc += tl.sum((qf - _MAGIC_F) * a, axis=2) * _pow2_mx(s)
+            acc += tl.sum((qf - MAGIC_F) * a, axis=2) * _pow2_mx(s)
         else:
             sc = _pow2_mx(s)[:, :, None]
-            acc += (qf * sc - _MAGIC_F * sc) * a
+            acc += (qf * sc - MAGIC_F * sc) * a
     return acc
 
 
