@@ -248,6 +248,72 @@ def test_gemv_norm_in_the_launch(gv, quant, n, k, cfg):
         gv.launch(x, w, s, quant, torch.bfloat16, config=cfg, norm=(nw[:-1], 1e-6))
 
 
+# (n, k, config): one K step, a masked K tail over steps
+SWIGLU_CASES = [(16, 256, dict(BN=4, BK=256, MAGIC=True)), (12, 384, dict(BN=8, BK=256))]
+
+
+@pytest.mark.parametrize("quant", [True, False], ids=["int8_g128", "bf16"])
+@pytest.mark.parametrize("n,k,cfg", SWIGLU_CASES)
+def test_gemv_swiglu_in_the_launch(gv, quant, n, k, cfg):
+    """launch(swiglu=): SwiGLU(gate | up) @ W^T in one launch = pointwise.swiglu's launch then
+    the GEMV, bit for bit (the same bf16 input: elementwise, op for op), clamps included (gate
+    and up values past the limit); x of the wrong width, another variant or with norm= raise."""
+    pw = kernel_module("pointwise", "_swiglu_kernel", INTERPRET)
+    gen = torch.Generator().manual_seed(n + k)
+    w, s, _ = weights(n, k, quant, gen)
+    if not quant:
+        cfg = {a: b for a, b in cfg.items() if a != "MAGIC"}
+    limit = 3.0
+    with one_thread():
+        for m in (1, 2, 5):
+            gu = (torch.randn(m, 2 * k, generator=gen) * 2.5).bfloat16().to(DEV)
+            assert (gu.float() > limit).any() and (gu[:, k:].float() < -limit).any()
+            y = gv.launch(gu, w, s, quant, torch.bfloat16, config=cfg, swiglu=limit)
+            two = gv.launch(pw.swiglu(gu, limit), w, s, quant, torch.bfloat16, config=cfg)
+            assert y.shape == (m, n) and torch.equal(y, two), (m, cfg)
+            unclamped = gv.launch(pw.swiglu(gu, 100.0), w, s, quant, torch.bfloat16, config=cfg)
+            assert not torch.equal(y, unclamped)                    # the clamps are applied
+    with pytest.raises(ValueError, match="swiglu= needs"):
+        gv.launch(gu, w, s, quant, torch.bfloat16, config=dict(variant="fma", BN=2, BK=128),
+                  swiglu=limit)
+    with pytest.raises(ValueError, match="swiglu= needs"):
+        gv.launch(gu[:, :-128], w, s, quant, torch.bfloat16, config=cfg, swiglu=limit)
+    with pytest.raises(ValueError, match=r"swiglu= needs x \[\.\.\., 2K\]"):
+        gv.gemv(gu[:, :k], w, s, "int8_g128" if quant else "bf16", swiglu=limit)
+
+
+def test_linear_forward_swiglu_folds_where_the_table_says(gv, monkeypatch):
+    """Linear.forward_swiglu: one _gemv_kernel launch (no swiglu launch) where swiglu_folds
+    (kernel path, a cuda GEMV_TABLE row at w2's shape, gu twice w2's width), the same bits as
+    self(swiglu(gu)); model.moe.Expert takes it for the shared expert."""
+    import backfit.runtime.kernels as pkg
+    from backfit.runtime.layers import Linear
+    pw = kernel_module("pointwise", "_swiglu_kernel", INTERPRET)
+    gen = torch.Generator().manual_seed(5)
+    q, s, _ = weights(24, 256, True, gen)
+    lin = Linear(256, 24)
+    lin.load("int8_g128", q, s)
+    gu = (torch.randn(1, 512, generator=gen) * 2).bfloat16().to(DEV)
+    assert not lin.swiglu_folds(gu)                                    # torch backend
+    monkeypatch.setattr(pkg, "_backend", "triton")
+    monkeypatch.setattr(pkg, "_ANY_DEVICE", True)
+    monkeypatch.setattr(gv, "GEMV_TABLE", [("int8", (24, 24), (256, 256), (1, 1),
+                                            dict(variant="fma", BN=4, BK=256))])
+    assert not lin.swiglu_folds(gu)                                    # fma: no swiglu
+    monkeypatch.setattr(gv, "GEMV_TABLE", [("int8", (24, 24), (256, 256), (1, 1),
+                                            dict(variant="cuda", BN=4, BK=256))])
+    assert lin.swiglu_folds(gu) and not lin.swiglu_folds(gu[:, :256])  # gu: gate | up
+    assert not lin.swiglu_folds(torch.cat([gu, gu]))                  # M = 2: no row
+    calls = []
+    real = pw.swiglu
+    monkeypatch.setattr(pw, "swiglu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with one_thread():
+        y = lin.forward_swiglu(gu, 2.0)
+        assert not calls
+        want = lin(pw.swiglu(gu, 2.0))
+        assert calls and torch.equal(y, want)
+
+
 def test_linear_forward_normed_folds_where_the_table_says(gv, monkeypatch):
     """Linear.forward_normed: one _gemv_kernel launch (no norm launch) at a GEMV_TABLE shape of
     the cuda variant, = self(norm(x)) within tolerance; the fma variant, other shapes and the
