@@ -105,19 +105,11 @@ class Linear(nn.Module):
         """Whether forward_normed(x, norm) runs as one launch: kernel path, bf16 x, int8_g128 /
         bf16 weight, at a shape kernels.linear.gemv takes on its cuda variant
         (kernels.linear.gemv.norm_fold)."""
-        return self._gemv_folds(x, x.shape[-1])
-
-    def swiglu_folds(self, gu: torch.Tensor) -> bool:
-        """Whether forward_swiglu(gu, limit) runs as one launch (gu [.., 2·in]: gate | up), on
-        norm_folds' conditions."""
-        return gu.shape[-1] == 2 * self.weight.shape[1] and self._gemv_folds(gu, gu.shape[-1])
-
-    def _gemv_folds(self, x: torch.Tensor, width: int) -> bool:
         if not (kernel_path(x) and x.dtype == torch.bfloat16 and self.scheme in _KERNEL_SCHEMES
                 and self.weight.dtype in (torch.int8, torch.bfloat16)):
             return False
         from backfit.runtime.kernels.linear import GEMV_MAX_M, norm_fold
-        M = x.numel() // width
+        M = x.numel() // x.shape[-1]
         return 0 < M <= GEMV_MAX_M and norm_fold(M, *self.weight.shape, self.scheme == "int8_g128")
 
     def forward_normed(self, x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
@@ -127,13 +119,6 @@ class Linear(nn.Module):
             return self(norm(x))
         from backfit.runtime.kernels.linear import gemv_linear
         return gemv_linear(x, self.weight, self.scale, self.scheme, norm=(norm.weight, norm.eps))
-
-    def forward_swiglu(self, gu: torch.Tensor, limit: float) -> torch.Tensor:
-        """This layer's GEMV of pointwise.swiglu(gu, limit) in one launch, where
-        swiglu_folds(gu): the same bf16 input, so the same output bits (no all-reduce: the
-        shared expert's w2, reduce=False)."""
-        from backfit.runtime.kernels.linear import gemv_linear
-        return gemv_linear(gu, self.weight, self.scale, self.scheme, swiglu=limit)
 
     def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
         """x [.., in] bf16 or fp32 -> FP32 [.., out] = x·W^T in FP32 (router, compressors).

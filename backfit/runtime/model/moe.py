@@ -26,19 +26,13 @@ from backfit.runtime.distributed import all_reduce, get_tp_info
 from backfit.runtime.kernels import get_kernel_backend, kernel_path
 from backfit.runtime.layers import ColumnParallelLinear, Linear, RowParallelLinear
 
-__all__ = ["Expert", "Gate", "MoE", "ROUTER_FIRST", "SHARED_STREAM", "SWIGLU_IN_W2"]
+__all__ = ["Expert", "Gate", "MoE", "ROUTER_FIRST", "SHARED_STREAM"]
 
 SHARED_STREAM = True        # triton path on CUDA: the shared expert on a side stream
 # With it: the router queued before the shared expert's launches, which wait for x only
 # (streams.mark): the router, on the critical path, is launched first (else ~1 µs after the
 # hc_pre before it, behind the shared gate|up; the H100 trace of the TP-4 slice, 2026-12-07)
 ROUTER_FIRST = True
-# The shared expert's SwiGLU computed by its w2 GEMV as it loads its input, where
-# kernels.linear.gemv takes w2's shape on its cuda variant (Linear.swiglu_folds; a TP-4 rank at
-# batch 1-2): one launch fewer on the shared expert's chain, which the H100 trace of the TP-4
-# slice found critical in CSA layers (2026-12-07); elementwise, so no dependent step moves into
-# the GEMV; the same bits.
-SWIGLU_IN_W2 = True
 
 
 def _shared_on_side(expert: nn.Module, x: torch.Tensor, after=None):
@@ -64,11 +58,8 @@ class Expert(nn.Module):
         """x [n, dim] -> [n, dim] partial (this rank's intermediate slice); weight [n] or None."""
         if weight is None and self.w13 is not None and x.dtype == torch.bfloat16 \
                 and kernel_path(x):            # the shared expert
-            gu = self.w13.joint(x)                                  # gate|up in one launch
-            if SWIGLU_IN_W2 and self.w2.swiglu_folds(gu):
-                return self.w2.forward_swiglu(gu, self.limit)
             from backfit.runtime.kernels.pointwise import swiglu
-            return self.w2(swiglu(gu, self.limit))
+            return self.w2(swiglu(self.w13.joint(x), self.limit))  # gate|up in one launch
         g, u = self.w1(x).float(), self.w3(x).float()
         u = u.clamp(-self.limit, self.limit)          # clamp on up: both sides
         g = g.clamp(max=self.limit)                   # clamp on gate: upper only

@@ -2,8 +2,8 @@
 (test_sm80.py's
 helper) for every config of GEMV_CANDIDATES, GEMV_TABLE and the default, int8_g128 (BF16 out) and
 BF16 weights (FP32 out; the grouped rows "bf16g": BF16 out, 1024-row groups), cuda and fma at M
-padded to 1 and 8 rows, the cuda rows of K 1024 with the RMSNorm in the launch (norm=, at
-their M) and those of K 512 with the SwiGLU in it (swiglu=): shared memory within 99 KB,
+padded to 1 and 8 rows, and the cuda rows of K 1024 with the RMSNorm in the launch (norm=, at
+their M): shared memory within 99 KB,
 no FP8/FP4. cuda, fma: no MMA (CUDA-core FMAs), and MAGIC really converts without an int ->
 float cvt (I2F) in the PTX; fma and cuda V8 (int8) need no shared memory beyond the final
 reductions' 1 KB (more would mean a layout change inside the K loop). Compiled in a subprocess
@@ -41,11 +41,6 @@ def _configs() -> list[tuple[str, dict, int]]:
     for e in gemv.GEMV_TABLE:
         if e[0] == "int8" and e[2] == (1024, 1024) and e[4]["variant"] == "cuda":
             out.append(("int8", dict(e[4], NORM=True), e[3][1]))
-    # launch(swiglu=) (the shared expert's SwiGLU in its w2 GEMV): the cuda rows of w2's K at a
-    # TP-4 rank (512)
-    for e in gemv.GEMV_TABLE:
-        if e[0] == "int8" and e[2] == (512, 512) and e[4]["variant"] == "cuda":
-            out.append(("int8", dict(e[4], SWIGLU=True), e[3][1]))
     return out
 
 
@@ -72,8 +67,6 @@ def compile_all() -> list[dict]:
         if cfg.get("NORM"):
             types.update(NW="*fp32", eps="fp32")
             const.update(NORM=True)
-        if cfg.get("SWIGLU"):
-            const.update(SWIGLU=True, LIMIT=10.0)
         r = _compile(fn, types, const, opts, ("N", "K", "stride_xm"))
         # the same source again (a cache hit) for the PTX: int -> float conversions
         sig = {a: types.get(a, "constexpr") for a in fn.arg_names}

@@ -45,8 +45,7 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
                  MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  V8: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                  STAGES: tl.constexpr = 1, GROUP_N: tl.constexpr = 0, NW=None, eps=0.0,
-                 NORM: tl.constexpr = False, SWIGLU: tl.constexpr = False,
-                 LIMIT: tl.constexpr = 0.0):
+                 NORM: tl.constexpr = False):
     """Rows [pid·BN, +BN) of y [M, N] = x [M, K] @ W [N, K]^T over all K, all M (<= MP) rows.
     V8: 8-element column runs (x and an int8 W tile in one layout, no shared-memory layout
     change; 8 B int8 loads). PREFETCH (EVEN_K only): the next K step's weights are loaded
@@ -54,9 +53,7 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
     gemv_grouped): rows n read x's K inputs of group n // GROUP_N. NORM: x's rows RMS-normalised
     first, x·rsqrt(mean(x²) + eps)·NW rounded to bf16 (rope_norm._rms_kernel's ops; its Σx² in
     another order, from a first pass over K: the form that reduced the loaded tile of a one-step
-    K loop instead lost too, model.attention). SWIGLU: x's rows are [2K] (gate g, then up u)
-    and the GEMV's input is SwiGLU(g, u) rounded to bf16, pointwise._swiglu_kernel's ops at
-    LIMIT (elementwise: no reduction, no dependent step added)."""
+    K loop instead lost too, model.attention)."""
     G: tl.constexpr = BK // 128
     pid = tl.program_id(0)
     X, rn, n_ok, rn_c, rg, kofs, w_ptr = _tile(X, W, pid, N, K, BN, BK, GROUP_N, V8)
@@ -93,8 +90,6 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
             else:
                 xm = tl.load(x_ptr, mask=k_ok, other=0.0)
             xf = xm.to(tl.float32)
-            if SWIGLU:
-                xf = _swiglu_in(xf, x_ptr + K, k_ok, EVEN_K, LIMIT)
             if NORM:
                 inv_m = tl.sum(tl.where(rm == m, inv, 0.0), axis=0)
                 nw = tl.load(NW + k0 + kofs, mask=k_ok, other=0.0)           # [G, 128] fp32
@@ -106,19 +101,6 @@ def _gemv_kernel(X, W, S, Y, M, N, K, stride_xm,
             acc = tl.where(rm[:, None] == m, acc + part[None, :], acc)       # row m of [MP, BN]
     mask = (rm < M)[:, None] & n_ok[None, :]
     tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _swiglu_in(g, u_ptr, k_ok, EVEN_K: tl.constexpr, LIMIT: tl.constexpr):
-    """The gate g (FP32 of bf16) and the up at u_ptr -> silu(min(g, LIMIT))·clamp(u, ±LIMIT)
-    rounded to bf16, in FP32: pointwise._swiglu_kernel's value, op for op."""
-    if EVEN_K:
-        u = tl.load(u_ptr).to(tl.float32)
-    else:
-        u = tl.load(u_ptr, mask=k_ok, other=0.0).to(tl.float32)
-    g = tl.minimum(g, LIMIT)                                     # gate: upper clamp only
-    u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)                 # up: both sides
-    return (g * tl.sigmoid(g) * u).to(tl.bfloat16).to(tl.float32)
 
 
 def gemv_lookup(M: int, N: int, K: int, quant: bool, grouped: bool = False) -> dict | None:
@@ -180,23 +162,18 @@ def check_linear(who: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.T
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, scheme: str,
          config: dict | None = None, out_dtype: torch.dtype = torch.bfloat16,
-         norm: tuple | None = None, swiglu: float | None = None) -> torch.Tensor:
+         norm: tuple | None = None) -> torch.Tensor:
     """x [..., K] bf16 (M = prod(...) <= GEMV_MAX_M rows) @ weight [N, K]^T -> [..., N] out_dtype,
     for scheme int8_g128 | bf16 | copy (bf16 weight); the semantics of gemm.linear's a16 path.
     config: overrides of gemv_config (variant, BN, BK, MAGIC, num_warps, num_stages, STAGES: the
     K loop's cp.async depth, 1 = none; cuda: V8, PREFETCH); BK is capped at K rounded up to a
-    power of two. norm: launch's (RMSNorm(x) first, in the launch). swiglu = the clamp limit:
-    x [..., 2K] is gate | up and the input is their SwiGLU (launch's swiglu=)."""
+    power of two. norm: launch's (RMSNorm(x) first, in the launch)."""
+    quant = check_linear("gemv", x, weight, scale, scheme, out_dtype)
     K = weight.shape[1]
-    if swiglu is not None and x.shape[-1] != 2 * K:
-        raise ValueError(f"gemv: swiglu= needs x [..., 2K] = [..., {2 * K}] (gate then up), got "
-                         f"{list(x.shape)}")
-    quant = check_linear("gemv", x if swiglu is None else x[..., :K], weight, scale, scheme,
-                         out_dtype)
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(-1, K)
     return launch(x2 if x2.stride(1) == 1 else x2.contiguous(), weight.contiguous(),
                   scale.contiguous() if quant else None, quant, out_dtype,
-                  config, norm=norm, swiglu=swiglu).reshape(*x.shape[:-1], weight.shape[0])
+                  config, norm=norm).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def gemv_grouped(x: torch.Tensor, weight: torch.Tensor, group: int,
@@ -228,13 +205,11 @@ def norm_fold(M: int, N: int, K: int, quant: bool) -> bool:
 
 def launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, quant: bool,
            out_dtype: torch.dtype, config: dict | None = None, group: int = 0,
-           norm: tuple | None = None, swiglu: float | None = None) -> torch.Tensor:
+           norm: tuple | None = None) -> torch.Tensor:
     """gemv on checked arguments (check_linear; gemm.linear's route here): x2 [M, K] with unit
     stride in K, contiguous weight (and scale) -> [M, N]. group > 0: gemv_grouped's (x2 [M,
     N/group·K], each program's BN rows inside one group). norm = (weight [K] fp32, eps), cuda
-    variant only: y = RMSNorm(x2) @ W^T, the norm (layers.RMSNorm, bf16 out) in the launch.
-    swiglu = limit, cuda variant only: x2 [M, 2K] is gate | up, y = SwiGLU(x2) @ W^T with
-    pointwise.swiglu's bf16 h (the model's shared expert: its w2 takes w1|w3's output)."""
+    variant only: y = RMSNorm(x2) @ W^T, the norm (layers.RMSNorm, bf16 out) in the launch."""
     M, (N, K) = x2.shape[0], weight.shape
     if M > GEMV_MAX_M:
         raise ValueError(f"gemv: at most {GEMV_MAX_M} rows, got {M} (use gemm.linear)")
@@ -263,14 +238,8 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, q
                              or tuple(norm[0].shape) != (K,) or norm[0].device != x2.device):
         raise ValueError(f"gemv: norm= needs the cuda variant, no group and an fp32 [{K}] weight "
                          f"on {x2.device}")
-    if swiglu is not None and (variant != "cuda" or group or norm is not None
-                               or x2.shape[1] != 2 * K):
-        raise ValueError(f"gemv: swiglu= needs the cuda variant, no group or norm and x "
-                         f"[M, {2 * K}], got {variant}, x {list(x2.shape)}")
     if variant == "cuda":                # PREFETCH needs whole K steps (no masks)
         nrm = {} if norm is None else dict(NW=norm[0], eps=float(norm[1]), NORM=True)
-        if swiglu is not None:
-            nrm = dict(SWIGLU=True, LIMIT=float(swiglu))
         _gemv_kernel[grid](x2, weight, s_arg, y, M, N, K, x2.stride(0), **const,
                            V8=bool(cfg.get("V8", False)),
                            PREFETCH=bool(cfg.get("PREFETCH", False)) and K % bk == 0, **opts,
